@@ -1,0 +1,203 @@
+"""Garbage collection: mark from roots, sweep, repack.
+
+Mark: the live set is every chunk key named by a root. Sweep: an entry that no
+root names and that nobody touched within the grace period is deleted. The
+grace period is what makes GC safe against writers working at the same time:
+a put (new chunk or dedup hit) and `set_root` both refresh `touched` inside
+the same LMDB transaction that publishes them, and the cutoff is taken before
+marking starts, so anything a writer relies on while GC runs is kept.
+
+Repack: a pack whose live bytes fall under `repack_threshold` of its size has
+its live records copied (checked first: corrupt records are reported, and
+their pack is left alone) into a new pack; the entries are re-pointed in one
+transaction, then the old pack is deleted. Every entry sharing a location
+has the same chunk id (cross-domain sharing), so re-pointing scans just that
+id's entries and cannot miss one added since planning. Readers that looked
+up an old location before the switch and find the pack gone look the chunk
+up again (ChunkStore._read_entries). Packs a writer still holds (flock) are
+skipped; so are packs of a writer that died, until its lock is gone, which is
+when its unreferenced tail becomes reclaimable.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from .errors import ChunkStoreError
+from .ids import ChunkId, PackId
+from .index import Entry, now_ms
+from .pack import RECORD_HEADER_SIZE
+
+if TYPE_CHECKING:
+    from .backends import PackWriter
+    from .store import ChunkStore, ProgressFn
+
+_SWEEP_PAGE = 20_000
+
+
+@dataclass(slots=True)
+class GcReport:
+    chunks_before: int = 0
+    chunks_removed: int = 0
+    packs_deleted: int = 0
+    packs_repacked: int = 0
+    packs_in_use: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    corrupt: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_reclaimed(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+
+class GcBusy(ChunkStoreError):
+    pass
+
+
+def collect(store: ChunkStore, *, grace_seconds: float, repack_threshold: float,
+            progress: ProgressFn | None = None) -> GcReport:
+    if not 0.0 <= repack_threshold <= 1.0:
+        raise ValueError(f"repack_threshold must be within 0..1, got {repack_threshold}")
+    lock_fd = os.open(store.root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise GcBusy(f"another garbage collection is running on {store.root}") from None
+        store._seal_writer()
+        report = GcReport()
+        report.bytes_before = sum(size for _, size in store.backend.iter_packs())
+        cutoff = now_ms() - int(grace_seconds * 1000)
+        live = _mark(store)
+        _sweep(store, live, cutoff, report)
+        _repack(store, repack_threshold, report, progress)
+        report.bytes_after = sum(size for _, size in store.backend.iter_packs())
+        return report
+    finally:
+        os.close(lock_fd)
+
+
+def _mark(store: ChunkStore) -> set[bytes]:
+    idx = store.index
+    return idx.read(lambda txn: set(
+        txn.cursor(db=idx.roots).iternext(keys=False, values=True)))
+
+
+def _sweep(store: ChunkStore, live: set[bytes], cutoff: int, report: GcReport) -> None:
+    idx = store.index
+    after = b""
+    while True:
+        def page(txn: lmdb.Transaction, after: bytes = after) -> tuple[bytes | None, int, int]:
+            cur = txn.cursor(db=idx.chunks)
+            seen = removed = 0
+            last = None
+            doomed = []
+            if cur.set_range(after):
+                for key, raw in cur:
+                    if key == after:
+                        continue
+                    seen += 1
+                    last = key
+                    if key not in live and Entry.decode(raw).touched < cutoff:
+                        doomed.append(key)
+                    if seen >= _SWEEP_PAGE:
+                        break
+            for key in doomed:
+                txn.delete(key, db=idx.chunks)
+                removed += 1
+            return last, seen, removed
+        last, seen, removed = idx.write(page)
+        report.chunks_before += seen
+        report.chunks_removed += removed
+        if last is None:
+            return
+        after = last
+
+
+def _pack_usage(store: ChunkStore) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
+    """pack -> offset -> (chunk id, entry) of every live location."""
+    idx = store.index
+
+    def fn(txn: lmdb.Transaction) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
+        usage: dict[PackId, dict[int, tuple[ChunkId, Entry]]] = defaultdict(dict)
+        for key, entry in idx.iter_entries(txn):
+            usage[entry.pack].setdefault(entry.offset, (ChunkId(key[:16]), entry))
+        return usage
+    return idx.read(fn)
+
+
+def _repack(store: ChunkStore, threshold: float, report: GcReport,
+            progress: ProgressFn | None) -> None:
+    usage = _pack_usage(store)
+    writer: PackWriter | None = None
+    try:
+        for pack, size in sorted(store.backend.iter_packs()):
+            if writer is not None and pack == writer.pack:
+                continue
+            if store.backend.pack_in_use(pack):
+                report.packs_in_use += 1
+                continue
+            locations = usage.get(pack, {})
+            live_bytes = sum(RECORD_HEADER_SIZE + e.stored_len for _, e in locations.values())
+            if not locations:
+                store.backend.delete_pack(pack)
+                report.packs_deleted += 1
+                continue
+            if live_bytes >= threshold * size:
+                continue
+            if writer is None or writer.size + live_bytes > store.config.pack_size:
+                if writer is not None:
+                    writer.sync()
+                    writer.close()
+                writer = store.backend.create_pack(store.index.allocate_pack())
+            if _move_pack(store, pack, locations, writer, report):
+                report.packs_repacked += 1
+            if progress is not None:
+                progress(size)
+    finally:
+        if writer is not None:
+            writer.sync()
+            writer.close()
+
+
+def _move_pack(store: ChunkStore, pack: PackId, locations: dict[int, tuple[ChunkId, Entry]],
+               writer: PackWriter, report: GcReport) -> bool:
+    items = sorted(locations.items())
+    raws = store.backend.read_ranges(
+        pack, [(off - RECORD_HEADER_SIZE, e.stored_len + RECORD_HEADER_SIZE)
+               for off, (_, e) in items])
+    bad = False
+    for (off, (cid, entry)), raw in zip(items, raws):
+        result = store._decode(cid, entry, raw)
+        if isinstance(result, Exception):
+            report.corrupt.append(str(result))
+            bad = True
+    if bad:
+        return False  # keep the pack: its evidence stays for `verify`
+    moves: dict[int, int] = {}
+    for start in range(0, len(items), 256):
+        group = items[start:start + 256]
+        parts = raws[start:start + 256]
+        offset = writer.append(parts)
+        for (off, (_, entry)), raw in zip(group, parts):
+            moves[off] = offset + RECORD_HEADER_SIZE
+            offset += len(raw)
+    writer.sync()
+    idx = store.index
+    new_pack = writer.pack
+
+    def repoint(txn: lmdb.Transaction) -> None:
+        for off, (cid, _) in items:
+            for key, entry in list(idx.same_id(txn, cid)):
+                if entry.location == (pack, off):
+                    txn.put(key, entry.moved(new_pack, moves[off]).encode(), db=idx.chunks)
+    idx.write(repoint)
+    store.backend.delete_pack(pack)
+    return True

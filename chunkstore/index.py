@@ -1,0 +1,254 @@
+"""The LMDB index: chunk key -> where the chunk's bytes are, plus roots and meta.
+
+Databases in one environment (`<root>/index/`):
+
+    chunks   key = chunk id (16) | domain number u32    value = Entry (61 bytes)
+    roots    key = root name, dupsort values = chunk keys (20 bytes, dupfixed)
+    domains  key = trust domain name -> u32 domain number (0 = trusted)
+    meta     format version, next pack number, next domain number
+
+Keys sort by chunk id first, so every domain's copy of one id is one short
+range scan away: that is how cross-domain dedup finds candidates.
+
+LMDB's map is a fixed-size reservation; this module grows it (doubling) when a
+write fills it, and adopts a size grown by another process, so the store never
+fails because the map filled up. All LMDB errors are translated here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from .errors import ChunkStoreError, StoreFormatError, StoreFull, StoreReadOnly
+from .ids import TRUSTED, ChunkId, PackId, TrustDomain
+
+FORMAT_VERSION = 1
+TRUSTED_NUMBER = 0
+
+_ENTRY = struct.Struct(">QQIIBQ32s")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    pack: PackId
+    offset: int  # of the stored bytes (past the record header)
+    stored_len: int
+    plain_len: int
+    codec: int
+    touched: int  # unix milliseconds of the last put, dedup hit or root that named it
+    strong: bytes  # BLAKE3-256 of the plain bytes
+
+    def encode(self) -> bytes:
+        return _ENTRY.pack(self.pack, self.offset, self.stored_len, self.plain_len,
+                           self.codec, self.touched, self.strong)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Entry:
+        p, o, s, n, c, t, h = _ENTRY.unpack(raw)
+        return cls(PackId(p), o, s, n, c, t, h)
+
+    @property
+    def location(self) -> tuple[PackId, int]:
+        return self.pack, self.offset
+
+    def touched_at(self, now: int) -> Entry:
+        return Entry(self.pack, self.offset, self.stored_len, self.plain_len,
+                     self.codec, now, self.strong)
+
+    def moved(self, pack: PackId, offset: int) -> Entry:
+        return Entry(pack, offset, self.stored_len, self.plain_len,
+                     self.codec, self.touched, self.strong)
+
+
+def chunk_key(chunk_id: bytes, domain_number: int) -> bytes:
+    return chunk_id + _U32.pack(domain_number)
+
+
+def split_key(key: bytes) -> tuple[ChunkId, int]:
+    return ChunkId(key[:16]), _U32.unpack(key[16:20])[0]
+
+
+class Index:
+    def __init__(self, path: Path, *, readonly: bool, initial_map_size: int) -> None:
+        self.path = path
+        self.readonly = readonly
+        self._pid = os.getpid()
+        self._grow_lock = threading.Lock()
+        self._domain_cache: dict[str, int] = {TRUSTED: TRUSTED_NUMBER}
+        self._domain_names: dict[int, str] = {TRUSTED_NUMBER: TRUSTED}
+        self.env = self._open_env(initial_map_size)
+        self.chunks = self.env.open_db(b"chunks", create=not readonly)
+        self.roots = self.env.open_db(b"roots", dupsort=True, dupfixed=True,
+                                      create=not readonly)
+        self.domains = self.env.open_db(b"domains", create=not readonly)
+        self.meta = self.env.open_db(b"meta", create=not readonly)
+        self._check_format()
+
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        kw: dict[str, Any] = {"subdir": True, "max_dbs": 8, "map_size": map_size,
+                              "max_readers": 1024, "readahead": False}
+        try:
+            if self.readonly:
+                try:
+                    return lmdb.open(str(self.path), readonly=True, lock=True, **kw)
+                except lmdb.Error:
+                    # lock.mdb cannot be opened on a read-only filesystem; there
+                    # can be no writer to coordinate with there.
+                    return lmdb.open(str(self.path), readonly=True, lock=False, **kw)
+            self.path.mkdir(parents=True, exist_ok=True)
+            return lmdb.open(str(self.path), **kw)
+        except lmdb.Error as e:
+            raise self._translate(e, "open the index") from e
+
+    def _translate(self, e: lmdb.Error, what: str) -> ChunkStoreError:
+        text = str(e)
+        if isinstance(e, lmdb.ReadonlyError) or "Read-only file system" in text \
+                or "Permission denied" in text:
+            return StoreReadOnly(self.path.parent, f"cannot {what}: {text}")
+        if "No space left" in text or getattr(e, "errno", None) == errno.ENOSPC:
+            return StoreFull(self.path.parent, f"the index ({what})")
+        if isinstance(e, lmdb.CorruptedError | lmdb.InvalidError | lmdb.VersionMismatchError):
+            return StoreFormatError(f"index at {self.path} is unusable ({what}): {text}")
+        return ChunkStoreError(f"index at {self.path}: cannot {what}: {text}")
+
+    def _check_format(self) -> None:
+        with self.env.begin(db=self.meta, write=not self.readonly) as txn:
+            raw = txn.get(b"format")
+            if raw is None:
+                if self.readonly:
+                    raise StoreFormatError(f"{self.path.parent} is not a chunk store (no index)")
+                txn.put(b"format", _U32.pack(FORMAT_VERSION))
+            elif _U32.unpack(raw)[0] > FORMAT_VERSION:
+                raise StoreFormatError(
+                    f"{self.path.parent} uses index format {_U32.unpack(raw)[0]}, "
+                    f"this lazyfs reads up to {FORMAT_VERSION}")
+
+    # -- transactions with map growth ---------------------------------------
+
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        for _ in range(8):
+            try:
+                with self.env.begin(write=False, buffers=False) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self._adopt_map_size()
+            except lmdb.Error as e:
+                raise self._translate(e, "read") from e
+        raise ChunkStoreError(f"index at {self.path}: map kept resizing under reads")
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        if self.readonly:
+            raise StoreReadOnly(self.path.parent)
+        for _ in range(40):
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.MapResizedError:
+                self._adopt_map_size()
+            except lmdb.Error as e:
+                raise self._translate(e, "write") from e
+        raise ChunkStoreError(f"index at {self.path}: could not grow the LMDB map")
+
+    def _grow(self) -> None:
+        with self._grow_lock:
+            size = self.env.info()["map_size"]
+            self.env.set_mapsize(size * 2)
+
+    def _adopt_map_size(self) -> None:
+        with self._grow_lock:
+            self.env.set_mapsize(0)
+
+    @property
+    def map_size(self) -> int:
+        return int(self.env.info()["map_size"])
+
+    # -- meta ----------------------------------------------------------------
+
+    def allocate_pack(self) -> PackId:
+        def fn(txn: lmdb.Transaction) -> PackId:
+            raw = txn.get(b"next_pack", db=self.meta)
+            n = _U64.unpack(raw)[0] if raw else 1
+            txn.put(b"next_pack", _U64.pack(n + 1), db=self.meta)
+            return PackId(n)
+        return self.write(fn)
+
+    def domain_number(self, domain: TrustDomain, *, create: bool) -> int | None:
+        if domain in self._domain_cache:
+            return self._domain_cache[domain]
+        key = domain.encode()
+
+        def lookup(txn: lmdb.Transaction) -> int | None:
+            raw = txn.get(key, db=self.domains)
+            return None if raw is None else _U32.unpack(raw)[0]
+
+        number = self.read(lookup)
+        if number is None and create:
+            def fn(txn: lmdb.Transaction) -> int:
+                raw = txn.get(key, db=self.domains)
+                if raw is not None:
+                    return int(_U32.unpack(raw)[0])
+                nraw = txn.get(b"next_domain", db=self.meta)
+                n = _U32.unpack(nraw)[0] if nraw else 1
+                txn.put(b"next_domain", _U32.pack(n + 1), db=self.meta)
+                txn.put(key, _U32.pack(n), db=self.domains)
+                return n
+            number = self.write(fn)
+        if number is not None:
+            self._domain_cache[domain] = number
+            self._domain_names[number] = domain
+        return number
+
+    def domain_name(self, number: int) -> TrustDomain:
+        name = self._domain_names.get(number)
+        if name is None:
+            def fn(txn: lmdb.Transaction) -> dict[int, str]:
+                return {_U32.unpack(v)[0]: k.decode()
+                        for k, v in txn.cursor(db=self.domains)}
+            for n, nm in self.read(fn).items():
+                self._domain_names[n] = nm
+                self._domain_cache[nm] = n
+            name = self._domain_names.get(number, f"#{number}")
+        return TrustDomain(name)
+
+    # -- entries -------------------------------------------------------------
+
+    def get(self, txn: lmdb.Transaction, key: bytes) -> Entry | None:
+        raw = txn.get(key, db=self.chunks)
+        return None if raw is None else Entry.decode(raw)
+
+    def same_id(self, txn: lmdb.Transaction, chunk_id: bytes) -> Iterator[tuple[bytes, Entry]]:
+        """Every domain's entry for this chunk id."""
+        cur = txn.cursor(db=self.chunks)
+        if not cur.set_range(chunk_id):
+            return
+        for key, raw in cur:
+            if key[:16] != chunk_id:
+                return
+            yield key, Entry.decode(raw)
+
+    def iter_entries(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, Entry]]:
+        for key, raw in txn.cursor(db=self.chunks):
+            yield key, Entry.decode(raw)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Install everything lazyfs needs on Debian 12: the system packages that are
+# missing (through apt) and a virtualenv at .venv holding the project and its
+# test dependencies. Safe to run again; it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+# System packages the code and the tests use.
+#   util-linux: mount/umount (tests mount tmpfs and read-only binds)
+#   python3-venv, python3-dev, gcc: the virtualenv, and wheels that compile
+APT_PACKAGES=(util-linux python3-venv python3-dev gcc)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
+        || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "install.sh: installing system packages: ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -c 'import chunkstore, tools.cli' || { echo "install.sh: install failed" >&2; exit 1; }
+echo "install.sh: ready (.venv/bin/lazyfs)"

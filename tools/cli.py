@@ -1,0 +1,79 @@
+"""Entry point of the `lazyfs` command: global options and error handling.
+Subcommands live in their own modules and register here."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from chunkstore import (
+    ChunkStoreError,
+    StoreFormatError,
+    StoreFull,
+    StoreReadOnly,
+)
+
+from .config import Settings
+from .errors import EXIT_FAILED, EXIT_STORE, QuietError
+
+
+class LazyfsGroup(click.Group):
+    """Turns domain errors into one-line messages (tracebacks with --debug)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ChunkStoreError as e:
+            if ctx.meta.get("lazyfs.debug"):
+                raise
+            code = EXIT_STORE if isinstance(e, StoreReadOnly | StoreFull | StoreFormatError) \
+                else EXIT_FAILED
+            raise QuietError(str(e), code) from e
+
+
+@click.group(cls=LazyfsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--store", "store_path", metavar="PATH", default=None,
+              help="Chunk store directory [env LAZYFS_STORE; default "
+                   "~/.local/share/lazyfs/store].")
+@click.option("--zstd-level", type=int, default=None,
+              help="zstd level for new chunks (1-22) [env LAZYFS_ZSTD_LEVEL; default 3].")
+@click.option("--threads", type=int, default=None,
+              help="Threads for hashing and compression [env LAZYFS_THREADS].")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.version_option(package_name="lazyfs")
+@click.pass_context
+def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
+        threads: int | None, verbose: int, debug: bool) -> None:
+    """lazyfs: lazy, content-addressed images and sandboxes.
+
+    Images are stored as deduplicated, compressed chunks in a chunk store
+    and loaded on demand. Settings come from options, then LAZYFS_*
+    environment variables, then ~/.config/lazyfs/config.toml, then defaults.
+    """
+    logging.basicConfig(
+        level=logging.DEBUG if verbose > 1 or debug else
+        logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ctx.meta["lazyfs.debug"] = debug
+    ctx.obj = Settings.load(path=store_path, zstd_level=zstd_level, threads=threads)
+
+
+def _register() -> None:
+    from . import demo_cmd, store_cmd
+    cli.add_command(demo_cmd.demo)
+    cli.add_command(store_cmd.store)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        cli.main(prog_name="lazyfs", standalone_mode=True)
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        click.echo("lazyfs: interrupted", err=True)
+        sys.exit(130)

@@ -1,0 +1,29 @@
+"""How the CLI reports failures: one line on stderr and an exit code, no
+traceback unless --debug.
+
+Exit codes:
+    0  success
+    1  an operation failed (chunkstore or other domain error)
+    2  usage error (click's own)
+    3  verification found bad data
+    4  the store is read-only, full, or not a store
+"""
+
+from __future__ import annotations
+
+import click
+
+EXIT_FAILED = 1
+EXIT_CORRUPT = 3
+EXIT_STORE = 4
+
+
+class QuietError(click.ClickException):
+    """An error the user can act on; printed as one line."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file: object = None) -> None:
+        click.echo(f"lazyfs: error: {self.format_message()}", err=True)
