@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from .errors import ChunkStoreError
+from .errors import ChunkStoreError, StoreFull
 from .ids import ChunkId, PackId
 from .index import Entry, now_ms
-from .pack import RECORD_HEADER_SIZE
+from .pack import PACK_HEADER_SIZE, RECORD_HEADER_SIZE
 
 if TYPE_CHECKING:
     from .backends import PackWriter
@@ -51,6 +51,7 @@ class GcReport:
     bytes_before: int = 0
     bytes_after: int = 0
     corrupt: list[str] = field(default_factory=list)
+    stopped: str = ""  # why repacking stopped early (e.g. disk full), if it did
 
     @property
     def bytes_reclaimed(self) -> int:
@@ -136,35 +137,55 @@ def _pack_usage(store: ChunkStore) -> dict[PackId, dict[int, tuple[ChunkId, Entr
 def _repack(store: ChunkStore, threshold: float, report: GcReport,
             progress: ProgressFn | None) -> None:
     usage = _pack_usage(store)
+    sparse: list[tuple[float, PackId, int]] = []
+    # First delete packs with nothing live: that frees space without needing
+    # any, which matters most when the disk is full.
+    for pack, size in sorted(store.backend.iter_packs()):
+        if store.backend.pack_in_use(pack):
+            report.packs_in_use += 1
+            continue
+        locations = usage.get(pack, {})
+        if not locations:
+            store.backend.delete_pack(pack)
+            report.packs_deleted += 1
+            if progress is not None:
+                progress(size)
+            continue
+        live = sum(RECORD_HEADER_SIZE + e.stored_len for _, e in locations.values())
+        if live < threshold * size:
+            sparse.append((live / size, pack, size))
+    # Then repack, emptiest first: the most space back per byte copied.
     writer: PackWriter | None = None
     try:
-        for pack, size in sorted(store.backend.iter_packs()):
-            if writer is not None and pack == writer.pack:
-                continue
-            if store.backend.pack_in_use(pack):
-                report.packs_in_use += 1
-                continue
-            locations = usage.get(pack, {})
-            live_bytes = sum(RECORD_HEADER_SIZE + e.stored_len for _, e in locations.values())
-            if not locations:
-                store.backend.delete_pack(pack)
-                report.packs_deleted += 1
-                continue
-            if live_bytes >= threshold * size:
-                continue
-            if writer is None or writer.size + live_bytes > store.config.pack_size:
-                if writer is not None:
-                    writer.sync()
-                    writer.close()
+        for _, pack, size in sorted(sparse):
+            locations = usage[pack]
+            live = sum(RECORD_HEADER_SIZE + e.stored_len for _, e in locations.values())
+            if writer is None or writer.size + live > store.config.pack_size:
+                _finish(store, writer)
                 writer = store.backend.create_pack(store.index.allocate_pack())
-            if _move_pack(store, pack, locations, writer, report):
-                report.packs_repacked += 1
+            try:
+                if _move_pack(store, pack, locations, writer, report):
+                    report.packs_repacked += 1
+            except StoreFull as e:
+                report.stopped = f"repack stopped: {e}"
+                break
             if progress is not None:
                 progress(size)
     finally:
-        if writer is not None:
-            writer.sync()
-            writer.close()
+        _finish(store, writer)
+
+
+def _finish(store: ChunkStore, writer: PackWriter | None) -> None:
+    """Seal the GC's output pack; drop it if nothing ended up in it."""
+    if writer is None:
+        return
+    empty = writer.size <= PACK_HEADER_SIZE
+    try:
+        writer.sync()
+    finally:
+        writer.close()
+    if empty:
+        store.backend.delete_pack(writer.pack)
 
 
 def _move_pack(store: ChunkStore, pack: PackId, locations: dict[int, tuple[ChunkId, Entry]],

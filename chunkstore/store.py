@@ -209,6 +209,9 @@ class ChunkStore:
             self._writer = None
             self._pool = None
             self._write_lock = threading.Lock()
+            # py-lmdb refuses a second open of a path while the inherited
+            # handle is registered; closing the child's copy is allowed.
+            self.index.close()
             self.index = Index(self.index.path, readonly=self.readonly,
                                initial_map_size=self.config.initial_map_size)
             self.backend = get_backend(self.root, readonly=self.readonly)

@@ -1,0 +1,61 @@
+"""Deciding whether a test can run here, and small helpers shared by tests.
+
+Tests that need root (mounts) are marked `root` and skip elsewhere with the
+reason; in CI they run (CI is root)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+IS_ROOT = os.geteuid() == 0
+
+needs_root = [pytest.mark.root,
+              pytest.mark.skipif(not IS_ROOT, reason="needs root to mount filesystems")]
+
+
+def pack_path(store_root: Path, pack: int) -> Path:
+    return store_root / "packs" / f"{pack:016x}.pack"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@contextmanager
+def mounted(*mount_args: str, target: Path) -> Iterator[Path]:
+    """Mount for the duration of the block; lazy-unmount as a last resort."""
+    target.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", *mount_args, str(target)], check=True)
+    try:
+        yield target
+    finally:
+        if subprocess.run(["umount", str(target)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(target)])
+
+
+WORKERS = Path(__file__).with_name("workers.py")
+
+
+def start_worker(*args: str) -> subprocess.Popen[str]:
+    import sys
+    return subprocess.Popen([sys.executable, str(WORKERS), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+    for f in (proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()

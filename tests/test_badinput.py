@@ -1,0 +1,191 @@
+"""Bad input: every failure is a typed error naming what failed, and the store
+stays usable afterwards."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from chunkstore import (
+    ChunkCorrupt,
+    ChunkId,
+    ChunkNotFound,
+    ChunkStore,
+    StoreConfig,
+    StoreFormatError,
+    StoreFull,
+    StoreReadOnly,
+)
+from chunkstore.index import Entry, chunk_key
+from support import flip_byte, mounted, needs_root, pack_path
+
+
+def _three(store: ChunkStore) -> list[ChunkId]:
+    return store.put_many([os.urandom(4000), b"compressible " * 1000, os.urandom(9000)])
+
+
+def _still_usable(store: ChunkStore, good: list[ChunkId]) -> None:
+    store.get_many(good)
+    new = store.put(os.urandom(777))
+    assert len(store.get(new)) == 777
+
+
+def _rewrite_entry(store: ChunkStore, cid: ChunkId, **changes: int) -> None:
+    def fn(txn: lmdb.Transaction) -> None:
+        key = chunk_key(cid, 0)
+        e = store.index.get(txn, key)
+        assert e is not None
+        fields = {f: getattr(e, f) for f in Entry.__slots__}
+        fields.update(changes)
+        txn.put(key, Entry(**fields).encode(), db=store.index.chunks)
+    store.index.write(fn)
+
+
+def test_unknown_id(store: ChunkStore) -> None:
+    good = _three(store)
+    missing = ChunkId.of(b"nobody stored this")
+    with pytest.raises(ChunkNotFound, match=str(missing)) as info:
+        store.get_many([good[0], missing])
+    assert info.value.chunk_id == missing
+    with pytest.raises(ChunkNotFound):
+        store.stat(missing)
+    _still_usable(store, good)
+
+
+@pytest.mark.parametrize("target", ["data", "header"])
+def test_flipped_byte_in_pack(store: ChunkStore, store_path: Path, target: str) -> None:
+    good = _three(store)
+    victim = good[2]
+    info = store.stat(victim)
+    where = info.offset + 100 if target == "data" else info.offset - 20
+    flip_byte(pack_path(store_path, info.pack), where)
+    with pytest.raises(ChunkCorrupt) as err:
+        store.get(victim)
+    assert err.value.chunk_id == victim
+    assert f"{info.pack:016x}" in str(err.value)
+    report = store.verify()
+    assert [b.id for b in report.bad] == [victim]
+    _still_usable(store, good[:2])
+
+
+def test_flipped_byte_in_compressed_chunk(store: ChunkStore, store_path: Path) -> None:
+    good = _three(store)
+    info = store.stat(good[1])
+    flip_byte(pack_path(store_path, info.pack), info.offset + info.stored_len // 2)
+    with pytest.raises(ChunkCorrupt, match=str(good[1])):
+        store.get(good[1])
+    _still_usable(store, [good[0], good[2]])
+
+
+def test_truncated_pack(store: ChunkStore, store_path: Path) -> None:
+    good = _three(store)
+    last = max(good, key=lambda c: store.stat(c).offset)
+    info = store.stat(last)
+    os.truncate(pack_path(store_path, info.pack), info.offset + 10)
+    with pytest.raises(ChunkCorrupt, match="truncated"):
+        store.get(last)
+    assert [b.id for b in store.verify().bad] == [last]
+    _still_usable(store, [c for c in good if c != last])
+
+
+def test_index_pointing_past_end_of_pack(store: ChunkStore) -> None:
+    good = _three(store)
+    _rewrite_entry(store, good[0], offset=10_000_000)
+    with pytest.raises(ChunkCorrupt, match="truncated") as err:
+        store.get(good[0])
+    assert err.value.chunk_id == good[0]
+    _still_usable(store, good[1:])
+
+
+def test_wrong_codec_byte_in_index(store: ChunkStore) -> None:
+    good = _three(store)
+    _rewrite_entry(store, good[1], codec=7)
+    with pytest.raises(ChunkCorrupt, match="codec") as err:
+        store.get(good[1])
+    assert err.value.chunk_id == good[1]
+    assert [b.id for b in store.verify().bad] == [good[1]]
+    _still_usable(store, [good[0], good[2]])
+
+
+def test_wrong_codec_byte_in_pack(store: ChunkStore, store_path: Path) -> None:
+    good = _three(store)
+    info = store.stat(good[1])
+    path = pack_path(store_path, info.pack)
+    with open(path, "r+b") as f:  # the codec byte sits at record offset 20
+        f.seek(info.offset - 32 + 20)
+        f.write(bytes([9]))
+    with pytest.raises(ChunkCorrupt, match="codec 9/1"):
+        store.get(good[1])
+    _still_usable(store, [good[0], good[2]])
+
+
+def test_not_a_store(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StoreFormatError, match="not a chunk store"):
+        ChunkStore.open(tmp_path / "empty", readonly=True)
+    with pytest.raises(StoreFormatError, match="no chunk store"):
+        ChunkStore.open(tmp_path / "absent", create=False)
+
+
+def test_newer_format_is_refused(store_path: Path) -> None:
+    with ChunkStore.open(store_path) as s:
+        s.index.write(lambda txn: txn.put(b"format", struct.pack(">I", 99), db=s.index.meta))
+    with pytest.raises(StoreFormatError, match="format 99"):
+        ChunkStore.open(store_path)
+
+
+def test_readonly_open_refuses_writes(store_path: Path) -> None:
+    with ChunkStore.open(store_path) as s:
+        ids = _three(s)
+    with ChunkStore.open(store_path, readonly=True) as s:
+        assert len(s.get_many(ids)) == 3
+        with pytest.raises(StoreReadOnly, match="read-only"):
+            s.put(b"x")
+        with pytest.raises(StoreReadOnly):
+            s.set_root("r", ids)
+
+
+@pytest.mark.parametrize("mark", needs_root)
+def test_store_on_read_only_filesystem(tmp_path: Path, mark: object) -> None:
+    src = tmp_path / "store"
+    with ChunkStore.open(src) as s:
+        ids = _three(s)
+    with mounted("--bind", "-o", "ro", str(src), target=tmp_path / "ro") as ro:
+        with pytest.raises(StoreReadOnly, match=str(ro)):
+            ChunkStore.open(ro)
+        with ChunkStore.open(ro, readonly=True) as s:
+            assert len(s.get_many(ids)) == 3
+            assert s.verify().ok
+            with pytest.raises(StoreReadOnly):
+                s.put(b"nope")
+    with ChunkStore.open(src) as s:  # the store itself is untouched and writable
+        _still_usable(s, ids)
+
+
+@pytest.mark.parametrize("mark", needs_root)
+def test_disk_full(tmp_path: Path, mark: object) -> None:
+    with mounted("-t", "tmpfs", "-o", "size=6m", "tmpfs", target=tmp_path / "small") as small:
+        cfg = StoreConfig(initial_map_size=1 << 20, batch_bytes=1 << 20, threads=1)
+        with ChunkStore.open(small / "store", config=cfg) as s:
+            ids = s.put_many([os.urandom(100_000) for _ in range(10)])
+            with pytest.raises(StoreFull, match="no space left"):
+                s.put_many([os.urandom(500_000) for _ in range(40)])
+            # what was committed before is intact and readable
+            assert len(s.get_many(ids)) == 10
+            assert s.verify().ok
+            # batches committed before the failure are whole chunks, merely
+            # unreferenced: GC drops them; with the disk full it cannot copy
+            # live data, and says so instead of failing
+            s.set_root("keep", ids)
+            report = s.gc(grace_seconds=0)
+            assert report.chunks_before - report.chunks_removed == 10
+            assert report.stopped == "" or "no space left" in report.stopped
+        with ChunkStore.open(small / "store", config=cfg) as s:
+            assert len(s.get_many(ids)) == 10
+            more = s.put_many([os.urandom(10_000) for _ in range(5)])
+            assert len(s.get_many(more)) == 5
+            assert s.verify().ok
