@@ -1,0 +1,132 @@
+"""The `lazyfs` command as users run it (a real subprocess, real store)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import flip_byte, pack_path
+
+# the console script installed next to the interpreter running the tests
+LAZYFS = shutil.which("lazyfs", path=os.path.dirname(sys.executable)) or "lazyfs"
+
+
+def run(*args: str, store: Path, ok: bool = True, env: dict[str, str] | None = None,
+        **kw: object) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "LAZYFS_STORE": str(store), "LAZYFS_CONFIG": "/nonexistent",
+                **(env or {})}
+    proc = subprocess.run([LAZYFS, *args], capture_output=True, text=True, env=full_env,
+                          timeout=120, **kw)  # type: ignore[call-overload]
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc  # type: ignore[no-any-return]
+
+
+def test_help_lists_subcommands(tmp_path: Path) -> None:
+    out = run("--help", store=tmp_path).stdout
+    for word in ("demo", "store", "--store", "LAZYFS_STORE"):
+        assert word in out
+    out = run("store", "--help", store=tmp_path).stdout
+    for word in ("put", "get", "verify", "gc", "info"):
+        assert word in out
+
+
+def test_demo_round_trips_a_tree_and_dedups_on_rerun(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.bin").write_bytes(os.urandom(300_000))
+    (tree / "sub" / "copy.bin").write_bytes((tree / "a.bin").read_bytes())
+    (tree / "text").write_text("hello\n" * 10_000)
+    store = tmp_path / "store"
+    first = run("demo", str(tree), "--chunk-size-kib", "64", store=store).stdout
+    assert "round trip   OK" in first
+    assert "3 files" in first
+    assert "dedup        1.8" in first  # copy.bin is a duplicate of a.bin
+    second = run("demo", str(tree), "--chunk-size-kib", "64", store=store).stdout
+    assert "0 new to the store" in second and "everything deduplicated" in second
+
+
+def test_put_get_stat_verify_gc(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    src = tmp_path / "file"
+    src.write_bytes(os.urandom(200_000) + b"z" * 200_000)
+    ids = run("store", "put", str(src), "--chunk-size", "100000", "--root", "f",
+              store=store).stdout.split()
+    assert len(ids) == 4
+    out = tmp_path / "out"
+    run("store", "get", *ids, "-o", str(out), store=store)
+    assert out.read_bytes() == src.read_bytes()
+    stat = run("store", "stat", ids[3], store=store).stdout
+    assert "codec       zstd" in stat
+    # the two all-"z" chunks are one chunk
+    assert "checked 3 chunks" in run("store", "verify", store=store).stdout
+    assert "f  3" in run("store", "roots", store=store).stdout
+    gc = run("store", "gc", "--grace", "0", store=store).stdout
+    assert "removed 0 of 3 chunks" in gc
+
+
+def test_errors_are_one_line_with_exit_codes(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    src = tmp_path / "file"
+    src.write_bytes(os.urandom(50_000))
+    (cid,) = run("store", "put", str(src), store=store).stdout.split()
+
+    bad = run("store", "get", "nothex", store=store, ok=False)
+    assert bad.returncode == 2 and "not a chunk id" in bad.stderr
+
+    missing = "0" * 32
+    nf = run("store", "get", missing, store=store, ok=False)
+    assert nf.returncode == 1
+    assert nf.stderr.strip() == f"lazyfs: error: chunk {missing} not found in trust domain trusted"
+
+    nostore = run("store", "info", store=tmp_path / "nowhere", ok=False)
+    assert nostore.returncode == 4 and "not a chunk store" in nostore.stderr
+    assert "Traceback" not in nostore.stderr
+
+    stat = run("store", "stat", cid, store=store).stdout
+    pack = int(stat.split("pack")[1].split()[0], 16)
+    offset = int(stat.split("offset")[1].split()[0])
+    flip_byte(pack_path(store, pack), offset + 10)
+    v = run("store", "verify", store=store, ok=False)
+    assert v.returncode == 3 and f"BAD {cid}" in v.stdout
+    g = run("store", "get", cid, store=store, ok=False)
+    assert g.returncode == 1 and "is corrupt" in g.stderr and "Traceback" not in g.stderr
+    dbg = run("--debug", "store", "get", cid, store=store, ok=False)
+    assert "Traceback" in dbg.stderr
+
+
+def test_config_file_and_precedence(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[store]\npath = "{tmp_path / "from-file"}"\nzstd_level = 5\n')
+    env = {"LAZYFS_CONFIG": str(cfg)}
+    src = tmp_path / "f"
+    src.write_bytes(b"data" * 1000)
+    full = {**os.environ, **env}
+    full.pop("LAZYFS_STORE", None)
+    subprocess.run([LAZYFS, "store", "put", str(src)], check=True, env=full,
+                   capture_output=True)
+    assert (tmp_path / "from-file" / "index").is_dir()
+    cfg.write_text("[store]\nzstd_levle = 5\n")
+    bad = subprocess.run([LAZYFS, "store", "info"], env=full, capture_output=True, text=True)
+    assert bad.returncode == 1 and "unknown key store.zstd_levle" in bad.stderr
+    cfg.write_text("[store]\nzstd_level = 99\n")
+    bad = subprocess.run([LAZYFS, "store", "info"], env=full, capture_output=True, text=True)
+    assert "zstd_level must be 1..22" in bad.stderr
+    # the environment beats the file, the option beats the environment
+    cfg.write_text(f'[store]\npath = "{tmp_path / "from-file"}"\n')
+    run("store", "put", str(src), store=tmp_path / "from-env", env=env)
+    assert (tmp_path / "from-env" / "index").is_dir()
+    run("--store", str(tmp_path / "from-opt"), "store", "put", str(src),
+        store=tmp_path / "from-env", env=env)
+    assert (tmp_path / "from-opt" / "index").is_dir()
+
+
+@pytest.mark.parametrize("args", [["store", "put", "/nonexistent/file"]])
+def test_unreadable_input_is_named(tmp_path: Path, args: list[str]) -> None:
+    p = run(*args, store=tmp_path / "s", ok=False)
+    assert p.returncode != 0 and "/nonexistent/file" in p.stderr
