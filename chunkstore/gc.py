@@ -27,11 +27,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import lmdb
-
 from .errors import ChunkStoreError, StoreFull
 from .ids import ChunkId, PackId
-from .index import Entry, now_ms
+from .index import Entry, Txn, now_ms
 from .pack import PACK_HEADER_SIZE, RECORD_HEADER_SIZE
 
 if TYPE_CHECKING:
@@ -87,15 +85,17 @@ def collect(store: ChunkStore, *, grace_seconds: float, repack_threshold: float,
 
 def _mark(store: ChunkStore) -> set[bytes]:
     idx = store.index
-    return idx.read(lambda txn: set(
-        txn.cursor(db=idx.roots).iternext(keys=False, values=True)))
+
+    def fn(txn: Txn) -> set[bytes]:
+        return set(txn.cursor(db=idx.roots).iternext(keys=False, values=True))
+    return idx.read(fn)
 
 
 def _sweep(store: ChunkStore, live: set[bytes], cutoff: int, report: GcReport) -> None:
     idx = store.index
     after = b""
     while True:
-        def page(txn: lmdb.Transaction, after: bytes = after) -> tuple[bytes | None, int, int]:
+        def page(txn: Txn, after: bytes = after) -> tuple[bytes | None, int, int]:
             cur = txn.cursor(db=idx.chunks)
             seen = removed = 0
             last = None
@@ -126,7 +126,7 @@ def _pack_usage(store: ChunkStore) -> dict[PackId, dict[int, tuple[ChunkId, Entr
     """pack -> offset -> (chunk id, entry) of every live location."""
     idx = store.index
 
-    def fn(txn: lmdb.Transaction) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
+    def fn(txn: Txn) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
         usage: dict[PackId, dict[int, tuple[ChunkId, Entry]]] = defaultdict(dict)
         for key, entry in idx.iter_entries(txn):
             usage[entry.pack].setdefault(entry.offset, (ChunkId(key[:16]), entry))
@@ -214,7 +214,7 @@ def _move_pack(store: ChunkStore, pack: PackId, locations: dict[int, tuple[Chunk
     idx = store.index
     new_pack = writer.pack
 
-    def repoint(txn: lmdb.Transaction) -> None:
+    def repoint(txn: Txn) -> None:
         for off, (cid, _) in items:
             for key, entry in list(idx.same_id(txn, cid)):
                 if entry.location == (pack, off):

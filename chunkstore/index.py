@@ -41,6 +41,10 @@ _U64 = struct.Struct(">Q")
 
 T = TypeVar("T")
 
+# py-lmdb types every value as bytes | memoryview even when buffers are off
+# (as here); transactions are handled as Any rather than casting each read.
+Txn = Any
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:
@@ -181,7 +185,7 @@ class Index:
     # -- meta ----------------------------------------------------------------
 
     def allocate_pack(self) -> PackId:
-        def fn(txn: lmdb.Transaction) -> PackId:
+        def fn(txn: Txn) -> PackId:
             raw = txn.get(b"next_pack", db=self.meta)
             n = _U64.unpack(raw)[0] if raw else 1
             txn.put(b"next_pack", _U64.pack(n + 1), db=self.meta)
@@ -193,13 +197,13 @@ class Index:
             return self._domain_cache[domain]
         key = domain.encode()
 
-        def lookup(txn: lmdb.Transaction) -> int | None:
+        def lookup(txn: Txn) -> int | None:
             raw = txn.get(key, db=self.domains)
             return None if raw is None else _U32.unpack(raw)[0]
 
         number = self.read(lookup)
         if number is None and create:
-            def fn(txn: lmdb.Transaction) -> int:
+            def fn(txn: Txn) -> int:
                 raw = txn.get(key, db=self.domains)
                 if raw is not None:
                     return int(_U32.unpack(raw)[0])
@@ -217,7 +221,7 @@ class Index:
     def domain_name(self, number: int) -> TrustDomain:
         name = self._domain_names.get(number)
         if name is None:
-            def fn(txn: lmdb.Transaction) -> dict[int, str]:
+            def fn(txn: Txn) -> dict[int, str]:
                 return {_U32.unpack(v)[0]: k.decode()
                         for k, v in txn.cursor(db=self.domains)}
             for n, nm in self.read(fn).items():
@@ -228,11 +232,11 @@ class Index:
 
     # -- entries -------------------------------------------------------------
 
-    def get(self, txn: lmdb.Transaction, key: bytes) -> Entry | None:
+    def get(self, txn: Txn, key: bytes) -> Entry | None:
         raw = txn.get(key, db=self.chunks)
         return None if raw is None else Entry.decode(raw)
 
-    def same_id(self, txn: lmdb.Transaction, chunk_id: bytes) -> Iterator[tuple[bytes, Entry]]:
+    def same_id(self, txn: Txn, chunk_id: bytes) -> Iterator[tuple[bytes, Entry]]:
         """Every domain's entry for this chunk id."""
         cur = txn.cursor(db=self.chunks)
         if not cur.set_range(chunk_id):
@@ -242,7 +246,7 @@ class Index:
                 return
             yield key, Entry.decode(raw)
 
-    def iter_entries(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, Entry]]:
+    def iter_entries(self, txn: Txn) -> Iterator[tuple[bytes, Entry]]:
         for key, raw in txn.cursor(db=self.chunks):
             yield key, Entry.decode(raw)
 

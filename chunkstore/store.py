@@ -54,8 +54,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import lmdb
-
 from .backends import Backend, PackWriter, get_backend
 from .codec import ChunkCodec, Codec, CodecError
 from .config import StoreConfig
@@ -71,7 +69,7 @@ from .errors import (
     StoreReadOnly,
 )
 from .ids import TRUSTED, ChunkId, PackId, TrustDomain, strong_digest
-from .index import Entry, Index, chunk_key, now_ms, split_key
+from .index import Entry, Index, Txn, chunk_key, now_ms, split_key
 from .pack import MAX_CHUNK_SIZE, RECORD_HEADER_SIZE, decode_record_header, encode_record_header
 
 T = TypeVar("T")
@@ -297,7 +295,7 @@ class ChunkStore:
             self._close_retired()
         raise BackendError(PackId(0), "put kept racing with garbage collection; giving up")
 
-    def _plan(self, txn: lmdb.Transaction, unique: dict[ChunkId, tuple[int, bytes]],
+    def _plan(self, txn: Txn, unique: dict[ChunkId, tuple[int, bytes]],
               dnum: int, domain: TrustDomain) -> dict[ChunkId, bytes | None]:
         """For each id: the key of an entry whose bytes it can share, or None
         when its bytes must be written."""
@@ -384,7 +382,7 @@ class ChunkStore:
                 writer.sync()
             writer.close()
 
-    def _commit(self, txn: lmdb.Transaction, plan: dict[ChunkId, bytes | None],
+    def _commit(self, txn: Txn, plan: dict[ChunkId, bytes | None],
                 unique: dict[ChunkId, tuple[int, bytes]], appended: dict[ChunkId, Entry],
                 dnum: int, domain: TrustDomain) -> None:
         now = now_ms()
@@ -432,7 +430,7 @@ class ChunkStore:
 
     def _lookup(self, ids: Sequence[ChunkId], dnum: int,
                 domain: TrustDomain) -> dict[ChunkId, Entry]:
-        def fn(txn: lmdb.Transaction) -> dict[ChunkId, Entry]:
+        def fn(txn: Txn) -> dict[ChunkId, Entry]:
             out = {}
             for cid in ids:
                 entry = self.index.get(txn, chunk_key(cid, dnum))
@@ -551,7 +549,7 @@ class ChunkStore:
             return
         after = b""
         while True:
-            def fn(txn: lmdb.Transaction, after: bytes = after) -> list[tuple[bytes, Entry]]:
+            def fn(txn: Txn, after: bytes = after) -> list[tuple[bytes, Entry]]:
                 cur = txn.cursor(db=self.index.chunks)
                 rows: list[tuple[bytes, Entry]] = []
                 if not cur.set_range(after):
@@ -575,7 +573,7 @@ class ChunkStore:
     def stats(self) -> StoreStats:
         self._check_process()
 
-        def fn(txn: lmdb.Transaction) -> tuple[int, int, int, int]:
+        def fn(txn: Txn) -> tuple[int, int, int, int]:
             chunks = plain = stored = 0
             seen: set[tuple[int, int]] = set()
             for _, e in self.index.iter_entries(txn):
@@ -658,7 +656,7 @@ class ChunkStore:
         keys = sorted({chunk_key(c, dnum) for c in ids})
         rname = name.encode()
 
-        def fn(txn: lmdb.Transaction) -> int:
+        def fn(txn: Txn) -> int:
             now = now_ms()
             txn.delete(rname, db=self.index.roots)  # all its values
             for key in keys:
@@ -680,13 +678,16 @@ class ChunkStore:
 
     def roots(self) -> list[str]:
         self._check_process()
-        return self.index.read(lambda txn: [
-            k.decode() for k in txn.cursor(db=self.index.roots).iternext_nodup(values=False)])
+
+        def fn(txn: Txn) -> list[str]:
+            return [bytes(k).decode()
+                    for k in txn.cursor(db=self.index.roots).iternext_nodup(values=False)]
+        return self.index.read(fn)
 
     def root_ids(self, name: str) -> list[tuple[ChunkId, TrustDomain]]:
         self._check_process()
 
-        def fn(txn: lmdb.Transaction) -> list[bytes]:
+        def fn(txn: Txn) -> list[bytes]:
             cur = txn.cursor(db=self.index.roots)
             if not cur.set_key(name.encode()):
                 raise RootError(f"no root named {name!r}")

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from chunkstore import ChunkStore, StoreConfig  # noqa: E402
+from chunkstore import ChunkStore, StoreConfig
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import os
 import struct
 from pathlib import Path
 
-import lmdb
 import pytest
+from support import flip_byte, mounted, needs_root, pack_path
 
 from chunkstore import (
     ChunkCorrupt,
@@ -20,8 +20,7 @@ from chunkstore import (
     StoreFull,
     StoreReadOnly,
 )
-from chunkstore.index import Entry, chunk_key
-from support import flip_byte, mounted, needs_root, pack_path
+from chunkstore.index import Entry, Txn, chunk_key
 
 
 def _three(store: ChunkStore) -> list[ChunkId]:
@@ -35,7 +34,7 @@ def _still_usable(store: ChunkStore, good: list[ChunkId]) -> None:
 
 
 def _rewrite_entry(store: ChunkStore, cid: ChunkId, **changes: int) -> None:
-    def fn(txn: lmdb.Transaction) -> None:
+    def fn(txn: Txn) -> None:
         key = chunk_key(cid, 0)
         e = store.index.get(txn, key)
         assert e is not None

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support import flip_byte, pack_path
 
 # the console script installed next to the interpreter running the tests
@@ -20,7 +19,7 @@ def run(*args: str, store: Path, ok: bool = True, env: dict[str, str] | None = N
         **kw: object) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "LAZYFS_STORE": str(store), "LAZYFS_CONFIG": "/nonexistent",
                 **(env or {})}
-    proc = subprocess.run([LAZYFS, *args], capture_output=True, text=True, env=full_env,
+    proc = subprocess.run([LAZYFS, *args], check=False, capture_output=True, text=True, env=full_env,
                           timeout=120, **kw)  # type: ignore[call-overload]
     if ok:
         assert proc.returncode == 0, proc.stderr
@@ -112,10 +111,10 @@ def test_config_file_and_precedence(tmp_path: Path) -> None:
                    capture_output=True)
     assert (tmp_path / "from-file" / "index").is_dir()
     cfg.write_text("[store]\nzstd_levle = 5\n")
-    bad = subprocess.run([LAZYFS, "store", "info"], env=full, capture_output=True, text=True)
+    bad = subprocess.run([LAZYFS, "store", "info"], env=full, capture_output=True, text=True, check=False)
     assert bad.returncode == 1 and "unknown key store.zstd_levle" in bad.stderr
     cfg.write_text("[store]\nzstd_level = 99\n")
-    bad = subprocess.run([LAZYFS, "store", "info"], env=full, capture_output=True, text=True)
+    bad = subprocess.run([LAZYFS, "store", "info"], env=full, capture_output=True, text=True, check=False)
     assert "zstd_level must be 1..22" in bad.stderr
     # the environment beats the file, the option beats the environment
     cfg.write_text(f'[store]\npath = "{tmp_path / "from-file"}"\n')

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-
-from chunkstore import ChunkId, ChunkStore
 from support import start_worker, stop
 from workers import chunk_data
+
+from chunkstore import ChunkId, ChunkStore
 
 pytestmark = pytest.mark.slow
 

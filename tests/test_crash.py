@@ -8,10 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
-
-from chunkstore import ChunkId, ChunkStore
 from support import start_worker, stop
 from workers import chunk_data
+
+from chunkstore import ChunkId, ChunkStore
 
 pytestmark = pytest.mark.slow
 

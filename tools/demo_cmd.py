@@ -81,7 +81,7 @@ def demo(settings: Settings, tree: Path, limit_mb: int, chunk_size_kib: int,
         before = store.stats()
         per_file: list[list[ChunkId]] = []
 
-        def chunks(bar: tqdm) -> Iterator[bytes]:  # type: ignore[type-arg]
+        def chunks(bar: tqdm) -> Iterator[bytes]:
             for path, _ in files:
                 try:
                     data = path.read_bytes()

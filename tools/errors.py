@@ -23,7 +23,7 @@ class QuietError(click.ClickException):
 
     def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
 
     def show(self, file: object = None) -> None:
         click.echo(f"lazyfs: error: {self.format_message()}", err=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
@@ -63,10 +64,7 @@ def put(settings: Settings, files: tuple[str, ...], chunk_size: int, root_name: 
             except OSError as e:
                 raise QuietError(f"cannot read {name}: {e.strerror}") from e
             with f:
-                def pieces() -> object:
-                    while block := f.read(chunk_size):
-                        yield block
-                ids = s.put_many(pieces(), dom)  # type: ignore[arg-type]
+                ids = s.put_many(iter(partial(f.read, chunk_size), b""), dom)
             all_ids.extend(ids)
             for cid in ids:
                 click.echo(str(cid))
