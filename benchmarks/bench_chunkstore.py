@@ -328,7 +328,9 @@ def timed(fn: Callable[[], T]) -> tuple[T, Run]:
     out = fn()
     t1, c1, b1 = time.perf_counter(), time.process_time(), busy_cpu_seconds()
     wall, cpu = t1 - t0, c1 - c0
-    return out, Run(wall, cpu, max(0.0, (b1 - b0 - cpu) / wall))
+    # /proc/stat counts in clock ticks (10 ms): clamp what that rounding does to short runs
+    other = min(float(os.cpu_count() or 1), max(0.0, (b1 - b0 - cpu) / wall))
+    return out, Run(wall, cpu, other)
 
 
 @dataclass

@@ -30,7 +30,7 @@ class ChunkId(bytes):
 
     @classmethod
     def of(cls, data: bytes | memoryview) -> ChunkId:
-        return cls(xxhash.xxh3_128_digest(data))
+        return cls(id_digest(data))
 
     @classmethod
     def from_hex(cls, text: str) -> ChunkId:
@@ -44,6 +44,12 @@ class ChunkId(bytes):
 
     def __repr__(self) -> str:
         return f"ChunkId('{self.hex()}')"
+
+
+def id_digest(data: bytes | memoryview) -> bytes:
+    """The 16 raw bytes of a chunk id (xxh3-128), for hot paths that compare."""
+    digest: bytes = xxhash.xxh3_128_digest(data)
+    return digest
 
 
 def strong_digest(data: bytes | memoryview) -> bytes:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import ids as ids_module
 from .backends import Backend, PackWriter, get_backend
 from .codec import ChunkCodec, Codec, CodecError
 from .config import StoreConfig
@@ -411,7 +412,26 @@ class ChunkStore:
     # -- get -----------------------------------------------------------------
 
     def get(self, chunk_id: ChunkId, domain: TrustDomain = TRUSTED) -> bytes:
-        return self.get_many([chunk_id], domain)[0]
+        """One chunk. A direct path (one lookup, one pread) for the common
+        case; anything unusual (GC moved it, corruption) goes through
+        get_many, which retries or raises the typed error."""
+        self._check_process()
+        dnum = self.index.domain_number(domain, create=False)
+        if dnum is None:
+            raise ChunkNotFound(chunk_id, domain)
+        key = chunk_key(chunk_id, dnum)
+        entry = self.index.read(lambda txn: self.index.get(txn, key))
+        if entry is None:
+            raise ChunkNotFound(chunk_id, domain)
+        try:
+            raw = self.backend.read_range(entry.pack, entry.offset - RECORD_HEADER_SIZE,
+                                          entry.stored_len + RECORD_HEADER_SIZE)
+        except PackNotFound:
+            return self.get_many([chunk_id], domain)[0]
+        result = self._decode(chunk_id, entry, raw)
+        if isinstance(result, Exception):
+            return self.get_many([chunk_id], domain)[0]
+        return result
 
     def get_many(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED) -> list[bytes]:
         """The plain bytes of each chunk, in order. Every chunk returned has
@@ -482,31 +502,34 @@ class ChunkStore:
     def _decode(self, cid: ChunkId, entry: Entry, raw: bytes) -> bytes | Exception:
         """Check a record against its index entry and return the plain bytes,
         or the ChunkCorrupt error describing what is wrong."""
-        pack = f"{entry.pack:016x}"
         if len(raw) < RECORD_HEADER_SIZE + entry.stored_len:
-            return ChunkCorrupt(cid, pack, f"truncated: pack ends "
-                                f"{RECORD_HEADER_SIZE + entry.stored_len - len(raw)} bytes short "
-                                f"of offset {entry.offset + entry.stored_len}")
+            return self._corrupt(cid, entry, f"truncated: pack ends "
+                                 f"{RECORD_HEADER_SIZE + entry.stored_len - len(raw)} bytes "
+                                 f"short of offset {entry.offset + entry.stored_len}")
         header = decode_record_header(raw)
         if header is None:
-            return ChunkCorrupt(cid, pack, f"no record header at offset {entry.offset}")
+            return self._corrupt(cid, entry, f"no record header at offset {entry.offset}")
         if header.chunk_id != cid:
-            return ChunkCorrupt(cid, pack, f"record at offset {entry.offset} holds chunk "
-                                f"{header.chunk_id.hex()}")
+            return self._corrupt(cid, entry, f"record at offset {entry.offset} holds chunk "
+                                 f"{header.chunk_id.hex()}")
         if (header.codec, header.plain_len, header.stored_len) != (
                 entry.codec, entry.plain_len, entry.stored_len):
-            return ChunkCorrupt(cid, pack, "record header and index disagree "
-                                f"(codec {header.codec}/{entry.codec}, "
-                                f"plain {header.plain_len}/{entry.plain_len}, "
-                                f"stored {header.stored_len}/{entry.stored_len})")
+            return self._corrupt(cid, entry, "record header and index disagree "
+                                 f"(codec {header.codec}/{entry.codec}, "
+                                 f"plain {header.plain_len}/{entry.plain_len}, "
+                                 f"stored {header.stored_len}/{entry.stored_len})")
         try:
             plain = self.codec.decode(entry.codec, memoryview(raw)[RECORD_HEADER_SIZE:],
                                       entry.plain_len)
         except CodecError as e:
-            return ChunkCorrupt(cid, pack, str(e))
-        if ChunkId.of(plain) != cid:
-            return ChunkCorrupt(cid, pack, "content does not match its id (xxh3)")
+            return self._corrupt(cid, entry, str(e))
+        if ids_module.id_digest(plain) != cid:
+            return self._corrupt(cid, entry, "content does not match its id (xxh3)")
         return plain
+
+    @staticmethod
+    def _corrupt(cid: ChunkId, entry: Entry, reason: str) -> ChunkCorrupt:
+        return ChunkCorrupt(cid, f"{entry.pack:016x}", reason)
 
     # -- queries -------------------------------------------------------------
 

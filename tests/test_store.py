@@ -132,13 +132,13 @@ def test_trust_domains_share_bytes_only_for_identical_content(store: ChunkStore)
 
 def _force_ids(monkeypatch: pytest.MonkeyPatch, forced: dict[bytes, bytes]) -> None:
     """Fault injection: xxh3 collisions cannot be produced on demand, so make
-    ChunkId.of return a chosen id for chosen contents (a crafted collision)."""
-    real = ChunkId.of.__func__  # type: ignore[attr-defined]
+    the id hash return a chosen id for chosen contents (a crafted collision)."""
+    import chunkstore.ids
+    real = chunkstore.ids.id_digest
 
-    def fake(cls: type[ChunkId], data: bytes | memoryview) -> ChunkId:
-        raw = forced.get(bytes(data))
-        return ChunkId(raw) if raw is not None else real(cls, data)
-    monkeypatch.setattr(ChunkId, "of", classmethod(fake))
+    def fake(data: bytes | memoryview) -> bytes:
+        return forced.get(bytes(data)) or real(data)
+    monkeypatch.setattr(chunkstore.ids, "id_digest", fake)
 
 
 def test_crafted_collision_cannot_poison_trusted_content(

@@ -60,6 +60,10 @@ class Backend(abc.ABC):
         that runs past the end of the pack comes back short (the caller decides
         that is corruption). Raises PackNotFound if the pack does not exist."""
 
+    def read_range(self, pack: PackId, offset: int, length: int) -> bytes:
+        """One range; backends may override with a cheaper path."""
+        return self.read_ranges(pack, [(offset, length)])[0]
+
     @abc.abstractmethod
     def pack_size(self, pack: PackId) -> int: ...
 

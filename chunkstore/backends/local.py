@@ -23,9 +23,27 @@ from ..ids import PackId, pack_name
 from ..pack import PACK_HEADER
 from .base import Backend, PackWriter
 
-# Ranges closer than this are read with one pread and sliced.
+# Ranges closer than this are read with one pread and sliced, up to a merged
+# size of _COALESCE_MAX (Linux returns at most ~2 GiB per read anyway).
 _COALESCE_GAP = 64 << 10
+_COALESCE_MAX = 16 << 20
 _MAX_OPEN_PACKS = 128
+
+
+def _pread_full(fd: int, length: int, offset: int) -> bytes:
+    """pread until `length` bytes or end of file (a single read may return less)."""
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
 
 
 class LocalPackWriter(PackWriter):
@@ -154,14 +172,14 @@ class LocalDirBackend(Backend):
                 j = i + 1
                 while j < len(order):
                     off, ln = ranges[order[j]]
-                    if off - end > _COALESCE_GAP:
+                    if off - end > _COALESCE_GAP or off + ln - start > _COALESCE_MAX:
                         break
                     end = max(end, off + ln)
                     j += 1
                 if j == i + 1:
-                    out[order[i]] = os.pread(fd, end - start, start)
+                    out[order[i]] = _pread_full(fd, end - start, start)
                 else:
-                    buf = memoryview(os.pread(fd, end - start, start))
+                    buf = memoryview(_pread_full(fd, end - start, start))
                     for k in order[i:j]:
                         off, ln = ranges[k]
                         out[k] = bytes(buf[off - start:off - start + ln])
@@ -169,6 +187,13 @@ class LocalDirBackend(Backend):
         except OSError as e:
             raise self.wrap_os_error(pack, "read", e) from e
         return out
+
+    def read_range(self, pack: PackId, offset: int, length: int) -> bytes:
+        fd = self._fd(pack)
+        try:
+            return _pread_full(fd, length, offset)
+        except OSError as e:
+            raise self.wrap_os_error(pack, "read", e) from e
 
     def pack_size(self, pack: PackId) -> int:
         try:
