@@ -136,14 +136,22 @@ def _pack_usage(store: ChunkStore) -> dict[PackId, dict[int, tuple[ChunkId, Entr
 
 def _repack(store: ChunkStore, threshold: float, report: GcReport,
             progress: ProgressFn | None) -> None:
-    usage = _pack_usage(store)
-    sparse: list[tuple[float, PackId, int]] = []
-    # First delete packs with nothing live: that frees space without needing
-    # any, which matters most when the disk is full.
+    store.backend.remove_stale_temp_files()
+    # Which packs are sealed must be known before the usage snapshot: a pack
+    # a writer seals after this listing is left for the next GC, since the
+    # snapshot may predate its last commits.
+    sealed: list[tuple[PackId, int]] = []
     for pack, size in sorted(store.backend.iter_packs()):
         if store.backend.pack_in_use(pack):
             report.packs_in_use += 1
-            continue
+        else:
+            sealed.append((pack, size))
+    usage = _pack_usage(store)
+    sparse: list[tuple[float, PackId, int]] = []
+    # First delete packs with nothing live: that frees space without needing
+    # any, which matters most when the disk is full. A sealed pack with no
+    # entry can gain none (new entries only share locations that have one).
+    for pack, size in sealed:
         locations = usage.get(pack, {})
         if not locations:
             store.backend.delete_pack(pack)

@@ -17,11 +17,13 @@ fails because the map filled up. All LMDB errors are translated here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,33 +88,110 @@ def split_key(key: bytes) -> tuple[ChunkId, int]:
     return ChunkId(key[:16]), _U32.unpack(key[16:20])[0]
 
 
+class _Gate:
+    """Many transactions at once (shared), or none while the map is resized
+    or the process forks (exclusive). py-lmdb's set_mapsize invalidates
+    every open transaction of the process, and a read transaction inherited
+    across fork must not exist: closing it in the child would clear the
+    parent's reader slot in the shared lock file."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    def acquire_exclusive(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._active:
+                self._cond.wait()
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        self.acquire_exclusive()
+        try:
+            yield
+        finally:
+            self.release_exclusive()
+
+
+_open_indexes: weakref.WeakSet[Index] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    for index in list(_open_indexes):
+        index.gate.acquire_exclusive()
+
+
+def _after_fork_in_parent() -> None:
+    for index in list(_open_indexes):
+        index.gate.release_exclusive()
+
+
+def _after_fork_in_child() -> None:
+    for index in list(_open_indexes):
+        index.gate = _Gate()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
 class Index:
     def __init__(self, path: Path, *, readonly: bool, initial_map_size: int) -> None:
         self.path = path
         self.readonly = readonly
         self._pid = os.getpid()
-        self._grow_lock = threading.Lock()
+        self.gate = _Gate()
         self._domain_cache: dict[str, int] = {TRUSTED: TRUSTED_NUMBER}
         self._domain_names: dict[int, str] = {TRUSTED_NUMBER: TRUSTED}
         self.env = self._open_env(initial_map_size)
-        self.chunks = self.env.open_db(b"chunks", create=not readonly)
-        self.roots = self.env.open_db(b"roots", dupsort=True, dupfixed=True,
-                                      create=not readonly)
-        self.domains = self.env.open_db(b"domains", create=not readonly)
-        self.meta = self.env.open_db(b"meta", create=not readonly)
-        self._check_format()
+        try:
+            self.chunks = self.env.open_db(b"chunks", create=not readonly)
+            self.roots = self.env.open_db(b"roots", dupsort=True, dupfixed=True,
+                                          create=not readonly)
+            self.domains = self.env.open_db(b"domains", create=not readonly)
+            self.meta = self.env.open_db(b"meta", create=not readonly)
+            self._check_format()
+        except lmdb.NotFoundError as e:
+            self.env.close()
+            raise StoreFormatError(f"{path.parent} is not a chunk store "
+                                   "(index without its databases)") from e
+        except BaseException:
+            self.env.close()
+            raise
+        _open_indexes.add(self)
 
     def _open_env(self, map_size: int) -> lmdb.Environment:
         kw: dict[str, Any] = {"subdir": True, "max_dbs": 8, "map_size": map_size,
                               "max_readers": 1024, "readahead": False}
         try:
             if self.readonly:
-                try:
-                    return lmdb.open(str(self.path), readonly=True, lock=True, **kw)
-                except lmdb.Error:
-                    # lock.mdb cannot be opened on a read-only filesystem; there
-                    # can be no writer to coordinate with there.
-                    return lmdb.open(str(self.path), readonly=True, lock=False, **kw)
+                # lock=True even here: LMDB copes with a read-only filesystem,
+                # and without the lock a writer elsewhere could reuse pages
+                # under our read transactions
+                return lmdb.open(str(self.path), readonly=True, **kw)
             self.path.mkdir(parents=True, exist_ok=True)
             return lmdb.open(str(self.path), **kw)
         except lmdb.Error as e:
@@ -143,39 +222,46 @@ class Index:
 
     # -- transactions with map growth ---------------------------------------
 
-    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def read(self, fn: Callable[[Txn], T]) -> T:
         for _ in range(8):
             try:
-                with self.env.begin(write=False, buffers=False) as txn:
+                with self.gate.shared(), self.env.begin(write=False, buffers=False) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                self._adopt_map_size()
+                pass
             except lmdb.Error as e:
                 raise self._translate(e, "read") from e
+            self._adopt_map_size()
         raise ChunkStoreError(f"index at {self.path}: map kept resizing under reads")
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, fn: Callable[[Txn], T]) -> T:
         if self.readonly:
             raise StoreReadOnly(self.path.parent)
         for _ in range(40):
             try:
-                with self.env.begin(write=True) as txn:
+                with self.gate.shared(), self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                self._grow()
+                grow = True
             except lmdb.MapResizedError:
-                self._adopt_map_size()
+                grow = False
             except lmdb.Error as e:
                 raise self._translate(e, "write") from e
+            # outside the transaction and the except clause: resizing needs
+            # every transaction of this process closed
+            if grow:
+                self._grow()
+            else:
+                self._adopt_map_size()
         raise ChunkStoreError(f"index at {self.path}: could not grow the LMDB map")
 
     def _grow(self) -> None:
-        with self._grow_lock:
+        with self.gate.exclusive():
             size = self.env.info()["map_size"]
             self.env.set_mapsize(size * 2)
 
     def _adopt_map_size(self) -> None:
-        with self._grow_lock:
+        with self.gate.exclusive():
             self.env.set_mapsize(0)
 
     @property
@@ -251,6 +337,7 @@ class Index:
             yield key, Entry.decode(raw)
 
     def close(self) -> None:
+        _open_indexes.discard(self)
         self.env.close()
 
 

@@ -63,6 +63,7 @@ from .errors import (
     ChunkCollision,
     ChunkCorrupt,
     ChunkNotFound,
+    ChunkStoreError,
     ChunkTooLarge,
     PackNotFound,
     RootError,
@@ -71,7 +72,13 @@ from .errors import (
 )
 from .ids import TRUSTED, ChunkId, PackId, TrustDomain, strong_digest
 from .index import Entry, Index, Txn, chunk_key, now_ms, split_key
-from .pack import MAX_CHUNK_SIZE, RECORD_HEADER_SIZE, decode_record_header, encode_record_header
+from .pack import (
+    MAX_CHUNK_SIZE,
+    PACK_HEADER_SIZE,
+    RECORD_HEADER_SIZE,
+    decode_record_header,
+    encode_record_header,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -191,12 +198,15 @@ class ChunkStore:
         if self._closed:
             return
         self._closed = True
-        if os.getpid() == self._pid:
-            self._seal_writer()
-            self.index.close()
-        self.backend.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        try:
+            if os.getpid() == self._pid:
+                self._seal_writer()
+        finally:
+            if os.getpid() == self._pid:
+                self.index.close()
+            self.backend.close()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
     def _check_process(self) -> None:
         """LMDB environments and our open pack do not survive fork: a child
@@ -254,6 +264,12 @@ class ChunkStore:
         batch: list[bytes | memoryview] = []
         size = 0
         for data in chunks:
+            if not isinstance(data, bytes):
+                # the caller may reuse its buffer before we hash it
+                try:
+                    data = memoryview(data).cast("B").tobytes()
+                except TypeError as e:
+                    raise TypeError(f"a chunk must be bytes-like, got {type(data).__name__}") from e
             if len(data) > MAX_CHUNK_SIZE:
                 raise ChunkTooLarge(len(data), MAX_CHUNK_SIZE)
             batch.append(data)
@@ -279,22 +295,32 @@ class ChunkStore:
                 continue
             unique[cid] = (i, strong)
 
-        appended: dict[ChunkId, Entry] = {}
-        try:
-            for _ in range(5):
-                plan = self.index.read(lambda txn: self._plan(txn, unique, dnum, domain))
-                todo = [cid for cid, p in plan.items() if p is None and cid not in appended]
-                if todo:
-                    appended.update(self._append(todo, batch, unique))
+        encoded: dict[ChunkId, tuple[Codec, bytes]] = {}
+        for _ in range(5):
+            plan = self.index.read(lambda txn: self._plan(txn, unique, dnum, domain))
+            todo = [cid for cid, p in plan.items() if p is None and cid not in encoded]
+            if todo:
+                datas = [batch[unique[cid][0]] for cid in todo]
+                encoded.update(zip(todo, self._map(self.codec.encode, datas,
+                                                   sum(len(d) for d in datas))))
+            # Appends, the index commit and the sealing of packs filled on the
+            # way happen under one lock: a pack is never unlocked (visible to
+            # GC as sealed) while it holds appends whose entries are not
+            # committed. A retry re-appends; the bytes of the failed attempt
+            # are garbage for GC.
+            with self._write_lock:
                 try:
-                    self.index.write(lambda txn, plan=plan: self._commit(  # type: ignore[misc]
+                    new = [cid for cid, p in plan.items() if p is None]
+                    appended = self._append(new, batch, unique, encoded)
+                    self.index.write(lambda txn, plan=plan, appended=appended: self._commit(  # type: ignore[misc]
                         txn, plan, unique, appended, dnum, domain))
                 except _Retry:
                     continue
-                return ids
-        finally:
-            self._close_retired()
-        raise BackendError(PackId(0), "put kept racing with garbage collection; giving up")
+                finally:
+                    self._close_retired()
+            return ids
+        raise ChunkStoreError(f"put of {len(unique)} chunks kept racing with garbage "
+                              "collection; giving up after 5 attempts")
 
     def _plan(self, txn: Txn, unique: dict[ChunkId, tuple[int, bytes]],
               dnum: int, domain: TrustDomain) -> dict[ChunkId, bytes | None]:
@@ -317,12 +343,15 @@ class ChunkStore:
         return plan
 
     def _append(self, todo: list[ChunkId], batch: list[bytes | memoryview],
-                unique: dict[ChunkId, tuple[int, bytes]]) -> dict[ChunkId, Entry]:
-        datas = [batch[unique[cid][0]] for cid in todo]
-        encoded = self._map(self.codec.encode, datas, sum(len(d) for d in datas))
+                unique: dict[ChunkId, tuple[int, bytes]],
+                encoded: dict[ChunkId, tuple[Codec, bytes]]) -> dict[ChunkId, Entry]:
+        """Append records to the current pack (rolling as needed) and sync.
+        Caller holds _write_lock."""
         now = now_ms()
         placed: dict[ChunkId, Entry] = {}
-        with self._write_lock:
+        if not todo:
+            return placed
+        if True:
             pending: list[tuple[ChunkId, int, Codec, bytes]] = []
             pending_size = 0
 
@@ -345,11 +374,13 @@ class ChunkStore:
                         offset += len(stored)
                 pending, pending_size = [], 0
 
-            for cid, data, (codec, stored) in zip(todo, datas, encoded):
+            for cid in todo:
+                data = batch[unique[cid][0]]
+                codec, stored = encoded[cid]
                 rec = RECORD_HEADER_SIZE + len(stored)
                 writer = self._current_writer()
                 if writer.size + pending_size + rec > self.config.pack_size \
-                        and writer.size + pending_size > RECORD_HEADER_SIZE:
+                        and writer.size + pending_size > PACK_HEADER_SIZE:
                     flush()
                     self._retire_writer()
                 pending.append((cid, len(data), codec, stored))
@@ -371,17 +402,20 @@ class ChunkStore:
             self._retired.append(writer)
 
     def _close_retired(self) -> None:
-        with self._write_lock:
-            retired, self._retired = self._retired, []
+        """Caller holds _write_lock."""
+        retired, self._retired = self._retired, []
         for writer in retired:
             writer.close()
 
     def _seal_writer(self) -> None:
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            if self.config.durable:
-                writer.sync()
-            writer.close()
+        with self._write_lock:
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                try:
+                    if self.config.durable:
+                        writer.sync()
+                finally:
+                    writer.close()
 
     def _commit(self, txn: Txn, plan: dict[ChunkId, bytes | None],
                 unique: dict[ChunkId, tuple[int, bytes]], appended: dict[ChunkId, Entry],
@@ -423,6 +457,8 @@ class ChunkStore:
         entry = self.index.read(lambda txn: self.index.get(txn, key))
         if entry is None:
             raise ChunkNotFound(chunk_id, domain)
+        if self._implausible(chunk_id, entry) is not None:
+            return self.get_many([chunk_id], domain)[0]
         try:
             raw = self.backend.read_range(entry.pack, entry.offset - RECORD_HEADER_SIZE,
                                           entry.stored_len + RECORD_HEADER_SIZE)
@@ -468,16 +504,20 @@ class ChunkStore:
             failed: dict[ChunkId, Exception] = {}
             by_pack: dict[PackId, list[tuple[ChunkId, Entry]]] = defaultdict(list)
             for cid, entry in todo.items():
-                by_pack[entry.pack].append((cid, entry))
+                bad = self._implausible(cid, entry)
+                if bad is not None:
+                    failed[cid] = bad
+                else:
+                    by_pack[entry.pack].append((cid, entry))
             raws: list[tuple[ChunkId, Entry, bytes]] = []
             for pack, items in by_pack.items():
                 try:
                     got = self.backend.read_ranges(
                         pack, [(e.offset - RECORD_HEADER_SIZE, e.stored_len + RECORD_HEADER_SIZE)
                                for _, e in items])
-                except PackNotFound as e:
-                    for cid, _ in items:
-                        failed[cid] = e
+                except PackNotFound:
+                    for cid, e in items:
+                        failed[cid] = self._corrupt(cid, e, "its pack does not exist")
                     continue
                 raws.extend((cid, e, raw) for (cid, e), raw in zip(items, got))
             nbytes = sum(e.plain_len for _, e, _ in raws)
@@ -498,6 +538,15 @@ class ChunkStore:
                     failed) else next(iter(failed))
                 raise failed[first]
         raise AssertionError("unreachable")
+
+    def _implausible(self, cid: ChunkId, entry: Entry) -> ChunkCorrupt | None:
+        """An index entry that cannot describe a record (damaged index)."""
+        if entry.offset < PACK_HEADER_SIZE + RECORD_HEADER_SIZE or entry.offset > 1 << 48:
+            return self._corrupt(cid, entry, f"index offset {entry.offset} is impossible")
+        if entry.plain_len > MAX_CHUNK_SIZE or entry.stored_len > MAX_CHUNK_SIZE + (1 << 20):
+            return self._corrupt(cid, entry, f"index lengths are impossible "
+                                 f"(plain {entry.plain_len}, stored {entry.stored_len})")
+        return None
 
     def _decode(self, cid: ChunkId, entry: Entry, raw: bytes) -> bytes | Exception:
         """Check a record against its index entry and return the plain bytes,
@@ -619,17 +668,24 @@ class ChunkStore:
         self._check_process()
         report = VerifyReport()
         by_pack: dict[PackId, list[tuple[ChunkId, int, Entry]]] = defaultdict(list)
-        for info in self.iter_chunks():
-            e = Entry(info.pack, info.offset, info.stored_len, info.plain_len, int(info.codec),
-                      info.touched, b"")
-            by_pack[info.pack].append((info.id, self.index.domain_number(info.domain,
-                                                                          create=False) or 0, e))
-        strong_by_key = self.index.read(
-            lambda txn: {k: e.strong for k, e in self.index.iter_entries(txn)})
+
+        def listing(txn: Txn) -> list[tuple[bytes, Entry]]:
+            return list(self.index.iter_entries(txn))
+        for key, e in self.index.read(listing):
+            cid, num = split_key(key)
+            by_pack[e.pack].append((cid, num, e))
         for pack, items in sorted(by_pack.items()):
             items.sort(key=lambda x: x[2].offset)
             for start in range(0, len(items), 256):
-                group = items[start:start + 256]
+                group = []
+                for cid, num, e in items[start:start + 256]:
+                    bad = self._implausible(cid, e)
+                    if bad is None:
+                        group.append((cid, num, e))
+                    else:
+                        report.checked += 1
+                        report.bad.append(BadChunk(cid, self.index.domain_name(num), pack,
+                                                   bad.reason))
                 try:
                     raws = self.backend.read_ranges(
                         pack, [(e.offset - RECORD_HEADER_SIZE, e.stored_len + RECORD_HEADER_SIZE)
@@ -641,11 +697,11 @@ class ChunkStore:
                     continue
 
                 def check(args: tuple[tuple[ChunkId, int, Entry], bytes]) -> str | None:
-                    (cid, num, e), raw = args
+                    (cid, _, e), raw = args
                     result = self._decode(cid, e, raw)
                     if isinstance(result, Exception):
                         return getattr(result, "reason", str(result))
-                    if strong_digest(result) != strong_by_key.get(chunk_key(cid, num)):
+                    if strong_digest(result) != e.strong:
                         return "content does not match its BLAKE3 digest"
                     return None
 
@@ -659,7 +715,25 @@ class ChunkStore:
                                                    reason))
                 if progress is not None:
                     progress(sum(e.plain_len for _, _, e in group))
+        # a concurrent GC may have moved (or swept) what we listed
+        report.bad = [b for b in report.bad if not self._fine_now(b)]
         return report
+
+    def _fine_now(self, bad: BadChunk) -> bool:
+        dnum = self.index.domain_number(bad.domain, create=False)
+        if dnum is None:
+            return False
+        key = chunk_key(bad.id, dnum)
+        entry = self.index.read(lambda txn: self.index.get(txn, key))
+        if entry is None:
+            return True  # swept meanwhile: nothing left to be bad
+        if entry.pack == bad.pack:
+            return False
+        try:
+            data = self.get_many([bad.id], bad.domain)[0]
+        except ChunkStoreError:
+            return False
+        return strong_digest(data) == entry.strong
 
     # -- roots ---------------------------------------------------------------
 

@@ -188,3 +188,25 @@ def test_disk_full(tmp_path: Path, mark: object) -> None:
             more = s.put_many([os.urandom(10_000) for _ in range(5)])
             assert len(s.get_many(more)) == 5
             assert s.verify().ok
+
+
+@pytest.mark.parametrize("changes", [
+    {"offset": 0}, {"offset": 1 << 63}, {"offset": (1 << 64) - 1},
+    {"stored_len": (1 << 32) - 1}, {"plain_len": (1 << 32) - 1}, {"pack": 999},
+])
+def test_impossible_index_entries_are_corruption(store: ChunkStore,
+                                                 changes: dict[str, int]) -> None:
+    good = _three(store)
+    _rewrite_entry(store, good[0], **changes)
+    with pytest.raises(ChunkCorrupt) as err:
+        store.get(good[0])
+    assert err.value.chunk_id == good[0]
+    with pytest.raises(ChunkCorrupt):
+        store.get_many(good)
+    assert [b.id for b in store.verify().bad] == [good[0]]
+    _still_usable(store, good[1:])
+
+
+def test_non_byte_input_is_refused(store: ChunkStore) -> None:
+    with pytest.raises(TypeError, match="bytes-like"):
+        store.put_many(["text is not bytes"])  # type: ignore[list-item]

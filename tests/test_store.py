@@ -212,3 +212,17 @@ def test_store_is_usable_after_fork(store: ChunkStore) -> None:
     assert store.get(ChunkId.of(b"child data")) == b"child data"
     assert store.put(b"parent again")
     assert store.verify().ok
+
+
+def test_reused_caller_buffer_is_copied_on_arrival(store: ChunkStore) -> None:
+    import array
+    buf = bytearray(8)
+
+    def gen():  # type: ignore[no-untyped-def]
+        for i in range(3):
+            buf[:] = bytes([i]) * 8
+            yield memoryview(buf)
+    ids = store.put_many(gen())
+    assert store.get_many(ids) == [bytes([i]) * 8 for i in range(3)]
+    words = array.array("I", [1, 2, 3])
+    assert store.get(store.put(memoryview(words))) == words.tobytes()

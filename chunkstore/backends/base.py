@@ -79,5 +79,10 @@ class Backend(abc.ABC):
         """True while some writer (any process) still appends to the pack; GC
         leaves such packs alone."""
 
+    def remove_stale_temp_files(self) -> int:
+        """Delete leftovers of writers that died before publishing a pack;
+        return how many. Called by GC."""
+        return 0
+
     def close(self) -> None:
         pass

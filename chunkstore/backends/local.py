@@ -10,17 +10,18 @@ bytes are the same ones the index pointed at when the read was planned.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import BackendError, PackNotFound, StoreFull, StoreReadOnly
 from ..ids import PackId, pack_name
-from ..pack import PACK_HEADER
+from ..pack import PACK_HEADER, PACK_HEADER_SIZE
 from .base import Backend, PackWriter
 
 # Ranges closer than this are read with one pread and sliced, up to a merged
@@ -28,6 +29,7 @@ from .base import Backend, PackWriter
 _COALESCE_GAP = 64 << 10
 _COALESCE_MAX = 16 << 20
 _MAX_OPEN_PACKS = 128
+_IOV_MAX = 1024
 
 
 def _pread_full(fd: int, length: int, offset: int) -> bytes:
@@ -47,17 +49,35 @@ def _pread_full(fd: int, length: int, offset: int) -> bytes:
 
 
 class LocalPackWriter(PackWriter):
+    """Appends to one pack. The pack is created under a temporary name,
+    locked, and only then renamed into place, so no other process ever sees
+    it unlocked while it is being written."""
+
     def __init__(self, backend: LocalDirBackend, pack: PackId, path: Path) -> None:
         self.pack = pack
         self._backend = backend
         self._path = path
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+        fd = -1
         try:
-            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as e:
-            raise backend.wrap_os_error(pack, "create", e) from e
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._size = 0
-        self.append([PACK_HEADER])
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _write_all(fd, [PACK_HEADER], 0)
+            if os.path.exists(path):
+                raise FileExistsError(errno.EEXIST, "pack exists", str(path))
+            os.rename(tmp, path)
+            _fsync_dir(path.parent)
+        except BaseException as e:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if isinstance(e, OSError):
+                raise backend.wrap_os_error(pack, "create", e) from e
+            raise
+        self._fd: int | None = fd
+        self._size = PACK_HEADER_SIZE
+        self._broken: str | None = None
 
     @property
     def size(self) -> int:
@@ -66,29 +86,22 @@ class LocalPackWriter(PackWriter):
     def append(self, parts: Sequence[bytes]) -> int:
         if self._fd is None:
             raise BackendError(self.pack, "append to a sealed pack")
+        if self._broken:
+            raise BackendError(self.pack, f"pack writer unusable after {self._broken}")
         start = self._size
-        want = sum(len(p) for p in parts)
         try:
-            done = 0
-            views = [memoryview(p) for p in parts]
-            while done < want:
-                n = os.writev(self._fd, views)
-                done += n
-                # drop what was written (writev may write partially)
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if views and n:
-                    views[0] = views[0][n:]
-        except OSError as e:
-            # leave nothing of this call behind: cut the file back
+            _write_all(self._fd, parts, start)
+        except BaseException as e:
+            # leave nothing of this call behind; if even that fails, never
+            # append to this pack again (offsets would no longer be known)
             try:
                 os.ftruncate(self._fd, start)
-                os.lseek(self._fd, start, os.SEEK_SET)
             except OSError:
-                pass
-            raise self._backend.wrap_os_error(self.pack, "append", e) from e
-        self._size = start + want
+                self._broken = f"a failed write ({e!r})"
+            if isinstance(e, OSError):
+                raise self._backend.wrap_os_error(self.pack, "append", e) from e
+            raise
+        self._size = start + sum(len(p) for p in parts)
         return start
 
     def sync(self) -> None:
@@ -96,6 +109,7 @@ class LocalPackWriter(PackWriter):
             try:
                 os.fsync(self._fd)
             except OSError as e:
+                self._broken = f"a failed fsync ({e.strerror})"
                 raise self._backend.wrap_os_error(self.pack, "fsync", e) from e
 
     def close(self) -> None:
@@ -104,16 +118,111 @@ class LocalPackWriter(PackWriter):
             os.close(fd)  # releases the flock: the pack is sealed
 
 
+def _write_all(fd: int, parts: Sequence[bytes], offset: int) -> None:
+    """pwritev at an explicit offset, looping over short writes."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _FdCache:
+    """Open pack descriptors shared by reader threads, reference-counted so
+    an eviction never closes a descriptor another thread is reading from,
+    and dropped when GC has unlinked the pack (so we do not pin its space)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[PackId, list[int]] = OrderedDict()  # pack -> [fd, users]
+        self._doomed: dict[int, int] = {}  # evicted fd -> users still reading
+
+    @contextlib.contextmanager
+    def use(self, pack: PackId, opener: Callable[[], int]) -> Iterator[int]:
+        with self._lock:
+            slot = self._fds.get(pack)
+            if slot is not None:
+                self._fds.move_to_end(pack)
+                slot[1] += 1
+        if slot is not None and os.fstat(slot[0]).st_nlink == 0:
+            self._release(pack, slot[0])
+            self.forget(pack)
+            slot = None
+        if slot is None:
+            fd = opener()
+            with self._lock:
+                slot = self._fds.get(pack)
+                if slot is None:
+                    slot = self._fds[pack] = [fd, 1]
+                    self._evict_locked()
+                else:
+                    slot[1] += 1
+                    os.close(fd)
+        try:
+            yield slot[0]
+        finally:
+            self._release(pack, slot[0])
+
+    def _release(self, pack: PackId, fd: int) -> None:
+        with self._lock:
+            slot = self._fds.get(pack)
+            if slot is not None and slot[0] == fd:
+                slot[1] -= 1
+                return
+            users = self._doomed[fd] - 1
+            if users:
+                self._doomed[fd] = users
+            else:
+                del self._doomed[fd]
+                os.close(fd)
+
+    def _evict_locked(self) -> None:
+        while len(self._fds) > self.limit:
+            _, (fd, users) = self._fds.popitem(last=False)
+            self._retire_locked(fd, users)
+
+    def _retire_locked(self, fd: int, users: int) -> None:
+        if users:
+            self._doomed[fd] = users
+        else:
+            os.close(fd)
+
+    def forget(self, pack: PackId) -> None:
+        with self._lock:
+            slot = self._fds.pop(pack, None)
+            if slot is not None:
+                self._retire_locked(*slot)
+
+    def close(self) -> None:
+        with self._lock:
+            slots, self._fds = list(self._fds.values()), OrderedDict()
+            for fd, users in slots:
+                self._retire_locked(fd, users)
+
+
 class LocalDirBackend(Backend):
     def __init__(self, root: str | os.PathLike[str], *, readonly: bool = False) -> None:
         self.root = Path(root)
         self.dir = self.root / "packs"
         self.url = f"file://{self.root}"
         self.readonly = readonly
-        if not readonly:
+        if not readonly and not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
-        self._fds: OrderedDict[PackId, int] = OrderedDict()
-        self._lock = threading.Lock()
+            _fsync_dir(self.root)
+        self._fds = _FdCache(_MAX_OPEN_PACKS)
 
     def wrap_os_error(self, pack: object, op: str, e: OSError) -> Exception:
         if e.errno == errno.ENOSPC or e.errno == errno.EDQUOT:
@@ -132,68 +241,47 @@ class LocalDirBackend(Backend):
             raise StoreReadOnly(self.root)
         return LocalPackWriter(self, pack, self.path(pack))
 
-    def _fd(self, pack: PackId) -> int:
-        with self._lock:
-            fd = self._fds.get(pack)
-            if fd is not None:
-                self._fds.move_to_end(pack)
-                return fd
+    def _open(self, pack: PackId) -> int:
         try:
-            fd = os.open(self.path(pack), os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(self.path(pack), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
             raise self.wrap_os_error(pack, "open", e) from e
-        with self._lock:
-            old = self._fds.get(pack)
-            if old is not None:
-                os.close(fd)
-                return old
-            self._fds[pack] = fd
-            while len(self._fds) > _MAX_OPEN_PACKS:
-                _, victim = self._fds.popitem(last=False)
-                os.close(victim)
-        return fd
-
-    def forget(self, pack: PackId) -> None:
-        with self._lock:
-            fd = self._fds.pop(pack, None)
-        if fd is not None:
-            os.close(fd)
 
     def read_ranges(self, pack: PackId, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        fd = self._fd(pack)
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
         out: list[bytes] = [b""] * len(ranges)
         i = 0
-        try:
-            while i < len(order):
-                # coalesce a run of nearby ranges into one pread
-                start = ranges[order[i]][0]
-                end = start + ranges[order[i]][1]
-                j = i + 1
-                while j < len(order):
-                    off, ln = ranges[order[j]]
-                    if off - end > _COALESCE_GAP or off + ln - start > _COALESCE_MAX:
-                        break
-                    end = max(end, off + ln)
-                    j += 1
-                if j == i + 1:
-                    out[order[i]] = _pread_full(fd, end - start, start)
-                else:
-                    buf = memoryview(_pread_full(fd, end - start, start))
-                    for k in order[i:j]:
-                        off, ln = ranges[k]
-                        out[k] = bytes(buf[off - start:off - start + ln])
-                i = j
-        except OSError as e:
-            raise self.wrap_os_error(pack, "read", e) from e
+        with self._fds.use(pack, lambda: self._open(pack)) as fd:
+            try:
+                while i < len(order):
+                    # coalesce a run of nearby ranges into one read
+                    start = ranges[order[i]][0]
+                    end = start + ranges[order[i]][1]
+                    j = i + 1
+                    while j < len(order):
+                        off, ln = ranges[order[j]]
+                        if off - end > _COALESCE_GAP or off + ln - start > _COALESCE_MAX:
+                            break
+                        end = max(end, off + ln)
+                        j += 1
+                    if j == i + 1:
+                        out[order[i]] = _pread_full(fd, end - start, start)
+                    else:
+                        buf = memoryview(_pread_full(fd, end - start, start))
+                        for k in order[i:j]:
+                            off, ln = ranges[k]
+                            out[k] = bytes(buf[off - start:off - start + ln])
+                    i = j
+            except OSError as e:
+                raise self.wrap_os_error(pack, "read", e) from e
         return out
 
     def read_range(self, pack: PackId, offset: int, length: int) -> bytes:
-        fd = self._fd(pack)
-        try:
-            return _pread_full(fd, length, offset)
-        except OSError as e:
-            raise self.wrap_os_error(pack, "read", e) from e
+        with self._fds.use(pack, lambda: self._open(pack)) as fd:
+            try:
+                return _pread_full(fd, length, offset)
+            except OSError as e:
+                raise self.wrap_os_error(pack, "read", e) from e
 
     def pack_size(self, pack: PackId) -> int:
         try:
@@ -216,7 +304,7 @@ class LocalDirBackend(Backend):
                 continue
 
     def delete_pack(self, pack: PackId) -> None:
-        self.forget(pack)
+        self._fds.forget(pack)
         try:
             self.path(pack).unlink()
         except FileNotFoundError:
@@ -237,8 +325,23 @@ class LocalDirBackend(Backend):
             os.close(fd)  # also drops our probe lock
         return False
 
+    def remove_stale_temp_files(self) -> int:
+        """Delete temporary packs of writers that died before publishing them."""
+        removed = 0
+        for path in self.dir.glob(".tmp-*"):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                path.unlink(missing_ok=True)
+                removed += 1
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+        return removed
+
     def close(self) -> None:
-        with self._lock:
-            fds, self._fds = list(self._fds.values()), OrderedDict()
-        for fd in fds:
-            os.close(fd)
+        self._fds.close()
