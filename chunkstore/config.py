@@ -28,8 +28,11 @@ class StoreConfig:
     threads: int = field(default_factory=_default_threads)
     # fsync packs before the index commit that makes their chunks visible.
     durable: bool = True
-    # First LMDB map size; it doubles whenever a write finds it full.
-    initial_map_size: int = 64 << 20
+    # First LMDB map size; it doubles whenever a write finds it full. It is
+    # address space, not disk (the file grows with the data): 4 GiB holds
+    # tens of millions of entries, so growth (which must pause every
+    # transaction of the process) is rare.
+    initial_map_size: int = 4 << 30
 
     def __post_init__(self) -> None:
         if not 1 <= self.zstd_level <= 22:

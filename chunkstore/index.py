@@ -99,11 +99,12 @@ class _Gate:
         self._cond = threading.Condition(threading.Lock())
         self._active = 0
         self._exclusive = False
+        self._pending = 0  # exclusive wanted: admit no new shared users
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            while self._exclusive:
+            while self._exclusive or self._pending:
                 self._cond.wait()
             self._active += 1
         try:
@@ -114,8 +115,16 @@ class _Gate:
                 if not self._active:
                     self._cond.notify_all()
 
-    def acquire_exclusive(self) -> None:
+    def want_exclusive(self) -> None:
+        """Announce an exclusive section to come (called by a shared user),
+        so that new shared users wait instead of starving it."""
         with self._cond:
+            self._pending += 1
+
+    def acquire_exclusive(self, announced: bool = False) -> None:
+        with self._cond:
+            if announced:
+                self._pending -= 1
             while self._exclusive:
                 self._cond.wait()
             self._exclusive = True
@@ -238,9 +247,17 @@ class Index:
         if self.readonly:
             raise StoreReadOnly(self.path.parent)
         for _ in range(40):
+            announced = False
             try:
                 with self.gate.shared(), self.env.begin(write=True) as txn:
-                    return fn(txn)
+                    try:
+                        return fn(txn)
+                    except lmdb.MapFullError:
+                        # stop new readers before the abort: py-lmdb's abort
+                        # waits for other threads' calls on the environment
+                        self.gate.want_exclusive()
+                        announced = True
+                        raise
             except lmdb.MapFullError:
                 grow = True
             except lmdb.MapResizedError:
@@ -250,15 +267,18 @@ class Index:
             # outside the transaction and the except clause: resizing needs
             # every transaction of this process closed
             if grow:
-                self._grow()
+                self._grow(announced)
             else:
                 self._adopt_map_size()
         raise ChunkStoreError(f"index at {self.path}: could not grow the LMDB map")
 
-    def _grow(self) -> None:
-        with self.gate.exclusive():
+    def _grow(self, announced: bool = False) -> None:
+        self.gate.acquire_exclusive(announced)
+        try:
             size = self.env.info()["map_size"]
             self.env.set_mapsize(size * 2)
+        finally:
+            self.gate.release_exclusive()
 
     def _adopt_map_size(self) -> None:
         with self.gate.exclusive():

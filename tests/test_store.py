@@ -226,3 +226,43 @@ def test_reused_caller_buffer_is_copied_on_arrival(store: ChunkStore) -> None:
     assert store.get_many(ids) == [bytes([i]) * 8 for i in range(3)]
     words = array.array("I", [1, 2, 3])
     assert store.get(store.put(memoryview(words))) == words.tobytes()
+
+
+@pytest.mark.slow
+def test_map_growth_under_concurrent_threads(store_path: Path) -> None:
+    import random
+    import threading
+    cfg = StoreConfig(threads=1, initial_map_size=1 << 16)
+    errors: list[BaseException] = []
+    with ChunkStore.open(store_path, config=cfg) as s:
+        base = s.put_many([os.urandom(64) for _ in range(200)])
+        stop = threading.Event()
+
+        def reader() -> None:
+            while not stop.is_set():
+                try:
+                    list(s.iter_chunks(page=50))
+                    assert len(s.get_many(base)) == 200
+                except BaseException as e:  # noqa: BLE001 - collected for the assert
+                    errors.append(e)
+
+        def writer(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(30):
+                try:
+                    s.put_many([rng.randbytes(64) for _ in range(300)])
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+        readers = [threading.Thread(target=reader) for _ in range(2)]
+        writers = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+        for t in readers + writers:
+            t.start()
+        for t in writers:
+            t.join(timeout=120)
+        stop.set()
+        for t in readers:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in readers + writers), "threads hung"
+        assert errors == []
+        assert s.index.map_size > 1 << 16
+        assert s.stats().chunks == 200 + 3 * 30 * 300
