@@ -101,19 +101,17 @@ class _Gate:
         self._exclusive = False
         self._pending = 0  # exclusive wanted: admit no new shared users
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def enter_shared(self) -> None:
         with self._cond:
             while self._exclusive or self._pending:
                 self._cond.wait()
             self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
+
+    def exit_shared(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
 
     def want_exclusive(self) -> None:
         """Announce an exclusive section to come (called by a shared user),
@@ -233,13 +231,17 @@ class Index:
 
     def read(self, fn: Callable[[Txn], T]) -> T:
         for _ in range(8):
+            gate = self.gate
+            gate.enter_shared()
             try:
-                with self.gate.shared(), self.env.begin(write=False, buffers=False) as txn:
+                with self.env.begin(write=False, buffers=False) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 pass
             except lmdb.Error as e:
                 raise self._translate(e, "read") from e
+            finally:
+                gate.exit_shared()
             self._adopt_map_size()
         raise ChunkStoreError(f"index at {self.path}: map kept resizing under reads")
 
@@ -248,14 +250,16 @@ class Index:
             raise StoreReadOnly(self.path.parent)
         for _ in range(40):
             announced = False
+            gate = self.gate
+            gate.enter_shared()
             try:
-                with self.gate.shared(), self.env.begin(write=True) as txn:
+                with self.env.begin(write=True) as txn:
                     try:
                         return fn(txn)
                     except lmdb.MapFullError:
                         # stop new readers before the abort: py-lmdb's abort
                         # waits for other threads' calls on the environment
-                        self.gate.want_exclusive()
+                        gate.want_exclusive()
                         announced = True
                         raise
             except lmdb.MapFullError:
@@ -264,6 +268,8 @@ class Index:
                 grow = False
             except lmdb.Error as e:
                 raise self._translate(e, "write") from e
+            finally:
+                gate.exit_shared()
             # outside the transaction and the except clause: resizing needs
             # every transaction of this process closed
             if grow:

@@ -150,15 +150,15 @@ class _FdCache:
         self._fds: OrderedDict[PackId, list[int]] = OrderedDict()  # pack -> [fd, users]
         self._doomed: dict[int, int] = {}  # evicted fd -> users still reading
 
-    @contextlib.contextmanager
-    def use(self, pack: PackId, opener: Callable[[], int]) -> Iterator[int]:
+    def acquire(self, pack: PackId, opener: Callable[[], int]) -> int:
+        """A descriptor for `pack`, held until release(pack, fd)."""
         with self._lock:
             slot = self._fds.get(pack)
             if slot is not None:
                 self._fds.move_to_end(pack)
                 slot[1] += 1
         if slot is not None and os.fstat(slot[0]).st_nlink == 0:
-            self._release(pack, slot[0])
+            self.release(pack, slot[0])
             self.forget(pack)
             slot = None
         if slot is None:
@@ -171,12 +171,9 @@ class _FdCache:
                 else:
                     slot[1] += 1
                     os.close(fd)
-        try:
-            yield slot[0]
-        finally:
-            self._release(pack, slot[0])
+        return slot[0]
 
-    def _release(self, pack: PackId, fd: int) -> None:
+    def release(self, pack: PackId, fd: int) -> None:
         with self._lock:
             slot = self._fds.get(pack)
             if slot is not None and slot[0] == fd:
@@ -251,37 +248,41 @@ class LocalDirBackend(Backend):
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
         out: list[bytes] = [b""] * len(ranges)
         i = 0
-        with self._fds.use(pack, lambda: self._open(pack)) as fd:
-            try:
-                while i < len(order):
-                    # coalesce a run of nearby ranges into one read
-                    start = ranges[order[i]][0]
-                    end = start + ranges[order[i]][1]
-                    j = i + 1
-                    while j < len(order):
-                        off, ln = ranges[order[j]]
-                        if off - end > _COALESCE_GAP or off + ln - start > _COALESCE_MAX:
-                            break
-                        end = max(end, off + ln)
-                        j += 1
-                    if j == i + 1:
-                        out[order[i]] = _pread_full(fd, end - start, start)
-                    else:
-                        buf = memoryview(_pread_full(fd, end - start, start))
-                        for k in order[i:j]:
-                            off, ln = ranges[k]
-                            out[k] = bytes(buf[off - start:off - start + ln])
-                    i = j
-            except OSError as e:
-                raise self.wrap_os_error(pack, "read", e) from e
+        fd = self._fds.acquire(pack, lambda: self._open(pack))
+        try:
+            while i < len(order):
+                # coalesce a run of nearby ranges into one read
+                start = ranges[order[i]][0]
+                end = start + ranges[order[i]][1]
+                j = i + 1
+                while j < len(order):
+                    off, ln = ranges[order[j]]
+                    if off - end > _COALESCE_GAP or off + ln - start > _COALESCE_MAX:
+                        break
+                    end = max(end, off + ln)
+                    j += 1
+                if j == i + 1:
+                    out[order[i]] = _pread_full(fd, end - start, start)
+                else:
+                    buf = memoryview(_pread_full(fd, end - start, start))
+                    for k in order[i:j]:
+                        off, ln = ranges[k]
+                        out[k] = bytes(buf[off - start:off - start + ln])
+                i = j
+        except OSError as e:
+            raise self.wrap_os_error(pack, "read", e) from e
+        finally:
+            self._fds.release(pack, fd)
         return out
 
     def read_range(self, pack: PackId, offset: int, length: int) -> bytes:
-        with self._fds.use(pack, lambda: self._open(pack)) as fd:
-            try:
-                return _pread_full(fd, length, offset)
-            except OSError as e:
-                raise self.wrap_os_error(pack, "read", e) from e
+        fd = self._fds.acquire(pack, lambda: self._open(pack))
+        try:
+            return _pread_full(fd, length, offset)
+        except OSError as e:
+            raise self.wrap_os_error(pack, "read", e) from e
+        finally:
+            self._fds.release(pack, fd)
 
     def pack_size(self, pack: PackId) -> int:
         try:
