@@ -8,7 +8,8 @@ cd "$(dirname "$0")"
 # System packages the code and the tests use.
 #   util-linux: mount/umount (tests mount tmpfs and read-only binds)
 #   python3-venv, python3-dev, gcc: the virtualenv, and wheels that compile
-APT_PACKAGES=(util-linux python3-venv python3-dev gcc)
+#   busybox-static, zstd, tar, attr: test images (static userland, zstd layers, xattrs)
+APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -10,13 +10,22 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 IS_ROOT = os.geteuid() == 0
+F = TypeVar("F", bound=Any)
 
 needs_root = [pytest.mark.root,
               pytest.mark.skipif(not IS_ROOT, reason="needs root to mount filesystems")]
+
+
+def root_only(fn: F) -> F:
+    """Mark a test `root` and skip it, with the reason, when not root."""
+    for mark in needs_root:
+        fn = mark(fn)
+    return fn
 
 
 def pack_path(store_root: Path, pack: int) -> Path:

@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from support import flip_byte, mounted, needs_root, pack_path
+from support import flip_byte, mounted, pack_path, root_only
 
 from chunkstore import (
     ChunkCorrupt,
@@ -148,8 +148,8 @@ def test_readonly_open_refuses_writes(store_path: Path) -> None:
             s.set_root("r", ids)
 
 
-@pytest.mark.parametrize("mark", needs_root)
-def test_store_on_read_only_filesystem(tmp_path: Path, mark: object) -> None:
+@root_only
+def test_store_on_read_only_filesystem(tmp_path: Path) -> None:
     src = tmp_path / "store"
     with ChunkStore.open(src) as s:
         ids = _three(s)
@@ -165,8 +165,8 @@ def test_store_on_read_only_filesystem(tmp_path: Path, mark: object) -> None:
         _still_usable(s, ids)
 
 
-@pytest.mark.parametrize("mark", needs_root)
-def test_disk_full(tmp_path: Path, mark: object) -> None:
+@root_only
+def test_disk_full(tmp_path: Path) -> None:
     with mounted("-t", "tmpfs", "-o", "size=6m", "tmpfs", target=tmp_path / "small") as small:
         cfg = StoreConfig(initial_map_size=1 << 20, batch_bytes=1 << 20, threads=1)
         with ChunkStore.open(small / "store", config=cfg) as s:

@@ -15,6 +15,7 @@ from chunkstore import (
     StoreFull,
     StoreReadOnly,
 )
+from composer.errors import ComposerError
 
 from .config import Settings
 from .errors import EXIT_FAILED, EXIT_STORE, QuietError
@@ -26,7 +27,7 @@ class LazyfsGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except ChunkStoreError as e:
+        except (ChunkStoreError, ComposerError) as e:
             if ctx.meta.get("lazyfs.debug"):
                 raise
             code = EXIT_STORE if isinstance(e, StoreReadOnly | StoreFull | StoreFormatError) \
@@ -63,9 +64,12 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
 
 
 def _register() -> None:
-    from . import demo_cmd, store_cmd
+    from . import demo_cmd, image_cmd, store_cmd
     cli.add_command(demo_cmd.demo)
     cli.add_command(store_cmd.store)
+    for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
+                image_cmd.rm, image_cmd.gc):
+        cli.add_command(cmd)
 
 
 _register()

@@ -1,0 +1,165 @@
+"""The image catalog: name:tag -> image; image = config + ordered layer
+digests; layer digest -> its stored manifest.
+
+Kept in an LMDB environment next to the chunk store (`<store>/catalog/`).
+A conversion writes its image record and tag in one transaction, after every
+layer manifest is stored and rooted: an interrupted or failed conversion
+leaves no catalog entry (only rooted layers that `gc` removes when no image
+names them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import lmdb
+
+from chunkstore import ChunkId, ChunkStore
+
+from .errors import ImageNotFound, ManifestError
+from .manifest import LayerManifest
+
+_MANIFEST_CHUNK = 4 << 20
+
+
+@dataclass(frozen=True)
+class Image:
+    layers: list[str]  # layer digests, lowest first
+    config: dict[str, Any] = field(default_factory=dict)  # Env, Entrypoint, Cmd, WorkingDir, User
+    source: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps({"layers": self.layers, "config": self.config,
+                           "source": self.source}, sort_keys=True,
+                          separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        return "blake3:" + blake3.blake3(self.to_json()).hexdigest()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Image:
+        doc = json.loads(raw)
+        return cls(list(doc["layers"]), dict(doc["config"]), str(doc.get("source", "")))
+
+
+def normalize_tag(name: str) -> str:
+    return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
+
+
+class Catalog:
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        path = Path(store.root) / "catalog"
+        path.mkdir(exist_ok=True)
+        self.env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30)
+        self.layers = self.env.open_db(b"layers")
+        self.images = self.env.open_db(b"images")
+        self.tags = self.env.open_db(b"tags")
+
+    def close(self) -> None:
+        self.env.close()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- layers --------------------------------------------------------------
+
+    def store_layer(self, manifest: LayerManifest) -> tuple[str, list[ChunkId]]:
+        """Store a manifest's serialization as chunks and root the layer (its
+        manifest and data chunks). Returns (digest, manifest chunk ids)."""
+        raw = manifest.serialize()
+        digest = "blake3:" + blake3.blake3(raw).hexdigest()
+        pieces = [raw[i:i + _MANIFEST_CHUNK] for i in range(0, len(raw), _MANIFEST_CHUNK)]
+        ids = self.store.put_many(pieces, manifest.domain)
+        self.store.set_root(f"layer:{digest}", [*ids, *manifest.chunk_ids()], manifest.domain)
+        return digest, ids
+
+    def has_layer(self, digest: str) -> bool:
+        with self.env.begin(db=self.layers) as txn:
+            return txn.get(digest.encode()) is not None
+
+    def load_layer(self, digest: str) -> LayerManifest:
+        with self.env.begin(db=self.layers) as txn:
+            rec = txn.get(digest.encode())
+        if rec is None:
+            raise ImageNotFound(digest)
+        doc = json.loads(rec)
+        ids = [ChunkId.from_hex(h) for h in doc["chunks"]]
+        raw = b"".join(self.store.get_many(ids, doc["domain"]))
+        if "blake3:" + blake3.blake3(raw).hexdigest() != digest:
+            raise ManifestError(f"layer {digest}: stored manifest does not match its digest")
+        return LayerManifest.deserialize(raw)
+
+    # -- images --------------------------------------------------------------
+
+    def commit_image(self, tag: str, image: Image,
+                     layers: dict[str, tuple[LayerManifest, list[ChunkId]]]) -> str:
+        """Record the layers, the image and its tag in one transaction."""
+        tag = normalize_tag(tag)
+        with self.env.begin(write=True) as txn:
+            for digest, (m, ids) in layers.items():
+                rec = {"chunks": [str(c) for c in ids], "domain": str(m.domain),
+                       "size": m.data_size, "entries": len(m.entries),
+                       "data_chunks": len(m.chunk_ids()), "source": m.source}
+                txn.put(digest.encode(), json.dumps(rec).encode(), db=self.layers)
+            txn.put(image.digest.encode(), image.to_json(), db=self.images)
+            txn.put(tag.encode(), image.digest.encode(), db=self.tags)
+        return image.digest
+
+    def resolve(self, name: str) -> tuple[str, Image]:
+        with self.env.begin() as txn:
+            digest = name if name.startswith("blake3:") else None
+            if digest is None:
+                raw = txn.get(normalize_tag(name).encode(), db=self.tags)
+                if raw is None:
+                    raise ImageNotFound(name)
+                digest = raw.decode()
+            doc = txn.get(digest.encode(), db=self.images)
+        if doc is None:
+            raise ImageNotFound(name)
+        return digest, Image.from_json(doc)
+
+    def layer_info(self, digest: str) -> dict[str, Any]:
+        with self.env.begin(db=self.layers) as txn:
+            rec = txn.get(digest.encode())
+        if rec is None:
+            raise ImageNotFound(digest)
+        info: dict[str, Any] = json.loads(rec)
+        return info
+
+    def list_tags(self) -> list[tuple[str, str]]:
+        with self.env.begin(db=self.tags) as txn:
+            return [(k.decode(), v.decode()) for k, v in txn.cursor()]
+
+    def remove_tag(self, name: str) -> None:
+        with self.env.begin(write=True, db=self.tags) as txn:
+            if not txn.delete(normalize_tag(name).encode()):
+                raise ImageNotFound(name)
+
+    def gc(self) -> int:
+        """Drop images no tag names, layers no image names, and their roots.
+        Returns how many layers were dropped (chunk GC frees their data)."""
+        with self.env.begin(write=True) as txn:
+            tagged = {v for _, v in txn.cursor(db=self.tags)}
+            for k, _ in list(txn.cursor(db=self.images)):
+                if k not in tagged:
+                    txn.delete(k, db=self.images)
+            used = {d for _, raw in txn.cursor(db=self.images)
+                    for d in json.loads(raw)["layers"]}
+            dropped = [k.decode() for k, _ in txn.cursor(db=self.layers)
+                       if k.decode() not in used]
+            for d in dropped:
+                txn.delete(d.encode(), db=self.layers)
+        known = set(used)
+        for root in self.store.roots():
+            if root.startswith("layer:") and root[len("layer:"):] not in known:
+                self.store.remove_root(root)
+        return len(dropped)

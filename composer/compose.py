@@ -1,0 +1,69 @@
+"""Composition rules, in one place: how an ordered list of layers (lowest
+first) becomes one tree.
+
+For each layer, bottom to top:
+1. an opaque directory hides everything lower layers had under it;
+2. a whiteout removes its path, and everything under it, from lower layers;
+3. the layer's other entries are added, replacing lower ones at the same path
+   (a directory replacing a directory keeps the lower one's children unless
+   opaque; anything else replacing a directory removes its children).
+This is what overlayfs does with the same layers as lowers, and what OCI's
+image-layer spec prescribes for extraction.
+"""
+
+from __future__ import annotations
+
+from .manifest import Entry, Kind, LayerManifest
+
+
+def _drop_under(tree: dict[str, Entry], path: str, *, keep_self: bool) -> None:
+    prefix = path + "/" if path else ""
+    for p in [p for p in tree if p.startswith(prefix) and p != path]:
+        del tree[p]
+    if not keep_self:
+        tree.pop(path, None)
+
+
+def compose(layers: list[LayerManifest]) -> list[tuple[Entry, int]]:
+    """The composed tree as (entry, index of the layer it comes from), sorted
+    parents first. Whiteout entries do not appear in the result."""
+    tree: dict[str, Entry] = {}
+    origin: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        for e in layer.entries:
+            if e.kind == Kind.DIR and e.opaque and i > 0:
+                _drop_under(tree, e.path, keep_self=True)
+            elif e.kind == Kind.WHITEOUT:
+                _drop_under(tree, e.path, keep_self=False)
+        for e in layer.entries:
+            if e.kind == Kind.WHITEOUT:
+                continue
+            old = tree.get(e.path)
+            if old is not None and old.kind == Kind.DIR and e.kind != Kind.DIR:
+                _drop_under(tree, e.path, keep_self=True)
+            tree[e.path] = e
+            origin[e.path] = i
+    # drop anything whose parent is no longer a directory
+    out: list[tuple[Entry, int]] = []
+    kept: set[str] = set()
+    for path in sorted(tree, key=lambda p: p.split("/")):
+        e = tree[path]
+        if path:
+            parent = path.rsplit("/", 1)[0] if "/" in path else ""
+            if parent not in kept or tree[parent].kind != Kind.DIR:
+                continue
+        kept.add(path)
+        out.append((e, origin[path]))
+    # a hardlink shares an inode with its target in its own layer; if an
+    # upper layer replaced or removed that target, the link keeps the old
+    # content as a file of its own (as overlayfs shows it)
+    by_layer = [{e.path: e for e in layer.entries} for layer in layers]
+    result = []
+    for e, i in out:
+        if e.kind == Kind.HARDLINK and (e.target not in kept or
+                                        tree.get(e.target) is not by_layer[i].get(e.target)):
+            t = by_layer[i][e.target]
+            e = Entry(e.path, Kind.FILE, t.mode, t.uid, t.gid, t.mtime_ns, t.size,
+                      list(t.chunks), "", (0, 0), dict(t.xattrs))
+        result.append((e, i))
+    return result

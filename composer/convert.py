@@ -1,0 +1,25 @@
+"""Conversion: a source image -> stored layer manifests -> a catalog entry."""
+
+from __future__ import annotations
+
+from chunkstore import TRUSTED, ChunkId, ChunkStore, TrustDomain
+
+from .builder import DEFAULT_CHUNK_SIZE, ProgressFn
+from .catalog import Catalog, Image
+from .manifest import LayerManifest
+from .sources import open_source
+
+
+def convert(store: ChunkStore, catalog: Catalog, ref: str, tag: str, *,
+            domain: TrustDomain = TRUSTED, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            progress: ProgressFn | None = None) -> str:
+    """Convert `ref` and tag it; returns the image digest. On any failure
+    nothing is added to the catalog."""
+    src = open_source(ref, store, domain=domain, chunk_size=chunk_size, progress=progress)
+    stored: dict[str, tuple[LayerManifest, list[ChunkId]]] = {}
+    digests: list[str] = []
+    for manifest in src.layers:
+        digest, ids = catalog.store_layer(manifest)
+        stored[digest] = (manifest, ids)
+        digests.append(digest)
+    return catalog.commit_image(tag, Image(digests, src.config, ref), stored)

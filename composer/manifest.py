@@ -1,0 +1,156 @@
+"""Layer manifests: a layer's POSIX tree, with each regular file's data as a
+list of chunks in the chunk store.
+
+A manifest is immutable and content-addressed: its digest is BLAKE3 of its
+serialization. Serialization is versioned (magic b"LZMF", u16 version),
+zstd-compressed msgpack of plain lists, ints, strings and bytes: compact, and
+safe to parse from untrusted storage (no code, no pickles; every field is
+type-checked on load).
+"""
+
+from __future__ import annotations
+
+import enum
+import stat
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import msgpack
+import zstandard
+
+from chunkstore import TRUSTED, ChunkId, TrustDomain
+
+from .errors import ManifestError
+
+MAGIC = b"LZMF"
+VERSION = 1
+_HEADER = struct.Struct(">4sH")
+
+
+class Kind(enum.IntEnum):
+    FILE = 0
+    DIR = 1
+    SYMLINK = 2
+    HARDLINK = 3
+    CHAR = 4
+    BLOCK = 5
+    FIFO = 6
+    WHITEOUT = 7  # removes the path (and what is under it) from lower layers
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """A piece of a file: `length` bytes from chunk `id`, or a hole of
+    `length` zero bytes when id is None (sparse files stay sparse)."""
+
+    id: ChunkId | None
+    length: int
+
+
+@dataclass(slots=True)
+class Entry:
+    path: str  # relative, '/'-separated, no leading '/', no '.' or '..'
+    kind: Kind
+    mode: int = 0o644  # permission bits incl. setuid/setgid/sticky (no type bits)
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0
+    size: int = 0
+    chunks: list[ChunkRef] = field(default_factory=list)
+    target: str = ""  # symlink target, or hardlink target path
+    rdev: tuple[int, int] = (0, 0)  # (major, minor) for devices
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    opaque: bool = False  # a directory hiding everything lower layers had in it
+
+    @property
+    def st_mode(self) -> int:
+        return _TYPE_BITS[self.kind] | self.mode
+
+    def pack(self) -> list[Any]:
+        return [self.path, int(self.kind), self.mode, self.uid, self.gid, self.mtime_ns,
+                self.size, [[bytes(c.id) if c.id else b"", c.length] for c in self.chunks],
+                self.target, list(self.rdev), sorted(self.xattrs.items()), self.opaque]
+
+    @classmethod
+    def unpack(cls, row: Any) -> Entry:
+        try:
+            (path, kind, mode, uid, gid, mtime_ns, size, chunks, target, rdev, xattrs,
+             opaque) = row
+            e = cls(_str(path), Kind(kind), _int(mode), _int(uid), _int(gid), _int(mtime_ns),
+                    _int(size),
+                    [ChunkRef(ChunkId(_bytes(c)) if c else None, _int(n)) for c, n in chunks],
+                    _str(target), (_int(rdev[0]), _int(rdev[1])),
+                    {_str(k): _bytes(v) for k, v in xattrs}, bool(opaque))
+        except (TypeError, ValueError) as err:
+            raise ManifestError(f"malformed manifest entry: {err}") from err
+        if sum(c.length for c in e.chunks) != e.size and e.kind == Kind.FILE:
+            raise ManifestError(f"entry {e.path!r}: chunks cover "
+                                f"{sum(c.length for c in e.chunks)} of {e.size} bytes")
+        return e
+
+
+_TYPE_BITS = {Kind.FILE: stat.S_IFREG, Kind.DIR: stat.S_IFDIR, Kind.SYMLINK: stat.S_IFLNK,
+              Kind.HARDLINK: stat.S_IFREG, Kind.CHAR: stat.S_IFCHR, Kind.BLOCK: stat.S_IFBLK,
+              Kind.FIFO: stat.S_IFIFO, Kind.WHITEOUT: stat.S_IFCHR}
+
+
+def _int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _bytes(v: Any) -> bytes:
+    if not isinstance(v, bytes):
+        raise TypeError(f"expected bytes, got {type(v).__name__}")
+    return v
+
+
+@dataclass(slots=True)
+class LayerManifest:
+    entries: list[Entry]  # sorted by path; parents before children
+    domain: TrustDomain = TRUSTED
+    source: str = ""  # where it came from (for humans), e.g. the OCI layer digest
+
+    def serialize(self) -> bytes:
+        body = msgpack.packb([str(self.domain), self.source, [e.pack() for e in self.entries]],
+                             use_bin_type=True)
+        return _HEADER.pack(MAGIC, VERSION) + zstandard.ZstdCompressor(level=9).compress(body)
+
+    @property
+    def digest(self) -> str:
+        return "blake3:" + blake3.blake3(self.serialize()).hexdigest()
+
+    @classmethod
+    def deserialize(cls, raw: bytes) -> LayerManifest:
+        if len(raw) < _HEADER.size:
+            raise ManifestError("manifest is truncated")
+        magic, version = _HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            raise ManifestError("not a layer manifest (bad magic)")
+        if version > VERSION:
+            raise ManifestError(f"manifest version {version} is newer than this lazyfs "
+                                f"reads ({VERSION})")
+        try:
+            body = zstandard.ZstdDecompressor().decompress(raw[_HEADER.size:],
+                                                           max_output_size=1 << 31)
+            domain, source, rows = msgpack.unpackb(body, raw=False, strict_map_key=True,
+                                                   use_list=True)
+        except (zstandard.ZstdError, ValueError, msgpack.UnpackException) as e:
+            raise ManifestError(f"manifest cannot be decoded: {e}") from e
+        return cls([Entry.unpack(r) for r in rows], TrustDomain(_str(domain)), _str(source))
+
+    def chunk_ids(self) -> set[ChunkId]:
+        return {c.id for e in self.entries for c in e.chunks if c.id is not None}
+
+    @property
+    def data_size(self) -> int:
+        return sum(e.size for e in self.entries if e.kind == Kind.FILE)

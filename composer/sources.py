@@ -1,0 +1,282 @@
+"""Image sources and their reference syntax (skopeo-style transports):
+
+    tar:FILE               one layer from a (gz/zstd/plain) tar of a rootfs
+    dir:PATH               one layer from a directory tree (a debootstrap rootfs)
+    docker-archive:FILE    a `docker save` tarball (manifest.json, layer tars)
+    oci:DIR[:TAG]          an OCI image layout directory (index.json, blobs/)
+
+Registry (`registry://host:port/repo:tag`) and Docker engine (`docker://name`)
+sources are not implemented yet.
+
+A source yields its layers lowest first, each as a manifest built through
+composer.builder (so the same path and link rules apply), and the OCI config
+fields a sandbox needs (Env, Entrypoint, Cmd, WorkingDir, User).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import stat
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from chunkstore import ChunkStore, TrustDomain
+
+from .builder import DEFAULT_CHUNK_SIZE, LayerBuilder, ProgressFn
+from .errors import BadLayer, BadSource
+from .manifest import Entry, Kind, LayerManifest
+from .tarlayer import import_tar
+
+log = logging.getLogger(__name__)
+
+_CONFIG_KEYS = ("Env", "Entrypoint", "Cmd", "WorkingDir", "User")
+
+
+@dataclass
+class SourceImage:
+    config: dict[str, Any]
+    layers: Iterator[LayerManifest]
+
+
+LayerFactory = Callable[[ChunkStore, TrustDomain, int, ProgressFn | None],
+                        Iterator[LayerManifest]]
+
+
+def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
+                chunk_size: int = DEFAULT_CHUNK_SIZE,
+                progress: ProgressFn | None = None) -> SourceImage:
+    transport, sep, rest = ref.partition(":")
+    if not sep or not rest:
+        raise BadSource(f"{ref!r}: expected TRANSPORT:LOCATION "
+                        "(tar:, dir:, docker-archive:, oci:)")
+    if transport == "tar":
+        path = _existing(rest, ref)
+        return SourceImage({}, _one(lambda: _tar_layer(store, path, f"tar:{path}", domain,
+                                                       chunk_size, progress)))
+    if transport == "dir":
+        path = _existing(rest, ref)
+        if not path.is_dir():
+            raise BadSource(f"{ref!r}: not a directory")
+        return SourceImage({}, _one(lambda: import_dir(store, path, domain=domain,
+                                                       chunk_size=chunk_size,
+                                                       progress=progress)))
+    if transport == "docker-archive":
+        return _docker_archive(_existing(rest, ref), store, domain, chunk_size, progress)
+    if transport == "oci":
+        location, _, tag = rest.partition(":")
+        return _oci_layout(_existing(location, ref), tag or None, store, domain, chunk_size,
+                           progress)
+    if transport in ("registry", "docker"):
+        raise BadSource(f"{ref!r}: the {transport} source is not implemented yet")
+    raise BadSource(f"{ref!r}: unknown transport {transport!r} "
+                    "(known: tar, dir, docker-archive, oci)")
+
+
+def _existing(text: str, ref: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise BadSource(f"{ref!r}: {path} does not exist")
+    return path
+
+
+def _one(make: Callable[[], LayerManifest]) -> Iterator[LayerManifest]:
+    yield make()
+
+
+def _tar_layer(store: ChunkStore, path: Path, layer: str, domain: TrustDomain,
+               chunk_size: int, progress: ProgressFn | None) -> LayerManifest:
+    with open(path, "rb") as f:
+        return import_tar(store, f, layer=layer, domain=domain, chunk_size=chunk_size,
+                          progress=progress)
+
+
+def _pick_config(doc: dict[str, Any]) -> dict[str, Any]:
+    cfg = doc.get("config") or {}
+    return {k: cfg[k] for k in _CONFIG_KEYS if cfg.get(k) is not None}
+
+
+class _VerifyingReader(io.RawIOBase):
+    """Hashes what is read through it; check() compares with the expected
+    sha256 digest once the stream is consumed."""
+
+    def __init__(self, raw: BinaryIO, digest: str, layer: str) -> None:
+        super().__init__()
+        self.raw = raw
+        self.expected = digest
+        self.layer = layer
+        self.h = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.raw.read(len(b))
+        self.h.update(data)
+        b[:len(data)] = data
+        return len(data)
+
+    def check(self) -> None:
+        while self._drain():
+            pass
+        got = "sha256:" + self.h.hexdigest()
+        if self.expected.startswith("sha256:") and got != self.expected:
+            raise BadLayer(self.layer, None, f"blob digest mismatch: got {got}")
+
+    def _drain(self) -> bool:
+        data = self.raw.read(1 << 20)
+        self.h.update(data)
+        return bool(data)
+
+
+def _blob_layer(store: ChunkStore, opener: Callable[[], BinaryIO], digest: str,
+                domain: TrustDomain, chunk_size: int,
+                progress: ProgressFn | None) -> LayerManifest:
+    with opener() as raw:
+        v = _VerifyingReader(raw, digest, digest)
+        manifest = import_tar(store, io.BufferedReader(v, 1 << 20),
+                              layer=digest, domain=domain, chunk_size=chunk_size,
+                              progress=progress)
+        v.check()
+    return manifest
+
+
+def _docker_archive(path: Path, store: ChunkStore, domain: TrustDomain, chunk_size: int,
+                    progress: ProgressFn | None) -> SourceImage:
+    tar = tarfile.open(path)  # noqa: SIM115 - closed when the layers are consumed
+    try:
+        manifest = json.load(_member(tar, "manifest.json", path))
+        if not isinstance(manifest, list) or not manifest:
+            raise BadSource(f"docker-archive:{path}: manifest.json lists no image")
+        first = manifest[0]
+        config = json.load(_member(tar, first["Config"], path))
+        layer_names = list(first["Layers"])
+        diff_ids = (config.get("rootfs") or {}).get("diff_ids") or [""] * len(layer_names)
+    except (KeyError, TypeError, json.JSONDecodeError, tarfile.TarError) as e:
+        tar.close()
+        raise BadSource(f"docker-archive:{path}: malformed archive: {e}") from e
+
+    def layers() -> Iterator[LayerManifest]:
+        try:
+            for name, diff_id in zip(layer_names, diff_ids):
+                yield _blob_layer(store, functools.partial(_member, tar, name, path), diff_id,
+                                  domain, chunk_size, progress)
+        finally:
+            tar.close()
+    return SourceImage(_pick_config(config), layers())
+
+
+def _file_opener(path: Path) -> Callable[[], BinaryIO]:
+    def opener() -> BinaryIO:
+        return path.open("rb")
+    return opener
+
+
+def _member(tar: tarfile.TarFile, name: str, path: Path) -> BinaryIO:
+    try:
+        f = tar.extractfile(name)
+    except KeyError:
+        f = None
+    if f is None:
+        raise BadSource(f"docker-archive:{path}: missing {name}")
+    return f  # type: ignore[return-value]
+
+
+def _oci_layout(root: Path, tag: str | None, store: ChunkStore, domain: TrustDomain,
+                chunk_size: int, progress: ProgressFn | None) -> SourceImage:
+    def blob(digest: str) -> Path:
+        algo, _, hexd = digest.partition(":")
+        p = root / "blobs" / algo / hexd
+        if not hexd or "/" in hexd or not p.is_file():
+            raise BadSource(f"oci:{root}: missing blob {digest}")
+        return p
+    try:
+        index = json.loads((root / "index.json").read_text())
+        manifests = index["manifests"]
+        if tag is not None:
+            manifests = [m for m in manifests
+                         if (m.get("annotations") or {}).get("org.opencontainers.image.ref.name")
+                         == tag]
+            if not manifests:
+                raise BadSource(f"oci:{root}: no image tagged {tag!r}")
+        desc = manifests[0]
+        doc = json.loads(blob(desc["digest"]).read_text())
+        if "manifests" in doc:  # an index: pick linux/amd64
+            picks = [m for m in doc["manifests"]
+                     if (m.get("platform") or {}).get("architecture") == "amd64"] \
+                or doc["manifests"]
+            doc = json.loads(blob(picks[0]["digest"]).read_text())
+        config = json.loads(blob(doc["config"]["digest"]).read_text())
+        layer_descs = doc["layers"]
+    except (OSError, KeyError, TypeError, IndexError, json.JSONDecodeError) as e:
+        raise BadSource(f"oci:{root}: malformed layout: {e}") from e
+    for d in layer_descs:
+        mt = d.get("mediaType", "")
+        if not any(x in mt for x in ("tar", "layer")):
+            raise BadSource(f"oci:{root}: layer {d.get('digest')} has unknown media type {mt!r}")
+
+    def layers() -> Iterator[LayerManifest]:
+        for d in layer_descs:
+            yield _blob_layer(store, _file_opener(blob(d["digest"])), d["digest"],
+                              domain, chunk_size, progress)
+    return SourceImage(_pick_config(config), layers())
+
+
+def import_dir(store: ChunkStore, root: Path, *, domain: TrustDomain,
+               chunk_size: int = DEFAULT_CHUNK_SIZE,
+               progress: ProgressFn | None = None) -> LayerManifest:
+    """One layer from a directory tree, with every POSIX attribute."""
+    layer = f"dir:{root}"
+    builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
+                           progress=progress, source=layer)
+    seen: dict[tuple[int, int], str] = {}
+    _add_path(builder, str(root), ".", seen, layer)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in sorted(filenames + dirnames):
+            _add_path(builder, os.path.join(dirpath, name),
+                      os.path.normpath(os.path.join(rel_dir, name)), seen, layer)
+    return builder.finish()
+
+
+def _add_path(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, int], str],
+              layer: str) -> None:
+    st = os.lstat(full)
+    try:
+        names = os.listxattr(full, follow_symlinks=False)
+        xattrs = {n: os.getxattr(full, n, follow_symlinks=False) for n in names}
+    except OSError:
+        xattrs = {}
+    common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
+                              "gid": st.st_gid, "mtime_ns": st.st_mtime_ns, "xattrs": xattrs}
+    fmt = stat.S_IFMT(st.st_mode)
+    if fmt == stat.S_IFREG:
+        key = (st.st_dev, st.st_ino)
+        if st.st_nlink > 1 and key in seen:
+            builder.add(rel, Entry("", Kind.HARDLINK, target=seen[key], **common))
+            return
+        if st.st_nlink > 1:
+            seen[key] = rel
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            builder.add(rel, Entry("", Kind.FILE, size=st.st_size, **common), f)
+    elif fmt == stat.S_IFDIR:
+        builder.add(rel, Entry("", Kind.DIR, **common))
+    elif fmt == stat.S_IFLNK:
+        builder.add(rel, Entry("", Kind.SYMLINK, target=os.readlink(full), **common))
+    elif fmt in (stat.S_IFCHR, stat.S_IFBLK):
+        kind = Kind.CHAR if fmt == stat.S_IFCHR else Kind.BLOCK
+        builder.add(rel, Entry("", kind, rdev=(os.major(st.st_rdev), os.minor(st.st_rdev)),
+                               **common))
+    elif fmt == stat.S_IFIFO:
+        builder.add(rel, Entry("", Kind.FIFO, **common))
+    else:
+        log.warning("%s: skipping %s (sockets cannot be stored in an image)", layer, rel)

@@ -1,0 +1,132 @@
+"""Image commands: convert, images, inspect, export, rm, gc."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from chunkstore import ChunkStore, TrustDomain
+from composer.catalog import Catalog
+from composer.convert import convert as convert_image
+from composer.export import export_tree
+
+from .config import Settings
+from .options import open_store
+
+
+def _catalog(store: ChunkStore) -> Catalog:
+    return Catalog(store)
+
+
+@click.command()
+@click.argument("source")
+@click.option("--tag", "-t", required=True, help="Name to record the image under (name[:tag]).")
+@click.option("--chunk-size-kib", default=1024, show_default=True,
+              help="Chunk size for file data.")
+@click.option("--domain", default="trusted", show_default=True,
+              help="Trust domain of the chunks.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar [default: when stderr is a terminal].")
+@click.pass_obj
+def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, domain: str,
+            progress: bool | None) -> None:
+    """Convert SOURCE into chunked layers and tag it.
+
+    SOURCE is TRANSPORT:LOCATION: tar:FILE (a rootfs tar, plain/gz/zstd),
+    dir:PATH (a rootfs directory), docker-archive:FILE (`docker save`),
+    oci:DIR[:TAG] (an OCI image layout).
+    """
+    if not 4 <= chunk_size_kib <= 65536:
+        raise click.BadParameter("must be 4..65536", param_hint="--chunk-size-kib")
+    start = time.perf_counter()
+    files = 0
+    with open_store(settings, create=True) as store, _catalog(store) as catalog, \
+            tqdm(unit="B", unit_scale=True, desc="convert",
+                 disable=not progress if progress is not None else None) as bar:
+        before = store.stats()
+
+        def report(nbytes: int, nfiles: int) -> None:
+            nonlocal files
+            files += nfiles
+            bar.update(nbytes)
+            bar.set_postfix(files=files, refresh=False)
+
+        digest = convert_image(store, catalog, source, tag, domain=TrustDomain(domain),
+                               chunk_size=chunk_size_kib << 10, progress=report)
+        after = store.stats()
+        total = bar.n
+    secs = time.perf_counter() - start
+    click.echo(f"{tag} {digest}")
+    click.echo(f"{files:,} entries, {total / 1e6:,.1f} MB of file data in {secs:.1f} s "
+               f"({total / 1e6 / max(secs, 1e-9):,.0f} MB/s); "
+               f"{after.chunks - before.chunks:,} new chunks, "
+               f"{(after.pack_bytes - before.pack_bytes) / 1e6:,.1f} MB written to the store")
+
+
+@click.command()
+@click.pass_obj
+def images(settings: Settings) -> None:
+    """List tagged images."""
+    with open_store(settings, readonly=True) as store, _catalog(store) as catalog:
+        for tag, digest in catalog.list_tags():
+            _, img = catalog.resolve(digest)
+            size = sum(catalog.layer_info(d)["size"] for d in img.layers)
+            click.echo(f"{tag:40s} {digest[:19]}  {len(img.layers)} layers  "
+                       f"{size / 1e6:,.1f} MB")
+
+
+@click.command()
+@click.argument("image")
+@click.pass_obj
+def inspect(settings: Settings, image: str) -> None:
+    """Show an image's config and layers (sizes, entries, chunks)."""
+    with open_store(settings, readonly=True) as store, _catalog(store) as catalog:
+        digest, img = catalog.resolve(image)
+        click.echo(f"image   {digest}\nsource  {img.source}")
+        for k, v in img.config.items():
+            click.echo(f"config  {k}: {v}")
+        for i, d in enumerate(img.layers):
+            info = catalog.layer_info(d)
+            click.echo(f"layer {i}  {d}  {info['size'] / 1e6:,.1f} MB  "
+                       f"{info['entries']:,} entries  {info['data_chunks']:,} chunks  "
+                       f"domain {info['domain']}")
+
+
+@click.command(name="export")
+@click.argument("image")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.pass_obj
+def export(settings: Settings, image: str, dest: Path) -> None:
+    """Write IMAGE's composed tree into DEST (a new or empty directory)."""
+    with open_store(settings, readonly=True) as store, _catalog(store) as catalog:
+        _, img = catalog.resolve(image)
+        layers = [catalog.load_layer(d) for d in img.layers]
+        n = export_tree(store, layers, dest)
+    click.echo(f"exported {n:,} entries to {dest}")
+
+
+@click.command()
+@click.argument("images", nargs=-1, required=True)
+@click.pass_obj
+def rm(settings: Settings, images: tuple[str, ...]) -> None:
+    """Remove image tags (data goes at the next `lazyfs gc`)."""
+    with open_store(settings) as store, _catalog(store) as catalog:
+        for name in images:
+            catalog.remove_tag(name)
+            click.echo(f"removed {name}")
+
+
+@click.command()
+@click.option("--grace", default=3600.0, show_default=True, metavar="SECONDS",
+              help="Keep unreferenced chunks younger than this.")
+@click.pass_obj
+def gc(settings: Settings, grace: float) -> None:
+    """Drop untagged images and unused layers, then collect their chunks."""
+    with open_store(settings) as store, _catalog(store) as catalog:
+        layers = catalog.gc()
+        r = store.gc(grace_seconds=grace)
+    click.echo(f"dropped {layers} unused layers; removed {r.chunks_removed:,} chunks, "
+               f"reclaimed {r.bytes_reclaimed / 1e6:,.1f} MB")
