@@ -8,8 +8,10 @@ cd "$(dirname "$0")"
 # System packages the code and the tests use.
 #   util-linux: mount/umount (tests mount tmpfs and read-only binds)
 #   python3-venv, python3-dev, gcc: the virtualenv, and wheels that compile
-#   busybox-static, zstd, tar, attr: test images (static userland, zstd layers, xattrs)
-APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar)
+#   busybox-static, zstd, tar: test images (static userland, zstd layers)
+#   docker-registry, apache2-utils, openssl: a real registry (htpasswd auth, TLS) for tests
+APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
+              docker-registry apache2-utils openssl)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -7,15 +7,18 @@ from chunkstore import TRUSTED, ChunkId, ChunkStore, TrustDomain
 from .builder import DEFAULT_CHUNK_SIZE, ProgressFn
 from .catalog import Catalog, Image
 from .manifest import LayerManifest
+from .registry import RegistryOptions
 from .sources import open_source
 
 
 def convert(store: ChunkStore, catalog: Catalog, ref: str, tag: str, *,
             domain: TrustDomain = TRUSTED, chunk_size: int = DEFAULT_CHUNK_SIZE,
-            progress: ProgressFn | None = None) -> str:
+            progress: ProgressFn | None = None,
+            registry: RegistryOptions | None = None) -> str:
     """Convert `ref` and tag it; returns the image digest. On any failure
     nothing is added to the catalog."""
-    src = open_source(ref, store, domain=domain, chunk_size=chunk_size, progress=progress)
+    src = open_source(ref, store, domain=domain, chunk_size=chunk_size, progress=progress,
+                      registry=registry)
     stored: dict[str, tuple[LayerManifest, list[ChunkId]]] = {}
     digests: list[str] = []
     for manifest in src.layers:

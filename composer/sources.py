@@ -5,8 +5,9 @@
     docker-archive:FILE    a `docker save` tarball (manifest.json, layer tars)
     oci:DIR[:TAG]          an OCI image layout directory (index.json, blobs/)
 
-Registry (`registry://host:port/repo:tag`) and Docker engine (`docker://name`)
-sources are not implemented yet.
+    registry://HOST[:PORT]/REPO[:TAG|@DIGEST]   an OCI / Docker v2 registry
+
+The Docker engine source (`docker://name`) is not implemented yet.
 
 A source yields its layers lowest first, each as a manifest built through
 composer.builder (so the same path and link rules apply), and the OCI config
@@ -33,6 +34,7 @@ from chunkstore import ChunkStore, TrustDomain
 from .builder import DEFAULT_CHUNK_SIZE, LayerBuilder, ProgressFn
 from .errors import BadLayer, BadSource
 from .manifest import Entry, Kind, LayerManifest
+from .registry import RegistryOptions, RegistrySource
 from .tarlayer import import_tar
 
 log = logging.getLogger(__name__)
@@ -52,11 +54,12 @@ LayerFactory = Callable[[ChunkStore, TrustDomain, int, ProgressFn | None],
 
 def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
                 chunk_size: int = DEFAULT_CHUNK_SIZE,
-                progress: ProgressFn | None = None) -> SourceImage:
+                progress: ProgressFn | None = None,
+                registry: RegistryOptions | None = None) -> SourceImage:
     transport, sep, rest = ref.partition(":")
     if not sep or not rest:
         raise BadSource(f"{ref!r}: expected TRANSPORT:LOCATION "
-                        "(tar:, dir:, docker-archive:, oci:)")
+                        "(tar:, dir:, docker-archive:, oci:, registry://)")
     if transport == "tar":
         path = _existing(rest, ref)
         return SourceImage({}, _one(lambda: _tar_layer(store, path, f"tar:{path}", domain,
@@ -74,10 +77,19 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
         location, _, tag = rest.partition(":")
         return _oci_layout(_existing(location, ref), tag or None, store, domain, chunk_size,
                            progress)
-    if transport in ("registry", "docker"):
-        raise BadSource(f"{ref!r}: the {transport} source is not implemented yet")
+    if transport == "registry":
+        src = RegistrySource(rest, registry or RegistryOptions.from_env())
+        config, descs = src.resolve()
+
+        def layers() -> Iterator[LayerManifest]:
+            for d in descs:
+                yield src.import_layer(store, d, domain=domain, chunk_size=chunk_size,
+                                       progress=progress)
+        return SourceImage(_pick_config(config), layers())
+    if transport == "docker":
+        raise BadSource(f"{ref!r}: the docker engine source is not implemented yet")
     raise BadSource(f"{ref!r}: unknown transport {transport!r} "
-                    "(known: tar, dir, docker-archive, oci)")
+                    "(known: tar, dir, docker-archive, oci, registry)")
 
 
 def _existing(text: str, ref: str) -> Path:

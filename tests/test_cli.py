@@ -129,3 +129,29 @@ def test_config_file_and_precedence(tmp_path: Path) -> None:
 def test_unreadable_input_is_named(tmp_path: Path, args: list[str]) -> None:
     p = run(*args, store=tmp_path / "s", ok=False)
     assert p.returncode != 0 and "/nonexistent/file" in p.stderr
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: image owners and devices")
+def test_convert_images_inspect_export_rm_gc(tmp_path: Path) -> None:
+    from images import build_busybox_rootfs, tar_of
+    from treediff import diff_trees
+    store = tmp_path / "store"
+    root = build_busybox_rootfs(tmp_path / "rootfs")
+    layer = tar_of(root, tmp_path / "layer.tar.gz", compression="gzip")
+    out = run("convert", f"tar:{layer}", "--tag", "busybox:1", store=store).stdout
+    assert out.startswith("busybox:1 blake3:") and "entries" in out
+    assert "busybox:1" in run("images", store=store).stdout
+    info = run("inspect", "busybox", store=store, ok=False)
+    assert info.returncode == 1 and "no image 'busybox'" in info.stderr  # busybox:latest
+    info = run("inspect", "busybox:1", store=store).stdout
+    assert "layer 0" in info and "tar:" in info
+    run("export", "busybox:1", str(tmp_path / "out"), store=store)
+    assert diff_trees(root, tmp_path / "out") == []
+    bad = run("convert", "tar:/nonexistent.tar", "--tag", "x", store=store, ok=False)
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+    run("rm", "busybox:1", store=store)
+    assert run("images", store=store).stdout == ""
+    gc = run("gc", "--grace", "0", store=store).stdout
+    assert "dropped 1 unused layers" in gc
+    assert "chunks      0" in run("store", "info", store=store).stdout

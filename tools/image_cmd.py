@@ -12,6 +12,7 @@ from chunkstore import ChunkStore, TrustDomain
 from composer.catalog import Catalog
 from composer.convert import convert as convert_image
 from composer.export import export_tree
+from composer.registry import RegistryOptions
 
 from .config import Settings
 from .options import open_store
@@ -30,15 +31,31 @@ def _catalog(store: ChunkStore) -> Catalog:
               help="Trust domain of the chunks.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar [default: when stderr is a terminal].")
+@click.option("--creds", metavar="USER:PASSWORD",
+              help="Registry credentials [env LAZYFS_REGISTRY_USER / _PASSWORD].")
+@click.option("--plain-http/--https", default=None,
+              help="Registry over plain HTTP [default: HTTPS, plain for loopback hosts].")
+@click.option("--tls-verify/--no-tls-verify", default=True, show_default=True,
+              help="Verify the registry's TLS certificate.")
+@click.option("--ca-cert", type=click.Path(exists=True, dir_okay=False),
+              help="CA certificate (PEM) to verify the registry with.")
+@click.option("--platform", default="linux/amd64", show_default=True,
+              help="Platform to pick from a manifest list / image index.")
 @click.pass_obj
 def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, domain: str,
-            progress: bool | None) -> None:
+            progress: bool | None, creds: str | None, plain_http: bool | None,
+            tls_verify: bool, ca_cert: str | None, platform: str) -> None:
     """Convert SOURCE into chunked layers and tag it.
 
     SOURCE is TRANSPORT:LOCATION: tar:FILE (a rootfs tar, plain/gz/zstd),
     dir:PATH (a rootfs directory), docker-archive:FILE (`docker save`),
-    oci:DIR[:TAG] (an OCI image layout).
+    oci:DIR[:TAG] (an OCI image layout), registry://HOST[:PORT]/REPO[:TAG]
+    (an OCI / Docker v2 registry).
     """
+    user, _, password = (creds or "").partition(":")
+    registry = RegistryOptions.from_env(
+        plain_http=plain_http, tls_verify=ca_cert or tls_verify, platform=platform,
+        username=user or None, password=password or None)
     if not 4 <= chunk_size_kib <= 65536:
         raise click.BadParameter("must be 4..65536", param_hint="--chunk-size-kib")
     start = time.perf_counter()
@@ -55,7 +72,8 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
             bar.set_postfix(files=files, refresh=False)
 
         digest = convert_image(store, catalog, source, tag, domain=TrustDomain(domain),
-                               chunk_size=chunk_size_kib << 10, progress=report)
+                               chunk_size=chunk_size_kib << 10, progress=report,
+                               registry=registry)
         after = store.stats()
         total = bar.n
     secs = time.perf_counter() - start
