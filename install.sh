@@ -10,8 +10,9 @@ cd "$(dirname "$0")"
 #   python3-venv, python3-dev, gcc: the virtualenv, and wheels that compile
 #   busybox-static, zstd, tar: test images (static userland, zstd layers)
 #   docker-registry, apache2-utils, openssl: a real registry (htpasswd auth, TLS) for tests
+#   debootstrap: the Debian minbase image of the round-trip test (cached in /var/cache)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
-              docker-registry apache2-utils openssl)
+              docker-registry apache2-utils openssl debootstrap)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
