@@ -68,7 +68,7 @@ def _register() -> None:
     cli.add_command(demo_cmd.demo)
     cli.add_command(store_cmd.store)
     for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
-                image_cmd.rm, image_cmd.gc):
+                image_cmd.rm, image_cmd.gc, image_cmd.build):
         cli.add_command(cmd)
 
 

@@ -11,6 +11,8 @@ from tqdm import tqdm
 from chunkstore import ChunkStore, TrustDomain
 from composer.catalog import Catalog
 from composer.convert import convert as convert_image
+from composer.envspec import build as build_env
+from composer.envspec import load_spec
 from composer.export import export_tree
 from composer.registry import RegistryOptions
 
@@ -148,3 +150,31 @@ def gc(settings: Settings, grace: float) -> None:
         r = store.gc(grace_seconds=grace)
     click.echo(f"dropped {layers} unused layers; removed {r.chunks_removed:,} chunks, "
                f"reclaimed {r.bytes_reclaimed / 1e6:,.1f} MB")
+
+
+@click.command()
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--refresh", is_flag=True,
+              help="Reconvert source components instead of reusing pinned layers.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar [default: when stderr is a terminal].")
+@click.pass_obj
+def build(settings: Settings, spec: Path, refresh: bool, progress: bool | None) -> None:
+    """Build an environment image from SPEC (base / workspace / toolkits).
+
+    SPEC is a TOML file (see composer/envspec.py): name = "env:1", base =
+    an image or source, workspace = a source (placed at /workspace),
+    toolkits = [sources or images]. Built components are pinned in
+    SPEC.lock.json and reused: a new combination writes no new chunks.
+    """
+    parsed = load_spec(spec)
+    with open_store(settings, create=True) as store, _catalog(store) as catalog, \
+            tqdm(unit="B", unit_scale=True, desc="build",
+                 disable=not progress if progress is not None else None) as bar:
+        before = store.stats()
+        digest, converted = build_env(store, catalog, parsed, refresh=refresh,
+                                      progress=lambda n, _f: bar.update(n))
+        after = store.stats()
+    click.echo(f"{parsed.name} {digest}")
+    click.echo(f"{len(parsed.components)} components, {converted} layers converted now, "
+               f"{after.chunks - before.chunks:,} new chunks")
