@@ -126,13 +126,18 @@ class RegistrySource:
         self.ref = ref
         self.host, self.repo, self.reference = parse_reference(ref)
         self.options = options
-        plain = options.plain_http if options.plain_http is not None else _is_loopback(self.host)
+        # like Docker with 127.0.0.0/8: HTTPS first, plain HTTP if that fails
+        self._may_fall_back = options.plain_http is None and _is_loopback(self.host)
+        self.client = self._client(plain=bool(options.plain_http))
+        self.name = f"registry://{self.host}/{self.repo}"
+
+    def _client(self, *, plain: bool) -> DXF:
+        options = self.options
 
         def auth(client: Any, response: requests.Response) -> None:
             client.authenticate(options.username, options.password, response=response)
-        self.client = DXF(self.host, self.repo, auth=auth, insecure=plain,
-                          tlsverify=options.tls_verify, timeout=options.timeout)
-        self.name = f"registry://{self.host}/{self.repo}"
+        return DXF(self.host, self.repo, auth=auth, insecure=plain,
+                   tlsverify=options.tls_verify, timeout=options.timeout)
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -153,8 +158,11 @@ class RegistrySource:
         except (requests.ConnectionError, requests.Timeout) as e:
             raise BadSource(f"{self.name}: registry unreachable while {what}: {e}") from e
         except requests.HTTPError as e:
-            if e.response is not None and e.response.status_code == 401:
+            status = e.response.status_code if e.response is not None else None
+            if status == 401:
                 raise BadSource(f"{self.name}: authentication failed while {what}") from e
+            if status == 404:
+                raise BadSource(f"{self.name}: not found while {what}") from e
             raise BadSource(f"{self.name}: {what}: {e}") from e
 
     def _manifest(self, reference: str) -> tuple[dict[str, Any], str]:
@@ -174,7 +182,23 @@ class RegistrySource:
 
     def resolve(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """(image config, layer descriptors) after platform selection."""
-        doc, media = self._manifest(self.reference)
+        try:
+            doc, media = self._manifest(self.reference)
+        except BadSource as e:
+            if not (self._may_fall_back and isinstance(
+                    e.__cause__, requests.exceptions.SSLError | requests.ConnectionError)):
+                raise
+            secure_client, self.client = self.client, self._client(plain=True)
+            try:
+                doc, media = self._manifest(self.reference)
+            except BadSource as plain_error:
+                cause = plain_error.__cause__
+                if isinstance(cause, requests.HTTPError) and cause.response is not None \
+                        and cause.response.status_code == 400:
+                    # "client sent an HTTP request to an HTTPS server"
+                    self.client = secure_client
+                    raise e from None
+                raise
         if media in (OCI_INDEX, DOCKER_LIST) or "manifests" in doc:
             os_name, _, arch = self.options.platform.partition("/")
             arch, _, variant = arch.partition("/")
