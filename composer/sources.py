@@ -7,7 +7,7 @@
 
     registry://HOST[:PORT]/REPO[:TAG|@DIGEST]   an OCI / Docker v2 registry
 
-The Docker engine source (`docker://name`) is not implemented yet.
+    docker://NAME[:TAG]    an image in the local Docker engine (DOCKER_HOST)
 
 A source yields its layers lowest first, each as a manifest built through
 composer.builder (so the same path and link rules apply), and the OCI config
@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 from chunkstore import ChunkStore, TrustDomain
 
 from .builder import DEFAULT_CHUNK_SIZE, LayerBuilder, ProgressFn
+from .dockerengine import open_engine_image
 from .errors import BadLayer, BadSource
 from .manifest import Entry, Kind, LayerManifest
 from .registry import RegistryOptions, RegistrySource
@@ -87,9 +88,14 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
                                        progress=progress)
         return SourceImage(_pick_config(config), layers())
     if transport == "docker":
-        raise BadSource(f"{ref!r}: the docker engine source is not implemented yet")
+        name = rest.removeprefix("//")
+        if not name:
+            raise BadSource(f"{ref!r}: expected docker://NAME[:TAG]")
+        config, engine_layers = open_engine_image(name, store, domain=domain,
+                                                  chunk_size=chunk_size, progress=progress)
+        return SourceImage(_pick_config({"config": config}), engine_layers)
     raise BadSource(f"{ref!r}: unknown transport {transport!r} "
-                    "(known: tar, dir, docker-archive, oci, registry)")
+                    "(known: tar, dir, docker-archive, oci, registry, docker)")
 
 
 def _existing(text: str, ref: str) -> Path:
