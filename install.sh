@@ -11,8 +11,9 @@ cd "$(dirname "$0")"
 #   busybox-static, zstd, tar: test images (static userland, zstd layers)
 #   docker-registry, apache2-utils, openssl: a real registry (htpasswd auth, TLS) for tests
 #   debootstrap: the Debian minbase image of the round-trip test (cached in /var/cache)
+#   docker.io: a private dockerd for the docker:// source tests (never the system one)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
-              docker-registry apache2-utils openssl debootstrap)
+              docker-registry apache2-utils openssl debootstrap docker.io)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -80,7 +80,7 @@ class LayerBuilder:
             self._check_parents(path, name)
             d = self.entries.get(parent)
             if d is None:
-                d = self.entries[parent] = Entry(parent, Kind.DIR, 0o755)
+                d = self.entries[parent] = Entry(parent, Kind.DIR, 0o755, implicit=True)
             d.opaque = True
             return
         if base.startswith(WHITEOUT_PREFIX):
@@ -93,7 +93,7 @@ class LayerBuilder:
         entry.path = path
         old = self.entries.pop(path, None)
         if old is not None and old.kind == Kind.DIR and entry.kind == Kind.DIR:
-            entry.opaque = entry.opaque or old.opaque
+            entry.opaque = entry.opaque or old.opaque  # the marker may come first
         if old is not None and old.kind == Kind.SYMLINK:
             self._symlinks.discard(path)
         if entry.kind == Kind.SYMLINK:
@@ -156,12 +156,12 @@ class LayerBuilder:
                     raise BadLink(self.layer, e.path,
                                   f"hardlink target {e.target!r} was replaced or removed")
         if "" not in self.entries:
-            self.entries[""] = Entry("", Kind.DIR, 0o755)
+            self.entries[""] = Entry("", Kind.DIR, 0o755, implicit=True)
         # implicit parent directories (tars may omit them)
         for path in list(self.entries):
             parent = posixpath.dirname(path)
             while path and parent not in self.entries:
-                self.entries[parent] = Entry(parent, Kind.DIR, 0o755)
+                self.entries[parent] = Entry(parent, Kind.DIR, 0o755, implicit=True)
                 parent = posixpath.dirname(parent)
         for path, e in self.entries.items():
             parent = posixpath.dirname(path)

@@ -6,7 +6,9 @@ For each layer, bottom to top:
 2. a whiteout removes its path, and everything under it, from lower layers;
 3. the layer's other entries are added, replacing lower ones at the same path
    (a directory replacing a directory keeps the lower one's children unless
-   opaque; anything else replacing a directory removes its children).
+   opaque; anything else replacing a directory removes its children); a
+   directory the layer did not list itself (a parent implied by its members)
+   leaves a lower directory's metadata as it was.
 This is what overlayfs does with the same layers as lowers, and what OCI's
 image-layer spec prescribes for extraction.
 """
@@ -39,6 +41,8 @@ def compose(layers: list[LayerManifest]) -> list[tuple[Entry, int]]:
             if e.kind == Kind.WHITEOUT:
                 continue
             old = tree.get(e.path)
+            if e.implicit and old is not None and old.kind == Kind.DIR:
+                continue  # (an opaque marker already hid the lower content above)
             if old is not None and old.kind == Kind.DIR and e.kind != Kind.DIR:
                 _drop_under(tree, e.path, keep_self=True)
             tree[e.path] = e

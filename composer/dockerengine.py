@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import tarfile
 from collections.abc import Iterator
 from typing import IO, Any
@@ -30,6 +31,23 @@ from .registry import _BlobStream
 from .tarlayer import import_tar
 
 _CONFIG_KEYS = ("Env", "Entrypoint", "Cmd", "WorkingDir", "User")
+
+
+def _check_reachable(base_url: str, where: str) -> None:
+    """Fail cleanly before the SDK does: on a refused unix socket the docker
+    SDK leaves its socket open."""
+    if not base_url.startswith("unix://"):
+        return
+    path = base_url[len("unix://"):]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(5)
+        sock.connect(path)
+    except OSError as e:
+        raise BadSource(f"{where}: cannot reach the Docker engine at {base_url}: "
+                        f"{e.strerror or e}") from e
+    finally:
+        sock.close()
 
 
 class _Hashing(io.RawIOBase):
@@ -58,20 +76,30 @@ def open_engine_image(name: str, store: ChunkStore, *, domain: TrustDomain, chun
                       docker_host: str | None = None) -> tuple[dict[str, Any],
                                                                Iterator[LayerManifest]]:
     where = f"docker://{name}"
+    base_url = docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    _check_reachable(base_url, where)
+    client = None
     try:
-        client = docker.DockerClient(base_url=docker_host) if docker_host \
-            else docker.from_env()
+        client = docker.DockerClient(base_url=base_url)
         image = client.images.get(name)
     except docker.errors.ImageNotFound as e:
+        client.close() if client else None
         raise BadSource(f"{where}: no such image in the Docker engine") from e
     except (docker.errors.DockerException, requests.ConnectionError) as e:
-        raise BadSource(f"{where}: cannot reach the Docker engine: {e}") from e
+        client.close() if client else None
+        raise BadSource(f"{where}: cannot reach the Docker engine at {base_url}: {e}") from e
     attrs = image.attrs
     cfg = attrs.get("Config") or {}
     config = {k: cfg[k] for k in _CONFIG_KEYS if cfg.get(k)}
     diff_ids = list((attrs.get("RootFS") or {}).get("Layers") or [])
 
     def layers() -> Iterator[LayerManifest]:
+        try:
+            yield from _layers()
+        finally:
+            client.close()
+
+    def _layers() -> Iterator[LayerManifest]:
         converted: dict[str, tuple[LayerManifest, str]] = {}
         links: dict[str, str] = {}
         manifest: list[dict[str, Any]] | None = None

@@ -122,12 +122,14 @@ def relocate(manifest: LayerManifest, prefix: str) -> LayerManifest:
     if not parts:
         return manifest
     base = "/".join(parts)
-    entries = [Entry("/".join(parts[:i]), Kind.DIR, 0o755) for i in range(len(parts))]
+    entries = [Entry("/".join(parts[:i]), Kind.DIR, 0o755, implicit=True)
+               for i in range(len(parts))]
     for e in manifest.entries:
         path = base if e.path == "" else f"{base}/{e.path}"
         target = f"{base}/{e.target}" if e.kind == Kind.HARDLINK else e.target
         entries.append(Entry(path, e.kind, e.mode, e.uid, e.gid, e.mtime_ns, e.size,
-                             list(e.chunks), target, e.rdev, dict(e.xattrs), e.opaque))
+                             list(e.chunks), target, e.rdev, dict(e.xattrs), e.opaque,
+                             e.implicit))
     return LayerManifest(entries, manifest.domain, f"{manifest.source} at /{base}")
 
 

@@ -63,6 +63,7 @@ class Entry:
     rdev: tuple[int, int] = (0, 0)  # (major, minor) for devices
     xattrs: dict[str, bytes] = field(default_factory=dict)
     opaque: bool = False  # a directory hiding everything lower layers had in it
+    implicit: bool = False  # a parent the source did not list: lower layers' metadata wins
 
     @property
     def st_mode(self) -> int:
@@ -71,18 +72,19 @@ class Entry:
     def pack(self) -> list[Any]:
         return [self.path, int(self.kind), self.mode, self.uid, self.gid, self.mtime_ns,
                 self.size, [[bytes(c.id) if c.id else b"", c.length] for c in self.chunks],
-                self.target, list(self.rdev), sorted(self.xattrs.items()), self.opaque]
+                self.target, list(self.rdev), sorted(self.xattrs.items()), self.opaque,
+                self.implicit]
 
     @classmethod
     def unpack(cls, row: Any) -> Entry:
         try:
             (path, kind, mode, uid, gid, mtime_ns, size, chunks, target, rdev, xattrs,
-             opaque) = row
+             opaque, implicit) = row
             e = cls(_str(path), Kind(kind), _int(mode), _int(uid), _int(gid), _int(mtime_ns),
                     _int(size),
                     [ChunkRef(ChunkId(_bytes(c)) if c else None, _int(n)) for c, n in chunks],
                     _str(target), (_int(rdev[0]), _int(rdev[1])),
-                    {_str(k): _bytes(v) for k, v in xattrs}, bool(opaque))
+                    {_str(k): _bytes(v) for k, v in xattrs}, bool(opaque), bool(implicit))
         except (TypeError, ValueError) as err:
             raise ManifestError(f"malformed manifest entry: {err}") from err
         if sum(c.length for c in e.chunks) != e.size and e.kind == Kind.FILE:
@@ -118,10 +120,12 @@ def _bytes(v: Any) -> bytes:
 class LayerManifest:
     entries: list[Entry]  # sorted by path; parents before children
     domain: TrustDomain = TRUSTED
-    source: str = ""  # where it came from (for humans), e.g. the OCI layer digest
+    # where it came from, for humans (kept in the catalog, not in the manifest:
+    # the same tree from two sources is the same layer)
+    source: str = ""
 
     def serialize(self) -> bytes:
-        body = msgpack.packb([str(self.domain), self.source, [e.pack() for e in self.entries]],
+        body = msgpack.packb([str(self.domain), [e.pack() for e in self.entries]],
                              use_bin_type=True)
         return _HEADER.pack(MAGIC, VERSION) + zstandard.ZstdCompressor(level=9).compress(body)
 
@@ -142,11 +146,11 @@ class LayerManifest:
         try:
             body = zstandard.ZstdDecompressor().decompress(raw[_HEADER.size:],
                                                            max_output_size=1 << 31)
-            domain, source, rows = msgpack.unpackb(body, raw=False, strict_map_key=True,
-                                                   use_list=True)
+            domain, rows = msgpack.unpackb(body, raw=False, strict_map_key=True,
+                                           use_list=True)
         except (zstandard.ZstdError, ValueError, msgpack.UnpackException) as e:
             raise ManifestError(f"manifest cannot be decoded: {e}") from e
-        return cls([Entry.unpack(r) for r in rows], TrustDomain(_str(domain)), _str(source))
+        return cls([Entry.unpack(r) for r in rows], TrustDomain(_str(domain)))
 
     def chunk_ids(self) -> set[ChunkId]:
         return {c.id for e in self.entries for c in e.chunks if c.id is not None}
