@@ -25,7 +25,7 @@ from .errors import (
 )
 from .gc import GcBusy, GcReport
 from .ids import TRUSTED, ChunkId, PackId, TrustDomain
-from .store import BadChunk, ChunkInfo, ChunkStore, StoreStats, VerifyReport
+from .store import BadChunk, ChunkInfo, ChunkStore, PutCounters, StoreStats, VerifyReport
 
 __all__ = [
     "TRUSTED",
@@ -44,6 +44,7 @@ __all__ = [
     "GcReport",
     "PackId",
     "PackNotFound",
+    "PutCounters",
     "RootError",
     "StoreConfig",
     "StoreFormatError",

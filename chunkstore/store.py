@@ -128,6 +128,28 @@ class StoreStats:
     roots: int
 
 
+@dataclass(slots=True)
+class PutCounters:
+    """What this store object's puts did: chunks and plain bytes offered, and
+    how many of them were new (the rest deduplicated). For progress reports."""
+
+    chunks: int = 0
+    plain_bytes: int = 0
+    new_chunks: int = 0
+    new_bytes: int = 0
+
+    def add(self, ids: list[ChunkId], batch: list[bytes | memoryview],
+            appended: dict[ChunkId, Entry]) -> None:
+        self.chunks += len(ids)
+        self.plain_bytes += sum(len(d) for d in batch)
+        self.new_chunks += len(appended)
+        self.new_bytes += sum(e.plain_len for e in appended.values())
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.plain_bytes / self.new_bytes if self.new_bytes else float("inf")
+
+
 class _Retry(Exception):
     """A decision made under a read transaction no longer holds (GC moved or
     removed an entry in between); plan the batch again."""
@@ -155,6 +177,7 @@ class ChunkStore:
         self._write_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self.counters = PutCounters()
 
     # -- opening -------------------------------------------------------------
 
@@ -318,6 +341,7 @@ class ChunkStore:
                     continue
                 finally:
                     self._close_retired()
+            self.counters.add(ids, batch, appended)
             return ids
         raise ChunkStoreError(f"put of {len(unique)} chunks kept racing with garbage "
                               "collection; giving up after 5 attempts")

@@ -71,18 +71,23 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
             nonlocal files
             files += nfiles
             bar.update(nbytes)
-            bar.set_postfix(files=files, refresh=False)
+            c = store.counters
+            bar.set_postfix(files=files, chunks=c.chunks, new=c.new_chunks,
+                            dedup=f"{c.dedup_ratio:.2f}x" if c.new_bytes else "all",
+                            refresh=False)
 
         digest = convert_image(store, catalog, source, tag, domain=TrustDomain(domain),
                                chunk_size=chunk_size_kib << 10, progress=report,
                                registry=registry)
         after = store.stats()
         total = bar.n
+        counters = store.counters
     secs = time.perf_counter() - start
     click.echo(f"{tag} {digest}")
     click.echo(f"{files:,} entries, {total / 1e6:,.1f} MB of file data in {secs:.1f} s "
-               f"({total / 1e6 / max(secs, 1e-9):,.0f} MB/s); "
-               f"{after.chunks - before.chunks:,} new chunks, "
+               f"({total / 1e6 / max(secs, 1e-9):,.0f} MB/s); {counters.chunks:,} chunks, "
+               f"{after.chunks - before.chunks:,} new "
+               f"(dedup {counters.plain_bytes / max(1, counters.new_bytes):.2f}x), "
                f"{(after.pack_bytes - before.pack_bytes) / 1e6:,.1f} MB written to the store")
 
 
