@@ -27,8 +27,8 @@ def _catalog(store: ChunkStore) -> Catalog:
 @click.command()
 @click.argument("source")
 @click.option("--tag", "-t", required=True, help="Name to record the image under (name[:tag]).")
-@click.option("--chunk-size-kib", default=1024, show_default=True,
-              help="Chunk size for file data.")
+@click.option("--chunk-size-kib", default=256, show_default=True,
+              help="Chunk size for file data (256 KiB: see composer/builder.py).")
 @click.option("--domain", default="trusted", show_default=True,
               help="Trust domain of the chunks.")
 @click.option("--progress/--no-progress", default=None,
