@@ -935,7 +935,8 @@ def recommendation_lines(rec: dict[str, Any], rows: list[dict[str, Any]]) -> lis
     tag = rec["based_on"][-1]
     head = (f"Recommendation: {pick} KiB chunks"
             + (" (the current default: keep it)" if pick == cur else f" (current: {cur} KiB)")
-            + ("" if rec["any_ok"] else "; no size meets every rule, this one fails fewest"))
+            + ("" if rec["any_ok"] else "; no size meets every rule, this one fails fewest")
+            + (" - one repeat, indicative only" if rec["single_repeat"] else ""))
     lines = [
         head,
         ("  rule: the smallest size whose convert CPU time (" + " and ".join(rec["based_on"])
