@@ -65,6 +65,7 @@ class LayerBuilder:
         self.source = source
         self.entries: dict[str, Entry] = {}
         self._symlinks: set[str] = set()
+        self._linked: dict[str, list[str]] = {}  # hardlink target -> link paths
         self._pending: list[tuple[Entry, int, bytes]] = []  # entry, chunk index, data
         self._pending_bytes = 0
         self.chunks_written = 0
@@ -92,7 +93,10 @@ class LayerBuilder:
             d.opaque = True
             return
         if base.startswith(WHITEOUT_PREFIX):
-            path = posixpath.join(posixpath.dirname(path), base[len(WHITEOUT_PREFIX):])
+            hidden = base[len(WHITEOUT_PREFIX):]
+            if hidden in ("", ".", ".."):
+                raise UnsafePath(self.layer, name, "malformed whiteout name")
+            path = posixpath.join(posixpath.dirname(path), hidden)
             entry = Entry(path, Kind.WHITEOUT, mode=0, uid=entry.uid, gid=entry.gid,
                           mtime_ns=entry.mtime_ns)
         if path == "" and entry.kind != Kind.DIR:
@@ -100,6 +104,8 @@ class LayerBuilder:
         self._check_parents(path, name)
         entry.path = path
         old = self.entries.pop(path, None)
+        if old is not None and old.kind == Kind.FILE and path in self._linked:
+            self._detach_links(old)
         if old is not None and old.kind == Kind.DIR and entry.kind == Kind.DIR:
             entry.opaque = entry.opaque or old.opaque  # the marker may come first
         if old is not None and old.kind == Kind.SYMLINK:
@@ -116,11 +122,30 @@ class LayerBuilder:
             elif t.kind != Kind.FILE:
                 raise BadLink(self.layer, name, f"hardlink to a {t.kind.name.lower()}")
             entry.target = target
+            self._linked.setdefault(target, []).append(path)
         self.entries[path] = entry
         if entry.kind == Kind.FILE:
             self._read_file(entry, data)
         if self.progress is not None and entry.kind != Kind.FILE:
             self.progress(0, 1)
+
+    def _detach_links(self, old: Entry) -> None:
+        """`old` is being replaced (tar: a later member of the same name): its
+        hardlinks keep its content, so the first becomes the file and the
+        others link to it."""
+        self.flush()  # old's chunk ids are final
+        links = [p for p in self._linked.pop(old.path)
+                 if (e := self.entries.get(p)) is not None and e.kind == Kind.HARDLINK
+                 and e.target == old.path]
+        if not links:
+            return
+        first = links[0]
+        self.entries[first] = Entry(first, Kind.FILE, old.mode, old.uid, old.gid, old.mtime_ns,
+                                    old.size, list(old.chunks), "", (0, 0), dict(old.xattrs))
+        for p in links[1:]:
+            self.entries[p].target = first
+        if links[1:]:
+            self._linked[first] = links[1:]
 
     def _read_file(self, entry: Entry, data: IO[bytes] | None) -> None:
         remaining = entry.size

@@ -201,6 +201,8 @@ def _link(name: str, target: str, kind: bytes) -> tarfile.TarInfo:
      UnsafePath, "symlink 'lnk'"),
     ([(_link("hard", "missing", tarfile.LNKTYPE), None)], BadLink, "missing target"),
     ([(_link("hard", "../../etc/shadow", tarfile.LNKTYPE), None)], UnsafePath, "'..'"),
+    ([(_file("x/.wh.."), b"")], UnsafePath, "malformed whiteout"),
+    ([(_file("x/.wh."), b"")], UnsafePath, "malformed whiteout"),
 ])
 def test_unsafe_layers_are_refused_and_leave_no_image(
         store: ChunkStore, cat: Catalog, tmp_path: Path,
@@ -216,6 +218,18 @@ def test_duplicate_entries_last_wins(store: ChunkStore, cat: Catalog, tmp_path: 
     path = _tar(tmp_path, [(_file("f"), b"first"), (_file("f"), b"second")])
     convert(store, cat, f"tar:{path}", "dup")
     assert (_export(store, cat, "dup", tmp_path / "out") / "f").read_bytes() == b"second"
+
+
+def test_hardlinks_keep_content_when_their_target_is_replaced(
+        store: ChunkStore, cat: Catalog, tmp_path: Path) -> None:
+    # as GNU tar extracts it: b and c keep "old" (one inode), a becomes "NEW"
+    path = _tar(tmp_path, [(_file("a"), b"old"), (_link("b", "a", tarfile.LNKTYPE), None),
+                           (_link("c", "a", tarfile.LNKTYPE), None), (_file("a"), b"NEW")])
+    convert(store, cat, f"tar:{path}", "links")
+    out = _export(store, cat, "links", tmp_path / "out")
+    assert (out / "a").read_bytes() == b"NEW"
+    assert (out / "b").read_bytes() == (out / "c").read_bytes() == b"old"
+    assert os.stat(out / "b").st_ino == os.stat(out / "c").st_ino != os.stat(out / "a").st_ino
 
 
 def test_corrupt_and_truncated_archives(store: ChunkStore, cat: Catalog, rootfs: Path,
