@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from chunkstore import ChunkStore, StoreConfig
+from composer.catalog import Catalog
 
 
 @pytest.fixture
@@ -24,3 +25,13 @@ def store(store_path: Path) -> Iterator[ChunkStore]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture
+def cat(store: ChunkStore) -> Iterator[Catalog]:
+    """The image catalog next to `store`."""
+    c = Catalog(store)
+    try:
+        yield c
+    finally:
+        c.close()

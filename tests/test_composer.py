@@ -9,7 +9,6 @@ import io
 import json
 import os
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,14 +32,6 @@ pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0,
                                  reason="needs root: owners, devices and xattrs in images")]
 
-
-@pytest.fixture
-def cat(store: ChunkStore) -> Iterator[Catalog]:
-    c = Catalog(store)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture(scope="module")

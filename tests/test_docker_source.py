@@ -44,14 +44,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DockerDae
         yield daemon, work
 
 
-@pytest.fixture
-def cat(store: ChunkStore) -> Iterator[Catalog]:
-    c = Catalog(store)
-    try:
-        yield c
-    finally:
-        c.close()
-
 
 def _saved_layers(daemon: DockerDaemon, tag: str, dest: Path) -> list[Path]:
     archive = dest / "saved.tar"

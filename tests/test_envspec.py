@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ from composer.export import export_tree
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root: image owners")]
 
-
-@pytest.fixture
-def cat(store: ChunkStore) -> Iterator[Catalog]:
-    c = Catalog(store)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _tree(root: Path, files: dict[str, bytes]) -> Path:

@@ -52,14 +52,6 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         yield reg
 
 
-@pytest.fixture
-def cat(store: ChunkStore) -> Iterator[Catalog]:
-    c = Catalog(store)
-    try:
-        yield c
-    finally:
-        c.close()
-
 
 def _exported(store: ChunkStore, cat: Catalog, tag: str, dest: Path) -> Path:
     _, img = cat.resolve(tag)
