@@ -60,6 +60,7 @@ class Catalog:
         self.layers = self.env.open_db(b"layers")
         self.images = self.env.open_db(b"images")
         self.tags = self.env.open_db(b"tags")
+        self.blobs = self.env.open_db(b"blobs")  # registry blob -> layer digest
 
     def close(self) -> None:
         self.env.close()
@@ -96,12 +97,28 @@ class Catalog:
         raw = b"".join(self.store.get_many(ids, doc["domain"]))
         if "blake3:" + blake3.blake3(raw).hexdigest() != digest:
             raise ManifestError(f"layer {digest}: stored manifest does not match its digest")
-        return LayerManifest.deserialize(raw)
+        manifest = LayerManifest.deserialize(raw)
+        manifest.stored_digest = digest
+        return manifest
+
+    @staticmethod
+    def blob_key(blob: str, domain: str, chunk_size: int) -> str:
+        return f"{blob}|{domain}|{chunk_size}"
+
+    def find_blob(self, blob: str, domain: str, chunk_size: int) -> str | None:
+        """The layer a registry blob was converted to before (same domain and
+        chunk size), if it is still in the catalog."""
+        with self.env.begin() as txn:
+            raw = txn.get(self.blob_key(blob, domain, chunk_size).encode(), db=self.blobs)
+            if raw is None or txn.get(raw, db=self.layers) is None:
+                return None
+        return bytes(raw).decode()
 
     # -- images --------------------------------------------------------------
 
     def commit_image(self, tag: str, image: Image,
-                     layers: dict[str, tuple[LayerManifest, list[ChunkId]]]) -> str:
+                     layers: dict[str, tuple[LayerManifest, list[ChunkId]]],
+                     blobs: dict[str, str] | None = None) -> str:
         """Record the layers, the image and its tag in one transaction."""
         tag = normalize_tag(tag)
         with self.env.begin(write=True) as txn:
@@ -110,6 +127,8 @@ class Catalog:
                        "size": m.data_size, "entries": len(m.entries),
                        "data_chunks": len(m.chunk_ids()), "source": m.source}
                 txn.put(digest.encode(), json.dumps(rec).encode(), db=self.layers)
+            for key, digest in (blobs or {}).items():
+                txn.put(key.encode(), digest.encode(), db=self.blobs)
             txn.put(image.digest.encode(), image.to_json(), db=self.images)
             txn.put(tag.encode(), image.digest.encode(), db=self.tags)
         return image.digest

@@ -17,12 +17,22 @@ def convert(store: ChunkStore, catalog: Catalog, ref: str, tag: str, *,
             registry: RegistryOptions | None = None) -> str:
     """Convert `ref` and tag it; returns the image digest. On any failure
     nothing is added to the catalog."""
+    def known(blob: str) -> LayerManifest | None:
+        digest = catalog.find_blob(blob, str(domain), chunk_size)
+        return catalog.load_layer(digest) if digest else None
+
     src = open_source(ref, store, domain=domain, chunk_size=chunk_size, progress=progress,
-                      registry=registry)
+                      registry=registry, known_blob=known)
     stored: dict[str, tuple[LayerManifest, list[ChunkId]]] = {}
+    blobs: dict[str, str] = {}
     digests: list[str] = []
     for manifest in src.layers:
+        if manifest.stored_digest:  # converted before: nothing to store again
+            digests.append(manifest.stored_digest)
+            continue
         digest, ids = catalog.store_layer(manifest)
         stored[digest] = (manifest, ids)
         digests.append(digest)
-    return catalog.commit_image(tag, Image(digests, src.config, ref), stored)
+        if manifest.blob:
+            blobs[Catalog.blob_key(manifest.blob, str(domain), chunk_size)] = digest
+    return catalog.commit_image(tag, Image(digests, src.config, ref), stored, blobs)

@@ -123,6 +123,10 @@ class LayerManifest:
     # where it came from, for humans (kept in the catalog, not in the manifest:
     # the same tree from two sources is the same layer)
     source: str = ""
+    # the registry blob (compressed layer digest) it was converted from, and
+    # its own digest when it was loaded from the catalog instead of converted
+    blob: str = ""
+    stored_digest: str = ""
 
     def serialize(self) -> bytes:
         body = msgpack.packb([str(self.domain), [e.pack() for e in self.entries]],

@@ -56,7 +56,8 @@ LayerFactory = Callable[[ChunkStore, TrustDomain, int, ProgressFn | None],
 def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
                 chunk_size: int = DEFAULT_CHUNK_SIZE,
                 progress: ProgressFn | None = None,
-                registry: RegistryOptions | None = None) -> SourceImage:
+                registry: RegistryOptions | None = None,
+                known_blob: Callable[[str], LayerManifest | None] | None = None) -> SourceImage:
     transport, sep, rest = ref.partition(":")
     if not sep or not rest:
         raise BadSource(f"{ref!r}: expected TRANSPORT:LOCATION "
@@ -84,8 +85,16 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
 
         def layers() -> Iterator[LayerManifest]:
             for d in descs:
-                yield src.import_layer(store, d, domain=domain, chunk_size=chunk_size,
-                                       progress=progress)
+                # a blob converted before (same domain and chunk size) is not
+                # downloaded again: layers are immutable and content-addressed
+                known = known_blob(d["digest"]) if known_blob else None
+                if known is not None:
+                    yield known
+                    continue
+                manifest = src.import_layer(store, d, domain=domain, chunk_size=chunk_size,
+                                            progress=progress)
+                manifest.blob = d["digest"]
+                yield manifest
         return SourceImage(_pick_config(config), layers())
     if transport == "docker":
         name = rest.removeprefix("//")

@@ -4,6 +4,7 @@ and failures (unreachable, unauthorized, missing, digest mismatch)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,3 +149,20 @@ def test_failures_leave_no_image(plain: Registry, layers: dict[str, Path], store
     with pytest.raises(BadLayer, match="digest mismatch"):
         convert(store, cat, f"registry://{plain.host}/corrupt:v1", "x")
     assert cat.list_tags() == []
+
+
+def test_blobs_converted_before_are_not_downloaded_again(
+        plain: Registry, layers: dict[str, Path], store: ChunkStore, cat: Catalog) -> None:
+    push_image(plain, "again", "v1", [layers["gzip"]], CONFIG)
+    ref = f"registry://{plain.host}/again:v1"
+    convert(store, cat, ref, "first")
+    # remove the layer blob from the registry: a second conversion must not need it
+    hexd = hashlib.sha256(layers["gzip"].read_bytes()).hexdigest()
+    (plain.storage / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data").unlink()
+    before = store.stats()
+    convert(store, cat, ref, "second")
+    assert cat.resolve("second")[1].layers == cat.resolve("first")[1].layers
+    assert store.stats() == before
+    # a different chunk size is a different conversion, which needs the blob
+    with pytest.raises(BadSource):
+        convert(store, cat, ref, "third", chunk_size=64 << 10)
