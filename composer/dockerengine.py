@@ -9,14 +9,13 @@ The engine is found through DOCKER_HOST, else the local default socket.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
 import socket
 import tarfile
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 import docker
 import docker.errors
@@ -27,7 +26,7 @@ from chunkstore import ChunkStore, TrustDomain
 from .builder import ProgressFn
 from .errors import BadLayer, BadSource
 from .manifest import LayerManifest
-from .registry import _BlobStream
+from .streams import IterStream, MeteredReader
 from .tarlayer import import_tar
 
 _CONFIG_KEYS = ("Env", "Entrypoint", "Cmd", "WorkingDir", "User")
@@ -50,27 +49,6 @@ def _check_reachable(base_url: str, where: str) -> None:
         sock.close()
 
 
-class _Hashing(io.RawIOBase):
-    def __init__(self, inner: IO[bytes]) -> None:
-        super().__init__()
-        self.inner = inner
-        self.h = hashlib.sha256()
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        data = self.inner.read(len(b))
-        self.h.update(data)
-        b[:len(data)] = data
-        return len(data)
-
-    def drain(self) -> str:
-        while data := self.inner.read(1 << 20):
-            self.h.update(data)
-        return "sha256:" + self.h.hexdigest()
-
-
 def open_engine_image(name: str, store: ChunkStore, *, domain: TrustDomain, chunk_size: int,
                       progress: ProgressFn | None,
                       docker_host: str | None = None) -> tuple[dict[str, Any],
@@ -78,15 +56,17 @@ def open_engine_image(name: str, store: ChunkStore, *, domain: TrustDomain, chun
     where = f"docker://{name}"
     base_url = docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
     _check_reachable(base_url, where)
-    client = None
     try:
         client = docker.DockerClient(base_url=base_url)
+    except docker.errors.DockerException as e:
+        raise BadSource(f"{where}: cannot reach the Docker engine at {base_url}: {e}") from e
+    try:
         image = client.images.get(name)
     except docker.errors.ImageNotFound as e:
-        client.close() if client else None
+        client.close()
         raise BadSource(f"{where}: no such image in the Docker engine") from e
     except (docker.errors.DockerException, requests.ConnectionError) as e:
-        client.close() if client else None
+        client.close()
         raise BadSource(f"{where}: cannot reach the Docker engine at {base_url}: {e}") from e
     attrs = image.attrs
     cfg = attrs.get("Config") or {}
@@ -104,7 +84,7 @@ def open_engine_image(name: str, store: ChunkStore, *, domain: TrustDomain, chun
         links: dict[str, str] = {}
         manifest: list[dict[str, Any]] | None = None
         try:
-            stream = io.BufferedReader(_BlobStream(image.save(chunk_size=1 << 20)), 1 << 20)
+            stream = io.BufferedReader(IterStream(image.save(chunk_size=1 << 20)), 1 << 20)
             with tarfile.open(fileobj=stream, mode="r|") as outer:
                 for member in outer:
                     if member.name == "manifest.json":
@@ -121,11 +101,11 @@ def open_engine_image(name: str, store: ChunkStore, *, domain: TrustDomain, chun
                             continue
                         f = outer.extractfile(member)
                         assert f is not None
-                        raw = _Hashing(f)
+                        raw = MeteredReader(f, hash=True)
                         m = import_tar(store, io.BufferedReader(raw, 1 << 20),
                                        layer=f"{where} {member.name}", domain=domain,
                                        chunk_size=chunk_size, progress=progress)
-                        converted[member.name] = (m, raw.drain())
+                        converted[member.name] = (m, raw.digest())
         except (docker.errors.DockerException, requests.RequestException,
                 tarfile.TarError) as e:
             raise BadSource(f"{where}: reading `docker save` stream failed: {e}") from e

@@ -19,7 +19,6 @@ import io
 import ipaddress
 import json
 import os
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from chunkstore import ChunkStore, TrustDomain
 from .builder import ProgressFn
 from .errors import BadLayer, BadSource
 from .manifest import LayerManifest
+from .streams import IterStream
 from .tarlayer import import_tar
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -90,35 +90,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-class _BlobStream(io.RawIOBase):
-    """A file-like view of python-dxf's chunk iterator (which checks the
-    blob's digest when exhausted)."""
-
-    def __init__(self, chunks: Iterable[bytes]) -> None:
-        super().__init__()
-        self._it: Iterator[bytes] = iter(chunks)
-        self._buf = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        while not self._buf:
-            try:
-                self._buf = next(self._it)
-            except StopIteration:
-                return 0
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def drain(self) -> None:
-        self._buf = b""
-        for _ in self._it:
-            pass
 
 
 class RegistrySource:
@@ -241,7 +212,7 @@ class RegistrySource:
         digest = desc["digest"]
         chunks = self._call(f"fetching layer {digest}", self.client.pull_blob, digest, False,
                             1 << 20)
-        stream = _BlobStream(chunks)
+        stream = IterStream(chunks)
         try:
             manifest = import_tar(store, io.BufferedReader(stream, 1 << 20),
                                   layer=f"{self.name}@{digest}", domain=domain,

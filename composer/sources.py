@@ -17,7 +17,6 @@ fields a sandbox needs (Env, Entrypoint, Cmd, WorkingDir, User).
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import logging
@@ -36,6 +35,7 @@ from .dockerengine import open_engine_image
 from .errors import BadLayer, BadSource
 from .manifest import Entry, Kind, LayerManifest
 from .registry import RegistryOptions, RegistrySource
+from .streams import MeteredReader
 from .tarlayer import import_tar
 
 log = logging.getLogger(__name__)
@@ -130,48 +130,17 @@ def _pick_config(doc: dict[str, Any]) -> dict[str, Any]:
     return {k: cfg[k] for k in _CONFIG_KEYS if cfg.get(k) is not None}
 
 
-class _VerifyingReader(io.RawIOBase):
-    """Hashes what is read through it; check() compares with the expected
-    sha256 digest once the stream is consumed."""
-
-    def __init__(self, raw: BinaryIO, digest: str, layer: str) -> None:
-        super().__init__()
-        self.raw = raw
-        self.expected = digest
-        self.layer = layer
-        self.h = hashlib.sha256()
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        data = self.raw.read(len(b))
-        self.h.update(data)
-        b[:len(data)] = data
-        return len(data)
-
-    def check(self) -> None:
-        while self._drain():
-            pass
-        got = "sha256:" + self.h.hexdigest()
-        if self.expected.startswith("sha256:") and got != self.expected:
-            raise BadLayer(self.layer, None, f"blob digest mismatch: got {got}")
-
-    def _drain(self) -> bool:
-        data = self.raw.read(1 << 20)
-        self.h.update(data)
-        return bool(data)
-
-
 def _blob_layer(store: ChunkStore, opener: Callable[[], BinaryIO], digest: str,
                 domain: TrustDomain, chunk_size: int,
                 progress: ProgressFn | None) -> LayerManifest:
     with opener() as raw:
-        v = _VerifyingReader(raw, digest, digest)
-        manifest = import_tar(store, io.BufferedReader(v, 1 << 20),
+        metered = MeteredReader(raw, hash=True)
+        manifest = import_tar(store, io.BufferedReader(metered, 1 << 20),
                               layer=digest, domain=domain, chunk_size=chunk_size,
                               progress=progress)
-        v.check()
+        got = metered.digest()
+    if digest.startswith("sha256:") and got != digest:
+        raise BadLayer(digest, None, f"blob digest mismatch: got {got}")
     return manifest
 
 

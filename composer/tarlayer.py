@@ -18,6 +18,7 @@ from chunkstore import ChunkStore, TrustDomain
 from .builder import DEFAULT_CHUNK_SIZE, LayerBuilder, ProgressFn
 from .errors import BadLayer
 from .manifest import Entry, Kind, LayerManifest
+from .streams import MeteredReader
 
 _GZIP = b"\x1f\x8b"
 _ZSTD = b"\x28\xb5\x2f\xfd"
@@ -55,7 +56,7 @@ def import_tar(store: ChunkStore, raw: BinaryIO, *, layer: str,
     anything malformed: corrupt compression, truncated archive, unsafe names."""
     builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
                            progress=progress, source=layer)
-    stream = _Counting(open_decompressed(raw, layer))
+    stream = MeteredReader(open_decompressed(raw, layer))
     name = None
     try:
         with tarfile.open(fileobj=stream, mode="r|", encoding="utf-8",
@@ -76,26 +77,6 @@ def import_tar(store: ChunkStore, raw: BinaryIO, *, layer: str,
     except (tarfile.TarError, EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
         raise BadLayer(layer, name, f"cannot read the archive: {e}") from e
     return builder.finish()
-
-
-class _Counting(io.RawIOBase):
-    def __init__(self, inner: BinaryIO) -> None:
-        super().__init__()
-        self.inner = inner
-        self.count = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.inner.read(n)
-        self.count += len(data)
-        return data
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
 
 
 def _entry(m: tarfile.TarInfo, layer: str) -> Entry:

@@ -43,7 +43,6 @@ builder (no network; RUN steps work with network_mode="none")."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -55,13 +54,14 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import docker
 import docker.errors
+from support import parent_death_signal
 
 DOCKERD_CANDIDATES = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 REQUIRED_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc")
@@ -186,20 +186,6 @@ def _own_ancestors() -> set[int]:
     return pids
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGKILL dockerd when the forking thread dies
-    (dockerd passes the same to its containerd), so a killed test run does not
-    leave a daemon behind. Resolved before fork: the child makes one syscall."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-    return preexec
 
 
 def _accepts(path: Path) -> bool:
@@ -357,7 +343,7 @@ class DockerDaemon:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=self.workdir, env=env, start_new_session=True,
-                preexec_fn=_parent_death_signal())  # noqa: PLW1509 - one prctl() call
+                preexec_fn=parent_death_signal())  # noqa: PLW1509 - one prctl() call
         self._wait_ready()
         self.storage_driver = str(self.client.info().get("Driver"))
 

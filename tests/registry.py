@@ -37,14 +37,12 @@ that allow basic auth over HTTP. Wrong credentials surface as
 
 from __future__ import annotations
 
-import ctypes
 import gzip
 import hashlib
 import io
 import json
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -59,6 +57,7 @@ from typing import IO, Any, Literal, cast
 import dxf
 import requests
 import zstandard
+from support import parent_death_signal
 
 DOCKER_REGISTRY = "docker-registry"
 OPENSSL = "openssl"
@@ -111,22 +110,6 @@ def _q(value: str | Path) -> str:
     return json.dumps(str(value))
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGKILL the child when its parent dies.
-
-    Resolved before fork so the child only makes the one syscall. Note that
-    Linux sends the signal when the *thread* that forked exits, so start
-    registries from a long-lived thread (pytest's main thread is)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-    return preexec
 
 
 class Registry:
@@ -285,7 +268,7 @@ class Registry:
             self.proc = subprocess.Popen(
                 [DOCKER_REGISTRY, "serve", str(self.config_path)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self.workdir,
-                preexec_fn=_parent_death_signal())  # noqa: PLW1509 - only one prctl() call
+                preexec_fn=parent_death_signal())  # noqa: PLW1509 - only one prctl() call
         self._wait_ready()
 
     def _ssl_context(self) -> ssl.SSLContext | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,3 +68,23 @@ def stop(proc: subprocess.Popen[str]) -> None:
     for f in (proc.stdout, proc.stderr):
         if f is not None:
             f.close()
+
+
+def parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGKILL a server the tests start when the
+    thread that forked it dies, so a killed test run leaves no daemon behind
+    (dockerd passes the same to its containerd). Resolved before fork: the
+    child makes one syscall. Start servers from a long-lived thread (pytest's
+    main thread is)."""
+    import ctypes
+    import signal
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+    return preexec
