@@ -18,7 +18,7 @@ from typing import Any
 import blake3
 import lmdb
 
-from chunkstore import ChunkId, ChunkStore
+from chunkstore import ChunkId, ChunkStore, TrustDomain
 
 from .errors import ImageNotFound, ManifestError
 from .manifest import LayerManifest
@@ -45,6 +45,31 @@ class Image:
     def from_json(cls, raw: bytes) -> Image:
         doc = json.loads(raw)
         return cls(list(doc["layers"]), dict(doc["config"]), str(doc.get("source", "")))
+
+
+@dataclass(frozen=True)
+class DedupReport:
+    """How an image's file data sits in the store (`lazyfs inspect`).
+
+    logical: bytes of file data the image's layers reference (holes excluded);
+    unique_*: its distinct chunks, their plain and stored (compressed) bytes;
+    shared_*: of those, the chunks some other tagged image also references;
+    exclusive_stored: stored bytes only this image references (what removing
+    it and collecting garbage frees)."""
+
+    logical: int
+    unique_chunks: int
+    unique_plain: int
+    unique_stored: int
+    shared_chunks: int
+    shared_plain: int
+    exclusive_stored: int
+    other_images: int
+
+    @property
+    def dedup_ratio(self) -> float:
+        """Logical bytes per stored byte (within the image, after compression)."""
+        return self.logical / self.unique_stored if self.unique_stored else 1.0
 
 
 def normalize_tag(name: str) -> str:
@@ -153,6 +178,44 @@ class Catalog:
             raise ImageNotFound(digest)
         info: dict[str, Any] = json.loads(rec)
         return info
+
+    def dedup(self, image_digest: str) -> DedupReport:
+        """Dedup figures for one image against every other tagged image.
+
+        Loads the manifests of all tagged images: O(catalog) work, meant for
+        an operator's `inspect`, not a hot path."""
+        with self.env.begin() as txn:
+            tagged = {v.decode() for _, v in txn.cursor(db=self.tags)}
+            records = {d: txn.get(d.encode(), db=self.images) for d in tagged | {image_digest}}
+        if records.get(image_digest) is None:
+            raise ImageNotFound(image_digest)
+        images = {d: Image.from_json(r) for d, r in records.items() if r is not None}
+
+        def refs(layers: list[str]) -> tuple[dict[tuple[ChunkId, TrustDomain], int], int]:
+            sizes: dict[tuple[ChunkId, TrustDomain], int] = {}
+            logical = 0
+            for d in layers:
+                m = self.load_layer(d)
+                for e in m.entries:
+                    for c in e.chunks:
+                        if c.id is not None:
+                            logical += c.length
+                            sizes[(c.id, m.domain)] = c.length
+            return sizes, logical
+
+        mine, logical = refs(images[image_digest].layers)
+        own_layers = set(images[image_digest].layers)
+        other_layers = sorted({d for k, img in images.items() if k != image_digest
+                               for d in img.layers if d not in own_layers})
+        others, _ = refs(other_layers)
+        stored = {key: self.store.stat(key[0], key[1]).stored_len for key in mine}
+        shared = [k for k in mine if k in others]
+        return DedupReport(
+            logical=logical, unique_chunks=len(mine), unique_plain=sum(mine.values()),
+            unique_stored=sum(stored.values()), shared_chunks=len(shared),
+            shared_plain=sum(mine[k] for k in shared),
+            exclusive_stored=sum(v for k, v in stored.items() if k not in others),
+            other_images=len(images) - 1)
 
     def list_tags(self) -> list[tuple[str, str]]:
         with self.env.begin(db=self.tags) as txn:

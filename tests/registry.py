@@ -11,6 +11,9 @@ on 127.0.0.1 with a free port and its own storage directory:
     with Registry(tmp_path / "reg", auth=True, tls=True) as reg:
         ...                                             # HTTPS + basic auth
 
+    with Registry(tmp_path / "reg", auth="token", tls=True) as reg:
+        ...                                             # HTTPS + bearer tokens
+
 * `Registry(workdir, auth=..., tls=..., port=...)`: a context manager. Attributes
   `host` ("127.0.0.1:PORT"), `url` ("http(s)://host"), `username`/`password`
   (None without auth), `cert_path` (the self-signed certificate, None without
@@ -33,10 +36,22 @@ requires HTTPS"), so tests using `auth=True` through python-dxf need
 `tls=True` as well. `Registry(auth=True, tls=False)` still works for clients
 that allow basic auth over HTTP. Wrong credentials surface as
 `dxf.exceptions.DXFUnauthorizedError`.
+
+Bearer tokens (`auth="token"`, needs `tls=True`): a `TokenServer` (below) runs
+in this process on its own HTTPS port, the registry is configured with
+`auth: token` (realm = that server, issuer/service names, the server's
+certificate as `rootcertbundle`) and answers 401 with `WWW-Authenticate:
+Bearer realm=...,service=...,scope=...`. The client asks the realm for a token
+(basic credentials optional), then retries with `Authorization: Bearer`. The
+token server signs RS256 JWTs carrying its certificate in `x5c`; distribution
+checks that chain against the bundle. Anonymous callers get `pull` on the
+repositories in `reg.public_repos` and nothing else, as Docker Hub does;
+`reg.tokens_issued` counts the tokens handed out.
 """
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import io
@@ -46,15 +61,19 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal, cast
 
 import dxf
+import jwt
 import requests
 import zstandard
 from support import parent_death_signal
@@ -112,13 +131,121 @@ def _q(value: str | Path) -> str:
 
 
 
-class Registry:
-    """`docker-registry serve` on 127.0.0.1 with storage under `workdir`."""
+TOKEN_SERVICE = "lazyfs-test-registry"
+TOKEN_ISSUER = "lazyfs-test-token-issuer"
 
-    def __init__(self, workdir: Path, *, auth: bool = False, tls: bool = False,
-                 port: int | None = None, startup_timeout: float = STARTUP_TIMEOUT) -> None:
+
+class TokenServer:
+    """A Docker registry token service (the `realm` of `auth: token`) on loopback.
+
+    Serves `GET /token?service=...&scope=repository:NAME:ACTIONS` over HTTPS
+    with the given certificate, and signs RS256 JWTs with its key. Basic
+    credentials, when sent, must match `users`, else 401; with them the caller
+    gets the actions it asked for; without them only `pull` on `public`
+    repositories. Runs on a daemon thread; `stop()` shuts it down."""
+
+    def __init__(self, cert: Path, key: Path, users: dict[str, str],
+                 public: set[str]) -> None:
+        self.users = users
+        self.public = public
+        self.issued = 0
+        self._key = key.read_bytes()
+        pem = cert.read_text().strip().splitlines()
+        self._x5c = ["".join(line for line in pem if not line.startswith("-----"))]
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server._answer(self)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(cert), str(key))
+        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                                        name="token-server")
+        self._thread.start()
+
+    @property
+    def realm(self) -> str:
+        return f"https://127.0.0.1:{self.port}/token"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def _caller(self, header: str | None) -> str | None | bool:
+        """The user name, None for anonymous, False for wrong credentials."""
+        if not header:
+            return None
+        kind, _, value = header.partition(" ")
+        if kind.lower() != "basic":
+            return False
+        try:
+            user, _, pw = base64.b64decode(value).decode().partition(":")
+        except ValueError:
+            return False
+        return user if self.users.get(user) == pw and pw else False
+
+    def _answer(self, req: BaseHTTPRequestHandler) -> None:
+        url = urllib.parse.urlsplit(req.path)
+        query = urllib.parse.parse_qs(url.query)
+        caller = self._caller(req.headers.get("Authorization"))
+        if url.path != "/token" or query.get("service") != [TOKEN_SERVICE]:
+            return self._send(req, 404, {"error": "unknown service"})
+        if caller is False:
+            return self._send(req, 401, {"error": "bad credentials"})
+        access = []
+        for scope in query.get("scope", []):
+            kind, _, rest = scope.partition(":")
+            name, _, actions = rest.rpartition(":")
+            wanted = [a for a in actions.split(",") if a]
+            granted = wanted if caller else [a for a in wanted
+                                             if a == "pull" and name in self.public]
+            if kind == "repository" and granted:
+                access.append({"type": kind, "name": name, "actions": granted})
+        now = int(time.time())
+        claims = {"iss": TOKEN_ISSUER, "sub": caller or "", "aud": TOKEN_SERVICE,
+                  "iat": now, "nbf": now - 5, "exp": now + 300,
+                  "jti": secrets.token_hex(8), "access": access}
+        token = jwt.encode(claims, self._key, algorithm="RS256",
+                           headers={"x5c": self._x5c})
+        with self._lock:
+            self.issued += 1
+        self._send(req, 200, {"token": token, "access_token": token, "expires_in": 300})
+
+    @staticmethod
+    def _send(req: BaseHTTPRequestHandler, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        req.wfile.write(data)
+
+
+class Registry:
+    """`docker-registry serve` on 127.0.0.1 with storage under `workdir`.
+
+    `auth`: False (anonymous), True or "basic" (htpasswd), "token" (bearer
+    tokens from a `TokenServer`; needs tls=True)."""
+
+    def __init__(self, workdir: Path, *, auth: bool | Literal["basic", "token"] = False,
+                 tls: bool = False, port: int | None = None,
+                 startup_timeout: float = STARTUP_TIMEOUT,
+                 public_repos: Sequence[str] = ()) -> None:
+        if auth == "token" and not tls:
+            raise ValueError("token auth needs tls=True (clients fetch tokens over HTTPS)")
         self.workdir = Path(workdir)
         self.auth = auth
+        self.public_repos = set(public_repos)
+        self.token_server: TokenServer | None = None
         self.tls = tls
         self.startup_timeout = startup_timeout
         self._fixed_port = port
@@ -170,6 +297,12 @@ class Registry:
             self._make_htpasswd()
         if self.tls:
             self._make_cert()
+        if self.auth == "token":
+            assert self.cert_path is not None and self.key_path is not None
+            assert self.username is not None and self.password is not None
+            self.token_server = TokenServer(self.cert_path, self.key_path,
+                                            {self.username: self.password},
+                                            self.public_repos)
         # A port picked by free_port() can be taken by someone else before the
         # registry binds it; retry a few times on "address already in use".
         attempts = 1 if self._fixed_port else 3
@@ -180,7 +313,7 @@ class Registry:
                 self._spawn_and_wait()
                 return
             except RegistryError as e:
-                self.stop()
+                self._stop_proc()
                 if attempt + 1 < attempts and "address already in use" in str(e):
                     continue
                 raise
@@ -188,8 +321,18 @@ class Registry:
                 self.stop()
                 raise
 
+    @property
+    def tokens_issued(self) -> int:
+        return self.token_server.issued if self.token_server is not None else 0
+
     def stop(self) -> None:
         """Terminate the registry (SIGKILL after 5 s) and reap it. Idempotent."""
+        if self.token_server is not None:
+            self.token_server.stop()
+            self.token_server = None
+        self._stop_proc()
+
+    def _stop_proc(self) -> None:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -254,7 +397,15 @@ class Registry:
             lines += ["  tls:",
                       f"    certificate: {_q(self.cert_path)}",
                       f"    key: {_q(self.key_path)}"]
-        if self.auth:
+        if self.auth == "token":
+            assert self.token_server is not None
+            lines += ["auth:",
+                      "  token:",
+                      f"    realm: {_q(self.token_server.realm)}",
+                      f"    service: {_q(TOKEN_SERVICE)}",
+                      f"    issuer: {_q(TOKEN_ISSUER)}",
+                      f"    rootcertbundle: {_q(self.cert_path)}"]
+        elif self.auth:
             assert self.htpasswd_path is not None
             lines += ["auth:",
                       "  htpasswd:",

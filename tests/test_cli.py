@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -146,12 +147,26 @@ def test_convert_images_inspect_export_rm_gc(tmp_path: Path) -> None:
     assert info.returncode == 1 and "no image 'busybox'" in info.stderr  # busybox:latest
     info = run("inspect", "busybox:1", store=store).stdout
     assert "layer 0" in info and "tar:" in info
+    assert "with 0 other image(s)" in info
     run("export", "busybox:1", str(tmp_path / "out"), store=store)
     assert diff_trees(root, tmp_path / "out") == []
+    # A related image: the same tree plus 2 MB of incompressible data.
+    shutil.copytree(root, tmp_path / "rootfs2", symlinks=True)
+    (tmp_path / "rootfs2" / "blob").write_bytes(os.urandom(2_000_000))
+    run("convert", f"dir:{tmp_path / 'rootfs2'}", "--tag", "busybox:2", store=store)
+    info = run("inspect", "busybox:2", store=store).stdout
+    shared = re.search(r"shared  ([\d,]+) chunks, ([\d.,]+) MB \((\d+)%\) with 1 other", info)
+    only = re.search(r"([\d.,]+) MB stored only for this image", info)
+    assert shared and only, info
+    busybox_mb = sum(p.stat().st_size for p in root.rglob("*")
+                     if p.is_file() and not p.is_symlink()) / 1e6
+    assert float(shared[2]) == pytest.approx(busybox_mb, rel=0.05)  # all of busybox
+    assert float(only[1]) == pytest.approx(2.0, abs=0.1)  # just the new blob
+    run("rm", "busybox:2", store=store)
     bad = run("convert", "tar:/nonexistent.tar", "--tag", "x", store=store, ok=False)
     assert bad.returncode == 1 and "does not exist" in bad.stderr
     run("rm", "busybox:1", store=store)
     assert run("images", store=store).stdout == ""
     gc = run("gc", "--grace", "0", store=store).stdout
-    assert "dropped 1 unused layers" in gc
+    assert "dropped 2 unused layers" in gc
     assert "chunks      0" in run("store", "info", store=store).stdout

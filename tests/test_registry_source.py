@@ -1,6 +1,6 @@
 """The registry source against a real Docker registry (distribution 2.8) on
 loopback: media types, compressions, platform selection, TLS + basic auth,
-and failures (unreachable, unauthorized, missing, digest mismatch)."""
+bearer-token auth (anonymous and with credentials), and failures (unreachable, unauthorized, missing, digest mismatch)."""
 
 from __future__ import annotations
 
@@ -125,6 +125,40 @@ def test_tls_and_basic_auth(secure: Registry, layers: dict[str, Path], store: Ch
         with pytest.raises(BadSource, match=words):
             convert(store, cat, ref, "nope", registry=opts)
     assert [t for t, _ in cat.list_tags()] == ["private:latest"]
+
+
+@pytest.fixture(scope="module")
+def tokened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    with Registry(tmp_path_factory.mktemp("treg"), auth="token", tls=True,
+                  public_repos=["library/public"]) as reg:
+        yield reg
+
+
+def test_bearer_token_auth(tokened: Registry, layers: dict[str, Path], store: ChunkStore,
+                           cat: Catalog) -> None:
+    push_image(tokened, "library/public", "v1", [layers["gzip"]], CONFIG)
+    push_image(tokened, "team/private", "v1", [layers["zstd"]], CONFIG, media="oci")
+    cert = str(tokened.cert_path)
+    before = tokened.tokens_issued
+    # Anonymous: the token service grants pull on the public repository only.
+    convert(store, cat, f"registry://{tokened.host}/library/public:v1", "pub",
+            registry=RegistryOptions(tls_verify=cert))
+    assert cat.resolve("pub")[1].config == CONFIG
+    assert tokened.tokens_issued > before, "the pull went through the token service"
+    with pytest.raises(BadSource, match="authentication failed"):
+        convert(store, cat, f"registry://{tokened.host}/team/private:v1", "nope",
+                registry=RegistryOptions(tls_verify=cert))
+    # With credentials: the private repository too.
+    good = RegistryOptions(tls_verify=cert, username=tokened.username,
+                           password=tokened.password)
+    convert(store, cat, f"registry://{tokened.host}/team/private:v1", "priv", registry=good)
+    assert cat.resolve("priv")[1].config == CONFIG
+    # Wrong password: the token service refuses it, named as an auth failure.
+    bad = RegistryOptions(tls_verify=cert, username=tokened.username, password="wrong")
+    with pytest.raises(BadSource, match="authentication failed"):
+        convert(store, cat, f"registry://{tokened.host}/team/private:v1", "nope",
+                registry=bad)
+    assert sorted(t for t, _ in cat.list_tags()) == ["priv:latest", "pub:latest"]
 
 
 def test_failures_leave_no_image(plain: Registry, layers: dict[str, Path], store: ChunkStore,

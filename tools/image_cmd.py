@@ -107,7 +107,11 @@ def images(settings: Settings) -> None:
 @click.argument("image")
 @click.pass_obj
 def inspect(settings: Settings, image: str) -> None:
-    """Show an image's config and layers (sizes, entries, chunks)."""
+    """Show an image's config, layers (sizes, entries, chunks) and dedup.
+
+    Dedup: logical file data vs the distinct chunks stored for it (plain and
+    compressed), how much of it other tagged images share, and how much only
+    this image holds (what `lazyfs rm` + `lazyfs gc` would free)."""
     with open_store(settings, readonly=True) as store, _catalog(store) as catalog:
         digest, img = catalog.resolve(image)
         click.echo(f"image   {digest}\nsource  {img.source}")
@@ -118,6 +122,15 @@ def inspect(settings: Settings, image: str) -> None:
             click.echo(f"layer {i}  {d}  {info['size'] / 1e6:,.1f} MB  "
                        f"{info['entries']:,} entries  {info['data_chunks']:,} chunks  "
                        f"domain {info['domain']}")
+        r = catalog.dedup(digest)
+    mb = 1e6
+    click.echo(f"data    {r.logical / mb:,.1f} MB in files -> {r.unique_chunks:,} distinct "
+               f"chunks, {r.unique_plain / mb:,.1f} MB plain, {r.unique_stored / mb:,.1f} MB "
+               f"stored ({r.dedup_ratio:.2f}x)")
+    share = r.shared_plain / r.unique_plain if r.unique_plain else 0.0
+    click.echo(f"shared  {r.shared_chunks:,} chunks, {r.shared_plain / mb:,.1f} MB "
+               f"({share:.0%}) with {r.other_images} other image(s); "
+               f"{r.exclusive_stored / mb:,.1f} MB stored only for this image")
 
 
 @click.command(name="export")
