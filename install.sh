@@ -12,8 +12,11 @@ cd "$(dirname "$0")"
 #   docker-registry, apache2-utils, openssl: a real registry (htpasswd auth, TLS) for tests
 #   debootstrap: the Debian minbase image of the round-trip test (cached in /var/cache)
 #   docker.io: a private dockerd for the docker:// source tests (never the system one)
+#   git: the git: workspace source
+#   fuse3, libfuse3-dev, pkg-config: the lazyfs FUSE daemon (pyfuse3 builds against libfuse3)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
-              docker-registry apache2-utils openssl debootstrap docker.io)
+              docker-registry apache2-utils openssl debootstrap docker.io git
+              fuse3 libfuse3-dev pkg-config)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -8,8 +8,9 @@ A spec is a small TOML file:
     workspace = "dir:/src/task-42"            # a source ref; lands at /workspace
     toolkits = ["dir:/opt/py-tools", { source = "tar:/x/node.tar", path = "/opt/node" }]
 
-Each component is a catalog image name or a source reference (tar:, dir:,
-docker-archive:, oci:, registry://). Tree sources can be placed under a path
+Each component is a catalog image name or a source reference (tar:, dir:, git:,
+docker-archive:, oci:, registry://, docker://). Tree sources (tar:, dir:, git:)
+can be placed under a path
 (`{ source = ..., path = ... }`; the workspace defaults to /workspace).
 `lazyfs build` converts each source component once and pins it by layer
 digest in `SPEC.lock.json` beside the spec; later builds, and new
@@ -36,7 +37,7 @@ from .manifest import Entry, Kind, LayerManifest
 from .registry import RegistryOptions
 from .sources import open_source
 
-_TRANSPORTS = ("tar:", "dir:", "docker-archive:", "oci:", "registry:")
+_TRANSPORTS = ("tar:", "dir:", "git:", "docker-archive:", "oci:", "registry:", "docker:")
 _TOP_KEYS = {"name", "base", "workspace", "toolkits"}
 
 
@@ -110,8 +111,8 @@ def load_spec(path: Path) -> EnvSpec:
                    [_component(t, f"spec {path}: toolkits[{i}]", "/")
                     for i, t in enumerate(toolkits)], path)
     for c in spec.components:
-        if c.path != "/" and not c.source.startswith(("tar:", "dir:")):
-            raise SpecError(f"spec {path}: {c.source}: only tar: and dir: sources can be "
+        if c.path != "/" and not c.source.startswith(("tar:", "dir:", "git:")):
+            raise SpecError(f"spec {path}: {c.source}: only tar:, dir: and git: sources can be "
                             "placed under a path")
     return spec
 

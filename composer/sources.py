@@ -2,6 +2,8 @@
 
     tar:FILE               one layer from a (gz/zstd/plain) tar of a rootfs
     dir:PATH               one layer from a directory tree (a debootstrap rootfs)
+    git:REPO[#REV]         one layer from a git commit's tree (a local repository
+                           or a URL git can clone; REV defaults to HEAD)
     docker-archive:FILE    a `docker save` tarball (manifest.json, layer tars)
     oci:DIR[:TAG]          an OCI image layout directory (index.json, blobs/)
 
@@ -21,8 +23,11 @@ import io
 import json
 import logging
 import os
+import shutil
 import stat
+import subprocess
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +66,7 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
     transport, sep, rest = ref.partition(":")
     if not sep or not rest:
         raise BadSource(f"{ref!r}: expected TRANSPORT:LOCATION "
-                        "(tar:, dir:, docker-archive:, oci:, registry://)")
+                        "(tar:, dir:, git:, docker-archive:, oci:, registry://, docker://)")
     if transport == "tar":
         path = _existing(rest, ref)
         return SourceImage({}, _one(lambda: _tar_layer(store, path, f"tar:{path}", domain,
@@ -96,6 +101,9 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
                 manifest.blob = d["digest"]
                 yield manifest
         return SourceImage(_pick_config(config), layers())
+    if transport == "git":
+        return SourceImage({}, _one(lambda: _git_layer(store, rest, ref, domain, chunk_size,
+                                                       progress)))
     if transport == "docker":
         name = rest.removeprefix("//")
         if not name:
@@ -104,7 +112,7 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
                                                   chunk_size=chunk_size, progress=progress)
         return SourceImage(_pick_config({"config": config}), engine_layers)
     raise BadSource(f"{ref!r}: unknown transport {transport!r} "
-                    "(known: tar, dir, docker-archive, oci, registry, docker)")
+                    "(known: tar, dir, git, docker-archive, oci, registry, docker)")
 
 
 def _existing(text: str, ref: str) -> Path:
@@ -123,6 +131,52 @@ def _tar_layer(store: ChunkStore, path: Path, layer: str, domain: TrustDomain,
     with open(path, "rb") as f:
         return import_tar(store, f, layer=layer, domain=domain, chunk_size=chunk_size,
                           progress=progress)
+
+
+def _git(args: list[str], what: str, ref: str) -> str:
+    p = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise BadSource(f"{ref!r}: {what} failed: {p.stderr.strip() or p.returncode}")
+    return p.stdout.strip()
+
+
+def _git_layer(store: ChunkStore, location: str, ref: str, domain: TrustDomain,
+               chunk_size: int, progress: ProgressFn | None) -> LayerManifest:
+    """`git:REPO[#REV]`: the tree of commit REV (default HEAD) of a local
+    repository, or of a URL git can clone (shallow, into a temporary dir).
+    Streamed from `git archive`: modes 644/755, owner root, mtime = commit
+    time, so the layer is a pure function of the commit."""
+    repo, _, rev = location.partition("#")
+    rev = rev or "HEAD"
+    if not repo:
+        raise BadSource(f"{ref!r}: expected git:REPO[#REV]")
+    if shutil.which("git") is None:
+        raise BadSource(f"{ref!r}: needs `git` on PATH (Debian package git)")
+    with tempfile.TemporaryDirectory(prefix="lazyfs-git-") as tmp:
+        path = Path(repo).expanduser()
+        if not path.exists():
+            if "://" not in repo and not repo.startswith("git@"):
+                raise BadSource(f"{ref!r}: {path} does not exist")
+            path = Path(tmp) / "repo"
+            branch = [] if rev == "HEAD" else ["--branch", rev]
+            _git(["clone", "--quiet", "--depth", "1", "--no-checkout", *branch, repo,
+                  str(path)], "git clone", ref)
+        commit = _git(["-C", str(path), "rev-parse", "--verify", "--quiet",
+                       f"{rev}^{{commit}}"], f"finding commit {rev!r}", ref)
+        proc = subprocess.Popen(["git", "-C", str(path), "archive", "--format=tar", commit],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            manifest = import_tar(store, proc.stdout, layer=f"git:{repo}#{commit}",
+                                  domain=domain, chunk_size=chunk_size, progress=progress)
+        finally:
+            proc.stdout.close()
+            err = proc.stderr.read().decode(errors="replace").strip()
+            proc.stderr.close()
+            proc.wait()
+        if proc.returncode != 0:
+            raise BadSource(f"{ref!r}: git archive failed: {err or proc.returncode}")
+    return manifest
 
 
 def _pick_config(doc: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.envspec import SpecError, build, load_spec
+from composer.errors import BadSource
 from composer.export import export_tree
 
 pytestmark = [pytest.mark.root,
@@ -82,7 +85,7 @@ def test_build_composes_independent_layers_and_reuses_them(
     ('name = "a"\nbase = "x"\nbogus = 1\n', "unknown key"),
     ('name = "a"\nbase = "never:seen"\n', "neither a source"),
     ('name = "a"\nbase = "x"\ntoolkits = [{ source = "dir:/", path = "rel" }]\n', "absolute"),
-    ('name = "a"\nbase = { source = "registry://h/r", path = "/x" }\n', "only tar: and dir:"),
+    ('name = "a"\nbase = { source = "registry://h/r", path = "/x" }\n', "only tar:, dir: and git:"),
 ])
 def test_bad_specs_are_named(store: ChunkStore, cat: Catalog, tmp_path: Path, text: str,
                              words: str) -> None:
@@ -91,3 +94,44 @@ def test_bad_specs_are_named(store: ChunkStore, cat: Catalog, tmp_path: Path, te
     with pytest.raises(SpecError, match=words):
         build(store, cat, load_spec(spec))
     assert cat.list_tags() == []
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "GIT_CONFIG_GLOBAL": "/dev/null"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, env=env,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_workspace_is_pinned_to_a_commit(store: ChunkStore, cat: Catalog,
+                                             tmp_path: Path) -> None:
+    base = build_busybox_rootfs(tmp_path / "base")
+    convert(store, cat, f"tar:{tar_of(base, tmp_path / 'base.tar')}", "busybox:1")
+    repo = _tree(tmp_path / "repo", {"src/app.py": b"v = 1\n", "run.sh": b"#!/bin/sh\necho v1\n"})
+    (repo / "run.sh").chmod(0o755)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "one")
+    first = _git(repo, "rev-parse", "HEAD")
+    (repo / "run.sh").write_bytes(b"#!/bin/sh\necho v2\n")
+    (repo / "untracked.txt").write_bytes(b"not in any commit\n")
+    _git(repo, "commit", "-qam", "two")
+    spec = tmp_path / "env.toml"
+    spec.write_text(f'name = "g:1"\nbase = "busybox:1"\nworkspace = "git:{repo}#{first}"\n')
+    build(store, cat, load_spec(spec))
+    out = _export(store, cat, "g:1", tmp_path / "out")
+    assert chroot_run(out, "/workspace/run.sh").stdout == "v1\n"
+    assert not (out / "workspace" / "untracked.txt").exists()
+    assert not (out / "workspace" / ".git").exists()
+    # HEAD by default; a clone URL works the same way
+    convert(store, cat, f"git:file://{repo}", "ws:head")
+    head = _export(store, cat, "ws:head", tmp_path / "head")
+    assert (head / "run.sh").read_bytes() == b"#!/bin/sh\necho v2\n"
+    assert (head / "src" / "app.py").stat().st_mtime == int(_git(repo, "log", "-1",
+                                                                 "--format=%ct"))
+    with pytest.raises(BadSource, match="finding commit 'nope'"):
+        convert(store, cat, f"git:{repo}#nope", "x")
+    with pytest.raises(BadSource, match="does not exist"):
+        convert(store, cat, f"git:{tmp_path / 'missing'}", "x")

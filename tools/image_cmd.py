@@ -50,9 +50,10 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
     """Convert SOURCE into chunked layers and tag it.
 
     SOURCE is TRANSPORT:LOCATION: tar:FILE (a rootfs tar, plain/gz/zstd),
-    dir:PATH (a rootfs directory), docker-archive:FILE (`docker save`),
-    oci:DIR[:TAG] (an OCI image layout), registry://HOST[:PORT]/REPO[:TAG]
-    (an OCI / Docker v2 registry).
+    dir:PATH (a rootfs directory), git:REPO[#REV] (a commit's tree),
+    docker-archive:FILE (`docker save`), oci:DIR[:TAG] (an OCI image layout),
+    registry://HOST[:PORT]/REPO[:TAG] (an OCI / Docker v2 registry),
+    docker://NAME[:TAG] (an image in the local Docker engine).
     """
     user, _, password = (creds or "").partition(":")
     registry = RegistryOptions.from_env(
