@@ -108,6 +108,10 @@ class Catalog:
         self.store.set_root(f"layer:{digest}", [*ids, *manifest.chunk_ids()], manifest.domain)
         return digest, ids
 
+    def list_layers(self) -> list[str]:
+        with self.env.begin(db=self.layers) as txn:
+            return [k.decode() for k, _ in txn.cursor()]
+
     def has_layer(self, digest: str) -> bool:
         with self.env.begin(db=self.layers) as txn:
             return txn.get(digest.encode()) is not None

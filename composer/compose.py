@@ -71,3 +71,29 @@ def compose(layers: list[LayerManifest]) -> list[tuple[Entry, int]]:
                       list(t.chunks), "", (0, 0), dict(t.xattrs))
         result.append((e, i))
     return result
+
+
+def overlay_fixups(layers: list[LayerManifest]) -> list[Entry]:
+    """Directories whose composed metadata overlayfs would get wrong, parents first.
+
+    overlayfs takes a merged directory's attributes from the topmost layer
+    that has it; composition keeps a lower layer's when the upper one only
+    implied the directory (`implicit`). These directories (and their parents,
+    and always the root) must be placed above the layers, in the writable
+    upper or a small metadata-only top layer, with the composed metadata."""
+    composed = {e.path: e for e, _ in compose(layers)}
+    topmost: dict[str, Entry] = {}
+    for layer in layers:
+        for e in layer.entries:
+            if e.kind == Kind.WHITEOUT:
+                topmost.pop(e.path, None)
+            else:
+                topmost[e.path] = e
+    need = {""}
+    for path, e in topmost.items():
+        c = composed.get(path)
+        if e.kind == Kind.DIR and e.implicit and c is not None and c is not e:
+            while path:
+                need.add(path)
+                path = path.rpartition("/")[0]
+    return [composed[p] for p in sorted(need, key=lambda p: p.split("/")) if p in composed]

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from chunkstore import ChunkStore, TrustDomain
 
@@ -167,7 +167,7 @@ def _git_layer(store: ChunkStore, location: str, ref: str, domain: TrustDomain,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert proc.stdout is not None and proc.stderr is not None
         try:
-            manifest = import_tar(store, proc.stdout, layer=f"git:{repo}#{commit}",
+            manifest = import_tar(store, cast(BinaryIO, proc.stdout), layer=f"git:{repo}#{commit}",
                                   domain=domain, chunk_size=chunk_size, progress=progress)
         finally:
             proc.stdout.close()

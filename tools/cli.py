@@ -64,11 +64,12 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
 
 
 def _register() -> None:
-    from . import demo_cmd, image_cmd, store_cmd
+    from . import demo_cmd, image_cmd, mount_cmd, store_cmd
     cli.add_command(demo_cmd.demo)
     cli.add_command(store_cmd.store)
     for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
-                image_cmd.rm, image_cmd.gc, image_cmd.build):
+                image_cmd.rm, image_cmd.gc, image_cmd.build, mount_cmd.daemon,
+                mount_cmd.mount, mount_cmd.umount, mount_cmd.stats):
         cli.add_command(cmd)
 
 
@@ -81,3 +82,7 @@ def main() -> None:
     except KeyboardInterrupt:  # pragma: no cover - interactive
         click.echo("lazyfs: interrupted", err=True)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The node daemon: one FUSE session serving every layer, and a control socket.
+
+Node layout under one root directory (default /run/lazyfs as root):
+
+    ROOT/mnt             the FUSE mount (layers/<digest>/...)
+    ROOT/control.sock    control socket (JSON lines; owner-only)
+    ROOT/daemon.pid      the daemon's pid while it runs
+    ROOT/daemon.log      its log when started detached
+    ROOT/mounts/         one JSON file per composed mount (`lazyfs mount`)
+    ROOT/fixups/         per-image directory metadata overlayfs needs (see mounts.py)
+
+Control requests (one JSON object per line, one answer each):
+    {"op": "ping"}                       -> {"ok": true, "pid": ...}
+    {"op": "stats"}                      -> {"ok": true, "stats": {...}}
+    {"op": "trace", "mount": M|null}     -> {"ok": true, "trace": {...}}
+    {"op": "prefetch", "events": [...]}  -> {"ok": true, "queued": n} (runs in the background)
+    {"op": "drop_cache"}                 -> {"ok": true} (empties the node cache)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from chunkstore import ChunkStore
+from chunkstore.cache import NodeCache
+from composer.catalog import Catalog
+
+from . import sysmount
+from .fs import LazyFS, Options
+from .trace import Tracer
+
+log = logging.getLogger(__name__)
+
+READ_AHEAD_KB = 1024  # FUSE's default 128 KiB halves cold sequential reads (PLATFORM.md)
+_MAX_REQUEST = 64 << 20
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    root: Path
+
+    @property
+    def mnt(self) -> Path:
+        return self.root / "mnt"
+
+    @property
+    def layers(self) -> Path:
+        return self.mnt / "layers"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.root / "daemon.pid"
+
+    @property
+    def logfile(self) -> Path:
+        return self.root / "daemon.log"
+
+    @property
+    def mounts(self) -> Path:
+        return self.root / "mounts"
+
+    @property
+    def fixups(self) -> Path:
+        return self.root / "fixups"
+
+
+def default_root() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/lazyfs")
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/lazyfs-{os.getuid()}") / "lazyfs"
+
+
+class Attribution:
+    """Which composed mount a process reads through: its root directory (a
+    chroot or container root) or, failing that, its working directory, under
+    a mount point registered in ROOT/mounts. Cached per pid for a few seconds."""
+
+    def __init__(self, paths: NodePaths) -> None:
+        self.paths = paths
+        self._mtime = -1
+        self._points: list[str] = []
+        self._pids: dict[int, tuple[float, str]] = {}
+
+    def _reload(self) -> None:
+        try:
+            mtime = self.paths.mounts.stat().st_mtime_ns
+        except FileNotFoundError:
+            self._points = []
+            return
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        points = []
+        for f in self.paths.mounts.glob("*.json"):
+            try:
+                points.append(str(json.loads(f.read_text())["mountpoint"]))
+            except (OSError, ValueError, KeyError):
+                continue
+        self._points = sorted(points, key=len, reverse=True)
+
+    def __call__(self, pid: int) -> str:
+        now = time.monotonic()
+        cached = self._pids.get(pid)
+        if cached and now - cached[0] < 5.0:
+            return cached[1]
+        self._reload()
+        found = ""
+        for link in ("root", "cwd"):
+            try:
+                where = os.readlink(f"/proc/{pid}/{link}")
+            except OSError:
+                continue
+            found = next((p for p in self._points if where == p or
+                          where.startswith(p + "/")), "")
+            if found:
+                break
+        if len(self._pids) > 10000:
+            self._pids.clear()
+        self._pids[pid] = (now, found)
+        return found
+
+
+def _cleanup_stale(mnt: Path) -> None:
+    if sysmount.find_mount(mnt) is not None:
+        if not sysmount.is_stale(mnt):
+            raise RuntimeError(f"{mnt} is already mounted (another lazyfs daemon?)")
+        log.warning("%s: stale mount of a dead daemon; detaching it", mnt)
+        sysmount.umount(mnt, lazy=True)
+
+
+def _tune_readahead(mnt: Path, kb: int) -> None:
+    info = sysmount.find_mount(mnt)
+    if info is None:
+        return
+    bdi = Path(f"/sys/class/bdi/{info.dev[0]}:{info.dev[1]}/read_ahead_kb")
+    try:
+        bdi.write_text(str(kb))
+    except OSError as e:
+        log.warning("cannot set read_ahead_kb on %s: %s", bdi, e)
+
+
+def run(paths: NodePaths, store_path: Path, cache_dir: Path, cache_size: int, *,
+        options: Options | None = None, prefetch: list[dict[str, Any]] | None = None,
+        read_ahead_kb: int = READ_AHEAD_KB,
+        on_ready: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; the FUSE mount is always taken down."""
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.mounts.mkdir(exist_ok=True)
+    paths.fixups.mkdir(exist_ok=True)
+    _cleanup_stale(paths.mnt)
+    paths.mnt.mkdir(exist_ok=True)
+    with ChunkStore.open(store_path, readonly=True) as store, Catalog(store) as catalog, \
+            NodeCache.open(cache_dir, capacity=cache_size, source=store) as cache:
+        tracer = Tracer()
+        fs = LazyFS(catalog, cache, tracer, options, Attribution(paths))
+        opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
+                                               "allow_other"}
+        pyfuse3.init(fs, str(paths.mnt), opts)
+        try:
+            _tune_readahead(paths.mnt, read_ahead_kb)
+            trio.run(_main, fs, paths, prefetch or [], on_ready)
+        finally:
+            pyfuse3.close(unmount=True)
+            for p in (paths.control, paths.pidfile):
+                p.unlink(missing_ok=True)
+
+
+async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
+                on_ready: Callable[[], None] | None) -> None:
+    async with trio.open_nursery() as nursery:
+        fs.nursery = nursery
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        paths.control.unlink(missing_ok=True)
+        await listener.bind(str(paths.control))
+        os.chmod(paths.control, 0o600)
+        listener.listen(64)
+        nursery.start_soon(_serve_control, fs, listener)
+        nursery.start_soon(_signals, nursery)
+        if prefetch:
+            nursery.start_soon(fs.prefetch_trace, prefetch)
+        paths.pidfile.write_text(f"{os.getpid()}\n")
+        if on_ready is not None:
+            on_ready()
+        log.info("lazyfs serving %s (pid %d)", paths.mnt, os.getpid())
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def _signals(nursery: trio.Nursery) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for sig in signals:
+            log.info("signal %s: unmounting", signal.Signals(sig).name)
+            pyfuse3.terminate()
+            return
+
+
+async def _serve_control(fs: LazyFS, listener: trio.socket.SocketType) -> None:
+    async with trio.open_nursery() as nursery:
+        while True:
+            conn, _ = await listener.accept()
+            nursery.start_soon(_control_conn, fs, trio.SocketStream(conn))
+
+
+async def _control_conn(fs: LazyFS, stream: trio.SocketStream) -> None:
+    buf = b""
+    async with stream:
+        while True:
+            try:
+                data = await stream.receive_some(1 << 16)
+            except trio.BrokenResourceError:
+                return
+            if not data:
+                return
+            buf += data
+            if len(buf) > _MAX_REQUEST:
+                return
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                answer = await _answer(fs, line)
+                try:
+                    await stream.send_all(json.dumps(answer).encode() + b"\n")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+
+
+async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
+    try:
+        req = json.loads(line)
+        op = req["op"]
+    except (ValueError, KeyError, TypeError):
+        return {"ok": False, "error": "bad request: expected a JSON object with 'op'"}
+    if op == "ping":
+        return {"ok": True, "pid": os.getpid()}
+    if op == "stats":
+        snap = fs.tracer.snapshot()
+        st = fs.cache.stats
+        snap["cache"] = {"bytes": fs.cache.size, "capacity": fs.cache.capacity,
+                         "chunks": len(fs.cache), "hits": st.hits, "misses": st.misses,
+                         "waits": st.waits, "fetched_bytes": st.fetched_bytes,
+                         "evictions": st.evictions, "corrupt_dropped": st.corrupt_dropped,
+                         "fetch_ms_p50": st.percentile(50) * 1e3,
+                         "fetch_ms_p99": st.percentile(99) * 1e3}
+        return {"ok": True, "stats": snap}
+    if op == "trace":
+        return {"ok": True, "trace": fs.tracer.trace(req.get("mount"))}
+    if op == "prefetch":
+        events = req.get("events")
+        if not isinstance(events, list):
+            return {"ok": False, "error": "prefetch needs 'events' (a list)"}
+        assert fs.nursery is not None
+        fs.nursery.start_soon(fs.prefetch_trace, events)
+        return {"ok": True, "queued": len(events)}
+    if op == "drop_cache":
+        await trio.to_thread.run_sync(fs.cache.clear)
+        return {"ok": True}
+    return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def request(paths: NodePaths, req: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    """Send one control request to a running daemon (blocking client)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(paths.control))
+        s.sendall(json.dumps(req).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("lazyfs daemon closed the control connection")
+            buf += chunk
+    answer: dict[str, Any] = json.loads(buf)
+    if not answer.get("ok"):
+        raise RuntimeError(f"lazyfs daemon: {answer.get('error')}")
+    return answer
+
+
+def running(paths: NodePaths) -> bool:
+    try:
+        request(paths, {"op": "ping"}, timeout=2.0)
+    except (OSError, ConnectionError, ValueError, RuntimeError):
+        return False
+    return True

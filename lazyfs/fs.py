@@ -1,0 +1,397 @@
+"""The lazyfs FUSE filesystem (pyfuse3 on trio): every layer in the catalog
+as a read-only tree under `layers/<digest>/`, data fetched on first read
+through the node cache.
+
+    /                      the node mount (e.g. /run/lazyfs/mnt)
+    /layers/               one directory per layer digest in the catalog
+    /layers/<digest>/...   the layer's tree, as overlayfs wants a lower
+
+Layers are loaded on first lookup and stay loaded (inode numbers must stay
+stable while the kernel caches them). Everything is immutable, so entries and
+attributes are cached by the kernel for a long time and open files keep the
+page cache (`keep_cache`); one page-cache copy serves every sandbox.
+
+Reads run the chunk fetch in worker threads (the store and cache are
+blocking), at most `fetch_threads` at once, each bounded by `fetch_timeout`
+(then EIO). A read that continues the previous read of the same open file
+starts a background fetch of the next `readahead_chunks` chunks on a smaller
+pool, so prefetch never takes the threads foreground reads need.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyfuse3
+import trio
+
+from chunkstore import ChunkId, ChunkStoreError, TrustDomain
+from chunkstore.cache import NodeCache
+from composer.catalog import Catalog
+from composer.errors import ComposerError
+from composer.manifest import Kind
+
+from .trace import Tracer
+from .tree import LayerTree
+
+log = logging.getLogger(__name__)
+
+ROOT = pyfuse3.ROOT_INODE
+LAYERS = ROOT + 1
+_LAYER_SHIFT = 32
+TIMEOUT = 24 * 3600.0  # entry/attr timeouts: everything here is immutable
+
+
+@dataclass
+class Options:
+    fetch_threads: int = 8
+    prefetch_threads: int = 2
+    fetch_timeout: float = 30.0
+    readahead_chunks: int = 2
+
+
+@dataclass
+class _Handle:
+    tree: LayerTree
+    index: int
+    mount: str
+    next_offset: int = -1
+    prefetched_to: int = -1
+
+
+@dataclass
+class _Dir:
+    names: list[bytes] = field(default_factory=list)
+    inodes: list[int] = field(default_factory=list)
+
+
+class LazyFS(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, catalog: Catalog, cache: NodeCache, tracer: Tracer,
+                 options: Options | None = None,
+                 attribute: Callable[[int], str] | None = None) -> None:
+        super().__init__()
+        self.catalog = catalog
+        self.cache = cache
+        self.tracer = tracer
+        self.options = options or Options()
+        self.attribute = attribute or (lambda pid: "")
+        self.trees: dict[int, LayerTree] = {}  # layer number -> tree
+        self.by_digest: dict[str, LayerTree] = {}
+        self._next_layer = 1
+        self._loading: dict[str, trio.Event] = {}
+        self._handles: dict[int, _Handle | _Dir] = {}
+        self._dir_inodes: dict[int, int] = {}
+        self._next_fh = 1
+        self._fetch_limit = trio.CapacityLimiter(self.options.fetch_threads)
+        self._prefetch_limit = trio.CapacityLimiter(self.options.prefetch_threads)
+        self.nursery: trio.Nursery | None = None
+        self.started = time.time()
+
+    # -- layers ---------------------------------------------------------------
+
+    async def layer(self, digest: str) -> LayerTree:
+        """The tree of a layer, loading it on first use (once, however many ask)."""
+        tree = self.by_digest.get(digest)
+        if tree is not None:
+            return tree
+        ev = self._loading.get(digest)
+        if ev is not None:
+            await ev.wait()
+            tree = self.by_digest.get(digest)
+            if tree is None:
+                raise pyfuse3.FUSEError(errno.EIO)
+            return tree
+        ev = self._loading[digest] = trio.Event()
+        try:
+            number = self._next_layer
+            self._next_layer += 1
+            manifest = await trio.to_thread.run_sync(self.catalog.load_layer, digest)
+            tree = LayerTree.build(digest, manifest, number << _LAYER_SHIFT)
+            self.trees[number] = tree
+            self.by_digest[digest] = tree
+            self.tracer.layer_loaded(tree)
+            return tree
+        finally:
+            del self._loading[digest]
+            ev.set()
+
+    def _tree_of(self, inode: int) -> LayerTree:
+        tree = self.trees.get(inode >> _LAYER_SHIFT)
+        if tree is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return tree
+
+    # -- attributes -----------------------------------------------------------
+
+    def _dir_attr(self, inode: int, nlink: int = 2) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode
+        a.st_mode = stat.S_IFDIR | 0o755
+        a.st_nlink = nlink
+        a.st_blksize = 4096
+        t = int(self.started * 1e9)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
+        a.entry_timeout = a.attr_timeout = 1.0  # `layers/` grows as images arrive
+        return a
+
+    def _attr(self, tree: LayerTree, i: int) -> pyfuse3.EntryAttributes:
+        i = tree.target[i]
+        e = tree.entries[i]
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = tree.base + i + 1
+        a.st_mode = tree.mode(i)
+        a.st_nlink = tree.nlink[i]
+        a.st_uid = e.uid
+        a.st_gid = e.gid
+        a.st_rdev = os.makedev(*tree.rdev(i))
+        a.st_size = tree.size(i)
+        a.st_blksize = 128 << 10
+        a.st_blocks = (sum(c.length for c in e.chunks if c.id is not None) + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = e.mtime_ns
+        a.entry_timeout = a.attr_timeout = TIMEOUT
+        return a
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
+                      ) -> pyfuse3.EntryAttributes:
+        if inode == ROOT:
+            return self._dir_attr(ROOT, 3)
+        if inode == LAYERS:
+            return self._dir_attr(LAYERS)
+        tree = self._tree_of(inode)
+        return self._attr(tree, tree.index(inode))
+
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        if parent_inode == ROOT:
+            if name == b"layers":
+                return self._dir_attr(LAYERS)
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if parent_inode == LAYERS:
+            digest = name.decode("utf-8", "replace")
+            if not await trio.to_thread.run_sync(self.catalog.has_layer, digest):
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            try:
+                tree = await self.layer(digest)
+            except (ChunkStoreError, ComposerError, ValueError) as e:
+                log.error("layer %s cannot be loaded: %s", digest, e)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            return self._attr(tree, tree.root_index)
+        tree = self._tree_of(parent_inode)
+        kids = tree.children.get(tree.index(parent_inode))
+        if kids is None:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        j = kids.get(name)
+        if j is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(tree, j)
+
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        tree = self._tree_of(inode)
+        e = tree.entries[tree.index(inode)]
+        if e.kind != Kind.SYMLINK:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return e.target.encode("utf-8", "surrogateescape")
+
+    # -- directories ----------------------------------------------------------
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        d = _Dir()
+        if inode == ROOT:
+            d.names, d.inodes = [b"layers"], [LAYERS]
+        elif inode == LAYERS:
+            digests = await trio.to_thread.run_sync(self.catalog.list_layers)
+            d.names = [x.encode() for x in digests]
+        else:
+            tree = self._tree_of(inode)
+            i = tree.index(inode)
+            if i not in tree.children:
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            d.names = tree.child_order[i]
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = d
+        self._dir_inodes[fh] = inode
+        return fh
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        d = self._handles[fh]
+        assert isinstance(d, _Dir)
+        for k in range(start_id, len(d.names)):
+            name = d.names[k]
+            attr = await self.lookup(self._dir_inode(fh), name)
+            if not pyfuse3.readdir_reply(token, name, attr, k + 1):
+                break
+
+    def _dir_inode(self, fh: int) -> int:
+        return self._dir_inodes[fh]
+
+    async def releasedir(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+        self._dir_inodes.pop(fh, None)
+
+    # -- files ----------------------------------------------------------------
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext
+                   ) -> pyfuse3.FileInfo:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        tree = self._tree_of(inode)
+        i = tree.target[tree.index(inode)]
+        if tree.entries[i].kind != Kind.FILE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        fh = self._next_fh
+        self._next_fh += 1
+        handle = self._handles[fh] = _Handle(tree, i, self.attribute(ctx.pid))
+        self.tracer.opened(tree, i, handle.mount)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def release(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self._handles.get(fh)
+        if not isinstance(h, _Handle):
+            raise pyfuse3.FUSEError(errno.EBADF)
+        data = h.tree.file_data(h.index)
+        span = data.span(off, size)
+        if not span:
+            return b""
+        ids = [data.ids[k] for k in span]
+        wanted = [c for c in ids if c is not None]
+        hits = sum(1 for c in wanted if self.cache.contains(c, h.tree.domain))
+        t0 = time.perf_counter()
+        got = await self._fetch(h.tree, h.index, wanted, foreground=True)
+        self.tracer.read(h.tree, h.index, span, h.mount, time.perf_counter() - t0,
+                         hits=hits, misses=len(wanted) - hits)
+        parts = []
+        it = iter(got)
+        for k, cid in zip(span, ids, strict=True):
+            parts.append(next(it) if cid is not None else bytes(data.lengths[k]))
+        blob = b"".join(parts)
+        start = off - data.starts[span[0]]
+        out = blob[start:start + min(size, data.size - off)]
+        # sequential reading: fetch what comes next in the background
+        if self.options.readahead_chunks and self.nursery is not None:
+            if off == h.next_offset and span[-1] + 1 < len(data.ids):
+                first = max(span[-1] + 1, h.prefetched_to + 1)
+                last = min(span[-1] + self.options.readahead_chunks, len(data.ids) - 1)
+                ahead = [c for c in data.ids[first:last + 1] if c is not None]
+                if ahead:
+                    h.prefetched_to = last
+                    self.nursery.start_soon(self._prefetch, h.tree, h.index, ahead)
+            h.next_offset = off + len(out)
+        return out
+
+    async def _fetch(self, tree: LayerTree, i: int, ids: list[ChunkId], *,
+                     foreground: bool) -> list[bytes]:
+        if not ids:
+            return []
+        limit = self._fetch_limit if foreground else self._prefetch_limit
+        try:
+            with trio.fail_after(self.options.fetch_timeout):
+                return await trio.to_thread.run_sync(
+                    self.cache.get_many, ids, tree.domain, limiter=limit,
+                    abandon_on_cancel=True)
+        except trio.TooSlowError:
+            log.error("read of %s in layer %s: fetch timed out after %gs", tree.entries[i].path,
+                      tree.digest, self.options.fetch_timeout)
+            self.tracer.error()
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except (ChunkStoreError, OSError) as e:
+            log.error("read of %s in layer %s failed: %s", tree.entries[i].path, tree.digest, e)
+            self.tracer.error()
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    async def _prefetch(self, tree: LayerTree, i: int, ids: list[ChunkId]) -> None:
+        missing = [c for c in ids if not self.cache.contains(c, tree.domain)]
+        if not missing:
+            return
+        try:
+            await self._fetch(tree, i, missing, foreground=False)
+            self.tracer.prefetched(len(missing))
+        except pyfuse3.FUSEError:
+            pass  # a foreground read will report it
+
+    async def prefetch_trace(self, events: list[dict[str, Any]]) -> int:
+        """Fetch the chunks a recorded trace read, in its order, in the
+        background pool. Returns how many chunks were fetched."""
+        done = 0
+        batch: list[ChunkId] = []
+        domain: TrustDomain | None = None
+        tree: LayerTree | None = None
+        for ev in events:
+            try:
+                t = await self.layer(str(ev["layer"]))
+            except pyfuse3.FUSEError:
+                continue
+            idx = t.path_index(str(ev["path"]))
+            if idx is None or t.entries[idx].kind != Kind.FILE:
+                continue
+            ids = t.file_data(idx).ids
+            k = int(ev.get("chunk", 0))
+            cid = ids[k] if 0 <= k < len(ids) else None
+            if cid is None or self.cache.contains(cid, t.domain):
+                continue
+            if batch and (t.domain != domain or len(batch) >= 8):
+                await self._fetch_batch(tree, batch)  # type: ignore[arg-type]
+                done += len(batch)
+                batch = []
+            batch.append(cid)
+            domain, tree = t.domain, t
+        if batch and tree is not None:
+            await self._fetch_batch(tree, batch)
+            done += len(batch)
+        return done
+
+    async def _fetch_batch(self, tree: LayerTree, ids: list[ChunkId]) -> None:
+        try:
+            await self._fetch(tree, tree.root_index, ids, foreground=False)
+            self.tracer.prefetched(len(ids))
+        except pyfuse3.FUSEError:
+            pass
+
+    # -- xattrs, statfs ---------------------------------------------------------
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode in (ROOT, LAYERS):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        tree = self._tree_of(inode)
+        value = tree.xattrs(tree.target[tree.index(inode)]).get(
+            name.decode("utf-8", "surrogateescape"))
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        if inode in (ROOT, LAYERS):
+            return []
+        tree = self._tree_of(inode)
+        e = tree.entries[tree.target[tree.index(inode)]]
+        return [n.encode("utf-8", "surrogateescape") for n in e.xattrs]
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        total = sum(t.data_size for t in self.trees.values())
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = (total + 4095) // 4096
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = sum(len(t.entries) for t in self.trees.values()) + 2
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        return not mode & os.W_OK
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        return None

@@ -1,0 +1,346 @@
+"""Node commands: daemon, mount, umount, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from composer.catalog import Catalog
+from composer.envspec import build as build_env
+from composer.envspec import load_spec
+from lazyfs import daemon as lazyd
+from lazyfs.fs import Options
+from lazyfs.mounts import MountError, mount_image, registered, unmount
+from lazyfs.trace import load_trace
+
+from .config import Settings, _xdg
+from .errors import QuietError
+from .options import open_store
+
+DEFAULT_CACHE_SIZE = "4G"
+READY_TIMEOUT = 20.0
+
+
+def default_cache_dir() -> Path:
+    return _xdg("XDG_CACHE_HOME", ".cache") / "lazyfs" / "chunks"
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r}: expected a size like 512M or 4G")
+    return int(float(m[1]) * 1024 ** "_kmgt".index(m[2] or "_"))
+
+
+def root_option(f: Any) -> Any:
+    return click.option("--root", "root", type=click.Path(file_okay=False, path_type=Path),
+                        default=None, help="Node directory of the daemon (mnt/, control.sock) "
+                        "[default /run/lazyfs as root, else $XDG_RUNTIME_DIR/lazyfs].")(f)
+
+
+def cache_options(f: Any) -> Any:
+    f = click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=None, help="Node chunk cache directory "
+                     "[default ~/.cache/lazyfs/chunks].")(f)
+    return click.option("--cache-size", default=DEFAULT_CACHE_SIZE, show_default=True,
+                        help="Node chunk cache bound (e.g. 512M, 4G).")(f)
+
+
+def _paths(root: Path | None) -> lazyd.NodePaths:
+    return lazyd.NodePaths((root or lazyd.default_root()).absolute())
+
+
+def _check_fuse() -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise QuietError("/dev/fuse is missing: load the fuse module (modprobe fuse)")
+    if os.geteuid() != 0:
+        raise QuietError("the lazyfs daemon mounts FUSE with allow_other and overlayfs: "
+                         "run it as root")
+
+
+def start_detached(settings: Settings, paths: lazyd.NodePaths, cache_dir: Path | None,
+                   cache_size: str, extra: list[str] | None = None) -> int:
+    """Start `lazyfs daemon` in the background and wait until it answers."""
+    _check_fuse()
+    paths.root.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tools.cli", "--store", str(settings.store_path), "daemon",
+           "--root", str(paths.root), "--cache-size", cache_size, *(extra or [])]
+    if cache_dir is not None:
+        cmd += ["--cache", str(cache_dir)]
+    with open(paths.logfile, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                start_new_session=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = paths.logfile.read_text(errors="replace").strip().splitlines()[-5:]
+            raise QuietError(f"lazyfs daemon exited with {proc.returncode}: "
+                             + " | ".join(tail))
+        if lazyd.running(paths):
+            return proc.pid
+        time.sleep(0.05)
+    proc.kill()
+    raise QuietError(f"lazyfs daemon did not answer within {READY_TIMEOUT:g}s "
+                     f"(log: {paths.logfile})")
+
+
+@click.command()
+@root_option
+@cache_options
+@click.option("--detach", is_flag=True, help="Run in the background (log in ROOT/daemon.log).")
+@click.option("--prefetch", "prefetch", type=click.Path(exists=True, dir_okay=False),
+              help="Replay this access trace into the node cache at start.")
+@click.option("--fetch-timeout", default=30.0, show_default=True, metavar="SECONDS",
+              help="A read whose chunks take longer fails with EIO.")
+@click.option("--fetch-threads", default=8, show_default=True,
+              help="Concurrent chunk fetches for reads.")
+@click.option("--readahead-chunks", default=2, show_default=True,
+              help="Chunks fetched ahead of a sequential reader (0: off).")
+@click.pass_obj
+def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_size: str,
+           detach: bool, prefetch: str | None, fetch_timeout: float, fetch_threads: int,
+           readahead_chunks: int) -> None:
+    """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
+
+    One per node, shared by every mount and sandbox. Foreground until Ctrl-C
+    or SIGTERM, which unmount it; `lazyfs umount ROOT/mnt` stops it too.
+    """
+    paths = _paths(root)
+    if lazyd.running(paths):
+        raise QuietError(f"a lazyfs daemon already serves {paths.mnt}")
+    size = parse_size(cache_size)
+    if detach:
+        extra = ["--fetch-timeout", str(fetch_timeout), "--fetch-threads", str(fetch_threads),
+                 "--readahead-chunks", str(readahead_chunks)]
+        if prefetch:
+            extra += ["--prefetch", str(Path(prefetch).absolute())]
+        pid = start_detached(settings, paths, cache_dir, cache_size, extra)
+        click.echo(f"lazyfs daemon {pid} serving {paths.mnt}")
+        return
+    _check_fuse()
+    events = None
+    if prefetch:
+        try:
+            events = load_trace(prefetch)
+        except ValueError as e:
+            raise QuietError(str(e)) from e
+    if not settings.store_path.is_dir():
+        raise QuietError(f"no chunk store at {settings.store_path} (convert an image first)")
+    opts = Options(fetch_threads=fetch_threads, fetch_timeout=fetch_timeout,
+                   readahead_chunks=readahead_chunks)
+    lazyd.run(paths, settings.store_path, cache_dir or default_cache_dir(), size,
+              options=opts, prefetch=events,
+              on_ready=lambda: click.echo(f"lazyfs serving {paths.mnt} (Ctrl-C to stop)",
+                                          err=True))
+
+
+def _image_name(settings: Settings, target: str) -> str:
+    if target.endswith(".toml") and Path(target).is_file():
+        spec = load_spec(Path(target))
+        with open_store(settings, create=True) as store, Catalog(store) as catalog:
+            build_env(store, catalog, spec)
+        return spec.name
+    return target
+
+
+@click.command(name="mount")
+@click.argument("image")
+@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--writable", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for a writable layer (upper/ and work/ inside); "
+                   "without it the view is read-only.")
+@click.option("--foreground", "-f", is_flag=True,
+              help="Stay in the foreground; Ctrl-C unmounts.")
+@click.option("--prefetch", type=click.Path(exists=True, dir_okay=False),
+              help="Replay this access trace into the node cache in the background.")
+@root_option
+@cache_options
+@click.pass_obj
+def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | None,
+          foreground: bool, prefetch: str | None, root: Path | None, cache_dir: Path | None,
+          cache_size: str) -> None:
+    """Mount IMAGE (a catalog name, or an environment SPEC.toml) at MOUNTPOINT.
+
+    The layers are composed with overlayfs over the node daemon's lazy trees
+    (started if it is not running). Nothing is read from the store until a
+    file is read. Unmount with `lazyfs umount MOUNTPOINT`.
+    """
+    paths = _paths(root)
+    name = _image_name(settings, image)
+    events = None
+    if prefetch:
+        try:
+            events = load_trace(prefetch)
+        except ValueError as e:
+            raise QuietError(str(e)) from e
+    if not lazyd.running(paths):
+        pid = start_detached(settings, paths, cache_dir, cache_size)
+        click.echo(f"started lazyfs daemon {pid} at {paths.mnt}", err=True)
+    with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+        try:
+            m = mount_image(paths, catalog, name, mountpoint, writable=writable)
+        except MountError as e:
+            raise QuietError(str(e)) from e
+    if events:
+        lazyd.request(paths, {"op": "prefetch", "events": events})
+    click.echo(f"mounted {name} ({len(m.layers)} layers, "
+               f"{'writable' if writable else 'read-only'}) at {m.mountpoint}")
+    if not foreground:
+        return
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo("Ctrl-C to unmount", err=True)
+    while not stop.wait(0.5):
+        pass
+    try:
+        unmount(paths, m.mountpoint)
+    except MountError:
+        unmount(paths, m.mountpoint, lazy=True)
+    click.echo(f"unmounted {m.mountpoint}")
+
+
+@click.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--lazy", "-l", is_flag=True, help="Detach now, finish when no longer busy.")
+@root_option
+def umount(mountpoint: Path, lazy: bool, root: Path | None) -> None:
+    """Unmount a composed MOUNTPOINT, or stop the daemon when given its ROOT/mnt."""
+    paths = _paths(root)
+    if mountpoint.absolute() == paths.mnt:
+        _stop_daemon(paths, lazy)
+        click.echo(f"stopped the lazyfs daemon at {paths.mnt}")
+        return
+    try:
+        unmount(paths, mountpoint, lazy=lazy)
+    except MountError as e:
+        raise QuietError(str(e)) from e
+    click.echo(f"unmounted {mountpoint}")
+
+
+def _stop_daemon(paths: lazyd.NodePaths, lazy: bool) -> None:
+    from lazyfs import sysmount
+    busy = [m["mountpoint"] for m in registered(paths)
+            if sysmount.find_mount(str(m["mountpoint"])) is not None]
+    if busy and not lazy:
+        raise QuietError(f"composed mounts still use the daemon: {', '.join(map(str, busy))} "
+                         "(unmount them first, or --lazy)")
+    pid = None
+    try:
+        pid = int(paths.pidfile.read_text())
+    except (OSError, ValueError):
+        pass
+    if pid is not None and lazyd.running(paths):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and paths.pidfile.exists():
+            time.sleep(0.05)
+    if sysmount.find_mount(paths.mnt) is not None:  # dead daemon, stale mount
+        sysmount.umount(paths.mnt, lazy=True)
+
+
+@click.command()
+@root_option
+@click.option("--json", "as_json", is_flag=True, help="Print the raw statistics as JSON.")
+@click.option("--save-trace", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the access trace (first reads, in order) to this file.")
+@click.option("--mount", "mount_filter", type=click.Path(path_type=Path),
+              help="Only this composed mount's trace.")
+@click.pass_obj
+def stats(settings: Settings, root: Path | None, as_json: bool, save_trace: Path | None,
+          mount_filter: Path | None) -> None:
+    """What the daemon has served: per image and per mount, bytes touched vs
+    image size, files touched, cache hits/misses, fetch latency."""
+    paths = _paths(root)
+    if not lazyd.running(paths):
+        raise QuietError(f"no lazyfs daemon answers at {paths.control}")
+    snap = lazyd.request(paths, {"op": "stats"})["stats"]
+    if save_trace is not None:
+        mf = str(mount_filter.absolute()) if mount_filter else None
+        trace = lazyd.request(paths, {"op": "trace", "mount": mf}, timeout=60)["trace"]
+        save_trace.write_text(json.dumps(trace))
+        click.echo(f"saved {len(trace['events']):,} trace events to {save_trace}", err=True)
+    if as_json:
+        click.echo(json.dumps(snap, indent=2))
+        return
+    names = _image_names(settings)
+    mounts = {str(m["mountpoint"]): m for m in registered(paths)}
+    c = snap["cache"]
+    click.echo(f"node cache  {c['bytes'] / 1e6:,.1f} / {c['capacity'] / 1e6:,.0f} MB, "
+               f"{c['chunks']:,} chunks; hits {c['hits']:,} misses {c['misses']:,} "
+               f"(shared waits {c['waits']:,}); fetched {c['fetched_bytes'] / 1e6:,.1f} MB; "
+               f"fetch p50 {c['fetch_ms_p50']:.2f} ms p99 {c['fetch_ms_p99']:.2f} ms")
+    click.echo(f"errors {snap['errors']}  prefetched chunks {snap['prefetched_chunks']:,}")
+    per_image = _group(snap["layers"], names)
+    click.echo("\nper image (all mounts)")
+    for label, s in sorted(per_image.items()):
+        click.echo("  " + _line(label, s))
+    click.echo("\nper mount")
+    by_mount: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in snap["mounts"]:
+        by_mount.setdefault(row["mount"], {})[row["layer"]] = row
+    for mp, layers in sorted(by_mount.items()):
+        reg = mounts.get(mp)
+        label = f"{mp or '(not under a registered mount)'}"
+        if reg:
+            label += f" [{reg['name']}]"
+        total = _sum(list(layers.values()),
+                     image_bytes=_image_bytes(snap, reg["layers"]) if reg else None)
+        click.echo("  " + _line(label, total))
+
+
+def _image_names(settings: Settings) -> dict[str, list[str]]:
+    """layer digest -> names of the tagged images holding it."""
+    out: dict[str, list[str]] = {}
+    try:
+        with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+            for tag, digest in catalog.list_tags():
+                _, img = catalog.resolve(tag)
+                for d in img.layers:
+                    out.setdefault(d, []).append(tag)
+    except Exception:  # noqa: BLE001 - names are a nicety; stats must still print
+        return {}
+    return out
+
+
+def _image_bytes(snap: dict[str, Any], layers: Any) -> int:
+    return sum(snap["layers"].get(d, {}).get("image_bytes", 0) for d in layers)
+
+
+def _sum(rows: list[dict[str, Any]], image_bytes: int | None = None) -> dict[str, Any]:
+    keys = ("files_touched", "chunks_touched", "touched_bytes", "image_bytes",
+            "served_bytes", "cache_hits", "cache_misses")
+    s = {k: sum(r.get(k, 0) for r in rows) for k in keys}
+    if image_bytes is not None:
+        s["image_bytes"] = image_bytes
+    s["fetch_ms_p50"] = max((r["fetch_ms_p50"] for r in rows), default=0.0)
+    s["fetch_ms_p99"] = max((r["fetch_ms_p99"] for r in rows), default=0.0)
+    return s
+
+
+def _group(layers: dict[str, dict[str, Any]], names: dict[str, list[str]]
+           ) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for digest, row in layers.items():
+        for name in names.get(digest, [digest[:19]]):
+            groups.setdefault(name, []).append(row)
+    return {k: _sum(v) for k, v in groups.items()}
+
+
+def _line(label: str, s: dict[str, Any]) -> str:
+    frac = s["touched_bytes"] / s["image_bytes"] if s["image_bytes"] else 0.0
+    return (f"{label}: touched {s['touched_bytes'] / 1e6:,.1f} of {s['image_bytes'] / 1e6:,.1f}"
+            f" MB ({frac:.1%}), {s['files_touched']:,} files, {s['chunks_touched']:,} chunks; "
+            f"hits {s['cache_hits']:,} misses {s['cache_misses']:,}; fetch p50 "
+            f"{s['fetch_ms_p50']:.2f} ms p99 {s['fetch_ms_p99']:.2f} ms")
