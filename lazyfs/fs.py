@@ -351,6 +351,7 @@ class LazyFS(pyfuse3.Operations):
         if batch and tree is not None:
             await self._fetch_batch(tree, batch)
             done += len(batch)
+        self.tracer.prefetch_runs += 1
         return done
 
     async def _fetch_batch(self, tree: LayerTree, ids: list[ChunkId]) -> None:

@@ -62,8 +62,10 @@ def _apply(target: Path, e: Entry) -> None:
 
 def write_fixups(dest: Path, entries: list[Entry]) -> None:
     """Create the fixup directories under dest with their composed metadata."""
+    dest.mkdir(parents=True, exist_ok=True)
     for e in entries:
-        (dest / e.path).mkdir(exist_ok=True) if e.path else dest.mkdir(exist_ok=True)
+        if e.path:
+            (dest / e.path).mkdir(exist_ok=True)
     for e in reversed(entries):  # children first: creating them touched parents' mtimes
         _apply(dest / e.path if e.path else dest, e)
 

@@ -64,6 +64,7 @@ class Tracer:
         self.events: list[dict[str, Any]] = []
         self.errors = 0
         self.prefetched_chunks = 0
+        self.prefetch_runs = 0  # trace replays finished
 
     def layer_loaded(self, tree: LayerTree) -> None:
         self.sizes[tree.digest] = tree.data_size
@@ -116,6 +117,7 @@ class Tracer:
             "uptime_s": time.monotonic() - self.t0,
             "errors": self.errors,
             "prefetched_chunks": self.prefetched_chunks,
+            "prefetch_runs": self.prefetch_runs,
             "layers": {d: c.summary(self.sizes.get(d, 0)) for d, c in self.layers.items()},
             "mounts": [{"mount": m, "layer": d, **c.summary(self.sizes.get(d, 0))}
                        for (m, d), c in self.mounts.items()],

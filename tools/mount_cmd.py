@@ -184,6 +184,10 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
             events = load_trace(prefetch)
         except ValueError as e:
             raise QuietError(str(e)) from e
+    stop = threading.Event()
+    if foreground:  # before mounting: a Ctrl-C right after must still unmount
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     if not lazyd.running(paths):
         pid = start_detached(settings, paths, cache_dir, cache_size)
         click.echo(f"started lazyfs daemon {pid} at {paths.mnt}", err=True)
@@ -198,9 +202,6 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
                f"{'writable' if writable else 'read-only'}) at {m.mountpoint}")
     if not foreground:
         return
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     click.echo("Ctrl-C to unmount", err=True)
     while not stop.wait(0.5):
         pass

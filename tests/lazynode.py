@@ -1,0 +1,139 @@
+"""A real lazyfs node daemon for tests, started on its own root and stopped.
+
+    with LazyNode(tmp_path / "node", store_path) as node:
+        mp = node.mount(cat, "img", tmp_path / "root")          # read-only composed root
+        rw = node.mount(cat, "img", tmp_path / "r2", writable=tmp_path / "rw")
+        node.stats()                                             # the daemon's statistics
+
+The daemon is `python -m tools.cli daemon` in a child process (the same code
+path users run), with its own node root, node cache and log. On exit, every
+composed mount the node made is unmounted (lazily if busy), the daemon gets
+SIGTERM (SIGKILL after 10 s), and a FUSE mount a dead daemon left is detached:
+nothing stays mounted, also when the test failed. A parent-death signal stops
+the daemon if the test process itself dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from support import parent_death_signal
+
+from composer.catalog import Catalog
+from lazyfs import sysmount
+from lazyfs.daemon import NodePaths, request, running
+from lazyfs.mounts import mount_image, unmount
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fuse_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: FUSE with allow_other and overlayfs mounts"
+    if not os.path.exists("/dev/fuse"):
+        return "needs /dev/fuse"
+    return None
+
+
+class LazyNode:
+    def __init__(self, root: Path, store: Path, *, cache_size: str = "1G",
+                 extra: list[str] | None = None) -> None:
+        self.paths = NodePaths(Path(root).absolute())
+        self.store = Path(store)
+        self.cache = self.paths.root / "cache"
+        self.cache_size = cache_size
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.mounted: list[Path] = []
+
+    @property
+    def mnt(self) -> Path:
+        return self.paths.mnt
+
+    def layer_dir(self, digest: str) -> Path:
+        return self.paths.layers / digest
+
+    def __enter__(self) -> LazyNode:
+        self.start()
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "tools.cli", "-v", "--store", str(self.store), "daemon",
+               "--root", str(self.paths.root), "--cache", str(self.cache),
+               "--cache-size", self.cache_size, *self.extra]
+        log = open(self.paths.logfile, "ab")  # noqa: SIM115 - the child keeps its own copy
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         cwd=REPO, preexec_fn=parent_death_signal())  # noqa: PLW1509
+        finally:
+            log.close()
+        deadline = time.monotonic() + 20
+        while not running(self.paths):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lazyfs daemon exited with {self.proc.returncode}:\n"
+                                   f"{self.log()}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"lazyfs daemon not ready after 20 s:\n{self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        try:
+            return self.paths.logfile.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def mount(self, catalog: Catalog, name: str, mountpoint: Path, *,
+              writable: Path | None = None) -> Path:
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        mount_image(self.paths, catalog, name, mountpoint, writable=writable)
+        self.mounted.append(mountpoint.absolute())
+        return mountpoint
+
+    def unmount(self, mountpoint: Path) -> None:
+        unmount(self.paths, mountpoint)
+        self.mounted.remove(mountpoint.absolute())
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = request(self.paths, {"op": "stats"})["stats"]
+        return stats
+
+    def request(self, req: dict[str, Any]) -> dict[str, Any]:
+        return request(self.paths, req)
+
+    def kill(self) -> None:
+        """SIGKILL the daemon (its FUSE mount stays, dead: ENOTCONN)."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        for mp in reversed(self.mounted):
+            if sysmount.find_mount(mp) is not None:
+                try:
+                    sysmount.umount(mp)
+                except OSError:
+                    sysmount.umount(mp, lazy=True)
+        self.mounted.clear()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        while sysmount.find_mount(self.mnt) is not None:
+            sysmount.umount(self.mnt, lazy=True)
