@@ -47,8 +47,27 @@ def test_demo_round_trips_a_tree_and_dedups_on_rerun(tmp_path: Path) -> None:
     assert "round trip   OK" in first
     assert "3 files" in first
     assert "dedup        1.8" in first  # copy.bin is a duplicate of a.bin
-    second = run("demo", str(tree), "--chunk-size-kib", "64", store=store).stdout
+    second = run("demo", str(tree), "--chunk-size-kib", "64", "--no-lazy", store=store).stdout
     assert "0 new to the store" in second and "everything deduplicated" in second
+    assert "lazy image" not in second
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="needs root and /dev/fuse: the demo mounts an image lazily")
+def test_demo_mounts_an_image_lazily(tmp_path: Path) -> None:
+    from lazyfs import sysmount
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(5):
+        (tree / f"big{i}.bin").write_bytes(os.urandom(2_000_000))
+    out = run("demo", str(tree), "--lazy", store=tmp_path / "store").stdout
+    assert "hello from a lazily loaded image" in out and "5 files in /data" in out
+    fetched = re.search(r"fetched +([\d.]+) of ([\d.]+) MB", out)
+    assert fetched, out
+    # busybox and 100 kB of one file, not the 10 MB of data
+    assert float(fetched[1]) < 0.5 * float(fetched[2])
+    assert not [m for m in sysmount.mounts() if "lazyfs-demo-" in m.mount_point]
 
 
 def test_put_get_stat_verify_gc(tmp_path: Path) -> None:
