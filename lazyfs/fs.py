@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 ROOT = pyfuse3.ROOT_INODE
 LAYERS = ROOT + 1
 _LAYER_SHIFT = 32
-TIMEOUT = 24 * 3600.0  # entry/attr timeouts: everything here is immutable
 
 
 @dataclass
@@ -55,6 +54,8 @@ class Options:
     prefetch_threads: int = 2
     fetch_timeout: float = 30.0
     readahead_chunks: int = 2
+    keep_cache: bool = True  # keep the page cache across opens (content is immutable)
+    cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)
 
 
 @dataclass
@@ -158,7 +159,7 @@ class LazyFS(pyfuse3.Operations):
         a.st_blksize = 128 << 10
         a.st_blocks = (sum(c.length for c in e.chunks if c.id is not None) + 511) // 512
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = e.mtime_ns
-        a.entry_timeout = a.attr_timeout = TIMEOUT
+        a.entry_timeout = a.attr_timeout = self.options.cache_timeout
         return a
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
@@ -253,7 +254,7 @@ class LazyFS(pyfuse3.Operations):
         self._next_fh += 1
         handle = self._handles[fh] = _Handle(tree, i, self.attribute(ctx.pid))
         self.tracer.opened(tree, i, handle.mount)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=self.options.keep_cache)
 
     async def release(self, fh: int) -> None:
         self._handles.pop(fh, None)

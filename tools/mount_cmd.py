@@ -107,10 +107,17 @@ def start_detached(settings: Settings, paths: lazyd.NodePaths, cache_dir: Path |
               help="Concurrent chunk fetches for reads.")
 @click.option("--readahead-chunks", default=2, show_default=True,
               help="Chunks fetched ahead of a sequential reader (0: off).")
+@click.option("--read-ahead-kb", default=lazyd.READ_AHEAD_KB, show_default=True,
+              help="Kernel readahead of the FUSE mount (the kernel's default is 128).")
+@click.option("--keep-cache/--no-keep-cache", default=True, show_default=True,
+              help="Keep file pages cached across opens (for measurements).")
+@click.option("--cache-timeout", default=24 * 3600.0, show_default=True, metavar="SECONDS",
+              help="Kernel entry/attribute cache timeout (for measurements).")
 @click.pass_obj
 def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_size: str,
            detach: bool, prefetch: str | None, fetch_timeout: float, fetch_threads: int,
-           readahead_chunks: int) -> None:
+           readahead_chunks: int, read_ahead_kb: int, keep_cache: bool,
+           cache_timeout: float) -> None:
     """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
 
     One per node, shared by every mount and sandbox. Foreground until Ctrl-C
@@ -122,7 +129,9 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_
     size = parse_size(cache_size)
     if detach:
         extra = ["--fetch-timeout", str(fetch_timeout), "--fetch-threads", str(fetch_threads),
-                 "--readahead-chunks", str(readahead_chunks)]
+                 "--readahead-chunks", str(readahead_chunks), "--read-ahead-kb",
+                 str(read_ahead_kb), "--cache-timeout", str(cache_timeout),
+                 "--keep-cache" if keep_cache else "--no-keep-cache"]
         if prefetch:
             extra += ["--prefetch", str(Path(prefetch).absolute())]
         pid = start_detached(settings, paths, cache_dir, cache_size, extra)
@@ -138,9 +147,10 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_
     if not settings.store_path.is_dir():
         raise QuietError(f"no chunk store at {settings.store_path} (convert an image first)")
     opts = Options(fetch_threads=fetch_threads, fetch_timeout=fetch_timeout,
-                   readahead_chunks=readahead_chunks)
+                   readahead_chunks=readahead_chunks, keep_cache=keep_cache,
+                   cache_timeout=cache_timeout)
     lazyd.run(paths, settings.store_path, cache_dir or default_cache_dir(), size,
-              options=opts, prefetch=events,
+              options=opts, prefetch=events, read_ahead_kb=read_ahead_kb,
               on_ready=lambda: click.echo(f"lazyfs serving {paths.mnt} (Ctrl-C to stop)",
                                           err=True))
 
