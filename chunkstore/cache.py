@@ -15,6 +15,10 @@ directory is rescanned at open; recency then starts from file mtimes).
   source (ChunkStore) checks what it returns the same way.
 * Atomic fills: a chunk is written under a temporary name and renamed, so a
   crash leaves no partial chunk visible; temporary files are removed at open.
+  Fills run on a background thread after the reader has its bytes (a reader
+  does not wait for the cache disk); until written, a chunk is served from
+  memory. At most `max_pending` bytes wait to be written; past that, fills
+  are written by the fetching thread (backpressure).
 * One owner: the directory is flocked while open; a second daemon on the same
   cache gets CacheBusy naming the holder.
 * Thread-safe: lazyfs calls it from worker threads.
@@ -29,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -40,6 +44,7 @@ from .ids import ChunkId, TrustDomain, id_digest
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 4 << 30
+MAX_PENDING = 128 << 20
 _LATENCY_SAMPLES = 4096
 
 
@@ -90,6 +95,10 @@ class NodeCache:
         self._lru: collections.OrderedDict[_Key, int] = collections.OrderedDict()
         self._bytes = 0
         self._inflight: dict[_Key, Future[bytes]] = {}
+        self._pending: dict[_Key, bytes] = {}  # fetched, not yet on disk
+        self._pending_bytes = 0
+        self.max_pending = MAX_PENDING
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="cache-fill")
         self._tmp_seq = 0
 
     # -- opening -------------------------------------------------------------
@@ -117,6 +126,7 @@ class NodeCache:
         return cache
 
     def close(self) -> None:
+        self._filler.shutdown(wait=True)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -157,8 +167,9 @@ class NodeCache:
         return len(self._lru)
 
     def contains(self, chunk_id: ChunkId, domain: TrustDomain) -> bool:
+        key = (str(domain), bytes(chunk_id))
         with self._mu:
-            return (str(domain), bytes(chunk_id)) in self._lru
+            return key in self._lru or key in self._pending
 
     def get(self, chunk_id: ChunkId, domain: TrustDomain) -> bytes:
         return self.get_many([chunk_id], domain)[0]
@@ -201,6 +212,10 @@ class NodeCache:
 
     def _read_cached(self, key: _Key, cid: ChunkId) -> bytes | None:
         with self._mu:
+            pending = self._pending.get(key)
+            if pending is not None:
+                self.stats.hits += 1
+                return pending
             if key not in self._lru:
                 return None
             self._lru.move_to_end(key)
@@ -234,20 +249,46 @@ class NodeCache:
                 fut.exception()  # marks it retrieved when nobody waits
             raise
         elapsed = time.perf_counter() - t0
+        fills: list[tuple[_Key, bytes]] = []
+        with self._mu:
+            sync = self._pending_bytes > self.max_pending
+            for cid, data in zip(ids, datas, strict=True):
+                key = (dname, bytes(cid))
+                if key not in self._pending:
+                    self._pending[key] = data
+                    self._pending_bytes += len(data)
+                    fills.append((key, data))
         for cid, data in zip(ids, datas, strict=True):
-            key = (dname, bytes(cid))
-            try:
-                self._store(key, data)
-            except OSError as e:  # a full cache disk must not fail the read
-                log.warning("node cache: cannot keep chunk %s: %s", cid, e)
             out[bytes(cid)] = data
             with self._mu:
-                fut = self._inflight.pop(key)
+                fut = self._inflight.pop((dname, bytes(cid)))
             fut.set_result(data)
+        if sync:
+            self._fill(fills)
+        else:
+            try:
+                self._filler.submit(self._fill, fills)
+            except RuntimeError:  # closing: write them here
+                self._fill(fills)
         with self._mu:
             self.stats.fetches += 1
             self.stats.fetched_bytes += sum(len(d) for d in datas)
             self.stats.latencies.append(elapsed)
+
+    def _fill(self, fills: list[tuple[_Key, bytes]]) -> None:
+        for key, data in fills:
+            try:
+                self._store(key, data)
+            except OSError as e:  # a full cache disk must not fail the read
+                log.warning("node cache: cannot keep chunk %s: %s", key[1].hex(), e)
+            finally:
+                with self._mu:
+                    if self._pending.pop(key, None) is not None:
+                        self._pending_bytes -= len(data)
+
+    def flush(self) -> None:
+        """Wait until every fetched chunk is on disk."""
+        self._filler.submit(lambda: None).result()
 
     def _store(self, key: _Key, data: bytes) -> None:
         path = self._path(key)
@@ -290,6 +331,7 @@ class NodeCache:
 
     def clear(self) -> None:
         """Drop every cached chunk (benchmarks: a cold node)."""
+        self.flush()
         with self._mu:
             keys = list(self._lru)
             self._lru.clear()

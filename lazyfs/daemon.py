@@ -144,15 +144,18 @@ def _cleanup_stale(mnt: Path) -> None:
         sysmount.umount(mnt, lazy=True)
 
 
-def _tune_readahead(mnt: Path, kb: int) -> None:
+def _tune_readahead(mnt: Path, kb: int) -> int | None:
+    """Write the mount's read_ahead_kb; returns the value read back."""
     info = sysmount.find_mount(mnt)
     if info is None:
-        return
+        return None
     bdi = Path(f"/sys/class/bdi/{info.dev[0]}:{info.dev[1]}/read_ahead_kb")
     try:
         bdi.write_text(str(kb))
-    except OSError as e:
+        return int(bdi.read_text())
+    except (OSError, ValueError) as e:
         log.warning("cannot set read_ahead_kb on %s: %s", bdi, e)
+        return kb  # stop trying
 
 
 def run(paths: NodePaths, store_path: Path, cache_dir: Path, cache_size: int, *,
@@ -173,16 +176,26 @@ def run(paths: NodePaths, store_path: Path, cache_dir: Path, cache_size: int, *,
                                                "allow_other"}
         pyfuse3.init(fs, str(paths.mnt), opts)
         try:
-            _tune_readahead(paths.mnt, read_ahead_kb)
-            trio.run(_main, fs, paths, prefetch or [], on_ready)
+            trio.run(_main, fs, paths, prefetch or [], on_ready, read_ahead_kb)
         finally:
             pyfuse3.close(unmount=True)
             for p in (paths.control, paths.pidfile):
                 p.unlink(missing_ok=True)
 
 
+async def _keep_readahead(mnt: Path, kb: int) -> None:
+    """Set the mount's readahead once FUSE's INIT handshake is done (the
+    kernel resets it then), checking that it stuck."""
+    for _ in range(50):
+        await trio.sleep(0.1)
+        got = await trio.to_thread.run_sync(_tune_readahead, mnt, kb)
+        if got == kb:
+            return
+    log.warning("read_ahead_kb of %s did not stay at %d", mnt, kb)
+
+
 async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
-                on_ready: Callable[[], None] | None) -> None:
+                on_ready: Callable[[], None] | None, read_ahead_kb: int) -> None:
     async with trio.open_nursery() as nursery:
         fs.nursery = nursery
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -192,6 +205,7 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
         listener.listen(64)
         nursery.start_soon(_serve_control, fs, listener)
         nursery.start_soon(_signals, nursery)
+        nursery.start_soon(_keep_readahead, paths.mnt, read_ahead_kb)
         if prefetch:
             nursery.start_soon(fs.prefetch_trace, prefetch)
         paths.pidfile.write_text(f"{os.getpid()}\n")
@@ -267,6 +281,7 @@ async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
         fs.nursery.start_soon(fs.prefetch_trace, events)
         return {"ok": True, "queued": len(events)}
     if op == "drop_cache":
+        fs.drop_hot()
         await trio.to_thread.run_sync(fs.cache.clear)
         return {"ok": True}
     return {"ok": False, "error": f"unknown op {op!r}"}

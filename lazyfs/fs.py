@@ -20,6 +20,7 @@ pool, so prefetch never takes the threads foreground reads need.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -55,6 +56,8 @@ class Options:
     fetch_timeout: float = 30.0
     readahead_chunks: int = 2
     keep_cache: bool = True  # keep the page cache across opens (content is immutable)
+    hot_bytes: int = 32 << 20  # recently read chunks kept in memory (a 256 KiB chunk
+    # serves two 128 KiB FUSE reads; the second should not go to a thread)
     cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)
 
 
@@ -93,6 +96,8 @@ class LazyFS(pyfuse3.Operations):
         self._handles: dict[int, _Handle | _Dir] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_fh = 1
+        self._hot: collections.OrderedDict[tuple[str, bytes], bytes] = collections.OrderedDict()
+        self._hot_size = 0
         self._fetch_limit = trio.CapacityLimiter(self.options.fetch_threads)
         self._prefetch_limit = trio.CapacityLimiter(self.options.prefetch_threads)
         self.nursery: trio.Nursery | None = None
@@ -193,8 +198,17 @@ class LazyFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         j = kids.get(name)
         if j is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            return self._negative()
         return self._attr(tree, j)
+
+    def _negative(self) -> pyfuse3.EntryAttributes:
+        """A cacheable "no such entry" (inode 0): the kernel keeps the negative
+        dentry for the entry timeout instead of asking again (the tree is
+        immutable; Python's import system probes many missing paths)."""
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = 0
+        a.entry_timeout = self.options.cache_timeout
+        return a
 
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         tree = self._tree_of(inode)
@@ -269,15 +283,20 @@ class LazyFS(pyfuse3.Operations):
             return b""
         ids = [data.ids[k] for k in span]
         wanted = [c for c in ids if c is not None]
-        hits = sum(1 for c in wanted if self.cache.contains(c, h.tree.domain))
+        dom = str(h.tree.domain)
+        hot = {c: d for c in wanted if (d := self._hot_get(dom, c)) is not None}
+        cold = [c for c in wanted if c not in hot]
+        hits = len(hot) + sum(1 for c in cold if self.cache.contains(c, h.tree.domain))
         t0 = time.perf_counter()
-        got = await self._fetch(h.tree, h.index, wanted, foreground=True)
+        got = await self._fetch(h.tree, h.index, cold, foreground=True)
+        for c, d in zip(cold, got, strict=True):
+            hot[c] = d
+            self._hot_put(dom, c, d)
         self.tracer.read(h.tree, h.index, span, h.mount, time.perf_counter() - t0,
                          hits=hits, misses=len(wanted) - hits)
         parts = []
-        it = iter(got)
         for k, cid in zip(span, ids, strict=True):
-            parts.append(next(it) if cid is not None else bytes(data.lengths[k]))
+            parts.append(hot[cid] if cid is not None else bytes(data.lengths[k]))
         blob = b"".join(parts)
         start = off - data.starts[span[0]]
         out = blob[start:start + min(size, data.size - off)]
@@ -292,6 +311,26 @@ class LazyFS(pyfuse3.Operations):
                     self.nursery.start_soon(self._prefetch, h.tree, h.index, ahead)
             h.next_offset = off + len(out)
         return out
+
+    def _hot_get(self, dom: str, cid: ChunkId) -> bytes | None:
+        d = self._hot.get((dom, cid))
+        if d is not None:
+            self._hot.move_to_end((dom, cid))
+        return d
+
+    def _hot_put(self, dom: str, cid: ChunkId, data: bytes) -> None:
+        key = (dom, bytes(cid))
+        if key in self._hot:
+            return
+        self._hot[key] = data
+        self._hot_size += len(data)
+        while self._hot_size > self.options.hot_bytes and self._hot:
+            _, old = self._hot.popitem(last=False)
+            self._hot_size -= len(old)
+
+    def drop_hot(self) -> None:
+        self._hot.clear()
+        self._hot_size = 0
 
     async def _fetch(self, tree: LayerTree, i: int, ids: list[ChunkId], *,
                      foreground: bool) -> list[bytes]:
@@ -318,10 +357,12 @@ class LazyFS(pyfuse3.Operations):
         if not missing:
             return
         try:
-            await self._fetch(tree, i, missing, foreground=False)
+            got = await self._fetch(tree, i, missing, foreground=False)
             self.tracer.prefetched(len(missing))
         except pyfuse3.FUSEError:
-            pass  # a foreground read will report it
+            return  # a foreground read will report it
+        for c, d in zip(missing, got, strict=True):
+            self._hot_put(str(tree.domain), c, d)
 
     async def prefetch_trace(self, events: list[dict[str, Any]]) -> int:
         """Fetch the chunks a recorded trace read, in its order, in the

@@ -161,6 +161,8 @@ def test_convert_images_inspect_export_rm_gc(tmp_path: Path) -> None:
     layer = tar_of(root, tmp_path / "layer.tar.gz", compression="gzip")
     out = run("convert", f"tar:{layer}", "--tag", "busybox:1", store=store).stdout
     assert out.startswith("busybox:1 blake3:") and "entries" in out
+    mb = re.search(r"([\d.,]+) MB of file data", out)
+    assert mb and float(mb[1]) > 1.0, out  # busybox alone is ~2 MB (stdout is not a tty)
     assert "busybox:1" in run("images", store=store).stdout
     info = run("inspect", "busybox", store=store, ok=False)
     assert info.returncode == 1 and "no image 'busybox'" in info.stderr  # busybox:latest

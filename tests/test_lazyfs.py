@@ -29,7 +29,7 @@ from lazynode import REPO, LazyNode, fuse_missing
 from support import flip_byte, pack_path
 from treediff import diff_trees
 
-from chunkstore import TRUSTED, ChunkStore
+from chunkstore import TRUSTED, ChunkStore, StoreConfig
 from composer.catalog import Catalog, Image
 from composer.tarlayer import import_tar
 from lazyfs import sysmount
@@ -292,3 +292,51 @@ def test_cli_mount_starts_the_daemon_and_unmounts(tmp_path: Path, store: ChunkSt
                 os.kill(int(pid.read_text()), 9)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def test_hung_backend_gives_eio_in_bounded_time_then_recovers(
+        tmp_path: Path, image_tars: dict[str, Path]) -> None:
+    """A pack whose open never returns (a named pipe in its place: a real
+    kernel object that blocks, standing in for a hung storage backend, which
+    a local store cannot be asked to do) gives EIO after --fetch-timeout; once
+    the pack is back, the same file reads correctly, without remounting."""
+    # 1 MiB packs: the file's data lives in packs the daemon has not opened
+    # yet when the image is mounted (manifests are stored last)
+    with ChunkStore.open(tmp_path / "store", config=StoreConfig(pack_size=1 << 20)) as store, \
+            Catalog(store) as cat:
+        image = make_image(store, cat, "posix:1", [image_tars["base"], image_tars["upper"]])
+        m = cat.load_layer(image[0])
+        entry = next(e for e in m.entries if e.path == "posix/sizes/random_3mib")
+        assert entry.chunks[0].id is not None
+        pack = pack_path(Path(store.root), store.stat(entry.chunks[0].id).pack)
+        saved = pack.with_name(pack.name + ".away")
+        with LazyNode(tmp_path / "node", Path(store.root),
+                      extra=["--fetch-timeout", "2"]) as node:
+            root = node.mount(cat, "posix:1", tmp_path / "ro")
+            f = root / "posix" / "sizes" / "random_3mib"
+            pack.rename(saved)
+            os.mkfifo(pack)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(OSError) as e:
+                    f.read_bytes()
+                assert e.value.errno == errno.EIO
+                assert time.monotonic() - t0 < 15, "the read hung past the fetch timeout"
+                assert "timed out" in node.log()
+            finally:
+                # release the worker thread stuck in open(), then put the pack back
+                try:
+                    os.close(os.open(pack, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+                pack.unlink()
+                saved.rename(pack)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    data = f.read_bytes()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "reads did not recover"
+                    time.sleep(0.2)
+            assert data == (image_tars["ref"] / "posix/sizes/random_3mib").read_bytes()

@@ -45,6 +45,7 @@ def test_bounded_lru_and_persistent(store: ChunkStore, tmp_path: Path) -> None:
     with NodeCache.open(tmp_path / "c", capacity=5 * (64 << 10), source=src) as cache:
         for cid, data in zip(ids, datas, strict=True):
             assert cache.get(cid, dom) == data
+        cache.flush()  # fills are written in the background
         assert cache.size <= 5 * (64 << 10) and len(cache) == 5
         assert cache.stats.evictions == 5
         assert not cache.contains(ids[0], dom) and cache.contains(ids[-1], dom)
@@ -94,12 +95,14 @@ def test_corrupt_cache_file_is_dropped_and_refetched(store: ChunkStore, tmp_path
     dom = TrustDomain("trusted")
     with NodeCache.open(tmp_path / "c", capacity=1 << 30, source=src) as cache:
         cache.get(ids[0], dom)
+        cache.flush()
         path = next(p for p in (tmp_path / "c" / "trusted").rglob(ids[0].hex()))
         raw = bytearray(path.read_bytes())
         raw[100] ^= 0xFF
         path.write_bytes(bytes(raw))
         assert cache.get(ids[0], dom) == datas[0]
         assert cache.stats.corrupt_dropped == 1 and len(src.calls) == 2
+        cache.flush()
         assert path.read_bytes() == datas[0]
 
 

@@ -62,15 +62,16 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
     if not 4 <= chunk_size_kib <= 65536:
         raise click.BadParameter("must be 4..65536", param_hint="--chunk-size-kib")
     start = time.perf_counter()
-    files = 0
+    files = total = 0
     with open_store(settings, create=True) as store, _catalog(store) as catalog, \
             tqdm(unit="B", unit_scale=True, desc="convert",
                  disable=not progress if progress is not None else None) as bar:
         before = store.stats()
 
         def report(nbytes: int, nfiles: int) -> None:
-            nonlocal files
+            nonlocal files, total
             files += nfiles
+            total += nbytes  # (a disabled tqdm does not count)
             bar.update(nbytes)
             c = store.counters
             bar.set_postfix(files=files, chunks=c.chunks, new=c.new_chunks,
@@ -81,7 +82,6 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
                                chunk_size=chunk_size_kib << 10, progress=report,
                                registry=registry)
         after = store.stats()
-        total = bar.n
         counters = store.counters
     secs = time.perf_counter() - start
     click.echo(f"{tag} {digest}")

@@ -270,6 +270,7 @@ class LocalDirBackend(Backend):
                         out[k] = bytes(buf[off - start:off - start + ln])
                 i = j
         except OSError as e:
+            self._fds.forget(pack)  # the next read reopens the pack (it may be back)
             raise self.wrap_os_error(pack, "read", e) from e
         finally:
             self._fds.release(pack, fd)
@@ -280,6 +281,7 @@ class LocalDirBackend(Backend):
         try:
             return _pread_full(fd, length, offset)
         except OSError as e:
+            self._fds.forget(pack)  # the next read reopens the pack (it may be back)
             raise self.wrap_os_error(pack, "read", e) from e
         finally:
             self._fds.release(pack, fd)
