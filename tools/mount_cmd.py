@@ -73,10 +73,11 @@ def start_detached(settings: Settings, paths: lazyd.NodePaths, cache_dir: Path |
     """Start `lazyfs daemon` in the background and wait until it answers."""
     _check_fuse()
     paths.root.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tools.cli", "--store", str(settings.store_path), "daemon",
-           "--root", str(paths.root), "--cache-size", cache_size, *(extra or [])]
+    cmd = [sys.executable, "-m", "tools.cli", "--store", str(settings.store_path.absolute()),
+           "daemon", "--root", str(paths.root.absolute()), "--cache-size", cache_size,
+           *(extra or [])]
     if cache_dir is not None:
-        cmd += ["--cache", str(cache_dir)]
+        cmd += ["--cache", str(cache_dir.absolute())]
     with open(paths.logfile, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 start_new_session=True,
@@ -252,7 +253,10 @@ def _stop_daemon(paths: lazyd.NodePaths, lazy: bool) -> None:
         pid = int(paths.pidfile.read_text())
     except (OSError, ValueError):
         pass
-    if pid is not None and lazyd.running(paths):
+    alive = lazyd.running(paths)
+    if not alive and sysmount.find_mount(paths.mnt) is None:
+        raise QuietError(f"no lazyfs daemon serves {paths.mnt}")
+    if pid is not None and alive:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and paths.pidfile.exists():
