@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -81,6 +82,12 @@ class CacheStats:
 
 
 _Key = tuple[str, bytes]
+_DOMAIN_PREFIX = "dom-"
+
+
+def _domain_dir(domain: str) -> str:
+    """A trust domain as one safe directory name ('/' and '..' cannot escape)."""
+    return _DOMAIN_PREFIX + urllib.parse.quote(domain, safe="")
 
 
 class NodeCache:
@@ -142,12 +149,15 @@ class NodeCache:
             tmp.unlink(missing_ok=True)
         found: list[tuple[int, _Key, int]] = []
         for ddir in self.root.iterdir():
-            if not ddir.is_dir() or ddir.name in ("tmp",):
+            if not ddir.name.startswith(_DOMAIN_PREFIX) or not ddir.is_dir():
                 continue
+            domain = urllib.parse.unquote(ddir.name[len(_DOMAIN_PREFIX):])
             for sub in ddir.iterdir():
+                if not sub.is_dir():
+                    continue
                 for f in os.scandir(sub):
                     try:
-                        key = (ddir.name, bytes.fromhex(f.name))
+                        key = (domain, bytes.fromhex(f.name))
                         st = f.stat()
                     except (ValueError, OSError):
                         continue
@@ -174,41 +184,58 @@ class NodeCache:
     def get(self, chunk_id: ChunkId, domain: TrustDomain) -> bytes:
         return self.get_many([chunk_id], domain)[0]
 
-    def get_many(self, ids: Sequence[ChunkId], domain: TrustDomain) -> list[bytes]:
+    def get_many(self, ids: Sequence[ChunkId], domain: TrustDomain, *,
+                 wait_timeout: float | None = None) -> list[bytes]:
         """The plain bytes of each chunk, in order: from the cache when there,
-        else fetched from the source (once, however many ask at the same time)."""
+        else fetched from the source (once, however many ask at the same time).
+        Waiting for another reader's fetch gives up after wait_timeout seconds
+        (TimeoutError)."""
         dname = str(domain)
         out: dict[bytes, bytes] = {}
         claimed: list[ChunkId] = []
         waiting: list[tuple[bytes, Future[bytes]]] = []
-        for cid in dict.fromkeys(ids):
-            key = (dname, bytes(cid))
-            data = self._read_cached(key, cid)
-            if data is not None:
-                out[bytes(cid)] = data
-                continue
-            with self._mu:
-                fut = self._inflight.get(key)
-                if fut is None:
-                    self._inflight[key] = Future()
-                    claimed.append(cid)
-                    self.stats.misses += 1
-                else:
-                    self.stats.waits += 1
-            if fut is not None:
-                waiting.append((bytes(cid), fut))
-        if claimed:
-            self._fetch(claimed, domain, out)
+        try:
+            for cid in dict.fromkeys(ids):
+                key = (dname, bytes(cid))
+                data = self._read_cached(key, cid)
+                if data is not None:
+                    out[bytes(cid)] = data
+                    continue
+                with self._mu:
+                    fut = self._inflight.get(key)
+                    if fut is None:
+                        self._inflight[key] = Future()
+                        claimed.append(cid)
+                        self.stats.misses += 1
+                    else:
+                        self.stats.waits += 1
+                if fut is not None:
+                    waiting.append((bytes(cid), fut))
+            if claimed:
+                self._fetch(claimed, domain, out)
+                claimed = []
+        except BaseException as e:
+            # every chunk this call claimed must be resolved, or its waiters hang
+            self._fail(claimed, dname, e)
+            raise
         for raw, fut in waiting:
-            out[raw] = fut.result()
+            out[raw] = fut.result(timeout=wait_timeout)
         result = [out[bytes(c)] for c in ids]
         with self._mu:
             self.stats.served_bytes += sum(len(d) for d in result)
         return result
 
+    def _fail(self, ids: list[ChunkId], dname: str, error: BaseException) -> None:
+        with self._mu:
+            futs = [f for c in ids if (f := self._inflight.pop((dname, bytes(c)), None))]
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(error)
+                fut.exception()  # marks it retrieved when nobody waits
+
     def _path(self, key: _Key) -> Path:
         hexid = key[1].hex()
-        return self.root / key[0] / hexid[:2] / hexid
+        return self.root / _domain_dir(key[0]) / hexid[:2] / hexid
 
     def _read_cached(self, key: _Key, cid: ChunkId) -> bytes | None:
         with self._mu:
@@ -241,13 +268,23 @@ class NodeCache:
         t0 = time.perf_counter()
         try:
             datas = self.source.get_many(ids, domain)
-        except BaseException as e:
-            with self._mu:
-                futs = [self._inflight.pop((dname, bytes(c))) for c in ids]
-            for fut in futs:
-                fut.set_exception(e)
-                fut.exception()  # marks it retrieved when nobody waits
-            raise
+        except Exception as e:
+            if len(ids) == 1:
+                raise
+            # one bad chunk must not fail the readers of the others: retry one
+            # by one, so each chunk gets its own result or its own error
+            log.warning("node cache: batch of %d chunks failed (%s); fetching them one by one",
+                        len(ids), e)
+            first: Exception | None = None
+            for cid in ids:
+                try:
+                    self._fetch([cid], domain, out)
+                except Exception as one:  # noqa: BLE001 - reported to that chunk's readers
+                    self._fail([cid], dname, one)
+                    first = first or one
+            if first is not None:
+                raise first from None
+            return
         elapsed = time.perf_counter() - t0
         fills: list[tuple[_Key, bytes]] = []
         with self._mu:
@@ -295,13 +332,17 @@ class NodeCache:
         with self._mu:
             self._tmp_seq += 1
             tmp = self.root / "tmp" / f"{os.getpid()}.{threading.get_ident()}.{self._tmp_seq}"
-        with open(tmp, "wb") as f:
-            f.write(data)
         try:
-            os.rename(tmp, path)
-        except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(tmp, path)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            try:
+                os.rename(tmp, path)
+            except FileNotFoundError:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+            raise
         with self._mu:
             old = self._lru.pop(key, None)
             if old is not None:

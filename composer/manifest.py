@@ -87,6 +87,12 @@ class Entry:
                     {_str(k): _bytes(v) for k, v in xattrs}, bool(opaque), bool(implicit))
         except (TypeError, ValueError) as err:
             raise ManifestError(f"malformed manifest entry: {err}") from err
+        # manifests may come from storage we do not trust: paths must be what
+        # the builder makes (relative, no '.', '..' or empty parts, no NUL)
+        if not _clean(e.path) or (e.kind == Kind.HARDLINK and not (_clean(e.target)
+                                                                  and e.target)):
+            raise ManifestError(f"manifest entry with an unsafe path: {e.path!r} "
+                                f"(target {e.target!r})")
         if sum(c.length for c in e.chunks) != e.size and e.kind == Kind.FILE:
             raise ManifestError(f"entry {e.path!r}: chunks cover "
                                 f"{sum(c.length for c in e.chunks)} of {e.size} bytes")
@@ -96,6 +102,11 @@ class Entry:
 _TYPE_BITS = {Kind.FILE: stat.S_IFREG, Kind.DIR: stat.S_IFDIR, Kind.SYMLINK: stat.S_IFLNK,
               Kind.HARDLINK: stat.S_IFREG, Kind.CHAR: stat.S_IFCHR, Kind.BLOCK: stat.S_IFBLK,
               Kind.FIFO: stat.S_IFIFO, Kind.WHITEOUT: stat.S_IFCHR}
+
+
+def _clean(path: str) -> bool:
+    return path == "" or ("\0" not in path and all(
+        p not in ("", ".", "..") for p in path.split("/")))
 
 
 def _int(v: Any) -> int:

@@ -15,17 +15,25 @@ Control requests (one JSON object per line, one answer each):
     {"op": "trace", "mount": M|null}     -> {"ok": true, "trace": {...}}
     {"op": "prefetch", "events": [...]}  -> {"ok": true, "queued": n} (runs in the background)
     {"op": "drop_cache"}                 -> {"ok": true} (empties the node cache)
+    {"op": "forget_mount", "mount": M}   -> {"ok": true} (drop an unmounted mount's counters)
+
+The daemon must survive anything a client sends: every request is answered
+(errors as {"ok": false, "error": ...}), background work runs guarded (a
+failure is logged, never taken down with the FUSE session), and the node
+root is private to root (mode 0700: layers of every image are readable
+there, and overlayfs reads its lowers with the mounter's credentials).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +47,23 @@ from composer.catalog import Catalog
 
 from . import sysmount
 from .fs import LazyFS, Options
-from .trace import Tracer
+from .trace import Tracer, check_events
 
 log = logging.getLogger(__name__)
 
 READ_AHEAD_KB = 1024  # FUSE's default 128 KiB halves cold sequential reads (PLATFORM.md)
 _MAX_REQUEST = 64 << 20
+MAX_TASKS = 512  # pyfuse3 workers: reads waiting for a fetch slot must not starve metadata
+
+
+async def guarded(what: str, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    """Run background work; a failure is logged, never fatal to the daemon."""
+    try:
+        await fn(*args)
+    except trio.Cancelled:
+        raise
+    except Exception:
+        log.exception("%s failed", what)
 
 
 @dataclass(frozen=True)
@@ -164,6 +183,7 @@ def run(paths: NodePaths, store_path: Path, cache_dir: Path, cache_size: int, *,
         on_ready: Callable[[], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM; the FUSE mount is always taken down."""
     paths.root.mkdir(parents=True, exist_ok=True)
+    os.chmod(paths.root, 0o700)
     paths.mounts.mkdir(exist_ok=True)
     paths.fixups.mkdir(exist_ok=True)
     _cleanup_stale(paths.mnt)
@@ -200,19 +220,23 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
         fs.nursery = nursery
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         paths.control.unlink(missing_ok=True)
-        await listener.bind(str(paths.control))
-        os.chmod(paths.control, 0o600)
+        old_umask = os.umask(0o077)  # the socket is never reachable by others
+        try:
+            await listener.bind(str(paths.control))
+        finally:
+            os.umask(old_umask)
         listener.listen(64)
         nursery.start_soon(_serve_control, fs, listener)
         nursery.start_soon(_signals, nursery)
-        nursery.start_soon(_keep_readahead, paths.mnt, read_ahead_kb)
+        nursery.start_soon(guarded, "readahead tuning", _keep_readahead, paths.mnt,
+                           read_ahead_kb)
         if prefetch:
-            nursery.start_soon(fs.prefetch_trace, prefetch)
+            nursery.start_soon(guarded, "trace prefetch", fs.prefetch_trace, prefetch)
         paths.pidfile.write_text(f"{os.getpid()}\n")
         if on_ready is not None:
             on_ready()
         log.info("lazyfs serving %s (pid %d)", paths.mnt, os.getpid())
-        await pyfuse3.main()
+        await pyfuse3.main(max_tasks=MAX_TASKS)
         nursery.cancel_scope.cancel()
 
 
@@ -227,37 +251,57 @@ async def _signals(nursery: trio.Nursery) -> None:
 async def _serve_control(fs: LazyFS, listener: trio.socket.SocketType) -> None:
     async with trio.open_nursery() as nursery:
         while True:
-            conn, _ = await listener.accept()
-            nursery.start_soon(_control_conn, fs, trio.SocketStream(conn))
+            try:
+                conn, _ = await listener.accept()
+            except OSError as e:  # EMFILE and friends: wait, do not die
+                log.warning("control socket: accept failed: %s", e)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(guarded, "control connection", _control_conn, fs,
+                               trio.SocketStream(conn))
 
 
 async def _control_conn(fs: LazyFS, stream: trio.SocketStream) -> None:
-    buf = b""
+    buf = bytearray()
+    scanned = 0
     async with stream:
         while True:
             try:
                 data = await stream.receive_some(1 << 16)
-            except trio.BrokenResourceError:
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:
                 return
             buf += data
-            if len(buf) > _MAX_REQUEST:
-                return
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                answer = await _answer(fs, line)
+            while True:
+                nl = buf.find(b"\n", scanned)
+                if nl < 0:
+                    scanned = len(buf)
+                    break
+                line = bytes(buf[:nl])
+                del buf[:nl + 1]
+                scanned = 0
+                try:
+                    answer = await _answer(fs, line)
+                except Exception as e:  # a request must never kill the daemon
+                    log.exception("control request failed")
+                    answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 try:
                     await stream.send_all(json.dumps(answer).encode() + b"\n")
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
+            if len(buf) > _MAX_REQUEST:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_all(b'{"ok": false, "error": "request too large"}\n')
+                return
 
 
 async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
     try:
-        req = json.loads(line)
+        req = (json.loads(line) if len(line) < 1 << 16
+               else await trio.to_thread.run_sync(json.loads, line))
         op = req["op"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return {"ok": False, "error": "bad request: expected a JSON object with 'op'"}
     if op == "ping":
         return {"ok": True, "pid": os.getpid()}
@@ -274,12 +318,16 @@ async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
     if op == "trace":
         return {"ok": True, "trace": fs.tracer.trace(req.get("mount"))}
     if op == "prefetch":
-        events = req.get("events")
-        if not isinstance(events, list):
-            return {"ok": False, "error": "prefetch needs 'events' (a list)"}
+        try:
+            events = check_events(req.get("events"), "prefetch")
+        except ValueError as e:
+            return {"ok": False, "error": str(e)}
         assert fs.nursery is not None
-        fs.nursery.start_soon(fs.prefetch_trace, events)
+        fs.nursery.start_soon(guarded, "trace prefetch", fs.prefetch_trace, events)
         return {"ok": True, "queued": len(events)}
+    if op == "forget_mount":
+        fs.tracer.forget_mount(str(req.get("mount")))
+        return {"ok": True}
     if op == "drop_cache":
         fs.drop_hot()
         await trio.to_thread.run_sync(fs.cache.clear)
@@ -293,7 +341,7 @@ def request(paths: NodePaths, req: dict[str, Any], timeout: float = 10.0) -> dic
         s.settimeout(timeout)
         s.connect(str(paths.control))
         s.sendall(json.dumps(req).encode() + b"\n")
-        buf = b""
+        buf = bytearray()
         while not buf.endswith(b"\n"):
             chunk = s.recv(1 << 20)
             if not chunk:

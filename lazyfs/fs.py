@@ -20,8 +20,10 @@ pool, so prefetch never takes the threads foreground reads need.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import errno
+import functools
 import logging
 import os
 import stat
@@ -33,7 +35,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from chunkstore import ChunkId, ChunkStoreError, TrustDomain
+from chunkstore import ChunkId, ChunkStoreError
 from chunkstore.cache import NodeCache
 from composer.catalog import Catalog
 from composer.errors import ComposerError
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 
 ROOT = pyfuse3.ROOT_INODE
 LAYERS = ROOT + 1
-_LAYER_SHIFT = 32
+FIRST_BASE = LAYERS  # the first layer's entries start at inode LAYERS + 1
 
 
 @dataclass
@@ -89,9 +91,10 @@ class LazyFS(pyfuse3.Operations):
         self.tracer = tracer
         self.options = options or Options()
         self.attribute = attribute or (lambda pid: "")
-        self.trees: dict[int, LayerTree] = {}  # layer number -> tree
+        self.trees: dict[int, LayerTree] = {}  # base -> tree
+        self._bases: list[int] = []  # sorted, for inode -> layer
         self.by_digest: dict[str, LayerTree] = {}
-        self._next_layer = 1
+        self._next_base = FIRST_BASE
         self._loading: dict[str, trio.Event] = {}
         self._handles: dict[int, _Handle | _Dir] = {}
         self._dir_inodes: dict[int, int] = {}
@@ -119,11 +122,11 @@ class LazyFS(pyfuse3.Operations):
             return tree
         ev = self._loading[digest] = trio.Event()
         try:
-            number = self._next_layer
-            self._next_layer += 1
             manifest = await trio.to_thread.run_sync(self.catalog.load_layer, digest)
-            tree = LayerTree.build(digest, manifest, number << _LAYER_SHIFT)
-            self.trees[number] = tree
+            tree = LayerTree.build(digest, manifest, self._next_base)
+            self._next_base += len(tree.entries) + 1
+            self.trees[tree.base] = tree
+            self._bases.append(tree.base)  # increasing: bases only grow
             self.by_digest[digest] = tree
             self.tracer.layer_loaded(tree)
             return tree
@@ -132,8 +135,9 @@ class LazyFS(pyfuse3.Operations):
             ev.set()
 
     def _tree_of(self, inode: int) -> LayerTree:
-        tree = self.trees.get(inode >> _LAYER_SHIFT)
-        if tree is None:
+        k = bisect.bisect_right(self._bases, inode - 1) - 1
+        tree = self.trees.get(self._bases[k]) if k >= 0 else None
+        if tree is None or inode - tree.base > len(tree.entries):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return tree
 
@@ -162,7 +166,7 @@ class LazyFS(pyfuse3.Operations):
         a.st_rdev = os.makedev(*tree.rdev(i))
         a.st_size = tree.size(i)
         a.st_blksize = 128 << 10
-        a.st_blocks = (sum(c.length for c in e.chunks if c.id is not None) + 511) // 512
+        a.st_blocks = tree.blocks[i]
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = e.mtime_ns
         a.entry_timeout = a.attr_timeout = self.options.cache_timeout
         return a
@@ -340,9 +344,10 @@ class LazyFS(pyfuse3.Operations):
         try:
             with trio.fail_after(self.options.fetch_timeout):
                 return await trio.to_thread.run_sync(
-                    self.cache.get_many, ids, tree.domain, limiter=limit,
-                    abandon_on_cancel=True)
-        except trio.TooSlowError:
+                    functools.partial(self.cache.get_many, ids, tree.domain,
+                                      wait_timeout=self.options.fetch_timeout),
+                    limiter=limit, abandon_on_cancel=True)
+        except (trio.TooSlowError, TimeoutError):
             log.error("read of %s in layer %s: fetch timed out after %gs", tree.entries[i].path,
                       tree.digest, self.options.fetch_timeout)
             self.tracer.error()
@@ -366,30 +371,41 @@ class LazyFS(pyfuse3.Operations):
 
     async def prefetch_trace(self, events: list[dict[str, Any]]) -> int:
         """Fetch the chunks a recorded trace read, in its order, in the
-        background pool. Returns how many chunks were fetched."""
+        background pool. Events naming layers, paths or chunks this node does
+        not have are skipped (a trace may come from another node or an older
+        catalog). Returns how many chunks were fetched."""
         done = 0
         batch: list[ChunkId] = []
-        domain: TrustDomain | None = None
         tree: LayerTree | None = None
-        for ev in events:
+        bad_layers: set[str] = set()
+        for n, ev in enumerate(events):
+            if n % 256 == 255:
+                await trio.lowlevel.checkpoint()  # never hold the loop for long
             try:
-                t = await self.layer(str(ev["layer"]))
-            except pyfuse3.FUSEError:
+                digest, path, k = str(ev["layer"]), str(ev["path"]), int(ev["chunk"])
+            except (KeyError, TypeError, ValueError):
                 continue
-            idx = t.path_index(str(ev["path"]))
+            if digest in bad_layers:
+                continue
+            try:
+                t = await self.layer(digest)
+            except (ChunkStoreError, ComposerError, ValueError, pyfuse3.FUSEError) as e:
+                log.warning("prefetch: layer %s skipped: %s", digest, e)
+                bad_layers.add(digest)
+                continue
+            idx = t.path_index(path)
             if idx is None or t.entries[idx].kind != Kind.FILE:
                 continue
             ids = t.file_data(idx).ids
-            k = int(ev.get("chunk", 0))
             cid = ids[k] if 0 <= k < len(ids) else None
             if cid is None or self.cache.contains(cid, t.domain):
                 continue
-            if batch and (t.domain != domain or len(batch) >= 8):
-                await self._fetch_batch(tree, batch)  # type: ignore[arg-type]
+            if batch and tree is not None and (t.domain != tree.domain or len(batch) >= 8):
+                await self._fetch_batch(tree, batch)
                 done += len(batch)
                 batch = []
             batch.append(cid)
-            domain, tree = t.domain, t
+            tree = t
         if batch and tree is not None:
             await self._fetch_batch(tree, batch)
             done += len(batch)
@@ -419,8 +435,8 @@ class LazyFS(pyfuse3.Operations):
         if inode in (ROOT, LAYERS):
             return []
         tree = self._tree_of(inode)
-        e = tree.entries[tree.target[tree.index(inode)]]
-        return [n.encode("utf-8", "surrogateescape") for n in e.xattrs]
+        names = tree.listed_xattrs(tree.target[tree.index(inode)])
+        return [n.encode("utf-8", "surrogateescape") for n in names]
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()

@@ -106,6 +106,12 @@ class Tracer:
         layer.served_bytes += served
         per_mount.served_bytes += served
 
+    def forget_mount(self, mount: str) -> None:
+        """Drop a composed mount's counters (it was unmounted); the per-layer
+        figures and the trace keep what it read."""
+        for key in [k for k in self.mounts if k[0] == mount]:
+            del self.mounts[key]
+
     def error(self) -> None:
         self.errors += 1
 
@@ -129,21 +135,24 @@ class Tracer:
         return {"version": TRACE_VERSION, "events": events}
 
 
+def check_events(events: Any, where: str = "trace") -> list[dict[str, Any]]:
+    """Trace events, checked for shape (they may come from anywhere)."""
+    if not isinstance(events, list):
+        raise ValueError(f"{where}: 'events' must be a list")  # noqa: TRY004
+    for i, ev in enumerate(events):
+        if not (isinstance(ev, dict) and isinstance(ev.get("layer"), str)
+                and isinstance(ev.get("path"), str) and isinstance(ev.get("chunk"), int)
+                and not isinstance(ev.get("chunk"), bool)):
+            raise ValueError(f"{where}: event {i} is malformed: {ev!r}"[:300])  # noqa: TRY004
+    return events
+
+
 def load_trace(path: str | Path) -> list[dict[str, Any]]:
-    """The events of a saved trace, checked for shape (it may come from anywhere)."""
+    """The events of a saved trace file, checked for shape."""
     try:
         doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"trace {path}: cannot be read: {e}") from e
     if not isinstance(doc, dict) or doc.get("version") != TRACE_VERSION:
         raise ValueError(f"trace {path}: not a lazyfs trace (version {TRACE_VERSION})")
-    events = doc.get("events")
-    if not isinstance(events, list):
-        raise ValueError(f"trace {path}: 'events' must be a list")  # noqa: TRY004
-    out = []
-    for i, ev in enumerate(events):
-        if not (isinstance(ev, dict) and isinstance(ev.get("layer"), str)
-                and isinstance(ev.get("path"), str) and isinstance(ev.get("chunk"), int)):
-            raise ValueError(f"trace {path}: event {i} is malformed: {ev!r}"[:300])  # noqa: TRY004
-        out.append(ev)
-    return out
+    return check_events(doc.get("events"), f"trace {path}")

@@ -1,8 +1,9 @@
 """One layer manifest as a read-only inode tree, the way lazyfs serves it.
 
 Each entry of the manifest is one inode (a hardlink shares its target's),
-numbered `base + index + 1` with a per-layer `base`, so inode -> (layer,
-entry) is arithmetic. Whiteouts are presented the way overlayfs expects them
+numbered `base + index + 1`; layers get consecutive ranges as they load, so
+inode numbers stay small (32-bit programs stat them fine) and inode ->
+(layer, entry) is a bisect over the layer bases. Whiteouts are presented the way overlayfs expects them
 in a lower layer (a character device 0/0) and opaque directories answer
 `trusted.overlay.opaque = y`, so a layer tree is usable as an overlayfs lower
 as it is.
@@ -18,6 +19,11 @@ from chunkstore import ChunkId, TrustDomain
 from composer.manifest import Entry, Kind, LayerManifest
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
+_OVERLAY_PREFIXES = ("trusted.overlay.", "user.overlay.")
+
+
+def is_overlay_xattr(name: str) -> bool:
+    return name.startswith(_OVERLAY_PREFIXES)
 
 _TYPE = {Kind.FILE: stat.S_IFREG, Kind.DIR: stat.S_IFDIR, Kind.SYMLINK: stat.S_IFLNK,
          Kind.CHAR: stat.S_IFCHR, Kind.BLOCK: stat.S_IFBLK, Kind.FIFO: stat.S_IFIFO,
@@ -54,6 +60,7 @@ class LayerTree:
     child_order: dict[int, list[bytes]]
     data_size: int
     files: int
+    blocks: list[int]  # st_blocks (512-byte units of stored, non-hole data)
     _data: dict[int, FileData] = field(default_factory=dict)
 
     @classmethod
@@ -72,7 +79,7 @@ class LayerTree:
         for i, e in enumerate(entries):
             if e.kind == Kind.HARDLINK:
                 t = index.get(e.target)
-                if t is None or entries[t].kind == Kind.HARDLINK:
+                if t is None or entries[t].kind in (Kind.HARDLINK, Kind.DIR):
                     raise ValueError(f"layer {digest}: hardlink {e.path!r} -> missing "
                                      f"{e.target!r}")
                 target[i] = t
@@ -88,8 +95,10 @@ class LayerTree:
                 nlink[p] += 1
         order = {p: sorted(c) for p, c in children.items()}
         files = sum(1 for e in entries if e.kind == Kind.FILE)
+        blocks = [(sum(c.length for c in e.chunks if c.id is not None) + 511) // 512
+                  if e.chunks else 0 for e in entries]
         return cls(digest, manifest.domain, base, entries, target, nlink, children, order,
-                   manifest.data_size, files)
+                   manifest.data_size, files, blocks)
 
     @property
     def root_inode(self) -> int:
@@ -122,10 +131,18 @@ class LayerTree:
         return e.size if e.kind == Kind.FILE else 0
 
     def xattrs(self, i: int) -> dict[str, bytes]:
+        """The xattrs served: the image's, minus any overlayfs control
+        attribute it carries (an image must not steer overlayfs: redirects
+        could resurrect whited-out files), plus our opaque marker."""
         e = self.entries[i]
+        xattrs = {k: v for k, v in e.xattrs.items() if not is_overlay_xattr(k)} \
+            if any(is_overlay_xattr(k) for k in e.xattrs) else e.xattrs
         if e.kind == Kind.DIR and e.opaque:
-            return {**e.xattrs, OPAQUE_XATTR: b"y"}
-        return e.xattrs
+            return {**xattrs, OPAQUE_XATTR: b"y"}
+        return xattrs
+
+    def listed_xattrs(self, i: int) -> list[str]:
+        return [k for k in self.entries[i].xattrs if not is_overlay_xattr(k)]
 
     def file_data(self, i: int) -> FileData:
         fd = self._data.get(i)

@@ -13,6 +13,37 @@ from chunkstore import ChunkStore, StoreConfig
 from composer.catalog import Catalog
 
 
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After the whole session: no mount and no process of ours may remain
+    under this session's temporary directory. Leftovers are cleaned up (lazy
+    unmount, SIGKILL) and reported as an error, so a leak fails CI."""
+    yield
+    from lazyfs import sysmount
+    base = str(tmp_path_factory.getbasetemp()) + "/"
+    leaked = [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(base)]
+    for mp in reversed(leaked):
+        try:
+            sysmount.umount(mp, lazy=True)
+        except OSError:
+            pass
+    procs = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if base in cmd:
+            procs.append(f"{pid}: {cmd[:200]}")
+            try:
+                os.kill(int(pid), 9)
+            except OSError:
+                pass
+    assert not leaked and not procs, f"left behind: mounts {leaked}, processes {procs}"
+
+
 @pytest.fixture
 def store_path(tmp_path: Path) -> Path:
     return tmp_path / "store"

@@ -270,6 +270,17 @@ def test_cli_mount_starts_the_daemon_and_unmounts(tmp_path: Path, store: ChunkSt
         run("umount", str(mp), "--root", str(node_root))
         again = run("umount", str(mp), "--root", str(node_root), ok=False)
         assert "not mounted" in again.stderr
+        # an environment spec: built, then mounted (posix:1 + a toolkit dir)
+        tk = tmp_path / "tk"
+        (tk / "bin").mkdir(parents=True)
+        (tk / "bin" / "tool").write_text("#!/bin/sh\necho from the toolkit\n")
+        (tk / "bin" / "tool").chmod(0o755)
+        spec = tmp_path / "env.toml"
+        spec.write_text(f'name = "env:1"\nbase = "posix:1"\ntoolkits = ["dir:{tk}"]\n')
+        run("mount", str(spec), str(mp), "--root", str(node_root),
+            "--writable", str(tmp_path / "envrw"))
+        assert chroot_run(mp, "/bin/tool").stdout == "from the toolkit\n"
+        run("umount", str(mp), "--root", str(node_root))
         # foreground: Ctrl-C unmounts
         fg = subprocess.Popen([*cli, "mount", "posix:1", str(mp), "--root", str(node_root),
                                "-f"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
@@ -340,3 +351,42 @@ def test_hung_backend_gives_eio_in_bounded_time_then_recovers(
                     assert time.monotonic() < deadline, "reads did not recover"
                     time.sleep(0.2)
             assert data == (image_tars["ref"] / "posix/sizes/random_3mib").read_bytes()
+
+
+def test_image_devices_and_setuid_do_not_work_on_the_host(node: LazyNode, cat: Catalog,
+                                                          image: list[str],
+                                                          tmp_path: Path) -> None:
+    root = node.mount(cat, "posix:1", tmp_path / "ro")
+    opts = sysmount.find_mount(root)
+    assert opts is not None
+    line = next(ln for ln in Path("/proc/self/mounts").read_text().splitlines()
+                if ln.split()[1] == str(root))
+    assert "nosuid" in line.split()[3] and "nodev" in line.split()[3]
+    st = os.lstat(root / "posix" / "dev" / "chr")
+    assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (1, 3)  # the image says /dev/null
+    with pytest.raises(PermissionError):
+        open(root / "posix" / "dev" / "chr", "rb").close()
+    # not even listable by other users: the node root is private
+    assert os.stat(node.paths.root).st_mode & 0o777 == 0o700
+
+
+def test_the_daemon_survives_bad_control_requests(node: LazyNode, cat: Catalog,
+                                                  image: list[str]) -> None:
+    import socket
+    bad = [b"not json\n", b"[" * 200_000 + b"\n", b'{"op": "nope"}\n', b'{"no_op": 1}\n',
+           b'{"op": "prefetch", "events": [{}]}\n', b'{"op": "prefetch", "events": 5}\n',
+           # a well-formed trace event naming a layer this node does not have
+           json.dumps({"op": "prefetch", "events": [{"layer": "blake3:" + "0" * 64,
+                                                     "path": "x", "chunk": 0}]}).encode()
+           + b"\n"]
+    for req in bad:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(str(node.paths.control))
+            s.sendall(req)
+            answer = json.loads(s.recv(1 << 16))
+        assert isinstance(answer, dict), req[:40]
+    time.sleep(0.5)  # the background prefetch of the unknown layer has run
+    assert node.request({"op": "ping"})["ok"]
+    assert node.proc is not None and node.proc.poll() is None
+    assert (node.layer_dir(image[1]) / "etc" / "motd").read_text() == "hello\n"

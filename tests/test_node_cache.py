@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from support import flip_byte, pack_path
 
-from chunkstore import TRUSTED, ChunkId, ChunkNotFound, ChunkStore, TrustDomain
+from chunkstore import TRUSTED, ChunkCorrupt, ChunkId, ChunkNotFound, ChunkStore, TrustDomain
 from chunkstore.cache import CacheBusy, NodeCache
 
 
@@ -96,7 +97,7 @@ def test_corrupt_cache_file_is_dropped_and_refetched(store: ChunkStore, tmp_path
     with NodeCache.open(tmp_path / "c", capacity=1 << 30, source=src) as cache:
         cache.get(ids[0], dom)
         cache.flush()
-        path = next(p for p in (tmp_path / "c" / "trusted").rglob(ids[0].hex()))
+        path = next(p for p in (tmp_path / "c").rglob(ids[0].hex()))
         raw = bytearray(path.read_bytes())
         raw[100] ^= 0xFF
         path.write_bytes(bytes(raw))
@@ -112,3 +113,64 @@ def test_one_owner(store: ChunkStore, tmp_path: Path) -> None:
         NodeCache.open(tmp_path / "c", capacity=1 << 20, source=store)
     with pytest.raises(ValueError, match="capacity"):
         NodeCache.open(tmp_path / "d", capacity=0, source=store)
+
+
+def _in_thread(fn: object, timeout: float = 10.0) -> object:
+    """Run fn in a thread; fail (instead of hanging the suite) if it blocks."""
+    box: list[object] = []
+    t = threading.Thread(target=lambda: box.append(_call(fn)), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the cache call hung"
+    return box[0]
+
+
+def _call(fn: object) -> object:
+    try:
+        return fn()  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return e
+
+
+def test_a_failed_call_never_leaves_chunks_claimed(store: ChunkStore, tmp_path: Path) -> None:
+    ids, datas = _chunks(store, 2)
+    dom = TrustDomain("trusted")
+    with NodeCache.open(tmp_path / "c", capacity=1 << 30, source=store) as cache:
+        cache.get(ids[1], dom)
+        cache.flush()
+        # chunk 1's cache file turns into something unreadable (EISDIR)
+        path = next((tmp_path / "c").rglob(ids[1].hex()))
+        path.unlink()
+        path.mkdir()
+        got = _in_thread(lambda: cache.get_many([ids[0], ids[1]], dom))
+        assert isinstance(got, IsADirectoryError)
+        # chunk 0 was claimed by that call: it must not stay "in flight"
+        assert _in_thread(lambda: cache.get(ids[0], dom)) == datas[0]
+
+
+def test_one_bad_chunk_fails_only_its_readers(store: ChunkStore, tmp_path: Path) -> None:
+    ids, datas = _chunks(store, 3)
+    info = store.stat(ids[1])
+    flip_byte(pack_path(Path(store.root), info.pack), info.offset + info.stored_len - 3)
+    dom = TrustDomain("trusted")
+    with NodeCache.open(tmp_path / "c", capacity=1 << 30, source=store) as cache:
+        with pytest.raises(ChunkCorrupt):
+            cache.get_many(ids, dom)  # a batch (a prefetch, say) with one bad chunk
+        # the good ones were fetched one by one and are served; the bad one fails
+        assert cache.contains(ids[0], dom) and cache.contains(ids[2], dom)
+        assert cache.get_many([ids[0], ids[2]], dom) == [datas[0], datas[2]]
+        with pytest.raises(ChunkCorrupt):
+            cache.get(ids[1], dom)
+
+
+def test_domains_cannot_escape_the_cache_directory(store: ChunkStore, tmp_path: Path) -> None:
+    evil = TrustDomain("../../escape")
+    ids = store.put_many([b"x" * 5000], evil)
+    with NodeCache.open(tmp_path / "c", capacity=1 << 30, source=store) as cache:
+        assert cache.get(ids[0], evil) == b"x" * 5000
+        cache.flush()
+    assert not (tmp_path.parent / "escape").exists()
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.name.startswith("dom-")] == \
+        ["dom-..%2F..%2Fescape"]
+    with NodeCache.open(tmp_path / "c", capacity=1 << 30, source=store) as cache:
+        assert cache.contains(ids[0], evil)  # found again after a restart

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,9 +36,11 @@ def default_cache_dir() -> Path:
 
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
-    if not m:
-        raise click.BadParameter(f"{text!r}: expected a size like 512M or 4G")
-    return int(float(m[1]) * 1024 ** "_kmgt".index(m[2] or "_"))
+    size = int(float(m[1]) * 1024 ** "_kmgt".index(m[2] or "_")) if m else 0
+    if size < 1 << 20:
+        raise click.BadParameter(f"{text!r}: expected a size of at least 1M, like 512M or 4G",
+                                 param_hint="--cache-size")
+    return size
 
 
 def root_option(f: Any) -> Any:
@@ -103,16 +104,20 @@ def start_detached(settings: Settings, paths: lazyd.NodePaths, cache_dir: Path |
 @click.option("--prefetch", "prefetch", type=click.Path(exists=True, dir_okay=False),
               help="Replay this access trace into the node cache at start.")
 @click.option("--fetch-timeout", default=30.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0.1),
               help="A read whose chunks take longer fails with EIO.")
-@click.option("--fetch-threads", default=8, show_default=True,
+@click.option("--fetch-threads", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Concurrent chunk fetches for reads.")
 @click.option("--readahead-chunks", default=2, show_default=True,
+              type=click.IntRange(0, 64),
               help="Chunks fetched ahead of a sequential reader (0: off).")
 @click.option("--read-ahead-kb", default=lazyd.READ_AHEAD_KB, show_default=True,
+              type=click.IntRange(4, 1 << 16),
               help="Kernel readahead of the FUSE mount (the kernel's default is 128).")
 @click.option("--keep-cache/--no-keep-cache", default=True, show_default=True,
               help="Keep file pages cached across opens (for measurements).")
 @click.option("--cache-timeout", default=24 * 3600.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0),
               help="Kernel entry/attribute cache timeout (for measurements).")
 @click.pass_obj
 def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_size: str,
@@ -175,12 +180,15 @@ def _image_name(settings: Settings, target: str) -> str:
               help="Stay in the foreground; Ctrl-C unmounts.")
 @click.option("--prefetch", type=click.Path(exists=True, dir_okay=False),
               help="Replay this access trace into the node cache in the background.")
+@click.option("--allow-devices", is_flag=True,
+              help="Let setuid binaries and device nodes of the image work (default: the "
+                   "mount is nosuid,nodev; only for images you trust).")
 @root_option
 @cache_options
 @click.pass_obj
 def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | None,
-          foreground: bool, prefetch: str | None, root: Path | None, cache_dir: Path | None,
-          cache_size: str) -> None:
+          foreground: bool, prefetch: str | None, allow_devices: bool, root: Path | None,
+          cache_dir: Path | None, cache_size: str) -> None:
     """Mount IMAGE (a catalog name, or an environment SPEC.toml) at MOUNTPOINT.
 
     The layers are composed with overlayfs over the node daemon's lazy trees
@@ -195,27 +203,34 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
             events = load_trace(prefetch)
         except ValueError as e:
             raise QuietError(str(e)) from e
-    stop = threading.Event()
-    if foreground:  # before mounting: a Ctrl-C right after must still unmount
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+    parse_size(cache_size)
+    with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+        catalog.resolve(name)  # a missing image fails before any daemon starts
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    if foreground:  # blocked before mounting: a Ctrl-C right after still unmounts
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     if not lazyd.running(paths):
         pid = start_detached(settings, paths, cache_dir, cache_size)
         click.echo(f"started lazyfs daemon {pid} at {paths.mnt}", err=True)
     with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
         try:
-            m = mount_image(paths, catalog, name, mountpoint, writable=writable)
+            m = mount_image(paths, catalog, name, mountpoint, writable=writable,
+                            allow_devices=allow_devices)
         except MountError as e:
             raise QuietError(str(e)) from e
     if events:
-        lazyd.request(paths, {"op": "prefetch", "events": events})
+        try:
+            lazyd.request(paths, {"op": "prefetch", "events": events})
+        except (OSError, ConnectionError, RuntimeError) as e:
+            click.echo(f"lazyfs: warning: mounted, but the prefetch was refused: {e}", err=True)
     click.echo(f"mounted {name} ({len(m.layers)} layers, "
                f"{'writable' if writable else 'read-only'}) at {m.mountpoint}")
     if not foreground:
         return
     click.echo("Ctrl-C to unmount", err=True)
-    while not stop.wait(0.5):
-        pass
+    # (not a Python signal handler setting an Event: Event.set() from a
+    # handler can deadlock against the Event.wait() it interrupted)
+    signal.sigwait(stop_signals)
     try:
         unmount(paths, m.mountpoint)
     except MountError:
@@ -225,12 +240,14 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
 
 @click.command()
 @click.argument("mountpoint", type=click.Path(path_type=Path))
-@click.option("--lazy", "-l", is_flag=True, help="Detach now, finish when no longer busy.")
+@click.option("--lazy", "-l", is_flag=True,
+              help="Detach now even if busy (for a composed mount: it goes away when no "
+                   "longer used; for ROOT/mnt: stops the daemon under live mounts).")
 @root_option
 def umount(mountpoint: Path, lazy: bool, root: Path | None) -> None:
     """Unmount a composed MOUNTPOINT, or stop the daemon when given its ROOT/mnt."""
     paths = _paths(root)
-    if mountpoint.absolute() == paths.mnt:
+    if Path(os.path.realpath(mountpoint)) == Path(os.path.realpath(paths.mnt)):
         _stop_daemon(paths, lazy)
         click.echo(f"stopped the lazyfs daemon at {paths.mnt}")
         return
@@ -261,6 +278,8 @@ def _stop_daemon(paths: lazyd.NodePaths, lazy: bool) -> None:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and paths.pidfile.exists():
             time.sleep(0.05)
+        if paths.pidfile.exists() and lazyd.running(paths):
+            raise QuietError(f"the lazyfs daemon (pid {pid}) did not stop within 10 s")
     if sysmount.find_mount(paths.mnt) is not None:  # dead daemon, stale mount
         sysmount.umount(paths.mnt, lazy=True)
 
