@@ -245,9 +245,15 @@ class LazyFS(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         d = self._handles[fh]
         assert isinstance(d, _Dir)
+        parent = self._dir_inode(fh)
         for k in range(start_id, len(d.names)):
             name = d.names[k]
-            attr = await self.lookup(self._dir_inode(fh), name)
+            try:
+                attr = await self.lookup(parent, name)
+            except pyfuse3.FUSEError:
+                if parent == LAYERS:
+                    continue  # a layer that cannot load must not hide the others
+                raise
             if not pyfuse3.readdir_reply(token, name, attr, k + 1):
                 break
 
@@ -301,9 +307,11 @@ class LazyFS(pyfuse3.Operations):
         parts = []
         for k, cid in zip(span, ids, strict=True):
             parts.append(hot[cid] if cid is not None else bytes(data.lengths[k]))
-        blob = b"".join(parts)
         start = off - data.starts[span[0]]
-        out = blob[start:start + min(size, data.size - off)]
+        length = min(size, data.size - off)
+        # one chunk (the common case): a view, no copy; pyfuse3 takes any buffer
+        blob = memoryview(parts[0]) if len(parts) == 1 else memoryview(b"".join(parts))
+        out = blob[start:start + length]
         # sequential reading: fetch what comes next in the background
         if self.options.readahead_chunks and self.nursery is not None:
             if off == h.next_offset and span[-1] + 1 < len(data.ids):
@@ -314,7 +322,7 @@ class LazyFS(pyfuse3.Operations):
                     h.prefetched_to = last
                     self.nursery.start_soon(self._prefetch, h.tree, h.index, ahead)
             h.next_offset = off + len(out)
-        return out
+        return out  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
 
     def _hot_get(self, dom: str, cid: ChunkId) -> bytes | None:
         d = self._hot.get((dom, cid))
