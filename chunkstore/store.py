@@ -563,6 +563,34 @@ class ChunkStore:
                 raise failed[first]
         raise AssertionError("unreachable")
 
+    def raw_records(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED
+                    ) -> list[tuple[bytes, int, int, int]]:
+        """Each chunk's stored record as it sits in its pack (record header +
+        stored bytes), checked like get_many checks it, with (stored_len,
+        plain_len, codec): what a push copies into cluster packs without
+        recompressing."""
+        self._check_process()
+        domain = TrustDomain(domain)
+        dnum = self.index.domain_number(domain, create=False)
+        if dnum is None:
+            raise ChunkNotFound(ids[0], domain) if ids else ChunkNotFound("-", domain)
+        found = self._lookup(list(dict.fromkeys(ids)), dnum, domain)
+        by_pack: dict[PackId, list[ChunkId]] = defaultdict(list)
+        for cid, e in found.items():
+            by_pack[e.pack].append(cid)
+        raws: dict[ChunkId, bytes] = {}
+        for pack, cids in by_pack.items():
+            got = self.backend.read_ranges(
+                pack, [(found[c].offset - RECORD_HEADER_SIZE,
+                        found[c].stored_len + RECORD_HEADER_SIZE) for c in cids])
+            for cid, raw in zip(cids, got, strict=True):
+                result = self._decode(cid, found[cid], raw)
+                if isinstance(result, Exception):
+                    raise result
+                raws[cid] = raw
+        return [(raws[c], found[c].stored_len, found[c].plain_len, found[c].codec)
+                for c in ids]
+
     def _implausible(self, cid: ChunkId, entry: Entry) -> ChunkCorrupt | None:
         """An index entry that cannot describe a record (damaged index)."""
         if entry.offset < PACK_HEADER_SIZE + RECORD_HEADER_SIZE or entry.offset > 1 << 48:

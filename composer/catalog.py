@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 import lmdb
@@ -70,6 +70,21 @@ class DedupReport:
     def dedup_ratio(self) -> float:
         """Logical bytes per stored byte (within the image, after compression)."""
         return self.logical / self.unique_stored if self.unique_stored else 1.0
+
+
+class ImageCatalog(Protocol):
+    """What serving images needs from a catalog: the local LMDB `Catalog`, or
+    `composer.remote.ClusterCatalog` over the cluster store."""
+
+    def resolve(self, name: str) -> tuple[str, Image]: ...
+
+    def has_layer(self, digest: str) -> bool: ...
+
+    def list_layers(self) -> list[str]: ...
+
+    def load_layer(self, digest: str) -> LayerManifest: ...
+
+    def list_tags(self) -> list[tuple[str, str]]: ...
 
 
 def normalize_tag(name: str) -> str:

@@ -42,8 +42,11 @@ import pyfuse3
 import trio
 
 from chunkstore import ChunkStore
-from chunkstore.cache import NodeCache
-from composer.catalog import Catalog
+from chunkstore.cache import ChunkSource, NodeCache
+from chunkstore.cluster import Cluster
+from chunkstore.objects import open_object_store
+from composer.catalog import Catalog, ImageCatalog
+from composer.remote import ClusterCatalog
 
 from . import sysmount
 from .fs import LazyFS, Options
@@ -177,19 +180,33 @@ def _tune_readahead(mnt: Path, kb: int) -> int | None:
         return kb  # stop trying
 
 
-def run(paths: NodePaths, store_path: Path, cache_dir: Path, cache_size: int, *,
-        options: Options | None = None, prefetch: list[dict[str, Any]] | None = None,
-        read_ahead_kb: int = READ_AHEAD_KB,
+def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: int, *,
+        cluster_url: str | None = None, options: Options | None = None,
+        prefetch: list[dict[str, Any]] | None = None, read_ahead_kb: int = READ_AHEAD_KB,
         on_ready: Callable[[], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; the FUSE mount is always taken down."""
+    """Serve until SIGINT/SIGTERM; the FUSE mount is always taken down.
+
+    Images come from the local store at store_path, or, with cluster_url,
+    from the cluster store (chunks fetched by ranged reads into the node cache)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     os.chmod(paths.root, 0o700)
     paths.mounts.mkdir(exist_ok=True)
     paths.fixups.mkdir(exist_ok=True)
     _cleanup_stale(paths.mnt)
     paths.mnt.mkdir(exist_ok=True)
-    with ChunkStore.open(store_path, readonly=True) as store, Catalog(store) as catalog, \
-            NodeCache.open(cache_dir, capacity=cache_size, source=store) as cache:
+    with contextlib.ExitStack() as stack:
+        catalog: ImageCatalog
+        source: ChunkSource
+        if cluster_url is not None:
+            cluster = stack.enter_context(Cluster(open_object_store(cluster_url)))
+            catalog, source = ClusterCatalog(cluster), cluster.reader
+        else:
+            assert store_path is not None
+            store = stack.enter_context(ChunkStore.open(store_path, readonly=True))
+            catalog = stack.enter_context(Catalog(store))
+            source = store
+        cache = stack.enter_context(NodeCache.open(cache_dir, capacity=cache_size,
+                                                   source=source))
         tracer = Tracer()
         fs = LazyFS(catalog, cache, tracer, options, Attribution(paths))
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",

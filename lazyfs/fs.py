@@ -37,7 +37,7 @@ import trio
 
 from chunkstore import ChunkId, ChunkStoreError
 from chunkstore.cache import NodeCache
-from composer.catalog import Catalog
+from composer.catalog import ImageCatalog
 from composer.errors import ComposerError
 from composer.manifest import Kind
 
@@ -82,7 +82,7 @@ class LazyFS(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, catalog: Catalog, cache: NodeCache, tracer: Tracer,
+    def __init__(self, catalog: ImageCatalog, cache: NodeCache, tracer: Tracer,
                  options: Options | None = None,
                  attribute: Callable[[int], str] | None = None) -> None:
         super().__init__()

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from composer.catalog import Catalog, Image
+from composer.catalog import Image, ImageCatalog
 from composer.compose import overlay_fixups
 from composer.manifest import Entry, LayerManifest
 
@@ -116,7 +116,7 @@ def _escape(path: Path) -> str:
     return str(path).replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
 
 
-def mount_image(paths: NodePaths, catalog: Catalog, name: str, mountpoint: Path, *,
+def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: Path, *,
                 writable: Path | None = None, allow_devices: bool = False) -> ComposedMount:
     """Mount image `name` (catalog name or digest) composed at `mountpoint`.
     The daemon must be running. Undone completely on failure.
@@ -202,5 +202,5 @@ def registered(paths: NodePaths) -> list[dict[str, object]]:
     return out
 
 
-def image_of(catalog: Catalog, name: str) -> tuple[str, Image]:
+def image_of(catalog: ImageCatalog, name: str) -> tuple[str, Image]:
     return catalog.resolve(name)

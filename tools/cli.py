@@ -43,12 +43,15 @@ class LazyfsGroup(click.Group):
               help="zstd level for new chunks (1-22) [env LAZYFS_ZSTD_LEVEL; default 3].")
 @click.option("--threads", type=int, default=None,
               help="Threads for hashing and compression [env LAZYFS_THREADS].")
+@click.option("--cluster", metavar="URL", default=None,
+              help="Cluster store to push to and serve from: s3://BUCKET[/PREFIX]"
+                   "[?endpoint=URL] or posix:///PATH [env LAZYFS_CLUSTER].")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="lazyfs")
 @click.pass_context
 def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
-        threads: int | None, verbose: int, debug: bool) -> None:
+        threads: int | None, cluster: str | None, verbose: int, debug: bool) -> None:
     """lazyfs: lazy, content-addressed images and sandboxes.
 
     Images are stored as deduplicated, compressed chunks in a chunk store
@@ -60,7 +63,8 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
         logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ctx.meta["lazyfs.debug"] = debug
-    ctx.obj = Settings.load(path=store_path, zstd_level=zstd_level, threads=threads)
+    ctx.obj = Settings.load(path=store_path, zstd_level=zstd_level, threads=threads,
+                            cluster=cluster)
 
 
 def _register() -> None:
@@ -69,7 +73,7 @@ def _register() -> None:
     cli.add_command(store_cmd.store)
     for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
                 image_cmd.rm, image_cmd.gc, image_cmd.build, mount_cmd.daemon,
-                mount_cmd.mount, mount_cmd.umount, mount_cmd.stats):
+                mount_cmd.mount, mount_cmd.umount, mount_cmd.stats, mount_cmd.push):
         cli.add_command(cmd)
 
 

@@ -48,6 +48,9 @@ def config_file_path() -> Path:
 class Settings:
     store_path: Path
     store: StoreConfig
+    # the cluster store images are served from (s3://BUCKET[/PREFIX]?endpoint=URL or
+    # posix:///PATH); None: the local store. Option --cluster, env LAZYFS_CLUSTER.
+    cluster: str | None = None
 
     @classmethod
     def load(cls, **cli: Any) -> Settings:
@@ -73,7 +76,7 @@ class Settings:
             if os.environ.get(var):
                 values[key], sources[key] = os.environ[var], f"environment {var}"
         for key, value in cli.items():
-            if value is not None:
+            if value is not None and key in _STORE_KEYS:
                 values[key], sources[key] = value, f"option --{key.replace('_', '-')}"
         for key, value in list(values.items()):
             kind = _STORE_KEYS[key]
@@ -93,4 +96,5 @@ class Settings:
         except ValueError as e:
             raise QuietError(f"invalid store setting: {e}") from e
         store_path = Path(values.get("path") or default_store_path()).expanduser()
-        return cls(store_path, config)
+        cluster = cli.get("cluster") or os.environ.get("LAZYFS_CLUSTER") or None
+        return cls(store_path, config, cluster)

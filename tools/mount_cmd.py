@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,14 +10,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 
-from composer.catalog import Catalog
+from chunkstore.cluster import Cluster
+from chunkstore.objects import S3ObjectStore, open_object_store
+from composer.catalog import Catalog, ImageCatalog
 from composer.envspec import build as build_env
 from composer.envspec import load_spec
+from composer.remote import ClusterCatalog
 from lazyfs import daemon as lazyd
 from lazyfs.fs import Options
 from lazyfs.mounts import MountError, mount_image, registered, unmount
@@ -74,8 +79,9 @@ def start_detached(settings: Settings, paths: lazyd.NodePaths, cache_dir: Path |
     """Start `lazyfs daemon` in the background and wait until it answers."""
     _check_fuse()
     paths.root.mkdir(parents=True, exist_ok=True)
+    cluster = ["--cluster", settings.cluster] if settings.cluster else []
     cmd = [sys.executable, "-m", "tools.cli", "--store", str(settings.store_path.absolute()),
-           "daemon", "--root", str(paths.root.absolute()), "--cache-size", cache_size,
+           *cluster, "daemon", "--root", str(paths.root.absolute()), "--cache-size", cache_size,
            *(extra or [])]
     if cache_dir is not None:
         cmd += ["--cache", str(cache_dir.absolute())]
@@ -150,15 +156,27 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_
             events = load_trace(prefetch)
         except ValueError as e:
             raise QuietError(str(e)) from e
-    if not settings.store_path.is_dir():
+    if settings.cluster is None and not settings.store_path.is_dir():
         raise QuietError(f"no chunk store at {settings.store_path} (convert an image first)")
     opts = Options(fetch_threads=fetch_threads, fetch_timeout=fetch_timeout,
                    readahead_chunks=readahead_chunks, keep_cache=keep_cache,
                    cache_timeout=cache_timeout)
-    lazyd.run(paths, settings.store_path, cache_dir or default_cache_dir(), size,
+    lazyd.run(paths, None if settings.cluster else settings.store_path,
+              cache_dir or default_cache_dir(), size, cluster_url=settings.cluster,
               options=opts, prefetch=events, read_ahead_kb=read_ahead_kb,
               on_ready=lambda: click.echo(f"lazyfs serving {paths.mnt} (Ctrl-C to stop)",
                                           err=True))
+
+
+@contextlib.contextmanager
+def image_catalog(settings: Settings) -> Iterator[ImageCatalog]:
+    """The catalog images are served from: the cluster's, or the local one."""
+    if settings.cluster:
+        with Cluster(open_object_store(settings.cluster)) as cluster:
+            yield ClusterCatalog(cluster)
+    else:
+        with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+            yield catalog
 
 
 def _image_name(settings: Settings, target: str) -> str:
@@ -204,7 +222,7 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
         except ValueError as e:
             raise QuietError(str(e)) from e
     parse_size(cache_size)
-    with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+    with image_catalog(settings) as catalog:
         catalog.resolve(name)  # a missing image fails before any daemon starts
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     if foreground:  # blocked before mounting: a Ctrl-C right after still unmounts
@@ -212,7 +230,7 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
     if not lazyd.running(paths):
         pid = start_detached(settings, paths, cache_dir, cache_size)
         click.echo(f"started lazyfs daemon {pid} at {paths.mnt}", err=True)
-    with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+    with image_catalog(settings) as catalog:
         try:
             m = mount_image(paths, catalog, name, mountpoint, writable=writable,
                             allow_devices=allow_devices)
@@ -338,8 +356,8 @@ def _image_names(settings: Settings) -> dict[str, list[str]]:
     """layer digest -> names of the tagged images holding it."""
     out: dict[str, list[str]] = {}
     try:
-        with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
-            for tag, digest in catalog.list_tags():
+        with image_catalog(settings) as catalog:
+            for tag, _digest in catalog.list_tags():
                 _, img = catalog.resolve(tag)
                 for d in img.layers:
                     out.setdefault(d, []).append(tag)
@@ -378,3 +396,33 @@ def _line(label: str, s: dict[str, Any]) -> str:
             f" MB ({frac:.1%}), {s['files_touched']:,} files, {s['chunks_touched']:,} chunks; "
             f"hits {s['cache_hits']:,} misses {s['cache_misses']:,}; fetch p50 "
             f"{s['fetch_ms_p50']:.2f} ms p99 {s['fetch_ms_p99']:.2f} ms")
+
+
+@click.command()
+@click.argument("images", nargs=-1, required=True)
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar [default: when stderr is a terminal].")
+@click.pass_obj
+def push(settings: Settings, images: tuple[str, ...], progress: bool | None) -> None:
+    """Upload IMAGES from the local store to the cluster store (--cluster).
+
+    Layers the cluster has are skipped and chunks it has are not uploaded
+    again; packs, then location tables, then the image and its tag are
+    written, so a node never sees a partial image.
+    """
+    if not settings.cluster:
+        raise QuietError("no cluster store: give --cluster URL or set LAZYFS_CLUSTER")
+    from tqdm import tqdm
+    objects = open_object_store(settings.cluster)
+    if isinstance(objects, S3ObjectStore):
+        objects.ensure_bucket()
+    with open_store(settings, readonly=True) as store, Catalog(store) as catalog, \
+            Cluster(objects) as cluster:
+        for name in images:
+            with tqdm(unit="B", unit_scale=True, desc=f"push {name}",
+                      disable=not progress if progress is not None else None) as bar:
+                r = cluster.push(store, catalog, name, progress=bar.update)
+            click.echo(f"{name} {r.image}: {r.layers_pushed} layers pushed, "
+                       f"{r.layers_skipped} already there; {r.chunks_uploaded:,} chunks "
+                       f"uploaded in {r.packs} packs ({r.bytes_uploaded / 1e6:,.1f} MB), "
+                       f"{r.chunks_deduped:,} already in the cluster; {r.seconds:.1f} s")
