@@ -26,7 +26,7 @@ from typing import Any
 
 from support import parent_death_signal
 
-from composer.catalog import Catalog
+from composer.catalog import ImageCatalog
 from lazyfs import sysmount
 from lazyfs.daemon import NodePaths, request, running
 from lazyfs.mounts import mount_image, unmount
@@ -44,12 +44,13 @@ def fuse_missing() -> str | None:
 
 class LazyNode:
     def __init__(self, root: Path, store: Path, *, cache_size: str = "1G",
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, cluster: str | None = None) -> None:
         self.paths = NodePaths(Path(root).absolute())
         self.store = Path(store)
         self.cache = self.paths.root / "cache"
         self.cache_size = cache_size
         self.extra = extra or []
+        self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
         self.mounted: list[Path] = []
 
@@ -70,7 +71,9 @@ class LazyNode:
 
     def start(self) -> None:
         self.paths.root.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "tools.cli", "-v", "--store", str(self.store), "daemon",
+        cluster = ["--cluster", self.cluster] if self.cluster else []
+        cmd = [sys.executable, "-m", "tools.cli", "-v", "--store", str(self.store), *cluster,
+               "daemon",
                "--root", str(self.paths.root), "--cache", str(self.cache),
                "--cache-size", self.cache_size, *self.extra]
         log = open(self.paths.logfile, "ab")  # noqa: SIM115 - the child keeps its own copy
@@ -95,7 +98,7 @@ class LazyNode:
         except FileNotFoundError:
             return ""
 
-    def mount(self, catalog: Catalog, name: str, mountpoint: Path, *,
+    def mount(self, catalog: ImageCatalog, name: str, mountpoint: Path, *,
               writable: Path | None = None) -> Path:
         mountpoint.mkdir(parents=True, exist_ok=True)
         mount_image(self.paths, catalog, name, mountpoint, writable=writable)

@@ -66,6 +66,11 @@ class SeaweedFS:
     def bucket_url(self, bucket: str) -> str:
         return f"s3://{bucket}?endpoint={self.endpoint}"
 
+    def url(self, prefix: str, bucket: str = "lazyfs") -> str:
+        """A cluster URL under one shared bucket (SeaweedFS gives every bucket
+        its own collection of volumes: one bucket, many prefixes, is lighter)."""
+        return f"s3://{bucket}/{prefix}?endpoint={self.endpoint}"
+
     def __enter__(self) -> SeaweedFS:
         self.start()
         return self
@@ -82,7 +87,7 @@ class SeaweedFS:
         cmd = [weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-master.port={self.master}", f"-volume.port={self.volume}",
                "-filer", f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}",
-               "-volume.max=8", "-master.volumeSizeLimitMB=256"]
+               "-volume.max=64", "-master.volumeSizeLimitMB=256"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          cwd=self.workdir,

