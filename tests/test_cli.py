@@ -191,3 +191,20 @@ def test_convert_images_inspect_export_rm_gc(tmp_path: Path) -> None:
     gc = run("gc", "--grace", "0", store=store).stdout
     assert "dropped 2 unused layers" in gc
     assert "chunks      0" in run("store", "info", store=store).stdout
+
+
+def test_cluster_setting_sources(tmp_path: Path) -> None:
+    env = {"LAZYFS_CLUSTER": ""}
+    p = run("push", "x:1", store=tmp_path / "s", ok=False, env=env)
+    assert p.returncode == 1 and "no cluster store" in p.stderr
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[cluster]\nurl = "posix:///nonexistent-cluster-dir"\n')
+    p = run("push", "x:1", store=tmp_path / "s", ok=False,
+            env={**env, "LAZYFS_CONFIG": str(cfg)})
+    assert "/nonexistent-cluster-dir" in p.stderr  # the file's URL was used
+    cfg.write_text('[cluster]\nendpoint = "x"\n')
+    p = run("push", "x:1", store=tmp_path / "s", ok=False,
+            env={**env, "LAZYFS_CONFIG": str(cfg)})
+    assert "unknown key(s) in [cluster]" in p.stderr
+    p = run("mount", "--help", store=tmp_path / "s")
+    assert "--allow-devices" in p.stdout and "SPEC" in p.stdout

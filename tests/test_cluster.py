@@ -224,3 +224,57 @@ def test_two_converters_push_overlapping_images_at_once(seaweed: SeaweedFS,
     with ChunkStore.open(tmp_path / "a", readonly=True) as local:
         one_copy = local.stats().pack_bytes
     assert stored < 1.6 * one_copy, (stored, one_copy)
+
+
+@root_fuse
+@pytest.mark.root
+def test_quickstart_seaweed_push_mount_with_the_cli(tars: dict[str, Path],
+                                                    tmp_path: Path) -> None:
+    """What a user does on one machine: `lazyfs seaweed`, `lazyfs push`,
+    then `lazyfs mount` on a node that has no local copy."""
+    import signal as sig
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "tools.cli"]
+    server = subprocess.Popen([*cli, "seaweed", str(tmp_path / "weed"), "--s3-port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    node = tmp_path / "node"
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        assert server.stdout is not None
+        lines = [server.stdout.readline() for _ in range(2)]
+        assert lines[0].startswith("SeaweedFS ready"), lines
+        url = lines[1].split("'")[1]
+        env = {**os.environ, "LAZYFS_CLUSTER": url, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+
+        def run(*args: str) -> str:
+            p = subprocess.run([*cli, *args], capture_output=True, text=True, cwd=REPO,
+                               env=env, timeout=120, check=False)
+            assert p.returncode == 0, p.stderr
+            return p.stdout
+        run("--store", str(tmp_path / "build"), "convert", f"tar:{tars['base']}", "--tag",
+            "base:1")
+        assert "1 layers pushed" in run("--store", str(tmp_path / "build"), "push", "base:1")
+        run("--store", str(tmp_path / "nothing-here"), "mount", "base:1", str(mp),
+            "--root", str(node))
+        assert (mp / "posix" / "sizes" / "one_mib").stat().st_size == 1 << 20
+        assert (mp / "bin" / "busybox").read_bytes()[:4] == b"\x7fELF"
+        run("umount", str(mp), "--root", str(node))
+        run("umount", str(node / "mnt"), "--root", str(node))
+    finally:
+        from lazyfs import sysmount
+        for m in (mp, node / "mnt"):
+            while sysmount.find_mount(m) is not None:
+                sysmount.umount(m, lazy=True)
+        pid = node / "daemon.pid"
+        if pid.exists():
+            try:
+                os.kill(int(pid.read_text()), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        server.send_signal(sig.SIGINT)
+        server.communicate(timeout=30)
+    assert server.returncode == 0

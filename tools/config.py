@@ -9,8 +9,11 @@ File: $LAZYFS_CONFIG, else $XDG_CONFIG_HOME/lazyfs/config.toml (TOML):
     pack_size_mib = 64
     threads = 2
 
+    [cluster]
+    url = "s3://lazyfs/images?endpoint=http://seaweed:8333"
+
 Environment: LAZYFS_STORE, LAZYFS_ZSTD_LEVEL, LAZYFS_PACK_SIZE_MIB,
-LAZYFS_THREADS. Unknown keys or sections are errors.
+LAZYFS_THREADS, LAZYFS_CLUSTER. Unknown keys or sections are errors.
 """
 
 from __future__ import annotations
@@ -58,15 +61,21 @@ class Settings:
         (those not None), validating each value with its source named."""
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
+        file_cluster: str | None = None
         path = config_file_path()
         if path.exists():
             try:
                 doc = tomllib.loads(path.read_text())
             except (OSError, tomllib.TOMLDecodeError) as e:
                 raise QuietError(f"config file {path}: {e}") from e
-            unknown = set(doc) - {"store"}
+            unknown = set(doc) - {"store", "cluster"}
             if unknown:
                 raise QuietError(f"config file {path}: unknown section(s) {sorted(unknown)}")
+            cluster_doc = doc.get("cluster", {})
+            if set(cluster_doc) - {"url"}:
+                raise QuietError(f"config file {path}: unknown key(s) in [cluster] "
+                                 f"{sorted(set(cluster_doc) - {'url'})} (known: url)")
+            file_cluster = cluster_doc.get("url")
             for key, value in doc.get("store", {}).items():
                 if key not in _STORE_KEYS:
                     raise QuietError(f"config file {path}: unknown key store.{key} "
@@ -96,5 +105,5 @@ class Settings:
         except ValueError as e:
             raise QuietError(f"invalid store setting: {e}") from e
         store_path = Path(values.get("path") or default_store_path()).expanduser()
-        cluster = cli.get("cluster") or os.environ.get("LAZYFS_CLUSTER") or None
+        cluster = cli.get("cluster") or os.environ.get("LAZYFS_CLUSTER") or file_cluster
         return cls(store_path, config, cluster)

@@ -426,3 +426,36 @@ def push(settings: Settings, images: tuple[str, ...], progress: bool | None) -> 
                        f"{r.layers_skipped} already there; {r.chunks_uploaded:,} chunks "
                        f"uploaded in {r.packs} packs ({r.bytes_uploaded / 1e6:,.1f} MB), "
                        f"{r.chunks_deduped:,} already in the cluster; {r.seconds:.1f} s")
+
+
+@click.command()
+@click.argument("datadir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--s3-port", default=8333, show_default=True, help="Port of the S3 gateway.")
+@click.option("--bucket", default="lazyfs", show_default=True, help="Bucket to create.")
+def seaweed(datadir: Path, s3_port: int, bucket: str) -> None:
+    """Run a one-machine SeaweedFS cluster store on 127.0.0.1 (foreground).
+
+    Keeps its data in DATADIR, creates BUCKET, and prints the --cluster URL
+    to use with `lazyfs push` and `lazyfs mount`. Ctrl-C stops it. For a real
+    cluster, run SeaweedFS (or any S3 service) as its operators do.
+    """
+    from chunkstore.seaweed import SeaweedFS
+    sw = SeaweedFS(datadir, s3_port=s3_port)
+    try:
+        sw.start()
+    except RuntimeError as e:
+        raise QuietError(str(e)) from e
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        url = sw.url("images", bucket=bucket)
+        store = open_object_store(url)
+        assert isinstance(store, S3ObjectStore)
+        store.ensure_bucket()
+        click.echo(f"SeaweedFS ready; data in {datadir}, log {sw.log}")
+        click.echo(f"export LAZYFS_CLUSTER='{url}'")
+        click.echo("Ctrl-C to stop", err=True)
+        signal.sigwait(stop_signals)
+    finally:
+        sw.stop()
+        click.echo("stopped", err=True)
