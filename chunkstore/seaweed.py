@@ -90,7 +90,10 @@ class SeaweedFS:
         cmd = [weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-master.port={self.master}", f"-volume.port={self.volume}",
                "-filer", f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}",
-               "-volume.max=64", "-master.volumeSizeLimitMB=256"]
+               "-volume.max=64", "-master.volumeSizeLimitMB=256",
+               # SeaweedFS 4 also opens Iceberg and Lance listeners on fixed ports:
+               # off, so that several servers can run on one machine
+               "-s3.port.iceberg=0", "-s3.port.lance=0"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          cwd=self.workdir,
