@@ -41,6 +41,7 @@ from typing import Protocol
 
 from .errors import ChunkStoreError
 from .ids import ChunkId, TrustDomain, id_digest
+from .objects import ObjectStoreError
 
 log = logging.getLogger(__name__)
 
@@ -269,8 +270,8 @@ class NodeCache:
         try:
             datas = self.source.get_many(ids, domain)
         except Exception as e:
-            if len(ids) == 1:
-                raise
+            if len(ids) == 1 or isinstance(e, ObjectStoreError):
+                raise  # (a store that cannot be reached fails every chunk alike)
             # one bad chunk must not fail the readers of the others: retry one
             # by one, so each chunk gets its own result or its own error
             log.warning("node cache: batch of %d chunks failed (%s); fetching them one by one",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import threading
 import time
@@ -53,15 +54,18 @@ import msgpack
 import zstandard
 
 from .codec import ChunkCodec, CodecError
-from .errors import ChunkCorrupt, ChunkNotFound
+from .errors import ChunkCollision, ChunkCorrupt, ChunkNotFound
 from .ids import TRUSTED, ChunkId, TrustDomain, id_digest
 from .objects import ObjectNotFound, ObjectStore
-from .pack import PACK_HEADER, RECORD_HEADER_SIZE, decode_record_header
+from .pack import MAX_CHUNK_SIZE, PACK_HEADER, RECORD_HEADER_SIZE, decode_record_header
 
 log = logging.getLogger(__name__)
 
-LOC_VERSION = 1
-_ROW = struct.Struct(">16sIQIIB")  # id, pack index, offset of the record, stored, plain, codec
+LOC_VERSION = 2
+# id, pack index, offset of the record, stored, plain, codec, BLAKE3 of the plain bytes
+_ROW = struct.Struct(">16sIQIIB32s")
+MAX_TABLE = 256 << 20  # decoded bytes of one location table (~3.5 M rows)
+_PACK_NAME = re.compile(r"^[0-9a-f]{64}\.pack$")
 PACK_TARGET = 64 << 20
 COALESCE_GAP = 64 << 10
 COALESCE_MAX = 8 << 20
@@ -86,6 +90,7 @@ class Loc:
     stored_len: int
     plain_len: int
     codec: int
+    strong: bytes  # BLAKE3-256 of the plain bytes (the collision check behind dedup)
 
 
 @dataclass
@@ -98,7 +103,8 @@ class LocTable:
         packs = sorted({loc.pack for loc in self.locs.values()})
         index = {p: i for i, p in enumerate(packs)}
         rows = b"".join(_ROW.pack(bytes(cid), index[loc.pack], loc.offset, loc.stored_len,
-                                  loc.plain_len, loc.codec) for cid, loc in self.locs.items())
+                                  loc.plain_len, loc.codec, loc.strong)
+                        for cid, loc in self.locs.items())
         body = msgpack.packb({"v": LOC_VERSION, "domain": str(self.domain),
                               "manifest": [bytes(c) for c in self.manifest],
                               "packs": packs, "rows": rows}, use_bin_type=True)
@@ -106,23 +112,30 @@ class LocTable:
 
     @classmethod
     def decode(cls, raw: bytes, where: str) -> LocTable:
+        """Parse a table from the store: bounded, and every field checked (a
+        table may come from anywhere)."""
         try:
-            doc = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(
-                raw, max_output_size=1 << 30), raw=False)
-            if doc.get("v") != LOC_VERSION:
-                raise ValueError(f"version {doc.get('v')}")
+            body = zstandard.ZstdDecompressor().decompressobj().decompress(raw[:MAX_TABLE])
+            if len(body) >= MAX_TABLE:
+                raise ValueError(f"decodes to more than {MAX_TABLE} bytes")
+            doc = msgpack.unpackb(body, raw=False)
+            if not isinstance(doc, dict) or doc.get("v") != LOC_VERSION:
+                raise ValueError(f"not a version {LOC_VERSION} table")
             packs = [str(p) for p in doc["packs"]]
+            if not all(_PACK_NAME.match(p) for p in packs):
+                raise ValueError("bad pack name")
             rows = doc["rows"]
-            if len(rows) % _ROW.size:
+            if not isinstance(rows, bytes) or len(rows) % _ROW.size:
                 raise ValueError("row table is truncated")
             locs = {}
             for off in range(0, len(rows), _ROW.size):
-                cid, p, o, s, n, c = _ROW.unpack_from(rows, off)
-                locs[ChunkId(cid)] = Loc(packs[p], o, s, n, c)
-            return cls(TrustDomain(str(doc["domain"])), [ChunkId(c) for c in doc["manifest"]],
-                       locs)
-        except (zstandard.ZstdError, ValueError, KeyError, TypeError, IndexError,
-                msgpack.UnpackException) as e:
+                cid, p, o, st, n, c, h = _ROW.unpack_from(rows, off)
+                if st > MAX_CHUNK_SIZE + (1 << 20) or n > MAX_CHUNK_SIZE:
+                    raise ValueError(f"impossible chunk lengths {st}/{n}")
+                locs[ChunkId(cid)] = Loc(packs[p], o, st, n, c, h)
+            return cls(TrustDomain(str(doc["domain"])),
+                       [ChunkId(bytes(c)) for c in doc["manifest"]], locs)
+        except Exception as e:  # any malformed input is a corrupt table, nothing else
             raise ChunkCorrupt("-", where, f"location table cannot be decoded: {e}") from e
 
 
@@ -149,11 +162,18 @@ class ClusterReader:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def register(self, table: LocTable) -> None:
+    def register(self, table: LocTable, where: str = "-") -> None:
+        """Make a layer's chunks readable. A table that names a chunk id the
+        node already knows with different content (another BLAKE3) is refused:
+        an xxh3 collision must not let one image's chunks replace another's."""
         d = str(table.domain)
         with self._mu:
             for cid, loc in table.locs.items():
-                self._locs[(d, bytes(cid))] = loc
+                old = self._locs.get((d, bytes(cid)))
+                if old is not None and old.strong != loc.strong:
+                    raise ChunkCollision(cid, d)
+            for cid, loc in table.locs.items():
+                self._locs.setdefault((d, bytes(cid)), loc)
 
     def get_many(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED) -> list[bytes]:
         d = str(domain)
@@ -265,12 +285,14 @@ class Cluster:
 
     # -- reading (what the node daemon needs) -----------------------------------
 
-    def table(self, digest: str) -> LocTable:
+    def table(self, digest: str, *, register: bool = True) -> LocTable:
         t = self._tables.get(digest)
         if t is None:
             raw = self.objects.get(layer_key(digest))
             t = LocTable.decode(raw, layer_key(digest))
-            self.reader.register(t)
+            if not register:
+                return t
+            self.reader.register(t, layer_key(digest))
             self._tables[digest] = t
         return t
 
@@ -302,7 +324,10 @@ class Cluster:
                 digest = self.objects.get(tag_key(tag)).decode().strip()
             except ObjectNotFound:
                 raise ChunkNotFound(name, "cluster catalog") from None
-        doc: dict[str, Any] = json.loads(self.objects.get(image_key(digest)))
+        raw = self.objects.get(image_key(digest))
+        if "blake3:" + blake3.blake3(raw).hexdigest() != digest:
+            raise ChunkCorrupt("-", image_key(digest), "image record does not match its digest")
+        doc: dict[str, Any] = json.loads(raw)
         return digest, doc
 
     def list_tags(self) -> list[tuple[str, str]]:
@@ -319,7 +344,7 @@ class Cluster:
         out: dict[tuple[str, bytes], Loc] = {}
         for digest in self.list_layers():
             try:
-                t = self.table(digest)
+                t = self.table(digest, register=False)  # push does not read through them
             except (ObjectNotFound, ChunkCorrupt) as e:
                 log.warning("push: location table of %s skipped: %s", digest, e)
                 continue
@@ -347,14 +372,18 @@ class Cluster:
             ids = list(dict.fromkeys([*manifest_ids, *sorted(manifest.chunk_ids())]))
             locs: dict[ChunkId, Loc] = {}
             missing = []
+            strong = dict(zip(ids, store.strong_many(ids, domain), strict=True))
             for cid in ids:
                 loc = known.get((str(domain), bytes(cid)))
+                if loc is not None and loc.strong != strong[cid]:
+                    # the cluster has another chunk under this id: never dedup on xxh3 alone
+                    raise ChunkCollision(cid, str(domain))
                 if loc is not None:
                     locs[cid] = loc
                     report.chunks_deduped += 1
                 else:
                     missing.append(cid)
-            for pack_key, placed, nbytes in self._upload(store, missing, domain):
+            for pack_key, placed, nbytes in self._upload(store, missing, domain, strong):
                 locs.update(placed)
                 for cid, loc in placed.items():
                     known[(str(domain), bytes(cid))] = loc
@@ -366,8 +395,6 @@ class Cluster:
                 log.info("pushed pack %s (%d chunks)", pack_key, len(placed))
             table = LocTable(domain, manifest_ids, locs)
             self.objects.put(layer_key(layer), table.encode())
-            self._tables[layer] = table
-            self.reader.register(table)
             report.layers_pushed += 1
         self.objects.put(image_key(digest), image.to_json())
         if not name.startswith("blake3:"):
@@ -376,8 +403,8 @@ class Cluster:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _upload(self, store: Any, ids: list[ChunkId], domain: TrustDomain
-                ) -> Iterator[tuple[str, dict[ChunkId, Loc], int]]:
+    def _upload(self, store: Any, ids: list[ChunkId], domain: TrustDomain,
+                strong: dict[ChunkId, bytes]) -> Iterator[tuple[str, dict[ChunkId, Loc], int]]:
         """Copy the stored records of `ids` (no recompression) into new packs
         of about PACK_TARGET bytes and upload each; yields (key, locations, size)."""
         parts: list[bytes] = [PACK_HEADER]
@@ -388,7 +415,7 @@ class Cluster:
             data = b"".join(parts)
             key = blake3.blake3(data).hexdigest() + ".pack"
             self.objects.put(f"packs/{key}", data)
-            return key, {cid: Loc(key, off, s, n, c) for cid, (off, s, n, c) in
+            return key, {cid: Loc(key, off, s, n, c, strong[cid]) for cid, (off, s, n, c) in
                          pending.items()}, len(data)
 
         for batch_start in range(0, len(ids), 256):

@@ -20,9 +20,11 @@ AWS_SECRET_ACCESS_KEY (boto3's usual chain), region default us-east-1.
 from __future__ import annotations
 
 import abc
+import errno
 import logging
 import os
 import random
+import re
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -51,6 +53,7 @@ class ObjectStore(abc.ABC):
     url: str
     timeout: float = DEFAULT_TIMEOUT
     retries: int = DEFAULT_RETRIES
+    retry_budget: float = 3 * DEFAULT_TIMEOUT  # seconds for one call, retries included
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -77,15 +80,19 @@ class ObjectStore(abc.ABC):
         return None
 
     def _retry(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        """Run fn, retrying transient failures with exponential backoff and jitter."""
+        """Run fn, retrying transient failures with exponential backoff and
+        jitter, within `retry_budget` seconds in all (a dead store fails a call
+        in bounded time, not after retries of retries)."""
         delay = 0.1
+        deadline = time.monotonic() + self.retry_budget
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except ObjectNotFound:
                 raise
             except Exception as e:  # classified below
-                if not self._transient(e) or attempt == self.retries:
+                last = attempt == self.retries or time.monotonic() + delay > deadline
+                if not self._transient(e) or last:
                     raise ObjectStoreError(f"{self.url}: {what} {key!r} failed: "
                                            f"{type(e).__name__}: {e}") from e
                 log.warning("%s: %s %r failed (%s), retry %d/%d in %.2fs", self.url, what, key,
@@ -95,7 +102,13 @@ class ObjectStore(abc.ABC):
         raise AssertionError("unreachable")
 
     def _transient(self, e: Exception) -> bool:
-        return isinstance(e, OSError | TimeoutError | ConnectionError)
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno in _TRANSIENT_ERRNOS
+        return isinstance(e, TimeoutError | ConnectionError)
+
+
+_TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE,
+                     errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED, errno.EHOSTUNREACH}
 
 
 def open_object_store(url: str, *, timeout: float = DEFAULT_TIMEOUT,
@@ -104,6 +117,9 @@ def open_object_store(url: str, *, timeout: float = DEFAULT_TIMEOUT,
     if parsed.scheme == "s3":
         store: ObjectStore = S3ObjectStore(url, timeout=timeout)
     elif parsed.scheme in ("posix", "file"):
+        if parsed.netloc:
+            raise ValueError(f"{url!r}: a POSIX cluster path must be absolute: "
+                             f"posix:///{parsed.netloc}{parsed.path}")
         store = PosixObjectStore(url, Path(parsed.path))
     else:
         raise ValueError(f"unknown cluster store URL {url!r} "
@@ -111,6 +127,9 @@ def open_object_store(url: str, *, timeout: float = DEFAULT_TIMEOUT,
     store.timeout = timeout
     store.retries = retries
     return store
+
+
+_TMP = re.compile(r"^\..+\.tmp-\d+-\d+$")
 
 
 class PosixObjectStore(ObjectStore):
@@ -124,6 +143,22 @@ class PosixObjectStore(ObjectStore):
         if not root.is_dir():
             raise ObjectStoreError(f"{url}: {root} is not a directory (is the cluster "
                                    "filesystem mounted?)")
+        self.timeout = DEFAULT_TIMEOUT  # (a hung mount blocks in the kernel: no timeout there)
+
+    def sweep_temporary(self, older_than: float = 3600.0) -> int:
+        """Remove temporary files of puts that died (a writer's job, not a reader's)."""
+        now, n = time.time(), 0
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                p = Path(dirpath, name)
+                if _TMP.match(name):
+                    try:
+                        if now - p.stat().st_mtime > older_than:
+                            p.unlink()
+                            n += 1
+                    except OSError:
+                        continue
+        return n
 
     def _path(self, key: str) -> Path:
         if not key or key.startswith("/") or ".." in key.split("/"):
@@ -179,12 +214,13 @@ class PosixObjectStore(ObjectStore):
         return self._retry("get range of", key, fn)
 
     def exists(self, key: str) -> bool:
-        return self._path(key).exists()
+        return self._path(key).is_file()
 
     def list(self, prefix: str) -> Iterator[str]:
         base = self.root
+        top = base / prefix.rpartition("/")[0] if "/" in prefix else base
         out = []
-        for dirpath, _, files in os.walk(base):
+        for dirpath, _, files in os.walk(top):
             for name in files:
                 if name.startswith("."):
                     continue  # temporary files of puts in progress
@@ -209,6 +245,13 @@ class S3ObjectStore(ObjectStore):
         self._botoexc = botocore.exceptions
         parsed = urllib.parse.urlsplit(url)
         query = dict(urllib.parse.parse_qsl(parsed.query))
+        if parsed.username or parsed.password or "@" in parsed.netloc:
+            raise ValueError("credentials do not belong in the cluster URL: use "
+                             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an AWS profile")
+        unknown = set(query) - {"endpoint", "region"}
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {sorted(unknown)} in the cluster URL "
+                             "(known: endpoint, region)")
         self.url = urllib.parse.urlunsplit(("s3", parsed.netloc, parsed.path, "", ""))
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
@@ -218,22 +261,31 @@ class S3ObjectStore(ObjectStore):
                     or os.environ.get("AWS_ENDPOINT_URL"))
         cfg = botocore.config.Config(
             connect_timeout=timeout, read_timeout=timeout,
-            retries={"max_attempts": 1, "mode": "standard"},  # retries are ours
+            retries={"total_max_attempts": 1, "mode": "standard"},  # retries are ours
             max_pool_connections=32, s3={"addressing_style": "path"})
-        self.client: Any = boto3.session.Session().client(
+        session = boto3.session.Session()
+        kw: dict[str, Any] = {}
+        if session.get_credentials() is None:
+            # nothing configured (a one-machine SeaweedFS without identities):
+            # sign with placeholders; everywhere else boto3's own chain applies
+            # (environment incl. session tokens, profiles, instance roles)
+            kw = {"aws_access_key_id": "lazyfs", "aws_secret_access_key": "lazyfs"}
+        self.client: Any = session.client(
             "s3", endpoint_url=endpoint, region_name=query.get("region") or
-            os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-            aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID") or "lazyfs",
-            aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY") or "lazyfs",
-            config=cfg)
+            os.environ.get("AWS_DEFAULT_REGION") or "us-east-1", config=cfg, **kw)
+
+    def close(self) -> None:
+        self.client.close()
 
     def _transient(self, e: Exception) -> bool:
         exc = self._botoexc
         if isinstance(e, exc.ClientError):
             code = str(e.response.get("Error", {}).get("Code", ""))
             status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            return status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError")
-        return isinstance(e, exc.BotoCoreError | OSError | TimeoutError)
+            return status >= 500 or status == 429 or code in (
+                "SlowDown", "RequestTimeout", "InternalError", "Throttling")
+        return isinstance(e, exc.ConnectionError | exc.HTTPClientError | TimeoutError |
+                          ConnectionError)
 
     def _missing(self, e: Exception) -> bool:
         if isinstance(e, self._botoexc.ClientError):
@@ -242,11 +294,17 @@ class S3ObjectStore(ObjectStore):
         return False
 
     def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (a 404; any other refusal,
+        say a 403 on HEAD from a policy, leaves it to the first write)."""
         def fn() -> None:
             try:
                 self.client.head_bucket(Bucket=self.bucket)
-            except self._botoexc.ClientError:
-                self.client.create_bucket(Bucket=self.bucket)
+            except self._botoexc.ClientError as e:
+                status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+                if status == 404:
+                    self.client.create_bucket(Bucket=self.bucket)
+                elif status not in (301, 403):
+                    raise
         self._retry("create bucket", self.bucket, fn)
 
     def put(self, key: str, data: bytes) -> None:
@@ -271,7 +329,15 @@ class S3ObjectStore(ObjectStore):
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        return self._get(key, Range=f"bytes={offset}-{offset + length - 1}")
+        try:
+            return self._get(key, Range=f"bytes={offset}-{offset + length - 1}")
+        except ObjectStoreError as e:
+            # a range at or past the end: short (empty), like the POSIX store
+            cause = e.__cause__
+            if isinstance(cause, self._botoexc.ClientError) and str(
+                    cause.response.get("Error", {}).get("Code", "")) == "InvalidRange":
+                return b""
+            raise
 
     def exists(self, key: str) -> bool:
         def fn() -> bool:

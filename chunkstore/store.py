@@ -563,6 +563,17 @@ class ChunkStore:
                 raise failed[first]
         raise AssertionError("unreachable")
 
+    def strong_many(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED
+                    ) -> list[bytes]:
+        """The BLAKE3-256 digest recorded for each chunk (ChunkNotFound if absent)."""
+        self._check_process()
+        domain = TrustDomain(domain)
+        dnum = self.index.domain_number(domain, create=False)
+        if dnum is None:
+            raise ChunkNotFound(ids[0], domain) if ids else ChunkNotFound("-", domain)
+        found = self._lookup(list(dict.fromkeys(ids)), dnum, domain)
+        return [found[c].strong for c in ids]
+
     def raw_records(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED
                     ) -> list[tuple[bytes, int, int, int]]:
         """Each chunk's stored record as it sits in its pack (record header +

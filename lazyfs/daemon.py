@@ -10,7 +10,7 @@ Node layout under one root directory (default /run/lazyfs as root):
     ROOT/fixups/         per-image directory metadata overlayfs needs (see mounts.py)
 
 Control requests (one JSON object per line, one answer each):
-    {"op": "ping"}                       -> {"ok": true, "pid": ...}
+    {"op": "ping"}                       -> {"ok": true, "pid": ..., "source": store or cluster}
     {"op": "stats"}                      -> {"ok": true, "stats": {...}}
     {"op": "trace", "mount": M|null}     -> {"ok": true, "trace": {...}}
     {"op": "prefetch", "events": [...]}  -> {"ok": true, "queued": n} (runs in the background)
@@ -209,6 +209,7 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
                                                    source=source))
         tracer = Tracer()
         fs = LazyFS(catalog, cache, tracer, options, Attribution(paths))
+        fs.source = cluster_url or str(Path(store_path or "").absolute())
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
                                                "allow_other"}
         pyfuse3.init(fs, str(paths.mnt), opts)
@@ -321,7 +322,7 @@ async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError, RecursionError):
         return {"ok": False, "error": "bad request: expected a JSON object with 'op'"}
     if op == "ping":
-        return {"ok": True, "pid": os.getpid()}
+        return {"ok": True, "pid": os.getpid(), "source": fs.source}
     if op == "stats":
         snap = fs.tracer.snapshot()
         st = fs.cache.stats

@@ -105,6 +105,7 @@ class LazyFS(pyfuse3.Operations):
         self._prefetch_limit = trio.CapacityLimiter(self.options.prefetch_threads)
         self.nursery: trio.Nursery | None = None
         self.started = time.time()
+        self.source = ""  # what it serves from (local store path or cluster URL)
 
     # -- layers ---------------------------------------------------------------
 
@@ -188,11 +189,16 @@ class LazyFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         if parent_inode == LAYERS:
             digest = name.decode("utf-8", "replace")
-            if not await trio.to_thread.run_sync(self.catalog.has_layer, digest):
-                raise pyfuse3.FUSEError(errno.ENOENT)
+            if digest in self.by_digest:
+                tree = self.by_digest[digest]
+                return self._attr(tree, tree.root_index)
             try:
+                if not await trio.to_thread.run_sync(self.catalog.has_layer, digest):
+                    raise pyfuse3.FUSEError(errno.ENOENT)
                 tree = await self.layer(digest)
-            except (ChunkStoreError, ComposerError, ValueError) as e:
+            except pyfuse3.FUSEError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failing store must not end the session
                 log.error("layer %s cannot be loaded: %s", digest, e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             return self._attr(tree, tree.root_index)
@@ -228,7 +234,11 @@ class LazyFS(pyfuse3.Operations):
         if inode == ROOT:
             d.names, d.inodes = [b"layers"], [LAYERS]
         elif inode == LAYERS:
-            digests = await trio.to_thread.run_sync(self.catalog.list_layers)
+            try:
+                digests = await trio.to_thread.run_sync(self.catalog.list_layers)
+            except Exception as e:  # noqa: BLE001 - a failing store must not end the session
+                log.error("cannot list layers: %s", e)
+                raise pyfuse3.FUSEError(errno.EIO) from None
             d.names = [x.encode() for x in digests]
         else:
             tree = self._tree_of(inode)
@@ -360,7 +370,7 @@ class LazyFS(pyfuse3.Operations):
                       tree.digest, self.options.fetch_timeout)
             self.tracer.error()
             raise pyfuse3.FUSEError(errno.EIO) from None
-        except (ChunkStoreError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the store raised: EIO
             log.error("read of %s in layer %s failed: %s", tree.entries[i].path, tree.digest, e)
             self.tracer.error()
             raise pyfuse3.FUSEError(errno.EIO) from None

@@ -57,6 +57,8 @@ def test_object_store_contract(cluster_url: str) -> None:
     assert o.get("packs/a.pack") == b"0123456789"
     assert o.get_range("packs/a.pack", 3, 4) == b"3456"
     assert o.get_range("packs/a.pack", 8, 100) == b"89"  # short at the end
+    assert o.get_range("packs/a.pack", 10, 5) == b""  # at the end: empty, not an error
+    assert o.get_range("packs/a.pack", 50, 5) == b""
     assert o.exists("packs/a.pack") and not o.exists("packs/b.pack")
     o.put("packs/a.pack", b"new")  # replaced whole
     assert o.get("packs/a.pack") == b"new"
@@ -278,3 +280,39 @@ def test_quickstart_seaweed_push_mount_with_the_cli(tars: dict[str, Path],
         server.send_signal(sig.SIGINT)
         server.communicate(timeout=30)
     assert server.returncode == 0
+
+
+def test_untrusted_tables_are_bounded_and_checked(tmp_path: Path) -> None:
+    import zstandard
+
+    from chunkstore import ChunkCollision, ChunkCorrupt, ChunkId, TrustDomain
+    from chunkstore.cluster import ClusterReader, Loc, LocTable
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (300 << 20))
+    for raw in (b"garbage", bomb, zstandard.ZstdCompressor().compress(b"\x93\x01\x02\x03")):
+        with pytest.raises(ChunkCorrupt):
+            LocTable.decode(raw, "layers/x.loc")
+    cid = ChunkId(b"\x07" * 16)
+    name = "ab" * 32 + ".pack"
+    good = LocTable(TrustDomain("trusted"), [], {cid: Loc(name, 16, 10, 10, 0, b"\x01" * 32)})
+    assert LocTable.decode(good.encode(), "t").locs == good.locs
+    evil = LocTable(TrustDomain("trusted"), [], {cid: Loc(name, 99, 10, 10, 0, b"\x02" * 32)})
+    reader = ClusterReader(open_object_store(f"posix://{tmp_path}"))
+    try:
+        reader.register(good)
+        with pytest.raises(ChunkCollision):  # same id, other content: refused
+            reader.register(evil)
+        bad_pack = LocTable(TrustDomain("trusted"), [],
+                            {cid: Loc("../../etc/passwd", 0, 1, 1, 0, b"\x01" * 32)})
+        with pytest.raises(ChunkCorrupt, match="bad pack name"):
+            LocTable.decode(bad_pack.encode(), "t")
+    finally:
+        reader.close()
+
+
+def test_cluster_urls_are_checked() -> None:
+    with pytest.raises(ValueError, match="credentials do not belong"):
+        open_object_store("s3://AKIA:secret@bucket/p")
+    with pytest.raises(ValueError, match="unknown parameter"):
+        open_object_store("s3://bucket/p?endpont=http://x")
+    with pytest.raises(ValueError, match="must be absolute"):
+        open_object_store("posix://mnt/3fs")

@@ -230,6 +230,11 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
     if not lazyd.running(paths):
         pid = start_detached(settings, paths, cache_dir, cache_size)
         click.echo(f"started lazyfs daemon {pid} at {paths.mnt}", err=True)
+    serving = lazyd.request(paths, {"op": "ping"}).get("source")
+    wanted = settings.cluster or str(settings.store_path.absolute())
+    if serving and serving != wanted:
+        raise QuietError(f"the lazyfs daemon at {paths.root} serves {serving}, not {wanted}: "
+                         "stop it (lazyfs umount ROOT/mnt) or use another --root")
     with image_catalog(settings) as catalog:
         try:
             m = mount_image(paths, catalog, name, mountpoint, writable=writable,
