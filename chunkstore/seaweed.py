@@ -36,6 +36,9 @@ def _port_free(port: int) -> bool:
     if not 0 < port <= 65535:
         return False
     with socket.socket() as s:
+        # as Go's listeners do: connections of a previous server in TIME_WAIT do
+        # not count, a socket listening there does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
