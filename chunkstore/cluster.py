@@ -254,6 +254,14 @@ def decode_record(cid: ChunkId, raw: memoryview | bytes, loc: Loc, codec: ChunkC
 
 
 @dataclass
+class GcReport:
+    images: int = 0
+    tables: int = 0
+    packs: int = 0
+    bytes_freed: int = 0
+
+
+@dataclass
 class PushReport:
     image: str
     layers_pushed: int = 0
@@ -363,6 +371,11 @@ class Cluster:
         known = self.known_locations()
         for layer in image.layers:
             if self.objects.exists(layer_key(layer)):
+                # reused: its age restarts, so a concurrent gc keeps it (and its packs)
+                self.objects.touch(layer_key(layer))
+                for pack in sorted({loc.pack for loc in self.table(
+                        layer, register=False).locs.values()}):
+                    self.objects.touch(f"packs/{pack}")
                 report.layers_skipped += 1
                 continue
             rec = catalog.layer_info(layer)
@@ -393,6 +406,9 @@ class Cluster:
                 if progress is not None:
                     progress(nbytes)
                 log.info("pushed pack %s (%d chunks)", pack_key, len(placed))
+            fresh = set(missing)
+            for pack in sorted({loc.pack for cid, loc in locs.items() if cid not in fresh}):
+                self.objects.touch(f"packs/{pack}")  # reused packs: a concurrent gc keeps them
             table = LocTable(domain, manifest_ids, locs)
             self.objects.put(layer_key(layer), table.encode())
             report.layers_pushed += 1
@@ -401,6 +417,53 @@ class Cluster:
             tag = name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
             self.objects.put(tag_key(tag), digest.encode())
         report.seconds = time.perf_counter() - t0
+        return report
+
+    # -- tags and garbage collection ------------------------------------------
+
+    def remove_tag(self, name: str) -> None:
+        tag = name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
+        if not self.objects.exists(tag_key(tag)):
+            raise ChunkNotFound(name, "cluster catalog")
+        self.objects.delete(tag_key(tag))
+
+    def gc(self, grace_seconds: float = 3600.0) -> GcReport:
+        """Delete what no tag reaches: untagged image records, location tables
+        no image names, packs no table names; only objects older than the grace
+        period, so a push in progress (packs, then tables, then image, then tag;
+        reused tables and packs touched first) is never collected under it.
+        Packs are deleted whole: a pack some kept table still uses stays."""
+        report = GcReport()
+        tagged = {self.objects.get(k).decode().strip() for k in self.objects.list("tags/")}
+        keep_layers: set[str] = set()
+        for key, age, _ in list(self.objects.list_ages("images/")):
+            digest = key[len("images/"):-len(".json")].replace("-", ":", 1)
+            if digest in tagged or age < grace_seconds:
+                try:
+                    keep_layers.update(json.loads(self.objects.get(key))["layers"])
+                except (ObjectNotFound, ValueError, KeyError, TypeError):
+                    continue
+            else:
+                self.objects.delete(key)
+                report.images += 1
+        keep_packs: set[str] = set()
+        for key, age, _ in list(self.objects.list_ages("layers/")):
+            digest = key[len("layers/"):-len(".loc")].replace("-", ":", 1)
+            if digest in keep_layers or age < grace_seconds:
+                try:
+                    t = LocTable.decode(self.objects.get(key), key)
+                except (ObjectNotFound, ChunkCorrupt):
+                    continue
+                keep_packs.update(loc.pack for loc in t.locs.values())
+            else:
+                self.objects.delete(key)
+                report.tables += 1
+        for key, age, size in list(self.objects.list_ages("packs/")):
+            if key[len("packs/"):] in keep_packs or age < grace_seconds:
+                continue
+            self.objects.delete(key)
+            report.packs += 1
+            report.bytes_freed += size
         return report
 
     def _upload(self, store: Any, ids: list[ChunkId], domain: TrustDomain,

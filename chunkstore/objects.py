@@ -76,6 +76,14 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
 
+    @abc.abstractmethod
+    def list_ages(self, prefix: str) -> Iterator[tuple[str, float, int]]:
+        """(key, seconds since last written or touched, size) for keys under prefix."""
+
+    @abc.abstractmethod
+    def touch(self, key: str) -> None:
+        """Mark the object as just used (its age restarts) without changing it."""
+
     def close(self) -> None:
         return None
 
@@ -232,6 +240,22 @@ class PosixObjectStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def list_ages(self, prefix: str) -> Iterator[tuple[str, float, int]]:
+        now = time.time()
+        for key in self.list(prefix):
+            try:
+                st = self._path(key).stat()
+            except FileNotFoundError:
+                continue
+            yield key, now - st.st_mtime, st.st_size
+
+    def touch(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
+
 
 class S3ObjectStore(ObjectStore):
     """An S3-compatible service through boto3 (SeaweedFS, MinIO, Ceph RGW, AWS).
@@ -368,3 +392,35 @@ class S3ObjectStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._retry("delete", key, lambda: self.client.delete_object(
             Bucket=self.bucket, Key=self.prefix + key))
+
+    def list_ages(self, prefix: str) -> Iterator[tuple[str, float, int]]:
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
+            if token:
+                kw["ContinuationToken"] = token
+
+            def fn(kw: dict[str, Any] = kw) -> dict[str, Any]:
+                return dict(self.client.list_objects_v2(**kw))
+            page = self._retry("list", prefix, fn)
+            now = time.time()
+            for obj in page.get("Contents", []):
+                yield (str(obj["Key"])[len(self.prefix):],
+                       now - obj["LastModified"].timestamp(), int(obj.get("Size", 0)))
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    def touch(self, key: str) -> None:
+        """A copy onto itself with replaced metadata: a new LastModified, same bytes."""
+        def fn() -> None:
+            try:
+                self.client.copy_object(
+                    Bucket=self.bucket, Key=self.prefix + key, MetadataDirective="REPLACE",
+                    CopySource={"Bucket": self.bucket, "Key": self.prefix + key},
+                    Metadata={"touched": str(int(time.time()))})
+            except Exception as e:
+                if self._missing(e):
+                    raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
+                raise
+        self._retry("touch", key, fn)

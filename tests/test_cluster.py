@@ -20,6 +20,7 @@ from lazynode import REPO, LazyNode, fuse_missing
 from seaweed import SeaweedFS, weed_binary
 from treediff import diff_trees
 
+from chunkstore import ChunkNotFound as ChunkNotFoundError
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster, layer_key
 from chunkstore.objects import ObjectNotFound, ObjectStore, S3ObjectStore, open_object_store
@@ -316,3 +317,53 @@ def test_cluster_urls_are_checked() -> None:
         open_object_store("s3://bucket/p?endpont=http://x")
     with pytest.raises(ValueError, match="must be absolute"):
         open_object_store("posix://mnt/3fs")
+
+
+def test_gc_keeps_what_tags_reach_and_deletes_the_rest(cluster_url: str, store: ChunkStore,
+                                                       cat: Catalog, tars: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    from chunkstore.cluster import image_key
+    _convert(store, cat, tars, "img:1")  # base + upper
+    solo = tmp_path / "solo"
+    solo.mkdir()
+    (solo / "data.bin").write_bytes(os.urandom(300_000))
+    convert(store, cat, f"dir:{solo}", "solo:1")  # a layer and chunks of its own
+    objects = open_object_store(cluster_url)
+    with Cluster(objects) as cluster:
+        cluster.push(store, cat, "img:1")
+        cluster.push(store, cat, "solo:1")
+        packs_before = set(objects.list("packs/"))
+        # young objects are never collected (a push may be under way)
+        assert cluster.gc(grace_seconds=3600).packs == 0
+        cluster.remove_tag("solo:1")
+        r = cluster.gc(grace_seconds=0)
+        assert r.images == 1 and r.tables == 1 and r.packs >= 1 and r.bytes_freed > 0
+        assert not objects.exists(image_key(cat.resolve("solo:1")[0]))
+        # what img:1 needs is all still there and readable
+        remote = ClusterCatalog(Cluster(open_object_store(cluster_url)))
+        _, image = remote.resolve("img:1")
+        for digest in image.layers:
+            m = remote.load_layer(digest)
+            ids = sorted(m.chunk_ids())
+            assert remote.cluster.reader.get_many(ids, m.domain) == store.get_many(ids, m.domain)
+        assert set(objects.list("packs/")) < packs_before
+        with pytest.raises(ChunkNotFoundError):
+            cluster.remove_tag("solo:1")
+        if cluster_url.startswith("posix://"):
+            # objects a day old, image untagged: a push that reuses them touches them
+            # (tables and packs), so a gc running alongside keeps them
+            root = Path(cluster_url[len("posix://"):])
+            old = time.time() - 86400
+            for p in root.rglob("*"):
+                os.utime(p, (old, old))
+            cluster.remove_tag("img:1")
+            cluster.push(store, cat, "img:1")  # re-tags; every table and pack reused
+            for key in list(objects.list("images/")):
+                os.utime(root / key, (old, old))
+            cluster.remove_tag("img:1")
+            r = cluster.gc(grace_seconds=3600)
+            assert (r.images, r.tables, r.packs) == (1, 0, 0)  # only the old image record
+        if objects.exists("tags/img%3A1"):
+            cluster.remove_tag("img:1")
+        r = cluster.gc(grace_seconds=0)
+        assert r.tables == 2 and list(objects.list("packs/")) == []

@@ -74,7 +74,7 @@ def _register() -> None:
     for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
                 image_cmd.rm, image_cmd.gc, image_cmd.build, mount_cmd.daemon,
                 mount_cmd.mount, mount_cmd.umount, mount_cmd.stats, mount_cmd.push,
-                mount_cmd.seaweed):
+                mount_cmd.seaweed, mount_cmd.cluster):
         cli.add_command(cmd)
 
 

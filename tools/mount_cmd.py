@@ -464,3 +464,47 @@ def seaweed(datadir: Path, s3_port: int, bucket: str) -> None:
     finally:
         sw.stop()
         click.echo("stopped", err=True)
+
+
+@click.group()
+def cluster() -> None:
+    """The cluster store's images: list, remove tags, collect garbage (--cluster URL)."""
+
+
+def _cluster(settings: Settings) -> Cluster:
+    if not settings.cluster:
+        raise QuietError("no cluster store: give --cluster URL or set LAZYFS_CLUSTER")
+    return Cluster(open_object_store(settings.cluster))
+
+
+@cluster.command(name="images")
+@click.pass_obj
+def cluster_images(settings: Settings) -> None:
+    """Tags in the cluster store and the images they name."""
+    with _cluster(settings) as c:
+        for tag, digest in c.list_tags():
+            click.echo(f"{tag:30} {digest}")
+
+
+@cluster.command(name="rm")
+@click.argument("images", nargs=-1, required=True)
+@click.pass_obj
+def cluster_rm(settings: Settings, images: tuple[str, ...]) -> None:
+    """Remove tags from the cluster store (data goes at the next `lazyfs cluster gc`)."""
+    with _cluster(settings) as c:
+        for name in images:
+            c.remove_tag(name)
+            click.echo(f"removed {name}")
+
+
+@cluster.command(name="gc")
+@click.option("--grace", default=3600.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0),
+              help="Keep unreferenced objects younger than this (pushes in progress).")
+@click.pass_obj
+def cluster_gc(settings: Settings, grace: float) -> None:
+    """Delete images no tag names, tables no image names, packs no table names."""
+    with _cluster(settings) as c:
+        r = c.gc(grace)
+    click.echo(f"deleted {r.images} images, {r.tables} layer tables, {r.packs} packs "
+               f"({r.bytes_freed / 1e6:,.1f} MB)")
