@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_chunkstore import machine_info
+from bench_chunkstore import disk_written, machine_info
 from lazynode import LazyNode
 from seaweed import SeaweedFS
 
@@ -54,18 +54,6 @@ from composer.convert import convert
 
 CACHE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 WORKLOAD = "dpkg -l | wc -l"
-
-
-def disk_written(path: Path) -> int:
-    dev = os.stat(path).st_dev
-    major, minor = os.major(dev), os.minor(dev)
-    for line in Path("/proc/diskstats").read_text().splitlines():
-        f = line.split()
-        if int(f[0]) == major and int(f[1]) == minor:
-            return int(f[9]) * 512
-    # a partition's st_dev may be the whole disk's partition; fall back to the sum
-    return sum(int(ln.split()[9]) * 512 for ln in Path("/proc/diskstats").read_text()
-               .splitlines() if ln.split()[2].startswith(("vd", "sd", "nvme")))
 
 
 def drop_caches() -> None:

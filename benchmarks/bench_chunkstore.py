@@ -173,6 +173,17 @@ def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def disk_written(path: Path) -> int:
+    """Bytes written so far to the block device holding `path` (/proc/diskstats)."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if int(f[0]) == major and int(f[1]) == minor:
+            return int(f[9]) * 512
+    return 0
+
+
 def machine_info(workdir: Path) -> dict[str, Any]:
     def read(path: str) -> str:
         try:

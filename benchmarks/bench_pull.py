@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from bench_chunkstore import disk_written
 from dockerd import DockerDaemon
 from images import tar_of
 from registry import Registry, push_image
@@ -48,23 +49,12 @@ from composer.convert import convert
 CACHE = Path("/var/cache/lazyfs-tests/debian-minbase")
 
 
-def _disk_written(path: Path) -> int:
-    """Sectors written to the block device holding `path`, in bytes."""
-    dev = os.stat(path).st_dev
-    major, minor = os.major(dev), os.minor(dev)
-    for line in Path("/proc/diskstats").read_text().splitlines():
-        f = line.split()
-        if int(f[0]) == major and int(f[1]) == minor:
-            return int(f[9]) * 512
-    return 0
-
-
 def _timed(fn: Any, where: Path) -> tuple[float, int]:
     os.sync()
-    w0, t0 = _disk_written(where), time.perf_counter()
+    w0, t0 = disk_written(where), time.perf_counter()
     fn()
     os.sync()
-    return time.perf_counter() - t0, _disk_written(where) - w0
+    return time.perf_counter() - t0, disk_written(where) - w0
 
 
 def main() -> None:

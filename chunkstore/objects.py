@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .backends.local import pread_full
 from .errors import ChunkStoreError
 
 log = logging.getLogger(__name__)
@@ -209,14 +210,7 @@ class PosixObjectStore(ObjectStore):
             except FileNotFoundError:
                 raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
             try:
-                parts, got = [], 0
-                while got < length:
-                    b = os.pread(fd, length - got, offset + got)
-                    if not b:
-                        break
-                    parts.append(b)
-                    got += len(b)
-                return b"".join(parts)
+                return pread_full(fd, length, offset)
             finally:
                 os.close(fd)
         return self._retry("get range of", key, fn)
@@ -374,42 +368,35 @@ class S3ObjectStore(ObjectStore):
                 raise
         return self._retry("head", key, fn)
 
-    def list(self, prefix: str) -> Iterator[str]:
+    def _objects(self, prefix: str) -> Iterator[dict[str, Any]]:
+        """Every object record (Key, LastModified, Size) under prefix, page by page."""
         token: str | None = None
         while True:
             kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
             if token:
                 kw["ContinuationToken"] = token
+
             def fn(kw: dict[str, Any] = kw) -> dict[str, Any]:
                 return dict(self.client.list_objects_v2(**kw))
             page = self._retry("list", prefix, fn)
-            for obj in page.get("Contents", []):
-                yield str(obj["Key"])[len(self.prefix):]
+            yield from page.get("Contents", [])
             if not page.get("IsTruncated"):
                 return
             token = page.get("NextContinuationToken")
+
+    def list(self, prefix: str) -> Iterator[str]:
+        for obj in self._objects(prefix):
+            yield str(obj["Key"])[len(self.prefix):]
 
     def delete(self, key: str) -> None:
         self._retry("delete", key, lambda: self.client.delete_object(
             Bucket=self.bucket, Key=self.prefix + key))
 
     def list_ages(self, prefix: str) -> Iterator[tuple[str, float, int]]:
-        token: str | None = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
-            if token:
-                kw["ContinuationToken"] = token
-
-            def fn(kw: dict[str, Any] = kw) -> dict[str, Any]:
-                return dict(self.client.list_objects_v2(**kw))
-            page = self._retry("list", prefix, fn)
-            now = time.time()
-            for obj in page.get("Contents", []):
-                yield (str(obj["Key"])[len(self.prefix):],
-                       now - obj["LastModified"].timestamp(), int(obj.get("Size", 0)))
-            if not page.get("IsTruncated"):
-                return
-            token = page.get("NextContinuationToken")
+        now = time.time()
+        for obj in self._objects(prefix):
+            yield (str(obj["Key"])[len(self.prefix):],
+                   now - obj["LastModified"].timestamp(), int(obj.get("Size", 0)))
 
     def touch(self, key: str) -> None:
         """A copy onto itself with replaced metadata: a new LastModified, same bytes."""

@@ -566,13 +566,17 @@ class ChunkStore:
     def strong_many(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED
                     ) -> list[bytes]:
         """The BLAKE3-256 digest recorded for each chunk (ChunkNotFound if absent)."""
+        found = self._entries(ids, domain)
+        return [found[c].strong for c in ids]
+
+    def _entries(self, ids: Sequence[ChunkId], domain: TrustDomain) -> dict[ChunkId, Entry]:
+        """The index entry of each chunk (ChunkNotFound for the first missing one)."""
         self._check_process()
         domain = TrustDomain(domain)
         dnum = self.index.domain_number(domain, create=False)
         if dnum is None:
             raise ChunkNotFound(ids[0], domain) if ids else ChunkNotFound("-", domain)
-        found = self._lookup(list(dict.fromkeys(ids)), dnum, domain)
-        return [found[c].strong for c in ids]
+        return self._lookup(list(dict.fromkeys(ids)), dnum, domain)
 
     def raw_records(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED
                     ) -> list[tuple[bytes, int, int, int]]:
@@ -580,12 +584,7 @@ class ChunkStore:
         stored bytes), checked like get_many checks it, with (stored_len,
         plain_len, codec): what a push copies into cluster packs without
         recompressing."""
-        self._check_process()
-        domain = TrustDomain(domain)
-        dnum = self.index.domain_number(domain, create=False)
-        if dnum is None:
-            raise ChunkNotFound(ids[0], domain) if ids else ChunkNotFound("-", domain)
-        found = self._lookup(list(dict.fromkeys(ids)), dnum, domain)
+        found = self._entries(ids, domain)
         by_pack: dict[PackId, list[ChunkId]] = defaultdict(list)
         for cid, e in found.items():
             by_pack[e.pack].append(cid)

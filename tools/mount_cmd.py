@@ -150,12 +150,7 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_
         click.echo(f"lazyfs daemon {pid} serving {paths.mnt}")
         return
     _check_fuse()
-    events = None
-    if prefetch:
-        try:
-            events = load_trace(prefetch)
-        except ValueError as e:
-            raise QuietError(str(e)) from e
+    events = _trace(prefetch)
     if settings.cluster is None and not settings.store_path.is_dir():
         raise QuietError(f"no chunk store at {settings.store_path} (convert an image first)")
     opts = Options(fetch_threads=fetch_threads, fetch_timeout=fetch_timeout,
@@ -177,6 +172,15 @@ def image_catalog(settings: Settings) -> Iterator[ImageCatalog]:
     else:
         with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
             yield catalog
+
+
+def _trace(path: str | None) -> list[dict[str, Any]] | None:
+    if not path:
+        return None
+    try:
+        return load_trace(path)
+    except ValueError as e:
+        raise QuietError(str(e)) from e
 
 
 def _image_name(settings: Settings, target: str) -> str:
@@ -215,12 +219,7 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
     """
     paths = _paths(root)
     name = _image_name(settings, image)
-    events = None
-    if prefetch:
-        try:
-            events = load_trace(prefetch)
-        except ValueError as e:
-            raise QuietError(str(e)) from e
+    events = _trace(prefetch)
     parse_size(cache_size)
     with image_catalog(settings) as catalog:
         catalog.resolve(name)  # a missing image fails before any daemon starts

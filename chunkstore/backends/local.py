@@ -32,7 +32,7 @@ _MAX_OPEN_PACKS = 128
 _IOV_MAX = 1024
 
 
-def _pread_full(fd: int, length: int, offset: int) -> bytes:
+def pread_full(fd: int, length: int, offset: int) -> bytes:
     """pread until `length` bytes or end of file (a single read may return less)."""
     data = os.pread(fd, length, offset)
     if len(data) == length or not data:
@@ -262,9 +262,9 @@ class LocalDirBackend(Backend):
                     end = max(end, off + ln)
                     j += 1
                 if j == i + 1:
-                    out[order[i]] = _pread_full(fd, end - start, start)
+                    out[order[i]] = pread_full(fd, end - start, start)
                 else:
-                    buf = memoryview(_pread_full(fd, end - start, start))
+                    buf = memoryview(pread_full(fd, end - start, start))
                     for k in order[i:j]:
                         off, ln = ranges[k]
                         out[k] = bytes(buf[off - start:off - start + ln])
@@ -279,7 +279,7 @@ class LocalDirBackend(Backend):
     def read_range(self, pack: PackId, offset: int, length: int) -> bytes:
         fd = self._fds.acquire(pack, lambda: self._open(pack))
         try:
-            return _pread_full(fd, length, offset)
+            return pread_full(fd, length, offset)
         except OSError as e:
             self._fds.forget(pack)  # the next read reopens the pack (it may be back)
             raise self.wrap_os_error(pack, "read", e) from e
