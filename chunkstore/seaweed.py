@@ -61,7 +61,7 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """n free ports p whose gRPC twin p + 10000 is free too."""
     out: list[int] = []
     while len(out) < n:
@@ -87,7 +87,7 @@ class SeaweedFS:
         self.log = self.workdir / "weed.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.preexec = preexec
-        self.master, self.volume, self.filer, self.s3 = _free_ports(4)
+        self.master, self.volume, self.filer, self.s3 = free_ports(4)
         if s3_port is not None:
             self.s3 = s3_port
 

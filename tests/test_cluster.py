@@ -236,10 +236,9 @@ def test_quickstart_seaweed_push_mount_with_the_cli(tars: dict[str, Path],
     """What a user does on one machine: `lazyfs seaweed`, `lazyfs push`,
     then `lazyfs mount` on a node that has no local copy."""
     import signal as sig
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    from chunkstore.seaweed import free_ports
+    (port,) = free_ports(1)  # its gRPC twin (port + 10000) is free too
     cli = [sys.executable, "-m", "tools.cli"]
     server = subprocess.Popen([*cli, "seaweed", str(tmp_path / "weed"), "--s3-port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -249,7 +248,9 @@ def test_quickstart_seaweed_push_mount_with_the_cli(tars: dict[str, Path],
     try:
         assert server.stdout is not None
         lines = [server.stdout.readline() for _ in range(2)]
-        assert lines[0].startswith("SeaweedFS ready"), lines
+        if not lines[0].startswith("SeaweedFS ready"):
+            server.kill()
+            pytest.fail(f"lazyfs seaweed did not start: {lines} {server.communicate()[1]}")
         url = lines[1].split("'")[1]
         env = {**os.environ, "LAZYFS_CLUSTER": url, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
 
