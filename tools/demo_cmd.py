@@ -67,12 +67,14 @@ def split(data: bytes, size: int) -> list[bytes]:
 @click.pass_obj
 def demo(settings: Settings, tree: Path, limit_mb: int, chunk_size_kib: int,
          progress: bool | None, lazy: bool | None) -> None:
-    """Round-trip TREE through the chunk store and report dedup and speed.
+    """Round-trip TREE through the store, then mount an image of it lazily.
 
     Stores every regular file of TREE (default /usr, first --limit-mb MB) in
     the chunk store, reads it all back, checks it byte for byte, and records
     the chunks as GC root 'demo:TREE'. Run it twice: the second run writes
-    nothing new.
+    nothing new. Then (as root, --lazy) builds a busybox image with the same
+    files under /data, mounts it through a private lazyfs daemon, runs a
+    command in it and reports how much of the image was fetched.
     """
     chunk_size = chunk_size_kib << 10
     if not 4 <= chunk_size_kib <= 65536:
