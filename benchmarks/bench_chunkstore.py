@@ -173,6 +173,26 @@ def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def add_run_options(p: argparse.ArgumentParser, default_json: Path,
+                    quick: dict[str, Any]) -> None:
+    """--json, --keep and --quick (a small profile; options given explicitly win)."""
+    p.add_argument("--json", type=Path, default=default_json,
+                   help="where to write results (default: %(default)s)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (for inspection)")
+    p.add_argument("--quick", action="store_true",
+                   help="small run (about a minute): " + ", ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in quick.items())
+                   + "; options given explicitly win")
+
+
+def apply_profile(args: argparse.Namespace, quick: dict[str, Any],
+                  full: dict[str, Any]) -> None:
+    """Fill the options left unset (None) from the --quick or the full profile."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def disk_written(path: Path) -> int:
     """Bytes written so far to the block device holding `path` (/proc/diskstats)."""
     dev = os.stat(path).st_dev
@@ -965,17 +985,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure get with cold caches (drop_caches before each run) "
                         "[default: when running as root]")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="seed of the latency test's choices (default: %(default)s)")
-    p.add_argument("--keep", action="store_true", help="keep the temp dir (for inspection)")
-    p.add_argument("--quick", action="store_true",
-                   help="small run (about a minute): " + ", ".join(
-                       f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
-                   + "; options given explicitly win")
+    add_run_options(p, DEFAULT_JSON, QUICK)
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_profile(args, QUICK, FULL)
     if args.cold and not can_drop_caches():
         p.error("--cold needs root and a writable /proc/sys/vm/drop_caches")
     if args.cold is None:

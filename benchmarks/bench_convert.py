@@ -120,6 +120,8 @@ for _p in (HERE, REPO, REPO / "tests"):  # this checkout; the sibling benchmark;
         sys.path.insert(0, str(_p))
 
 from bench_chunkstore import (
+    add_run_options,
+    apply_profile,
     busy_cpu_seconds,
     f1,
     f2,
@@ -1256,17 +1258,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="run part 1, convert throughput against tar [default: yes]")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                    help="run part 2, the chunk-size sweep [default: yes]")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON,
-                   help="where to write results (default: %(default)s)")
-    p.add_argument("--keep", action="store_true", help="keep the temp dir (for inspection)")
-    p.add_argument("--quick", action="store_true",
-                   help="small run (about a minute): " + ", ".join(
-                       f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
-                   + "; options given explicitly win")
+    add_run_options(p, DEFAULT_JSON, QUICK)
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_profile(args, QUICK, FULL)
     for name in ("repeats", "sweep_repeats", "read_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

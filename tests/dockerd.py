@@ -61,7 +61,7 @@ from typing import Any
 
 import docker
 import docker.errors
-from support import parent_death_signal
+from support import parent_death_signal, terminate
 
 DOCKERD_CANDIDATES = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 REQUIRED_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc")
@@ -398,14 +398,7 @@ class DockerDaemon:
                 self._client.close()
             self._client = None
         doomed = self.processes() if self.short_dir is not None else []
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=self.stop_grace)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(self.proc, self.stop_grace)
         problems = []
         if self.short_dir is not None:
             left = self._kill_leftovers(doomed)

@@ -16,7 +16,6 @@ the daemon if the test process itself dies.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from support import parent_death_signal
+from support import parent_death_signal, terminate
 
 from composer.catalog import ImageCatalog
 from lazyfs import sysmount
@@ -130,13 +129,6 @@ class LazyNode:
                 except OSError:
                     sysmount.umount(mp, lazy=True)
         self.mounted.clear()
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(self.proc, 10)
         while sysmount.find_mount(self.mnt) is not None:
             sysmount.umount(self.mnt, lazy=True)

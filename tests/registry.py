@@ -76,7 +76,7 @@ import dxf
 import jwt
 import requests
 import zstandard
-from support import parent_death_signal
+from support import parent_death_signal, terminate
 
 DOCKER_REGISTRY = "docker-registry"
 OPENSSL = "openssl"
@@ -333,14 +333,7 @@ class Registry:
         self._stop_proc()
 
     def _stop_proc(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(self.proc, STOP_GRACE)
 
     @property
     def running(self) -> bool:

@@ -61,6 +61,18 @@ def start_worker(*args: str) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True)
 
 
+def terminate(proc: subprocess.Popen[Any] | None, grace: float) -> None:
+    """Stop a server the tests started: SIGTERM, then SIGKILL after `grace`
+    seconds; reaped either way. Idempotent."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()

@@ -92,15 +92,21 @@ class _Tree:
         return self.inodes[(st.st_dev, st.st_ino)]
 
 
-def _open_dir(path: str) -> int:
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+def _open_noatime(path: str, flags: int) -> int:
+    """Open read-only without following a final symlink, and without touching
+    atime where allowed (O_NOATIME needs ownership or CAP_FOWNER)."""
+    flags |= os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     noatime = getattr(os, "O_NOATIME", 0)
     if noatime:
         try:
             return os.open(path, flags | noatime)
         except PermissionError:
-            pass  # O_NOATIME needs ownership or CAP_FOWNER
+            pass
     return os.open(path, flags)
+
+
+def _open_dir(path: str) -> int:
+    return _open_noatime(path, os.O_DIRECTORY)
 
 
 def _walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
@@ -162,14 +168,7 @@ def read_xattrs(path: str | Path) -> dict[str, bytes]:
 
 
 def _open_ro(path: str) -> int:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    noatime = getattr(os, "O_NOATIME", 0)
-    if noatime:
-        try:
-            return os.open(path, flags | noatime)
-        except PermissionError:
-            pass  # O_NOATIME needs ownership or CAP_FOWNER
-    return os.open(path, flags)
+    return _open_noatime(path, 0)
 
 
 def first_difference(a: str | Path, b: str | Path) -> int | None:
