@@ -1,6 +1,4 @@
-"""Sandboxes (to be built by the runtime issue): the SDK (`Sandbox`,
-`AsyncSandbox`), the node agent, the fncall / container / microvm / vm
-backends, scheduling, resources and security.
-
-Nothing here yet; see ARCHITECTURE.md and SDK.md.
-"""
+"""Sandboxes: the SDK (`Sandbox`, `AsyncSandbox`), the node's runtime
+(`runtime.node.Node`), the node agent (`runtime.agent`), and the backends
+(fncall, container; microvm and vm to come) with their resources and
+security (cgroups, seccomp, Landlock, network allowlists)."""

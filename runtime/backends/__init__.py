@@ -1,0 +1,44 @@
+"""Sandbox backends and the registry that picks one by name.
+
+    fncall     pre-forked restricted workers over an image's tree (stateless calls)
+    container  runc over a lazily loaded composed root
+    microvm    QEMU/Firecracker with virtio-pmem layers (not built yet: issue 8)
+    vm         full QEMU VMs (not built yet: issue 8)
+"""
+
+from __future__ import annotations
+
+from ..config import RuntimeConfig
+from ..errors import BackendUnavailable
+from ..images import Images
+from .base import Backend, Capabilities, Handle, Sink
+
+__all__ = ["Backend", "Capabilities", "Handle", "Sink", "capabilities", "make_backend"]
+
+_PLANNED = {
+    "microvm": Capabilities("microvm", frozenset(), "not built yet (issue 8: QEMU/Firecracker "
+                            "with virtio-pmem + DAX layers)"),
+    "vm": Capabilities("vm", frozenset(), "not built yet (issue 8: full QEMU VMs)"),
+}
+
+
+def capabilities(name: str) -> Capabilities:
+    if name == "container":
+        from .container import ContainerBackend
+        return ContainerBackend.capabilities
+    if name == "fncall":
+        from .fncall import FncallBackend
+        return FncallBackend.capabilities
+    if name in _PLANNED:
+        return _PLANNED[name]
+    raise BackendUnavailable(f"unknown backend {name!r}: fncall, container, microvm or vm")
+
+
+def make_backend(name: str, config: RuntimeConfig, images: Images) -> Backend:
+    if name == "container":
+        from .container import ContainerBackend
+        return ContainerBackend(config, images)
+    if name == "fncall":
+        from .fncall import FncallBackend
+        return FncallBackend(config, images)
+    raise BackendUnavailable(capabilities(name).notes or f"backend {name} is not available")

@@ -1,0 +1,241 @@
+"""Container sandboxes: runc over a lazily loaded, composed root.
+
+Per sandbox, under its directory:
+    rootfs/       overlayfs: the image's layers from the node's lazyfs daemon
+                  (shared by every sandbox on the node) + this sandbox's upper
+    rw/           upper/ and work/ (a size-limited tmpfs when disk_mb is set)
+    config.json   the OCI config (runtime/oci.py)
+PID 1 is sandbox-init (it only reaps), so an idle sandbox costs one sleeping
+process of a few hundred KiB and its cgroups; each exec is `runc exec` of the
+command under `sandbox-init exec`, with pipes to the node.
+
+Pause freezes the cgroup, then reclaims the sandbox's page cache; resume
+thaws. A command's timeout or output cap kills its process tree: freeze, kill
+every process of the sandbox in the command's session or below it, thaw.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lazyfs import sysmount
+from lazyfs.mounts import MountError, mount_image, unmount
+
+from .. import cgroups, oci, procio
+from ..config import RuntimeConfig
+from ..errors import BackendUnavailable, SandboxError, SandboxStateError
+from ..files import SandboxFiles
+from ..images import Images
+from ..native import sandbox_init
+from ..spec import ExecRequest, ExecResult
+from . import netpolicy
+from .base import Capabilities, Handle, Sink
+
+log = logging.getLogger(__name__)
+
+RUNC_TIMEOUT = 30.0
+
+
+class ContainerBackend:
+    name = "container"
+    capabilities = Capabilities("container", frozenset(
+        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent"}),
+        "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim")
+
+    def __init__(self, config: RuntimeConfig, images: Images) -> None:
+        self.config = config
+        self.images = images
+        self.runc = shutil.which("runc")
+        self._init: Path | None = None
+
+    # -- helpers -------------------------------------------------------------
+    def _check(self) -> Path:
+        if self.runc is None:
+            raise BackendUnavailable("the container backend needs runc (apt-get install runc)")
+        if os.geteuid() != 0:
+            raise BackendUnavailable("the container backend needs root (cgroups, mounts)")
+        if self._init is None:
+            self._init = sandbox_init(self.config.bin_dir)
+        return self._init
+
+    def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
+              ) -> subprocess.CompletedProcess[str]:
+        assert self.runc is not None
+        p = subprocess.run([self.runc, "--root", str(self.config.runc_root), *args],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=timeout, check=False)
+        if check and p.returncode != 0:
+            raise SandboxError(f"runc {args[0]} failed: {p.stderr.strip()[-400:]}")
+        return p
+
+    def _run_detached(self, h: Handle) -> None:
+        # the container's init inherits runc's stdio: not pipes we would wait on
+        assert self.runc is not None
+        errlog = h.dir / "runc.log"
+        with open(errlog, "wb") as err:
+            p = subprocess.run([self.runc, "--root", str(self.config.runc_root), "run",
+                                "--detach", "--bundle", str(h.dir), "--pid-file",
+                                str(h.dir / "init.pid"), h.id],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                               timeout=RUNC_TIMEOUT, check=False)
+        if p.returncode != 0:
+            msg = errlog.read_text(errors="replace").strip()
+            raise SandboxError(f"runc run failed: {msg[-400:]}")
+
+    # -- lifecycle -----------------------------------------------------------
+    def create(self, h: Handle) -> None:
+        init = self._check()
+        paths = self.images.ensure_daemon()
+        rootfs, rw = h.dir / "rootfs", h.dir / "rw"
+        rootfs.mkdir(parents=True)
+        rw.mkdir()
+        h.state.update(rootfs=str(rootfs), rw=str(rw))
+        try:
+            if h.spec.disk_mb is not None:
+                sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
+                               f"size={h.spec.disk_mb}m,mode=0700")
+                h.state["rw_tmpfs"] = True
+            try:
+                mount_image(paths, self.images.catalog(), h.spec.image, rootfs, writable=rw,
+                            allow_devices=True)
+            except MountError as e:
+                raise BackendUnavailable(f"composing {h.spec.image}: {e}") from e
+            h.state["mounted"] = True
+            netns = None
+            if h.spec.network.mode == "allowlist":
+                netns = netpolicy.create(h.id, h.spec.network)
+                h.state["netns"] = str(netns)
+            (h.dir / "config.json").write_text(json.dumps(
+                oci.config(h.id, h.spec, rootfs, init, netns)))
+            self.config.runc_root.mkdir(parents=True, exist_ok=True)
+            self._run_detached(h)
+            h.state["init_pid"] = int((h.dir / "init.pid").read_text())
+        except BaseException:
+            self.kill(h)
+            raise
+
+    def kill(self, h: Handle) -> None:
+        """Stop everything of the sandbox; safe on half-created ones and twice."""
+        if self.runc is not None:
+            self._runc("delete", "--force", h.id, check=False)
+        cgroups.remove_empty(h.id)
+        rootfs = Path(h.state.get("rootfs", h.dir / "rootfs"))
+        if sysmount.find_mount(rootfs) is not None:
+            try:
+                unmount(self.images.paths, rootfs)
+            except MountError:
+                unmount(self.images.paths, rootfs, lazy=True)
+        rw = Path(h.state.get("rw", h.dir / "rw"))
+        if sysmount.find_mount(rw) is not None:
+            sysmount.umount(rw, lazy=True)
+        if "netns" in h.state:
+            netpolicy.remove(h.id)
+        shutil.rmtree(h.dir, ignore_errors=True)
+
+    def status(self, h: Handle) -> str:
+        if self.runc is None:
+            return "stopped"
+        p = self._runc("state", h.id, check=False)
+        if p.returncode != 0:
+            return "stopped"
+        st = json.loads(p.stdout).get("status", "stopped")
+        return {"running": "running", "paused": "paused"}.get(st, "stopped")
+
+    def close(self) -> None:
+        pass
+
+    # -- pause ---------------------------------------------------------------
+    def pause(self, h: Handle) -> dict[str, Any]:
+        before = cgroups.memory_figures(h.id)
+        t0 = time.monotonic()
+        self._runc("pause", h.id)
+        frozen = time.monotonic()
+        cgroups.reclaim(h.id)
+        after = cgroups.memory_figures(h.id)
+        return {"before": before, "after": after, "freeze_s": frozen - t0,
+                "reclaim_s": time.monotonic() - frozen}
+
+    def resume(self, h: Handle) -> None:
+        self._runc("resume", h.id)
+
+    # -- exec ----------------------------------------------------------------
+    def exec(self, h: Handle, req: ExecRequest, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
+        assert self.runc is not None
+        cwd = req.cwd or h.spec.workdir
+        with tempfile.TemporaryDirectory(dir=h.dir, prefix="exec-") as tmp:
+            pf, pidf = Path(tmp) / "process.json", Path(tmp) / "pid"
+            pf.write_text(json.dumps(oci.process(req.cmd, cwd=cwd, env=req.env, spec=h.spec)))
+            ooms = cgroups.oom_kills(h.id)
+            # When the node process dies, the stdout pipe loses its reader and
+            # sandbox-init exec kills the command's session: no orphan left.
+            proc = subprocess.Popen(
+                [self.runc, "--root", str(self.config.runc_root), "exec", "--process", str(pf),
+                 "--pid-file", str(pidf), h.id],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out = procio.run(proc, stdin=req.stdin, timeout=req.timeout,
+                             max_output=req.max_output_bytes,
+                             stop=lambda: self._kill_tree(h, pidf), on_stdout=on_stdout,
+                             on_stderr=on_stderr)
+            oom = cgroups.oom_kills(h.id) > ooms
+        code = out.returncode  # runc reports a signal N as 128+N, as shells do
+        if code == 255 and not out.stdout and out.stderr.startswith(b"time="):
+            raise SandboxStateError("runc exec failed: "
+                                    + bytes(out.stderr).decode(errors="replace")[-300:])
+        return ExecResult(exit_code=code, stdout=bytes(out.stdout), stderr=bytes(out.stderr),
+                          duration=out.duration, truncated=out.truncated,
+                          timed_out=out.timed_out, oom_killed=oom and code == 128 + signal.SIGKILL)
+
+    def _kill_tree(self, h: Handle, pidf: Path) -> None:
+        """Kill the command started through pidf and everything it started:
+        freeze the sandbox so nothing forks meanwhile, kill, thaw."""
+        try:
+            leader = int(pidf.read_text())
+        except (OSError, ValueError):
+            return
+        freezer = cgroups.path("freezer", h.id) / "freezer.state"
+        was_frozen = freezer.read_text().strip() == "FROZEN"
+        if not was_frozen:
+            freezer.write_text("FROZEN")
+        try:
+            for pid in _tree(leader, cgroups.pids(h.id)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        finally:
+            if not was_frozen:
+                freezer.write_text("THAWED")
+
+    def files(self, h: Handle) -> SandboxFiles:
+        return SandboxFiles(h.state["rootfs"])
+
+
+def _tree(leader: int, members: list[int]) -> list[int]:
+    """The processes among `members` in leader's session or descending from it."""
+    parent, session = {}, {}
+    for pid in members:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            parent[pid], session[pid] = int(fields[1]), int(fields[3])
+        except (OSError, IndexError, ValueError):
+            continue
+    out = []
+    for pid in parent:
+        p, seen = pid, 0
+        while p in parent and seen < 4096:
+            if p == leader or session.get(p) == leader:
+                out.append(pid)
+                break
+            p, seen = parent[p], seen + 1
+    return out

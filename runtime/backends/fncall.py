@@ -1,0 +1,213 @@
+"""fncall: stateless, restricted tool calls from a warm pool.
+
+Per image, a pool of pre-forked workers (runtime/backends/fncall_worker.py)
+chrooted into the image's read-only lazy root, without network. Each exec is
+a fresh process in its own PID namespace under Landlock, seccomp, rlimits and
+uid nobody, with a fresh tmpfs /tmp as its only writable place; nothing of a
+call survives into the next one. A "sandbox" here is a name for the pool plus
+its labels and timeouts: there is no state to pause, snapshot or browse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from lazyfs import sysmount
+from lazyfs.mounts import MountError, mount_image, unmount
+
+from ..config import RuntimeConfig
+from ..errors import BackendUnavailable, Unsupported
+from ..files import SandboxFiles
+from ..images import Images
+from ..native import sandbox_init
+from ..spec import ExecRequest, ExecResult
+from .base import Capabilities, Handle, Sink
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 20.0
+WAIT_FOR_WORKER = 60.0
+
+
+class Worker:
+    def __init__(self, rootfs: Path, init: Path, scratch_mb: int, logfile: Path) -> None:
+        with open(logfile, "ab") as log_f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "runtime.backends.fncall_worker", "--root", str(rootfs),
+                 "--init", str(init), "--scratch-mb", str(scratch_mb)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_f, cwd=REPO,
+                start_new_session=True)
+        self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=256 << 20)
+        ready = self._next(START_TIMEOUT)
+        if "ready" not in ready:
+            raise BackendUnavailable(f"fncall worker did not start (log: {logfile})")
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            for msg in self.unpacker:
+                return dict(msg)
+            if time.monotonic() > deadline:
+                raise BackendUnavailable("fncall worker stopped answering")
+            data = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not data:
+                raise BackendUnavailable(f"fncall worker exited ({self.proc.poll()})")
+            self.unpacker.feed(data)
+
+    def call(self, req: ExecRequest, on_stdout: Sink | None, on_stderr: Sink | None
+             ) -> ExecResult:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(msgpack.packb({
+            "cmd": list(req.cmd), "cwd": req.cwd, "env": req.env, "stdin": req.stdin,
+            "timeout": req.timeout, "max_output": req.max_output_bytes}))
+        self.proc.stdin.flush()
+        out, err = bytearray(), bytearray()
+        while True:
+            msg = self._next(req.timeout + 60)
+            if "o" in msg:
+                out += msg["o"]
+                if on_stdout:
+                    on_stdout(msg["o"])
+            elif "e" in msg:
+                err += msg["e"]
+                if on_stderr:
+                    on_stderr(msg["e"])
+            elif "x" in msg:
+                if msg.get("err"):
+                    err += f"fncall: {msg['err']}\n".encode()
+                return ExecResult(exit_code=int(msg["x"]), stdout=bytes(out), stderr=bytes(err),
+                                  duration=float(msg["d"]), truncated=bool(msg["t"]),
+                                  timed_out=bool(msg["to"]))
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+class Pool:
+    def __init__(self, backend: FncallBackend, image: str, digest: str) -> None:
+        self.dir = backend.config.state_dir / "fncall" / digest
+        self.rootfs = self.dir / "rootfs"
+        self.rootfs.mkdir(parents=True, exist_ok=True)
+        paths = backend.images.ensure_daemon()
+        try:
+            mount_image(paths, backend.images.catalog(), digest, self.rootfs)
+        except MountError as e:
+            raise BackendUnavailable(f"mounting {image} for fncall: {e}") from e
+        self.paths = paths
+        self.idle: queue.Queue[Worker] = queue.Queue()
+        self.workers: list[Worker] = []
+        try:
+            for _ in range(backend.config.fncall_workers):
+                self._spawn(backend)
+        except BaseException:
+            self.close()
+            raise
+        self.backend = backend
+
+    def _spawn(self, backend: FncallBackend) -> None:
+        w = Worker(self.rootfs, backend.init(), 64, self.dir / "workers.log")
+        self.workers.append(w)
+        self.idle.put(w)
+
+    def call(self, req: ExecRequest, on_stdout: Sink | None, on_stderr: Sink | None
+             ) -> ExecResult:
+        try:
+            w = self.idle.get(timeout=WAIT_FOR_WORKER)
+        except queue.Empty:
+            raise BackendUnavailable("every fncall worker stayed busy for "
+                                     f"{WAIT_FOR_WORKER:g}s") from None
+        try:
+            r = w.call(req, on_stdout, on_stderr)
+        except BaseException:
+            self.workers.remove(w)
+            w.proc.kill()
+            w.close()
+            self._spawn(self.backend)  # keep the pool full
+            raise
+        self.idle.put(w)
+        return r
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers.clear()
+        if sysmount.find_mount(self.rootfs) is not None:
+            try:
+                unmount(self.paths, self.rootfs)
+            except MountError:
+                unmount(self.paths, self.rootfs, lazy=True)
+
+
+class FncallBackend:
+    name = "fncall"
+    capabilities = Capabilities("fncall", frozenset({"exec", "stream"}),
+                                "stateless calls: fresh restricted process per exec, "
+                                "read-only image, fresh /tmp, no network")
+
+    def __init__(self, config: RuntimeConfig, images: Images) -> None:
+        self.config = config
+        self.images = images
+        self._pools: dict[str, Pool] = {}
+        self._lock = threading.Lock()
+        self._init: Path | None = None
+
+    def init(self) -> Path:
+        if self._init is None:
+            self._init = sandbox_init(self.config.bin_dir)
+        return self._init
+
+    def _pool(self, image: str) -> Pool:
+        digest = self.images.resolve(image)
+        with self._lock:
+            if digest not in self._pools:
+                if os.geteuid() != 0:
+                    raise BackendUnavailable("fncall workers need root (namespaces, chroot)")
+                self._pools[digest] = Pool(self, image, digest)
+            return self._pools[digest]
+
+    def create(self, h: Handle) -> None:
+        self._pool(h.spec.image)
+
+    def exec(self, h: Handle, req: ExecRequest, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
+        return self._pool(h.spec.image).call(req, on_stdout, on_stderr)
+
+    def files(self, h: Handle) -> SandboxFiles:
+        raise Unsupported("fncall sandboxes are stateless: pass data through stdin/stdout")
+
+    def pause(self, h: Handle) -> dict[str, Any]:
+        raise Unsupported("fncall sandboxes cannot pause")
+
+    def resume(self, h: Handle) -> None:
+        raise Unsupported("fncall sandboxes cannot resume")
+
+    def kill(self, h: Handle) -> None:
+        pass  # nothing of a call outlives it; the pool stays warm for others
+
+    def status(self, h: Handle) -> str:
+        return "running" if self._pools else "stopped"
+
+    def close(self) -> None:
+        with self._lock:
+            for p in self._pools.values():
+                p.close()
+            self._pools.clear()

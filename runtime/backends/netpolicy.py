@@ -1,0 +1,80 @@
+"""Network allowlists for container sandboxes: the sandbox gets its own network
+namespace with a veth pair to the host, and an nftables table *inside that
+namespace* that accepts loopback, replies, and the allowed destinations, and
+rejects everything else (reject, not drop: a denied connect fails at once
+instead of hanging the agent's tool until its timeout).
+
+The rules live in the sandbox's namespace, which its processes cannot change
+(no CAP_NET_ADMIN). Reaching addresses beyond this host needs the operator's
+forwarding/NAT for 10.203.0.0/16; destinations on the host's veth address
+work as is (the usual shape: a package mirror or proxy on the node).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import subprocess
+from pathlib import Path
+
+from ..errors import BackendUnavailable
+from ..spec import NetworkPolicy
+
+NETWORK = ipaddress.ip_network("10.203.0.0/16")
+NETNS_DIR = Path("/run/netns")
+
+
+def _names(sandbox_id: str) -> tuple[str, str, int]:
+    h = hashlib.blake2s(sandbox_id.encode(), digest_size=4).hexdigest()
+    slot = int(h, 16) % (NETWORK.num_addresses // 4 - 1) + 1
+    return f"lzsb-{h}", f"lz{h}", slot
+
+
+def addresses(sandbox_id: str) -> tuple[str, str]:
+    """(host side, sandbox side) addresses of the sandbox's /30."""
+    _, _, slot = _names(sandbox_id)
+    base = int(NETWORK.network_address) + 4 * slot
+    return str(ipaddress.ip_address(base + 1)), str(ipaddress.ip_address(base + 2))
+
+
+def _run(*cmd: str, stdin: str | None = None) -> None:
+    p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise BackendUnavailable(f"{' '.join(cmd[:4])}… failed: {p.stderr.strip()[-300:]}")
+
+
+def ruleset(policy: NetworkPolicy) -> str:
+    lines = ["table inet lazyfs_sandbox {", " chain out {",
+             "  type filter hook output priority 0; policy drop;",
+             "  oifname \"lo\" accept", "  ct state established,related accept"]
+    for r in policy.allow:
+        fam = "ip" if ipaddress.ip_network(r.cidr).version == 4 else "ip6"
+        port = f" {r.protocol} dport {r.port}" if r.port else f" meta l4proto {r.protocol}"
+        lines.append(f"  {fam} daddr {r.cidr}{port} accept")
+    lines += ["  meta l4proto tcp reject with tcp reset", "  reject", " }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def create(sandbox_id: str, policy: NetworkPolicy) -> Path:
+    ns, host_if, _ = _names(sandbox_id)
+    host_ip, sb_ip = addresses(sandbox_id)
+    try:
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
+        _run("ip", "link", "set", host_if, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{sb_ip}/30", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", host_ip)
+        _run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=ruleset(policy))
+    except BaseException:
+        remove(sandbox_id)
+        raise
+    return NETNS_DIR / ns
+
+
+def remove(sandbox_id: str) -> None:
+    ns, host_if, _ = _names(sandbox_id)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)

@@ -1,0 +1,89 @@
+"""cgroup v1 files of a sandbox (the controllers runc creates for
+cgroupsPath /lazyfs/<id>): memory figures, OOM kills, reclaim, process lists.
+
+Only reading and a few writes; runc creates, limits and removes the groups.
+On a cgroup v2 host the same questions map to memory.stat / memory.events /
+memory.reclaim; that port is not written yet (these machines run v1).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PARENT = "lazyfs"
+
+
+def path(controller: str, sandbox_id: str) -> Path:
+    return CGROUP_ROOT / controller / PARENT / sandbox_id
+
+
+def cgroups_path(sandbox_id: str) -> str:
+    """The OCI config's linux.cgroupsPath for a sandbox."""
+    return f"/{PARENT}/{sandbox_id}"
+
+
+def _read(p: Path) -> str:
+    try:
+        return p.read_text()
+    except OSError:
+        return ""
+
+
+def memory_stat(sandbox_id: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in _read(path("memory", sandbox_id) / "memory.stat").splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    usage = _read(path("memory", sandbox_id) / "memory.usage_in_bytes").strip()
+    out["usage"] = int(usage) if usage.isdigit() else 0
+    return out
+
+
+def memory_figures(sandbox_id: str) -> dict[str, int]:
+    """What a sandbox holds in host memory: rss (anonymous), cache (page
+    cache incl. its tmpfs), usage (what the cgroup is charged)."""
+    s = memory_stat(sandbox_id)
+    return {"rss": s.get("total_rss", s.get("rss", 0)),
+            "cache": s.get("total_cache", s.get("cache", 0)),
+            "usage": s.get("usage", 0)}
+
+
+def oom_kills(sandbox_id: str) -> int:
+    for line in _read(path("memory", sandbox_id) / "memory.oom_control").splitlines():
+        if line.startswith("oom_kill "):
+            return int(line.split()[1])
+    return 0
+
+
+def reclaim(sandbox_id: str) -> None:
+    """Drop what the sandbox's memory cgroup can give back (page cache; its
+    anonymous memory stays: this host has no swap). memory.force_empty
+    reclaims until nothing more goes, then answers EBUSY while tasks remain."""
+    try:
+        (path("memory", sandbox_id) / "memory.force_empty").write_text("0")
+    except OSError as e:
+        if e.errno not in (errno.EBUSY, errno.EINVAL, errno.ENOENT):
+            raise
+
+
+def pids(sandbox_id: str) -> list[int]:
+    text = _read(path("pids", sandbox_id) / "cgroup.procs")
+    return [int(x) for x in text.split()]
+
+
+def exists(sandbox_id: str) -> bool:
+    return path("memory", sandbox_id).is_dir()
+
+
+def remove_empty(sandbox_id: str) -> None:
+    """rmdir what runc may leave when a container died under it."""
+    for controller in os.listdir(CGROUP_ROOT):
+        p = CGROUP_ROOT / controller / PARENT / sandbox_id
+        try:
+            p.rmdir()
+        except OSError:
+            pass

@@ -1,0 +1,93 @@
+"""Errors of the sandbox runtime, the same in the embedded runtime, the node
+agent and the SDK (the agent sends the class name; the SDK raises the class).
+
+    SandboxError
+    ├── SandboxNotFound        no sandbox with that id (or it was killed)
+    ├── ImageNotFound          the image is not in the catalog
+    ├── InvalidSpec            a create/exec argument is out of range or unknown
+    ├── Unsupported            the backend cannot do this call (capabilities())
+    ├── BackendUnavailable     the backend cannot run on this node (runc missing,
+    │                          not root, agent unreachable) or failed to start
+    ├── QuotaExceeded          the node refuses more sandboxes
+    ├── SandboxStateError      the call does not fit the state (exec while paused)
+    ├── FileError              a files.* call failed (missing path, not a dir, escape)
+    └── ExecError              a command did not finish normally; .result holds
+        │                      what it printed before it was stopped
+        ├── ExecTimeout        its timeout passed; its process tree was killed
+        ├── OutputTruncated    it printed more than max_output_bytes; killed
+        └── OutOfMemory        the sandbox's memory limit was hit; the kernel
+                               killed it (nothing outside the sandbox was touched)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .spec import ExecResult
+
+
+class SandboxError(Exception):
+    """Base of every runtime error."""
+
+    status = 500
+
+
+class SandboxNotFound(SandboxError):
+    status = 404
+
+
+class ImageNotFound(SandboxError):
+    status = 404
+
+
+class InvalidSpec(SandboxError, ValueError):
+    status = 400
+
+
+class Unsupported(SandboxError):
+    status = 501
+
+
+class BackendUnavailable(SandboxError):
+    status = 503
+
+
+class QuotaExceeded(SandboxError):
+    status = 429
+
+
+class SandboxStateError(SandboxError):
+    status = 409
+
+
+class FileError(SandboxError):
+    status = 400
+
+
+class ExecError(SandboxError):
+    status = 200  # sent inside a finished exec stream, not as an HTTP status
+
+    def __init__(self, message: str, result: ExecResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class ExecTimeout(ExecError):
+    pass
+
+
+class OutputTruncated(ExecError):
+    pass
+
+
+class OutOfMemory(ExecError):
+    pass
+
+
+ERRORS: dict[str, type[SandboxError]] = {
+    cls.__name__: cls for cls in (
+        SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
+        BackendUnavailable, QuotaExceeded, SandboxStateError, FileError, ExecError,
+        ExecTimeout, OutputTruncated, OutOfMemory)
+}

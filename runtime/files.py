@@ -1,0 +1,183 @@
+"""File operations inside a sandbox's root, from the host, that can never
+leave it.
+
+Every path is resolved by the kernel with openat2(RESOLVE_IN_ROOT): "..",
+absolute symlinks and symlinks pointing outside all stay under the sandbox's
+root, as they would for a process chrooted there, so a sandbox cannot plant a
+link that makes the host read or write its own files. Writes are atomic
+(temporary name + rename in the same directory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import PurePosixPath
+
+from pydantic import BaseModel
+
+from .errors import FileError
+
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+MAX_READ = 1 << 30
+# Mounts the container runtime places over the root: the host's view of the
+# root does not show what the sandbox sees there.
+RUNTIME_MOUNTS = ("proc", "sys", "dev")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+class FileInfo(BaseModel):
+    name: str
+    path: str
+    type: str  # file, dir, symlink, other
+    size: int
+    mode: int
+    mtime: float
+
+
+def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.byref(how),
+                       ctypes.sizeof(how))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
+    return int(fd)
+
+
+def _clean(path: str) -> PurePosixPath:
+    if not path.startswith("/") or "\0" in path:
+        raise FileError(f"sandbox paths are absolute: {path!r}")
+    p = PurePosixPath(path)
+    if len(p.parts) > 1 and p.parts[1] in RUNTIME_MOUNTS:
+        raise FileError(f"{path}: /{p.parts[1]} is the runtime's, not the sandbox's files")
+    return p
+
+
+def _error(e: OSError, path: str) -> FileError:
+    return FileError(f"{path}: {e.strerror}")
+
+
+class SandboxFiles:
+    """Files of one sandbox root (a directory on the host)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.fspath(root)
+
+    @contextmanager
+    def _dir(self, path: PurePosixPath, *, create: bool = False) -> Iterator[int]:
+        rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if create:  # each level resolved from the root, so links stay inside
+                for i in range(2, len(path.parts) + 1):
+                    parent = _openat2(rootfd, str(PurePosixPath(*path.parts[:i - 1])),
+                                      os.O_PATH | os.O_DIRECTORY)
+                    try:
+                        os.mkdir(path.parts[i - 1], 0o755, dir_fd=parent)
+                    except FileExistsError:
+                        pass
+                    finally:
+                        os.close(parent)
+            fd = _openat2(rootfd, str(path), os.O_PATH | os.O_DIRECTORY)
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+        finally:
+            os.close(rootfd)
+
+    def read(self, path: str, *, limit: int = MAX_READ) -> bytes:
+        p = _clean(path)
+        try:
+            with self._dir(PurePosixPath("/")) as root:
+                fd = _openat2(root, str(p), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise FileError(f"{path}: not a regular file")
+                data = f.read(limit + 1)
+        except OSError as e:
+            raise _error(e, path) from None
+        if len(data) > limit:
+            raise FileError(f"{path}: larger than {limit} bytes; use download()")
+        return data
+
+    def write(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        p = _clean(path)
+        if p.name in ("", ".", ".."):
+            raise FileError(f"{path}: not a file path")
+        tmp = f".{p.name}.lazyfs-{os.getpid()}.tmp"
+        try:
+            with self._dir(p.parent, create=True) as parent:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, mode, dir_fd=parent)
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.chmod(tmp, mode, dir_fd=parent, follow_symlinks=False)
+                    os.rename(tmp, p.name, src_dir_fd=parent, dst_dir_fd=parent)
+                except BaseException:
+                    try:
+                        os.unlink(tmp, dir_fd=parent)
+                    except OSError:
+                        pass
+                    raise
+        except OSError as e:
+            raise _error(e, path) from None
+
+    def list(self, path: str = "/") -> list[FileInfo]:
+        p = _clean(path)
+        out = []
+        try:
+            with self._dir(p) as d:
+                fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+                try:
+                    for e in sorted(os.scandir(fd), key=lambda e: e.name):
+                        st = e.stat(follow_symlinks=False)
+                        kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file"
+                                if stat.S_ISREG(st.st_mode) else "symlink"
+                                if stat.S_ISLNK(st.st_mode) else "other")
+                        out.append(FileInfo(name=e.name, path=str(p / e.name), type=kind,
+                                            size=st.st_size, mode=stat.S_IMODE(st.st_mode),
+                                            mtime=st.st_mtime))
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            raise _error(e, path) from None
+        return out
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        p = _clean(path)
+        if p == PurePosixPath("/"):
+            raise FileError("refusing to remove the sandbox's root")
+        try:
+            with self._dir(p.parent) as parent:
+                st = os.stat(p.name, dir_fd=parent, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(p.name, dir_fd=parent)
+                elif recursive:
+                    shutil.rmtree(p.name, dir_fd=parent)
+                else:
+                    os.rmdir(p.name, dir_fd=parent)
+        except OSError as e:
+            raise _error(e, path) from None
+
+    def exists(self, path: str) -> bool:
+        p = _clean(path)
+        try:
+            with self._dir(PurePosixPath("/")) as root:
+                os.close(_openat2(root, str(p), os.O_PATH))
+            return True
+        except OSError:
+            return False

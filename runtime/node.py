@@ -1,0 +1,270 @@
+"""The node's runtime: every sandbox on this machine, whichever its backend.
+
+It hands out ids, keeps one JSON state file per sandbox (so a restarted node
+agent finds its sandboxes again: `recover()`), enforces the node's quota and
+each sandbox's timeout and idle timeout (`reap()`), refuses calls a backend
+cannot do (Unsupported) or that do not fit the state (exec while paused), and
+turns limit kills into typed errors carrying the partial result.
+
+Synchronous and thread-safe: the node agent and AsyncSandbox call it from
+worker threads; the embedded SDK calls it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .backends import Backend, Handle, Sink, capabilities, make_backend
+from .config import RuntimeConfig
+from .errors import (
+    ExecTimeout,
+    OutOfMemory,
+    OutputTruncated,
+    QuotaExceeded,
+    SandboxError,
+    SandboxNotFound,
+    SandboxStateError,
+    Unsupported,
+)
+from .files import FileInfo, SandboxFiles
+from .images import Images
+from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, parse
+
+log = logging.getLogger(__name__)
+
+
+def _matches(labels: Mapping[str, str], want: Mapping[str, str] | None) -> bool:
+    return not want or all(labels.get(k) == v for k, v in want.items())
+
+
+class Node:
+    def __init__(self, config: RuntimeConfig | None = None) -> None:
+        self.config = config or RuntimeConfig()
+        self.images = Images(self.config)
+        self._backends: dict[str, Backend] = {}
+        self._lock = threading.RLock()
+        self._sandboxes: dict[str, tuple[SandboxInfo, Handle]] = {}
+        self._busy: dict[str, int] = {}  # running execs per sandbox
+        self.config.sandboxes.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.config.state_dir, 0o700)
+        self.recover()
+
+    # -- plumbing ------------------------------------------------------------
+    def backend(self, name: str) -> Backend:
+        with self._lock:
+            if name not in self._backends:
+                self._backends[name] = make_backend(name, self.config, self.images)
+            return self._backends[name]
+
+    def _state_file(self, sandbox_id: str) -> Path:
+        return self.config.sandboxes / sandbox_id / "sandbox.json"
+
+    def _save(self, info: SandboxInfo, h: Handle) -> None:
+        f = self._state_file(info.id)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"info": info.model_dump(mode="json"), "state": h.state}))
+        os.replace(tmp, f)
+
+    def _get(self, sandbox_id: str) -> tuple[SandboxInfo, Handle]:
+        with self._lock:
+            try:
+                return self._sandboxes[sandbox_id]
+            except KeyError:
+                raise SandboxNotFound(f"no sandbox {sandbox_id!r} on this node") from None
+
+    def _require(self, info: SandboxInfo, op: str) -> Backend:
+        caps = capabilities(info.spec.backend)
+        if op not in caps:
+            raise Unsupported(f"the {info.spec.backend} backend does not support {op} "
+                              f"(Sandbox.capabilities({info.spec.backend!r}))")
+        return self.backend(info.spec.backend)
+
+    def _touch(self, info: SandboxInfo, h: Handle, **changes: Any) -> SandboxInfo:
+        new = info.model_copy(update={"last_active": time.time(), **changes})
+        with self._lock:
+            if info.id in self._sandboxes:
+                self._sandboxes[info.id] = (new, h)
+                self._save(new, h)
+        return new
+
+    # -- lifecycle -----------------------------------------------------------
+    def create(self, spec: SandboxSpec) -> SandboxInfo:
+        backend = self.backend(spec.backend)
+        with self._lock:
+            if len(self._sandboxes) >= self.config.max_sandboxes:
+                raise QuotaExceeded(f"this node holds its maximum of "
+                                    f"{self.config.max_sandboxes} sandboxes")
+        self.images.resolve(spec.image)
+        sandbox_id = f"sb-{secrets.token_hex(8)}"
+        d = self.config.sandboxes / sandbox_id
+        d.mkdir(mode=0o700)
+        h = Handle(sandbox_id, spec, d, {})
+        try:
+            backend.create(h)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        info = SandboxInfo(id=sandbox_id, spec=spec, state="running", node=os.uname().nodename)
+        with self._lock:
+            self._sandboxes[sandbox_id] = (info, h)
+            self._save(info, h)
+        log.info("created %s (%s, %s)", sandbox_id, spec.backend, spec.image)
+        return info
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(sandbox_id)[0]
+
+    def sandboxes(self, labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
+        with self._lock:
+            return [i for i, _ in self._sandboxes.values() if _matches(i.spec.labels, labels)]
+
+    def kill(self, sandbox_id: str) -> None:
+        info, h = self._get(sandbox_id)
+        with self._lock:
+            self._sandboxes.pop(sandbox_id, None)
+        self.backend(info.spec.backend).kill(h)
+        shutil.rmtree(h.dir, ignore_errors=True)
+        log.info("killed %s", sandbox_id)
+
+    def pause(self, sandbox_id: str) -> dict[str, Any]:
+        info, h = self._get(sandbox_id)
+        if info.state == "paused":
+            raise SandboxStateError(f"{sandbox_id} is already paused")
+        figures = self._require(info, "pause").pause(h)
+        self._touch(info, h, state="paused")
+        return figures
+
+    def resume(self, sandbox_id: str) -> None:
+        info, h = self._get(sandbox_id)
+        if info.state != "paused":
+            raise SandboxStateError(f"{sandbox_id} is not paused")
+        self._require(info, "resume").resume(h)
+        self._touch(info, h, state="running")
+
+    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        done = []
+        for info in self.sandboxes(labels):
+            if info.state == "running":
+                self.pause(info.id)
+                done.append(info.id)
+        return done
+
+    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        ids = [i.id for i in self.sandboxes(labels)]
+        for sandbox_id in ids:
+            try:
+                self.kill(sandbox_id)
+            except SandboxNotFound:
+                pass
+        return ids
+
+    # -- exec and files ------------------------------------------------------
+    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
+             on_stderr: Sink | None = None) -> ExecResult:
+        info, h = self._get(sandbox_id)
+        backend = self._require(info, "exec")
+        if info.state == "paused":
+            raise SandboxStateError(f"{sandbox_id} is paused: resume() it first")
+        with self._lock:
+            self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
+        try:
+            r = backend.exec(h, req, on_stdout, on_stderr)
+        finally:
+            with self._lock:
+                self._busy[sandbox_id] -= 1
+            self._touch(*self._get(sandbox_id)) if sandbox_id in self._sandboxes else None
+        what = " ".join(req.cmd)[:200]
+        if r.timed_out:
+            raise ExecTimeout(f"{what!r} ran past its {req.timeout:g}s timeout; its "
+                              "processes were killed", r)
+        if r.truncated:
+            raise OutputTruncated(f"{what!r} printed more than {req.max_output_bytes} bytes "
+                                  "on a stream; it was killed", r)
+        if r.oom_killed:
+            raise OutOfMemory(f"{what!r} was killed: the sandbox hit its memory limit of "
+                              f"{info.spec.memory_mb} MB", r)
+        return r
+
+    def files(self, sandbox_id: str) -> SandboxFiles:
+        info, h = self._get(sandbox_id)
+        files = self._require(info, "files").files(h)
+        self._touch(info, h)
+        return files
+
+    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
+        return self.files(sandbox_id).list(path)
+
+    # -- timeouts and restarts -----------------------------------------------
+    def reap(self, now: float | None = None) -> list[str]:
+        """Kill sandboxes past their lifetime or idle for longer than their
+        idle timeout (a running exec keeps a sandbox from being idle)."""
+        now = time.time() if now is None else now
+        expired = []
+        with self._lock:
+            for info, _ in self._sandboxes.values():
+                s = info.spec
+                if s.timeout is not None and now - info.created > s.timeout:
+                    expired.append((info.id, "timeout"))
+                elif (s.idle_timeout is not None and not self._busy.get(info.id)
+                      and now - info.last_active > s.idle_timeout):
+                    expired.append((info.id, "idle timeout"))
+        for sandbox_id, why in expired:
+            try:
+                self.kill(sandbox_id)
+                log.info("reaped %s (%s)", sandbox_id, why)
+            except SandboxNotFound:
+                pass
+            except SandboxError as e:
+                log.warning("reaping %s failed: %s", sandbox_id, e)
+        return [i for i, _ in expired]
+
+    def recover(self) -> None:
+        """Load the sandboxes a previous node process left; those whose
+        backend no longer runs them are cleaned up."""
+        for f in sorted(self.config.sandboxes.glob("*/sandbox.json")):
+            try:
+                raw = json.loads(f.read_text())
+                info = parse(SandboxInfo, json.dumps(raw["info"]))
+                h = Handle(info.id, info.spec, f.parent, dict(raw["state"]))
+            except (OSError, ValueError, KeyError, SandboxError) as e:
+                log.warning("ignoring unreadable sandbox state %s: %s", f, e)
+                continue
+            try:
+                backend = self.backend(info.spec.backend)
+                status = backend.status(h)
+            except SandboxError as e:
+                log.warning("cannot recover %s: %s", info.id, e)
+                continue
+            if status == "stopped" or "persistent" not in capabilities(info.spec.backend):
+                log.info("cleaning up %s: no longer running", info.id)
+                backend.kill(h)
+                shutil.rmtree(h.dir, ignore_errors=True)
+                continue
+            with self._lock:
+                self._sandboxes[info.id] = (info.model_copy(update={"state": status}), h)
+        for d in self.config.sandboxes.iterdir():  # creations cut short
+            if not (d / "sandbox.json").exists() and d.name not in self._sandboxes:
+                h = Handle(d.name, SandboxSpec(image="-"), d, {})
+                try:
+                    self.backend("container").kill(h)
+                except SandboxError:
+                    shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop the node's worker pools. Container sandboxes stay (a new
+        Node on the same state directory finds them); kill them first if
+        they should go."""
+        with self._lock:
+            for b in self._backends.values():
+                b.close()
+            self._backends.clear()
+        self.images.close()

@@ -1,0 +1,114 @@
+"""The OCI runtime config (config.json) of a container sandbox.
+
+What a sandbox can reach is decided here: its own mount, pid, uts, ipc,
+network and cgroup namespaces; a composed root whose writes land in its own
+upper layer; /proc and /sys masked the way runc's default spec masks them; no
+host path except the read-only sandbox-init binary (on /dev, a tmpfs of the
+container's own, so it adds nothing to the image's tree); a small capability
+set; no new privileges; the default seccomp policy; cgroup limits.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from . import cgroups, seccomp
+from .spec import SandboxSpec
+
+INIT_PATH = "/dev/.sandbox-init"
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# What build and test tool chains need as root in a sandbox (chown files,
+# override permissions, drop to a user as apt does, signal their children).
+# Not included, among others: SYS_ADMIN, NET_ADMIN, NET_RAW, MKNOD, SYS_PTRACE,
+# SETFCAP, AUDIT_WRITE.
+CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
+                "CAP_SETGID", "CAP_SETUID", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT"]
+
+MASKED_PATHS = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+                "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+                "/sys/firmware", "/sys/devices/virtual/powercap"]
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+CPU_PERIOD = 100_000
+
+
+def _mounts(init_binary: Path) -> list[dict[str, Any]]:
+    return [
+        {"destination": "/proc", "type": "proc", "source": "proc",
+         "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+         "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+         "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+        {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
+         "options": ["bind", "ro", "nosuid", "nodev"]},
+    ]
+
+
+def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
+           netns: Path | None = None) -> dict[str, Any]:
+    """config.json for `runc run`: the process is sandbox-init as PID 1,
+    which only reaps; commands come later through `runc exec`."""
+    args = [INIT_PATH, "init"] + (["-i"] if spec.qos.value == "best_effort" else [])
+    env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
+    quota = math.ceil(spec.cpu * CPU_PERIOD)
+    namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount",
+                                                              "cgroup")]
+    namespaces.append({"type": "network", "path": str(netns)} if netns else {"type": "network"})
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": args,
+            "env": env,
+            "cwd": "/",
+            "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
+            "noNewPrivileges": True,
+        },
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": sandbox_id[:63],
+        "mounts": _mounts(init_binary),
+        "linux": {
+            "cgroupsPath": cgroups.cgroups_path(sandbox_id),
+            "resources": {
+                "devices": [{"allow": False, "access": "rwm"}],
+                "memory": {"limit": spec.memory_mb << 20, "swap": spec.memory_mb << 20},
+                "cpu": {"quota": quota, "period": CPU_PERIOD,
+                        "shares": max(2, int(1024 * spec.cpu))},
+                "pids": {"limit": spec.pids},
+            },
+            "namespaces": namespaces,
+            "maskedPaths": MASKED_PATHS,
+            "readonlyPaths": READONLY_PATHS,
+            "seccomp": seccomp.oci_section(),
+        },
+    }
+
+
+def process(cmd: tuple[str, ...], *, cwd: str, env: dict[str, str], spec: SandboxSpec
+            ) -> dict[str, Any]:
+    """process.json for `runc exec`: the command under sandbox-init exec, which
+    gives it its own session and kills that session when the agent goes away."""
+    wrapper = [INIT_PATH, "exec"] + (["-i"] if spec.qos.value == "best_effort" else [])
+    merged = {**spec.env, **env}
+    return {
+        "terminal": False,
+        "user": {"uid": 0, "gid": 0},
+        "args": [*wrapper, "-c", cwd, "--", *cmd],
+        "env": [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in merged.items())],
+        "cwd": "/",
+        "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
+        "noNewPrivileges": True,
+    }

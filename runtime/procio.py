@@ -1,0 +1,109 @@
+"""Running one command with its output captured under a cap, its stdin fed,
+streamed to callbacks, and a deadline: the part of exec that is the same for
+every backend that talks to the command through pipes.
+
+The caller supplies `stop()`, which kills the command's whole process tree the
+backend's way (freeze + kill for containers, a process group for fncall).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Sink = Callable[[bytes], None]
+READ_SIZE = 65536
+
+
+@dataclass
+class Captured:
+    returncode: int = 0
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    truncated: bool = False
+    timed_out: bool = False
+    duration: float = 0.0
+
+
+def run(proc: subprocess.Popen[bytes], *, stdin: bytes, timeout: float, max_output: int,
+        stop: Callable[[], None], on_stdout: Sink | None = None,
+        on_stderr: Sink | None = None) -> Captured:
+    """Drive `proc` (started with stdin/stdout/stderr pipes) to its end.
+    Over max_output bytes on either stream or past the timeout, `stop()` is
+    called once and what was read so far is kept."""
+    out = Captured()
+    start = time.monotonic()
+    deadline = start + timeout
+    assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout.fileno(): (out.stdout, on_stdout),
+            proc.stderr.fileno(): (out.stderr, on_stderr)}
+    for f in (proc.stdout, proc.stderr):
+        os.set_blocking(f.fileno(), False)
+        sel.register(f.fileno(), selectors.EVENT_READ)
+    pending = memoryview(stdin)
+    stdin_fd = proc.stdin.fileno()
+    if pending:
+        os.set_blocking(stdin_fd, False)
+        sel.register(stdin_fd, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    stopped = False
+    try:
+        readers = (proc.stdout.fileno(), proc.stderr.fileno())
+        while any(fd in sel.get_map() for fd in readers):
+            left = deadline - time.monotonic()
+            if left <= 0 and not stopped:
+                out.timed_out = stopped = True
+                stop()
+            for key, _ in sel.select(timeout=max(left, 0.05) if not stopped else 1.0):
+                fd = key.fd
+                if fd == stdin_fd:
+                    try:
+                        n = os.write(fd, pending[:READ_SIZE])
+                        pending = pending[n:]
+                    except (BrokenPipeError, BlockingIOError) as e:
+                        if isinstance(e, BrokenPipeError):
+                            pending = pending[:0]
+                    if not pending:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+                    continue
+                try:
+                    data = os.read(fd, READ_SIZE)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    sel.unregister(fd)
+                    continue
+                buf, sink = bufs[fd]
+                room = max_output - len(buf)
+                if len(data) > room:
+                    data = data[:room]
+                    if not stopped:
+                        out.truncated = stopped = True
+                        stop()
+                buf += data
+                if sink is not None and data:
+                    sink(data)
+            if stopped and time.monotonic() > deadline + 30:
+                break  # the tree would not die; do not hang the caller
+    finally:
+        sel.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+    try:
+        out.returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()) if not stopped
+                                   else 10.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out.returncode = proc.wait()
+    out.duration = time.monotonic() - start
+    return out

@@ -1,0 +1,73 @@
+"""The default seccomp policy of every sandbox: allow by default, deny (EPERM)
+the system calls that reach the kernel's administrative or rarely-audited
+surfaces. Expressed once; rendered as an OCI runtime config section for runc
+and loaded through libseccomp (pyseccomp) in fncall workers.
+
+Why a deny list and not Docker's allow list: the sandboxes run arbitrary
+developer tool chains (compilers, debuggers, package managers) whose syscall
+sets change with every glibc; the calls below are the ones no such tool needs
+and that keep appearing in container escapes.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+DENIED = (
+    # mounts and namespaces: the sandbox's view of the host is fixed at creation
+    "mount", "umount2", "pivot_root", "unshare", "setns", "fsopen", "fsmount", "fsconfig",
+    "fspick", "move_mount", "open_tree", "mount_setattr",
+    # kernel modules, kexec, reboot, swap, accounting, quotas, the kernel log
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "syslog",
+    # file handles bypass path checks (the "shocker" escape)
+    "open_by_handle_at", "name_to_handle_at",
+    # frequent kernel-bug surfaces with no use for build/test tools
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
+    "io_uring_register", "keyctl", "add_key", "request_key", "lookup_dcookie",
+    # hardware and clocks
+    "iopl", "ioperm", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "nfsservctl", "kcmp",
+)
+
+# clone() flags that create namespaces; clone3 passes flags in a struct that
+# seccomp cannot read, so it answers ENOSYS and libc falls back to clone().
+CLONE_NS_FLAGS = 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+
+
+def _ns_bits() -> list[int]:
+    # one rule per flag (rules OR): "any namespace flag set" is not one comparison
+    return [1 << b for b in range(32) if CLONE_NS_FLAGS & (1 << b)]
+
+
+def oci_section() -> dict[str, Any]:
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": [
+            {"names": list(DENIED), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
+            *({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+               "args": [{"index": 0, "value": bit, "valueTwo": bit,
+                         "op": "SCMP_CMP_MASKED_EQ"}]} for bit in _ns_bits()),
+        ],
+    }
+
+
+def build_filter() -> Any:
+    """The same policy as a libseccomp filter; `.load()` applies it to the
+    calling process (inherited by children). Build it before a chroot: the
+    library is loaded here."""
+    import pyseccomp as seccomp  # imported late: only fncall workers need it
+
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in DENIED:
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (RuntimeError, ValueError, OSError):
+            pass  # not a syscall on this architecture / libseccomp
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for bit in _ns_bits():
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, bit, bit))
+    return f

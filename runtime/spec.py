@@ -1,0 +1,211 @@
+"""What a sandbox is asked to be (SandboxSpec), what an exec is asked to do
+(ExecRequest) and what comes back (ExecResult, SandboxInfo).
+
+Pydantic models: one definition validates SDK arguments, node-agent request
+bodies and the agent's state files, and gives the agent its OpenAPI schema.
+Unknown fields are rejected everywhere; a bad value raises InvalidSpec naming
+the field.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+import time
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any, Literal, TypeVar
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .errors import InvalidSpec
+
+BACKENDS = ("fncall", "container", "microvm", "vm")
+Backend = Literal["fncall", "container", "microvm", "vm"]
+DEFAULT_MAX_OUTPUT = 1 << 20  # per stream; an agent running `yes` stops here
+DEFAULT_EXEC_TIMEOUT = 600.0
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Rule(_Model):
+    """One allowed destination: an address or network, a port (None = any) and
+    a protocol."""
+
+    cidr: str
+    port: int | None = Field(default=None, ge=1, le=65535)
+    protocol: Literal["tcp", "udp"] = "tcp"
+
+    @field_validator("cidr")
+    @classmethod
+    def _cidr(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_network(v, strict=False))
+        except ValueError as e:
+            raise ValueError(f"not an address or network: {v!r}") from e
+
+
+class NetworkPolicy(_Model):
+    """Network reach of a sandbox. The default is none: loopback only."""
+
+    mode: Literal["none", "allowlist"] = "none"
+    allow: tuple[Rule, ...] = ()
+
+    @classmethod
+    def none(cls) -> NetworkPolicy:
+        return cls()
+
+    @classmethod
+    def allow_only(cls, *rules: str | Rule) -> NetworkPolicy:
+        """`allow_only("10.0.0.5:3128", "192.168.1.0/24:443/tcp")`."""
+        return cls(mode="allowlist", allow=tuple(
+            r if isinstance(r, Rule) else parse_rule(r) for r in rules))
+
+
+def parse_rule(text: str) -> Rule:
+    proto = "tcp"
+    if text.endswith(("/tcp", "/udp")):
+        text, proto = text[:-4], text[-3:]
+    host, sep, port = text.rpartition(":")
+    if not sep or "/" in port:
+        host, port = text, ""
+    return Rule(cidr=host, port=int(port) if port else None, protocol=proto)  # type: ignore[arg-type]
+
+
+class Qos(str, Enum):
+    latency = "latency"
+    best_effort = "best_effort"  # every process of the sandbox under SCHED_IDLE
+
+
+class SandboxSpec(_Model):
+    image: str = Field(min_length=1)
+    backend: Backend = "container"
+    cpu: float = Field(default=1.0, gt=0, le=256)
+    memory_mb: int = Field(default=1024, ge=16, le=1 << 20)
+    disk_mb: int | None = Field(default=None, ge=1, le=1 << 24)
+    pids: int = Field(default=1024, ge=8, le=1 << 22)
+    timeout: float | None = Field(default=3600.0, gt=0)  # lifetime from creation
+    idle_timeout: float | None = Field(default=None, gt=0)  # since the last call
+    network: NetworkPolicy = NetworkPolicy()
+    env: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    qos: Qos = Qos.latency
+    workdir: str = "/"
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env(v)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not _LABEL.fullmatch(k) or len(val) > 256 or "\0" in val:
+                raise ValueError(f"bad label {k!r}={val!r}: keys are 1-63 characters "
+                                 "[A-Za-z0-9_.-/], values at most 256")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        if not v.startswith("/") or "\0" in v:
+            raise ValueError(f"workdir must be an absolute path, not {v!r}")
+        return v
+
+
+def check_env(v: Mapping[str, str]) -> dict[str, str]:
+    for k, val in v.items():
+        if not _ENV_NAME.fullmatch(k) or "\0" in val:
+            raise ValueError(f"bad environment variable {k!r}")
+    return dict(v)
+
+
+class ExecRequest(_Model):
+    cmd: tuple[str, ...] = Field(min_length=1)
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    stdin: bytes = b""
+    timeout: float = Field(default=DEFAULT_EXEC_TIMEOUT, gt=0)
+    max_output_bytes: int = Field(default=DEFAULT_MAX_OUTPUT, ge=0)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env(v)
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any("\0" in a for a in v) or not v[0]:
+            raise ValueError("command arguments must be non-empty strings without NUL")
+        return v
+
+
+def command(cmd: str | Sequence[str]) -> tuple[str, ...]:
+    """A string runs through /bin/sh -c (as E2B's commands.run); a list runs as is."""
+    return ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
+
+
+class ExecResult(_Model):
+    exit_code: int  # as a shell reports it: 128+N when killed by signal N
+    stdout: bytes
+    stderr: bytes
+    duration: float
+    truncated: bool = False
+    timed_out: bool = False
+    oom_killed: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.stdout.decode(errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class SandboxInfo(_Model):
+    id: str
+    spec: SandboxSpec
+    state: Literal["running", "paused", "stopped"]
+    created: float = Field(default_factory=time.time)
+    last_active: float = Field(default_factory=time.time)
+    node: str = ""
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def build(model: type[M], **kwargs: Any) -> M:
+    """model(**kwargs), with a validation error raised as InvalidSpec naming
+    each field and what was wrong."""
+    try:
+        return model(**kwargs)
+    except pydantic.ValidationError as e:
+        raise InvalidSpec(_describe(e)) from None
+
+
+def parse(model: type[M], raw: bytes | str) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as e:
+        raise InvalidSpec(_describe(e)) from None
+
+
+def _describe(e: pydantic.ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "value"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def show(cmd: Sequence[str]) -> str:
+    return shlex.join(cmd)

@@ -1,0 +1,62 @@
+"""Test fixtures' helpers for the runtime: a small busybox image converted
+into a store, and a Node (the embedded runtime) on its own state directory
+with its own lazyfs daemon, all removed at the end (every sandbox killed,
+the daemon stopped, nothing mounted)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from images import build_busybox_rootfs
+from lazynode import LazyNode
+
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
+from runtime import cgroups
+from runtime.config import RuntimeConfig
+from runtime.node import Node
+
+IMAGE = "bb:1"
+
+
+def runtime_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: runc, cgroups, FUSE and overlayfs mounts"
+    if not os.path.exists("/dev/fuse"):
+        return "needs /dev/fuse"
+    if shutil.which("runc") is None:
+        return "needs runc (apt-get install runc)"
+    return None
+
+
+def busybox_store(d: Path) -> Path:
+    """A store holding IMAGE: busybox + a few files to read."""
+    root = build_busybox_rootfs(d / "rootfs")
+    (root / "etc" / "motd").write_text("hello from the image\n")
+    (root / "data").mkdir()
+    (root / "data" / "big.bin").write_bytes(os.urandom(3 << 20))
+    store_path = d / "store"
+    with ChunkStore.open(store_path, create=True) as store, Catalog(store) as cat:
+        convert(store, cat, f"dir:{root}", IMAGE)
+    return store_path
+
+
+@contextmanager
+def node_for(store: Path, d: Path, **kw: object) -> Iterator[Node]:
+    with LazyNode(d / "lazynode", store) as lazy:
+        config = RuntimeConfig(store=store, cluster=None, state_dir=d / "state",
+                               node_root=lazy.paths.root, **kw)  # type: ignore[arg-type]
+        node = Node(config)
+        try:
+            yield node
+        finally:
+            for info in node.sandboxes():
+                node.kill(info.id)
+            node.close()
+            leftover = [p for p in cgroups.CGROUP_ROOT.glob(f"*/{cgroups.PARENT}/sb-*")]
+            assert not leftover, f"cgroups left behind: {leftover}"
