@@ -31,7 +31,9 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # bytes travel as base64 in JSON: command output is arbitrary binary
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_bytes="base64",
+                              val_json_bytes="base64")
 
 
 class Rule(_Model):

@@ -16,6 +16,7 @@ from chunkstore import (
     StoreReadOnly,
 )
 from composer.errors import ComposerError
+from runtime.errors import SandboxError
 
 from .config import Settings
 from .errors import EXIT_FAILED, EXIT_STORE, QuietError
@@ -27,7 +28,7 @@ class LazyfsGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (ChunkStoreError, ComposerError) as e:
+        except (ChunkStoreError, ComposerError, SandboxError) as e:
             if ctx.meta.get("lazyfs.debug"):
                 raise
             code = EXIT_STORE if isinstance(e, StoreReadOnly | StoreFull | StoreFormatError) \
@@ -68,13 +69,13 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
 
 
 def _register() -> None:
-    from . import demo_cmd, image_cmd, mount_cmd, store_cmd
+    from . import demo_cmd, image_cmd, mount_cmd, sandbox_cmd, store_cmd
     cli.add_command(demo_cmd.demo)
     cli.add_command(store_cmd.store)
     for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
                 image_cmd.rm, image_cmd.gc, image_cmd.build, mount_cmd.daemon,
                 mount_cmd.mount, mount_cmd.umount, mount_cmd.stats, mount_cmd.push,
-                mount_cmd.seaweed, mount_cmd.cluster):
+                mount_cmd.seaweed, mount_cmd.cluster, sandbox_cmd.agent, sandbox_cmd.sandbox):
         cli.add_command(cmd)
 
 

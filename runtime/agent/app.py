@@ -1,0 +1,197 @@
+"""HTTP API of the node agent (OpenAPI schema at /openapi.json, docs at /docs).
+
+    GET    /v1/health
+    GET    /v1/capabilities/{backend}
+    POST   /v1/sandboxes                      SandboxSpec → SandboxInfo
+    GET    /v1/sandboxes?label=k=v            → [SandboxInfo]
+    GET    /v1/sandboxes/{id}                 → SandboxInfo
+    DELETE /v1/sandboxes/{id}
+    POST   /v1/sandboxes/{id}/pause | /resume
+    POST   /v1/sandboxes/{id}/exec            ExecRequest → NDJSON stream:
+           {"stdout": b64} / {"stderr": b64} … then {"result": ExecResult}
+           or {"error": {"type", "message", "result"}}
+    GET|PUT|DELETE /v1/sandboxes/{id}/files?path=…   raw bytes
+    GET    /v1/sandboxes/{id}/files/list?path=…
+    POST   /v1/bulk/pause | /v1/bulk/kill     {"labels": {…}} → [ids]
+
+Errors: {"error": {"type": <runtime.errors class>, "message": …}} with the
+class's HTTP status. A bearer token, when the agent has one, is required on
+every call (TCP listeners); the Unix socket is protected by its permissions.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from ..backends import capabilities
+from ..errors import ExecError, SandboxError
+from ..files import FileInfo
+from ..node import Node
+from ..spec import ExecRequest, SandboxInfo, SandboxSpec
+
+STREAM_BUFFER = 64
+
+
+class Labels(BaseModel):
+    labels: dict[str, str] = {}
+
+
+def _labels(raw: list[str]) -> dict[str, str]:
+    out = {}
+    for item in raw:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise SandboxError(f"label filter {item!r} is not key=value")
+        out[k] = v
+    return out
+
+
+def error_body(e: SandboxError) -> dict[str, Any]:
+    body: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, ExecError) and e.result is not None:
+        body["result"] = e.result.model_dump(mode="json")
+    return {"error": body}
+
+
+def make_app(node: Node, token: str | None = None) -> FastAPI:
+    app = FastAPI(title="lazyfs node agent", version="1",
+                  description="Sandboxes on this node: create, exec, files, pause, kill.")
+
+    async def run(fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(fn, *args)
+
+    @app.exception_handler(SandboxError)
+    async def _sandbox_error(request: Request, e: SandboxError) -> JSONResponse:
+        status = 400 if type(e) is SandboxError else e.status
+        return JSONResponse(error_body(e), status_code=status)
+
+    if token is not None:
+        @app.middleware("http")
+        async def _auth(request: Request, call_next: Callable[..., Any]) -> Any:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return JSONResponse({"error": {"type": "Unauthorized",
+                                               "message": "missing or wrong bearer token"}},
+                                    status_code=401)
+            return await call_next(request)
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "sandboxes": len(node.sandboxes())}
+
+    @app.get("/v1/capabilities/{backend}")
+    async def caps(backend: str) -> dict[str, Any]:
+        return capabilities(backend).as_dict()
+
+    @app.post("/v1/sandboxes", status_code=201)
+    async def create(spec: SandboxSpec) -> SandboxInfo:
+        info: SandboxInfo = await run(node.create, spec)
+        return info
+
+    @app.get("/v1/sandboxes")
+    async def list_sandboxes(label: Annotated[list[str] | None, Query()] = None
+                             ) -> list[SandboxInfo]:
+        return node.sandboxes(_labels(label or []))
+
+    @app.get("/v1/sandboxes/{sandbox_id}")
+    async def get(sandbox_id: str) -> SandboxInfo:
+        return node.get(sandbox_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
+    async def kill(sandbox_id: str) -> Response:
+        await run(node.kill, sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause")
+    async def pause(sandbox_id: str) -> dict[str, Any]:
+        figures: dict[str, Any] = await run(node.pause, sandbox_id)
+        return figures
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume")
+    async def resume(sandbox_id: str) -> dict[str, Any]:
+        await run(node.resume, sandbox_id)
+        return {"ok": True}
+
+    @app.post("/v1/bulk/pause")
+    async def pause_many(body: Labels) -> list[str]:
+        ids: list[str] = await run(node.pause_many, body.labels)
+        return ids
+
+    @app.post("/v1/bulk/kill")
+    async def kill_many(body: Labels) -> list[str]:
+        ids: list[str] = await run(node.kill_many, body.labels)
+        return ids
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec")
+    async def exec_(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
+        node.get(sandbox_id)  # a missing sandbox is a 404, not a stream
+        return StreamingResponse(_exec_stream(node, sandbox_id, req),
+                                 media_type="application/x-ndjson")
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files")
+    async def read_file(sandbox_id: str, path: str) -> Response:
+        files = node.files(sandbox_id)
+        data: bytes = await run(files.read, path)
+        return Response(data, media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204)
+    async def write_file(sandbox_id: str, path: str, request: Request,
+                         mode: int = 0o644) -> Response:
+        files = node.files(sandbox_id)
+        data = await request.body()
+        await anyio.to_thread.run_sync(lambda: files.write(path, data, mode=mode))
+        return Response(status_code=204)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
+    async def remove_file(sandbox_id: str, path: str, recursive: bool = False) -> Response:
+        files = node.files(sandbox_id)
+        await anyio.to_thread.run_sync(lambda: files.remove(path, recursive=recursive))
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list")
+    async def list_files(sandbox_id: str, path: str = "/") -> list[FileInfo]:
+        result: list[FileInfo] = await run(node.list_files, sandbox_id, path)
+        return result
+
+    return app
+
+
+async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest) -> AsyncIterator[bytes]:
+    send, receive = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
+
+    def line(obj: dict[str, Any]) -> bytes:
+        return json.dumps(obj).encode() + b"\n"
+
+    def sink(key: str) -> Callable[[bytes], None]:
+        def emit(data: bytes) -> None:
+            anyio.from_thread.run(send.send, line({key: base64.b64encode(data).decode()}))
+        return emit
+
+    def work() -> None:
+        try:
+            r = node.exec(sandbox_id, req, sink("stdout"), sink("stderr"))
+            msg = line({"result": r.model_dump(mode="json")})
+        except SandboxError as e:
+            msg = line(error_body(e))
+        anyio.from_thread.run(send.send, msg)
+
+    async def drive() -> None:
+        async with send:
+            await anyio.to_thread.run_sync(work)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(drive)
+        async with receive:
+            async for chunk in receive:
+                yield chunk

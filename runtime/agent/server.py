@@ -1,0 +1,79 @@
+"""Serving the node agent: hypercorn on trio, a Unix socket by default (mode
+0600: only its owner may call), TCP listeners only with a bearer token, and a
+reaper task that kills sandboxes past their timeouts.
+
+    serve(node, socket=Path("/run/lazyfs-runtime/agent.sock"))
+    serve(node, listen=["127.0.0.1:7070"], token="…")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from ..node import Node
+from .app import make_app
+
+log = logging.getLogger(__name__)
+
+
+async def _reaper(node: Node) -> None:
+    while True:
+        await trio.sleep(node.config.reap_interval)
+        try:
+            await trio.to_thread.run_sync(node.reap)
+        except Exception:
+            log.exception("reaping sandboxes failed")
+
+
+def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = None,
+          token: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM. Sandboxes outlive the agent; a restarted
+    agent on the same state directory finds them (Node.recover)."""
+    if listen and token is None:
+        raise ValueError("a TCP listener needs a token (--token-file)")
+    config = Config()
+    config.bind = []
+    if socket is not None:
+        socket.parent.mkdir(parents=True, exist_ok=True)
+        socket.unlink(missing_ok=True)
+        config.bind.append(f"unix:{socket}")
+    config.bind += list(listen or [])
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 2.0
+    app = make_app(node, token)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_reaper, node)
+            shutdown = trio.Event()
+
+            async def signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+                    async for _ in sigs:
+                        shutdown.set()
+                        return
+
+            nursery.start_soon(signals)
+
+            async def ready_when_bound() -> None:
+                while socket is not None and not socket.exists():
+                    await trio.sleep(0.01)
+                if socket is not None:
+                    os.chmod(socket, 0o600)
+                if on_ready:
+                    on_ready()
+
+            nursery.start_soon(ready_when_bound)
+            await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

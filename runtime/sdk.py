@@ -1,0 +1,282 @@
+"""The SDK: `Sandbox` (blocking) and `AsyncSandbox` (asyncio or trio).
+
+    with Sandbox.create("debian-py:1", cpu=1, memory_mb=2048, labels={"job": "rl-42"}) as sb:
+        r = sb.exec("python3 -m pytest -q", timeout=600)
+        sb.files.write("/workspace/patch.diff", b"...")
+
+    sb = await AsyncSandbox.create("debian-py:1")
+    try:
+        r = await sb.exec(["bash", "-lc", "make test"])
+    finally:
+        await sb.kill()
+
+The same calls reach the embedded runtime (default on one machine) or a node
+agent (`node="unix:///run/lazyfs-runtime/agent.sock"` or "http://host:port",
+or $LAZYFS_NODE). Errors are runtime.errors classes: ImageNotFound,
+SandboxNotFound, ExecTimeout / OutputTruncated / OutOfMemory (with `.result`),
+Unsupported (a backend that cannot do a call says so), BackendUnavailable,
+QuotaExceeded, InvalidSpec.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from .backends.base import Sink
+from .files import FileInfo
+from .node import Node
+from .spec import (
+    DEFAULT_EXEC_TIMEOUT,
+    DEFAULT_MAX_OUTPUT,
+    Backend,
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    SandboxInfo,
+    SandboxSpec,
+    build,
+    command,
+)
+from .transport import Transport, resolve
+
+NodeRef = str | Node | Transport | None
+T = TypeVar("T")
+
+
+def _spec(image: str, backend: Backend, **kw: Any) -> SandboxSpec:
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if isinstance(kw.get("network"), str):
+        kw["network"] = NetworkPolicy() if kw["network"] == "none" else kw["network"]
+    return build(SandboxSpec, image=image, backend=backend, **kw)
+
+
+def _exec_request(cmd: str | Sequence[str], cwd: str | None, env: Mapping[str, str] | None,
+                  stdin: bytes | str | None, timeout: float, max_output_bytes: int
+                  ) -> ExecRequest:
+    data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+    return build(ExecRequest, cmd=command(cmd), cwd=cwd, env=dict(env or {}), stdin=data,
+                 timeout=timeout, max_output_bytes=max_output_bytes)
+
+
+class Files:
+    """`sb.files`: read, write, list, remove, upload, download."""
+
+    def __init__(self, t: Transport, sandbox_id: str) -> None:
+        self._t, self._id = t, sandbox_id
+
+    def read(self, path: str) -> bytes:
+        return self._t.read(self._id, path)
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+    def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        self._t.write(self._id, path, data.encode() if isinstance(data, str) else data, mode)
+
+    def list(self, path: str = "/") -> builtins.list[FileInfo]:
+        return self._t.list_files(self._id, path)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._t.remove(self._id, path, recursive)
+
+    def upload(self, local: str | os.PathLike[str], path: str) -> None:
+        p = Path(local)
+        self.write(path, p.read_bytes(), mode=p.stat().st_mode & 0o7777)
+
+    def download(self, path: str, local: str | os.PathLike[str]) -> None:
+        Path(local).write_bytes(self.read(path))
+
+
+class Sandbox:
+    def __init__(self, info: SandboxInfo, transport: Transport) -> None:
+        self.info = info
+        self._t = transport
+        self.files = Files(transport, info.id)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.spec.backend} {self.info.spec.image}>"
+
+    @classmethod
+    def create(cls, image: str, *, backend: Backend = "container", cpu: float | None = None,
+               memory_mb: int | None = None, disk_mb: int | None = None,
+               timeout: float | None = None, idle_timeout: float | None = None,
+               network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
+               labels: Mapping[str, str] | None = None, qos: str | None = None,
+               workdir: str | None = None, node: NodeRef = None) -> Sandbox:
+        spec = _spec(image, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb,
+                     timeout=timeout, idle_timeout=idle_timeout, network=network,
+                     env=dict(env) if env else None, labels=dict(labels) if labels else None,
+                     qos=qos, workdir=workdir)
+        t = resolve(node)
+        return cls(t.create(spec), t)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, *, node: NodeRef = None) -> Sandbox:
+        t = resolve(node)
+        return cls(t.get(sandbox_id), t)
+
+    @classmethod
+    def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None
+             ) -> builtins.list[Sandbox]:
+        t = resolve(node)
+        return [cls(i, t) for i in t.list_sandboxes(labels)]
+
+    @staticmethod
+    def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
+                   ) -> builtins.list[str]:
+        return resolve(node).pause_many(labels)
+
+    @staticmethod
+    def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
+                  ) -> builtins.list[str]:
+        return resolve(node).kill_many(labels)
+
+    @staticmethod
+    def capabilities(backend: str, *, node: NodeRef = None) -> dict[str, Any]:
+        return resolve(node).capabilities(backend)
+
+    def exec(self, cmd: str | Sequence[str], *, cwd: str | None = None,
+             env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
+             timeout: float = DEFAULT_EXEC_TIMEOUT, max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+             on_stdout: Sink | None = None, on_stderr: Sink | None = None) -> ExecResult:
+        """Run `cmd` (a string goes through /bin/sh -c) and wait for it.
+        on_stdout/on_stderr receive output as it comes."""
+        req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
+        return self._t.exec(self.id, req, on_stdout, on_stderr)
+
+    def refresh(self) -> SandboxInfo:
+        self.info = self._t.get(self.id)
+        return self.info
+
+    def pause(self) -> dict[str, Any]:
+        """Freeze; returns memory figures before/after the reclaim."""
+        return self._t.pause(self.id)
+
+    def resume(self) -> None:
+        self._t.resume(self.id)
+
+    def kill(self) -> None:
+        self._t.kill(self.id)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        from .errors import SandboxNotFound
+        try:
+            self.kill()
+        except SandboxNotFound:
+            pass
+
+
+async def _thread(fn: Any, *args: Any, **kw: Any) -> Any:
+    # One limiter per call: the SDK must not cap how many sandboxes a rollout
+    # drives at once (anyio's default limiter allows 40 threads).
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kw),
+                                          limiter=anyio.CapacityLimiter(1))
+
+
+class AsyncFiles:
+    def __init__(self, files: Files) -> None:
+        self._f = files
+
+    async def read(self, path: str) -> bytes:
+        data: bytes = await _thread(self._f.read, path)
+        return data
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        await _thread(self._f.write, path, data, mode=mode)
+
+    async def list(self, path: str = "/") -> builtins.list[FileInfo]:
+        out: builtins.list[FileInfo] = await _thread(self._f.list, path)
+        return out
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await _thread(self._f.remove, path, recursive=recursive)
+
+    async def upload(self, local: str | os.PathLike[str], path: str) -> None:
+        await _thread(self._f.upload, local, path)
+
+    async def download(self, path: str, local: str | os.PathLike[str]) -> None:
+        await _thread(self._f.download, path, local)
+
+
+class AsyncSandbox:
+    """The same calls as Sandbox, awaitable from asyncio or trio (blocking
+    work runs in worker threads; callbacks are called from those threads)."""
+
+    def __init__(self, sync: Sandbox) -> None:
+        self.sync = sync
+        self.files = AsyncFiles(sync.files)
+
+    @property
+    def id(self) -> str:
+        return self.sync.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        return self.sync.info
+
+    @classmethod
+    async def create(cls, image: str, **kw: Any) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.create, image, **kw))
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, node: NodeRef = None) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.connect, sandbox_id, node=node))
+
+    @classmethod
+    async def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None
+                   ) -> builtins.list[AsyncSandbox]:
+        return [cls(s) for s in await _thread(Sandbox.list, labels, node=node)]
+
+    @staticmethod
+    async def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
+                         ) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, node=node)
+        return out
+
+    @staticmethod
+    async def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
+                        ) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.kill_many, labels, node=node)
+        return out
+
+    async def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
+        r: ExecResult = await _thread(self.sync.exec, cmd, **kw)
+        return r
+
+    async def pause(self) -> dict[str, Any]:
+        out: dict[str, Any] = await _thread(self.sync.pause)
+        return out
+
+    async def resume(self) -> None:
+        await _thread(self.sync.resume)
+
+    async def kill(self) -> None:
+        await _thread(self.sync.kill)
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        from .errors import SandboxNotFound
+        try:
+            await self.kill()
+        except SandboxNotFound:
+            pass

@@ -1,0 +1,262 @@
+"""How the SDK reaches a node: in-process (embedded Node) or the node agent
+over HTTP (Unix socket or TCP + bearer token). Both answer the same calls
+with the same types and raise the same runtime.errors classes.
+
+Where: `node=` argument > $LAZYFS_NODE > embedded. Forms: "unix:///path",
+"http://host:port" (token from $LAZYFS_NODE_TOKEN or `token=`), or a Node.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import httpx
+
+from .backends.base import Sink
+from .errors import ERRORS, BackendUnavailable, ExecError, SandboxError
+from .files import FileInfo
+from .node import Node
+from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+
+TIMEOUT = httpx.Timeout(60.0, read=None)
+
+
+class Transport(Protocol):
+    def create(self, spec: SandboxSpec) -> SandboxInfo: ...
+    def get(self, sandbox_id: str) -> SandboxInfo: ...
+    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]: ...
+    def kill(self, sandbox_id: str) -> None: ...
+    def pause(self, sandbox_id: str) -> dict[str, Any]: ...
+    def resume(self, sandbox_id: str) -> None: ...
+    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
+    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
+    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult: ...
+    def read(self, sandbox_id: str, path: str) -> bytes: ...
+    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
+    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
+    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]: ...
+    def capabilities(self, backend: str) -> dict[str, Any]: ...
+
+
+class Embedded:
+    """Calls a Node in this process."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def create(self, spec: SandboxSpec) -> SandboxInfo:
+        return self.node.create(spec)
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return self.node.get(sandbox_id)
+
+    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]:
+        return self.node.sandboxes(labels)
+
+    def kill(self, sandbox_id: str) -> None:
+        self.node.kill(sandbox_id)
+
+    def pause(self, sandbox_id: str) -> dict[str, Any]:
+        return self.node.pause(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> None:
+        self.node.resume(sandbox_id)
+
+    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self.node.pause_many(labels)
+
+    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self.node.kill_many(labels)
+
+    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
+        return self.node.exec(sandbox_id, req, on_stdout, on_stderr)
+
+    def read(self, sandbox_id: str, path: str) -> bytes:
+        return self.node.files(sandbox_id).read(path)
+
+    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        self.node.files(sandbox_id).write(path, data, mode=mode)
+
+    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        self.node.files(sandbox_id).remove(path, recursive=recursive)
+
+    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
+        return self.node.list_files(sandbox_id, path)
+
+    def capabilities(self, backend: str) -> dict[str, Any]:
+        from .backends import capabilities
+        return capabilities(backend).as_dict()
+
+
+def raise_for(body: Mapping[str, Any], status: int) -> None:
+    err = body.get("error") if isinstance(body, Mapping) else None
+    if not isinstance(err, Mapping):
+        raise SandboxError(f"node agent answered HTTP {status}")
+    cls = ERRORS.get(str(err.get("type")), SandboxError)
+    message = str(err.get("message", ""))
+    if issubclass(cls, ExecError):
+        result = ExecResult.model_validate(err["result"]) if err.get("result") else None
+        raise cls(message, result)
+    raise cls(message)
+
+
+def _check(r: httpx.Response) -> httpx.Response:
+    if r.status_code >= 400:
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code == 401:
+            raise BackendUnavailable("the node agent refused the token")
+        if r.status_code == 422:  # FastAPI's validation error for a bad body
+            from .errors import InvalidSpec
+            raise InvalidSpec("; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}"
+                                        for d in body.get("detail", [])) or r.text)
+        raise_for(body, r.status_code)
+    return r
+
+
+def client_args(url: str, token: str | None) -> tuple[str, dict[str, Any]]:
+    """(base_url, keyword arguments for httpx clients) for a node URL."""
+    token = token or os.environ.get("LAZYFS_NODE_TOKEN")
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    if url.startswith("unix://"):
+        return "http://agent", {"uds": url[len("unix://"):], "headers": headers}
+    if url.startswith(("http://", "https://")):
+        return url.rstrip("/"), {"headers": headers}
+    raise BackendUnavailable(f"node {url!r}: expected unix:///PATH or http://HOST:PORT")
+
+
+def parse_exec_stream(lines: Iterator[str], on_stdout: Sink | None, on_stderr: Sink | None
+                      ) -> ExecResult:
+    for line in lines:
+        if not line:
+            continue
+        msg = json.loads(line)
+        if "stdout" in msg:
+            if on_stdout:
+                on_stdout(base64.b64decode(msg["stdout"]))
+        elif "stderr" in msg:
+            if on_stderr:
+                on_stderr(base64.b64decode(msg["stderr"]))
+        elif "result" in msg:
+            return ExecResult.model_validate(msg["result"])
+        elif "error" in msg:
+            raise_for(msg, 200)
+    raise BackendUnavailable("the node agent closed the exec stream before the command ended")
+
+
+class Http:
+    """Calls a node agent over HTTP."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        base, kw = client_args(url, token)
+        uds = kw.pop("uds", None)
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self.url = url
+        self.client = httpx.Client(base_url=base, transport=transport, timeout=TIMEOUT, **kw)
+
+    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return _check(self.client.request(method, path, **kw))
+        except httpx.TransportError as e:
+            raise BackendUnavailable(f"node agent {self.url}: {e}") from e
+
+    def create(self, spec: SandboxSpec) -> SandboxInfo:
+        r = self._call("POST", "/v1/sandboxes", content=spec.model_dump_json(),
+                       headers={"content-type": "application/json"})
+        return SandboxInfo.model_validate(r.json())
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return SandboxInfo.model_validate(self._call("GET", f"/v1/sandboxes/{sandbox_id}").json())
+
+    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]:
+        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        return [SandboxInfo.model_validate(x)
+                for x in self._call("GET", "/v1/sandboxes", params=q).json()]
+
+    def kill(self, sandbox_id: str) -> None:
+        self._call("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    def pause(self, sandbox_id: str) -> dict[str, Any]:
+        out: dict[str, Any] = self._call("POST", f"/v1/sandboxes/{sandbox_id}/pause").json()
+        return out
+
+    def resume(self, sandbox_id: str) -> None:
+        self._call("POST", f"/v1/sandboxes/{sandbox_id}/resume")
+
+    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return list(self._call("POST", "/v1/bulk/pause", json={"labels": dict(labels or {})}
+                               ).json())
+
+    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return list(self._call("POST", "/v1/bulk/kill", json={"labels": dict(labels or {})}
+                               ).json())
+
+    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
+        try:
+            with self.client.stream("POST", f"/v1/sandboxes/{sandbox_id}/exec",
+                                    content=req.model_dump_json(),
+                                    headers={"content-type": "application/json"}) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    _check(r)
+                return parse_exec_stream(r.iter_lines(), on_stdout, on_stderr)
+        except httpx.TransportError as e:
+            raise BackendUnavailable(f"node agent {self.url}: {e}") from e
+
+    def read(self, sandbox_id: str, path: str) -> bytes:
+        return self._call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}
+                          ).content
+
+    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        self._call("PUT", f"/v1/sandboxes/{sandbox_id}/files",
+                   params={"path": path, "mode": mode}, content=data)
+
+    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        self._call("DELETE", f"/v1/sandboxes/{sandbox_id}/files",
+                   params={"path": path, "recursive": recursive})
+
+    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
+        return [FileInfo.model_validate(x) for x in self._call(
+            "GET", f"/v1/sandboxes/{sandbox_id}/files/list", params={"path": path}).json()]
+
+    def capabilities(self, backend: str) -> dict[str, Any]:
+        out: dict[str, Any] = self._call("GET", f"/v1/capabilities/{backend}").json()
+        return out
+
+
+_default: Node | None = None
+_default_lock = threading.Lock()
+
+
+def embedded_node() -> Node:
+    """The process-wide embedded Node (RuntimeConfig defaults and env)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Node()
+        return _default
+
+
+def resolve(node: str | Node | Transport | None, token: str | None = None) -> Transport:
+    if node is None:
+        node = os.environ.get("LAZYFS_NODE") or None
+    if node is None:
+        return Embedded(embedded_node())
+    if isinstance(node, Node):
+        return Embedded(node)
+    if isinstance(node, str):
+        return Http(node, token)
+    return node
+
+
+Factory = Callable[[], Transport]

@@ -1,0 +1,244 @@
+"""Sandbox commands: `lazyfs agent` (the node agent) and `lazyfs sandbox …`
+(create, run, exec, ls, pause, resume, kill) through the SDK, against a node
+agent (--node / LAZYFS_NODE) or the embedded runtime."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from runtime import Sandbox
+from runtime.config import RuntimeConfig
+from runtime.node import Node
+from runtime.spec import BACKENDS, NetworkPolicy, parse_rule
+
+from .config import Settings
+from .errors import QuietError
+
+
+def _config(settings: Settings, state: Path | None, node_root: Path | None) -> RuntimeConfig:
+    kw: dict[str, Any] = {"store": settings.store_path, "cluster": settings.cluster}
+    if state is not None:
+        kw["state_dir"] = state
+    if node_root is not None:
+        kw["node_root"] = node_root
+    return RuntimeConfig(**kw)
+
+
+def _node_option(f: Any) -> Any:
+    return click.option("--node", "node", metavar="URL", envvar="LAZYFS_NODE", default=None,
+                        help="Node agent: unix:///PATH or http://HOST:PORT [env LAZYFS_NODE; "
+                             "default: run sandboxes in this process].")(f)
+
+
+def _labels(items: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+        out[k] = v
+    return out
+
+
+def _target(settings: Settings, node: str | None) -> str | Node:
+    if node:
+        return node
+    embedded = Node(_config(settings, None, None))
+    click.get_current_context().call_on_close(embedded.close)  # fncall pools go with us
+    return embedded
+
+
+@click.command()
+@click.option("--socket", "socket", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Unix socket [default STATE/agent.sock].")
+@click.option("--listen", multiple=True, metavar="HOST:PORT",
+              help="Also listen on TCP (needs --token-file).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Bearer token for TCP clients (created with a random token if missing).")
+@click.option("--state", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Runtime state directory [default /run/lazyfs-runtime as root].")
+@click.option("--node-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The node's lazyfs daemon root [default /run/lazyfs as root].")
+@click.pass_obj
+def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
+          token_file: Path | None, state: Path | None, node_root: Path | None) -> None:
+    """Run the node agent: the HTTP API that creates and drives this node's
+    sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
+    a restarted agent finds them again."""
+    from runtime.agent.server import serve
+
+    token = None
+    if listen:
+        if token_file is None:
+            raise QuietError("--listen needs --token-file (TCP clients must authenticate)")
+        if not token_file.exists():
+            token_file.write_text(secrets.token_urlsafe(32) + "\n")
+            token_file.chmod(0o600)
+        token = token_file.read_text().strip()
+    config = _config(settings, state, node_root)
+    node = Node(config)
+    sock = socket or config.state_dir / "agent.sock"
+    try:
+        serve(node, socket=sock, listen=list(listen), token=token,
+              on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
+                                          + "".join(f" http://{a}" for a in listen), err=True))
+    finally:
+        node.close()
+
+
+@click.group()
+def sandbox() -> None:
+    """Create sandboxes and run commands in them."""
+
+
+def _create_options(f: Any) -> Any:
+    for opt in reversed([
+        click.option("--backend", type=click.Choice(BACKENDS), default="container",
+                     show_default=True),
+        click.option("--cpu", type=float, default=None, help="CPUs [1]."),
+        click.option("--memory-mb", type=int, default=None, help="Memory limit [1024]."),
+        click.option("--disk-mb", type=int, default=None,
+                     help="Writable layer size (tmpfs) [unlimited, on local disk]."),
+        click.option("--timeout", "lifetime", type=float, default=None,
+                     help="Sandbox lifetime in seconds [3600]."),
+        click.option("--allow", multiple=True, metavar="ADDR[:PORT][/PROTO]",
+                     help="Allow network to this destination (default: no network)."),
+        click.option("--label", "labels", multiple=True, metavar="KEY=VALUE"),
+        click.option("--env", "env", multiple=True, metavar="NAME=VALUE"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _create(settings: Settings, node: str | None, image: str, backend: str, cpu: float | None,
+            memory_mb: int | None, disk_mb: int | None, lifetime: float | None,
+            allow: tuple[str, ...], labels: tuple[str, ...], env: tuple[str, ...]) -> Sandbox:
+    try:
+        network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--allow") from e
+    return Sandbox.create(image, backend=backend, cpu=cpu, memory_mb=memory_mb,  # type: ignore[arg-type]
+                          disk_mb=disk_mb, timeout=lifetime, network=network,
+                          labels=_labels(labels), env=_labels(env),
+                          node=_target(settings, node))
+
+
+def _stream(sb: Sandbox, cmd: tuple[str, ...], timeout: float) -> int:
+    def out(b: bytes) -> None:
+        sys.stdout.buffer.write(b)
+        sys.stdout.buffer.flush()
+
+    def err(b: bytes) -> None:
+        sys.stderr.buffer.write(b)
+        sys.stderr.buffer.flush()
+
+    r = sb.exec(list(cmd), timeout=timeout, on_stdout=out, on_stderr=err)
+    return r.exit_code
+
+
+@sandbox.command(context_settings={"ignore_unknown_options": True})
+@_node_option
+@_create_options
+@click.option("--keep", is_flag=True, help="Keep the sandbox (print its id) instead of killing it.")
+@click.option("--exec-timeout", type=float, default=600.0, show_default=True)
+@click.argument("image")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def run(settings: Settings, /, node: str | None, image: str, cmd: tuple[str, ...], keep: bool,
+        exec_timeout: float, **create: Any) -> None:
+    """Create a sandbox from IMAGE, run CMD in it (output streamed), kill it.
+    Exits with CMD's exit code.   lazyfs sandbox run demo:busybox -- ls /"""
+    sb = _create(settings, node, image, **create)
+    try:
+        code = _stream(sb, cmd, exec_timeout)
+    finally:
+        if keep:
+            click.echo(sb.id, err=True)
+        else:
+            sb.kill()
+    sys.exit(code)
+
+
+@sandbox.command()
+@_node_option
+@_create_options
+@click.argument("image")
+@click.pass_obj
+def create(settings: Settings, /, node: str | None, image: str, **create: Any) -> None:
+    """Create a sandbox and print its id."""
+    click.echo(_create(settings, node, image, **create).id)
+
+
+@sandbox.command("exec", context_settings={"ignore_unknown_options": True})
+@_node_option
+@click.option("--timeout", type=float, default=600.0, show_default=True)
+@click.argument("sandbox_id")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def exec_(settings: Settings, node: str | None, sandbox_id: str, cmd: tuple[str, ...],
+          timeout: float) -> None:
+    """Run CMD in sandbox SANDBOX_ID; exits with its exit code."""
+    sys.exit(_stream(Sandbox.connect(sandbox_id, node=_target(settings, node)), cmd, timeout))
+
+
+@sandbox.command("ls")
+@_node_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def ls(settings: Settings, node: str | None, labels: tuple[str, ...], as_json: bool) -> None:
+    """List sandboxes (optionally by label)."""
+    boxes = Sandbox.list(_labels(labels), node=_target(settings, node))
+    if as_json:
+        click.echo(json.dumps([b.info.model_dump(mode="json") for b in boxes], indent=1))
+        return
+    for b in boxes:
+        s = b.info.spec
+        click.echo(f"{b.id}  {b.info.state:8}  {s.backend:9}  {s.image}  "
+                   + " ".join(f"{k}={v}" for k, v in s.labels.items()))
+
+
+@sandbox.command()
+@_node_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@click.argument("ids", nargs=-1)
+@click.pass_obj
+def kill(settings: Settings, node: str | None, labels: tuple[str, ...],
+         ids: tuple[str, ...]) -> None:
+    """Kill sandboxes by id or by label."""
+    target = _target(settings, node)
+    if labels:
+        for i in Sandbox.kill_many(_labels(labels), node=target):
+            click.echo(f"killed {i}")
+    for i in ids:
+        Sandbox.connect(i, node=target).kill()
+        click.echo(f"killed {i}")
+
+
+@sandbox.command()
+@_node_option
+@click.argument("sandbox_id")
+@click.pass_obj
+def pause(settings: Settings, node: str | None, sandbox_id: str) -> None:
+    """Freeze a sandbox and reclaim its page cache; prints memory before/after."""
+    f = Sandbox.connect(sandbox_id, node=_target(settings, node)).pause()
+    mb = 1 << 20
+    click.echo(f"paused {sandbox_id}: rss {f['before']['rss'] / mb:.1f} MB, cache "
+               f"{f['before']['cache'] / mb:.1f} → {f['after']['cache'] / mb:.1f} MB")
+
+
+@sandbox.command()
+@_node_option
+@click.argument("sandbox_id")
+@click.pass_obj
+def resume(settings: Settings, node: str | None, sandbox_id: str) -> None:
+    """Thaw a paused sandbox."""
+    Sandbox.connect(sandbox_id, node=_target(settings, node)).resume()
+
+
