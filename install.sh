@@ -16,7 +16,7 @@ cd "$(dirname "$0")"
 #   fuse3, libfuse3-dev, pkg-config: the lazyfs FUSE daemon (pyfuse3 builds against libfuse3)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
               docker-registry apache2-utils openssl debootstrap docker.io git
-              fuse3 libfuse3-dev pkg-config)
+              fuse3 libfuse3-dev pkg-config erofs-utils)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -5,6 +5,8 @@ through the node cache.
     /                      the node mount (e.g. /run/lazyfs/mnt)
     /layers/               one directory per layer digest in the catalog
     /layers/<digest>/...   the layer's tree, as overlayfs wants a lower
+    /blobs/<digest>.data   the layer's data as one flat file: the data device
+                           of its EROFS image (pmem/erofs.py, lazyfs/blob.py)
 
 Layers are loaded on first lookup and stay loaded (inode numbers must stay
 stable while the kernel caches them). Everything is immutable, so entries and
@@ -41,6 +43,7 @@ from composer.catalog import ImageCatalog
 from composer.errors import ComposerError
 from composer.manifest import Kind
 
+from .blob import LayerBlob, blob_name, digest_of
 from .trace import Tracer
 from .tree import LayerTree
 
@@ -48,7 +51,8 @@ log = logging.getLogger(__name__)
 
 ROOT = pyfuse3.ROOT_INODE
 LAYERS = ROOT + 1
-FIRST_BASE = LAYERS  # the first layer's entries start at inode LAYERS + 1
+BLOBS = ROOT + 2
+FIRST_BASE = BLOBS  # the first layer's entries start at inode BLOBS + 1
 
 
 @dataclass
@@ -61,6 +65,11 @@ class Options:
     hot_bytes: int = 32 << 20  # recently read chunks kept in memory (a 256 KiB chunk
     # serves two 128 KiB FUSE reads; the second should not go to a thread)
     cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)
+    # blob files bypass the FUSE page cache: the kernel EROFS mount over a blob
+    # caches file pages itself (one copy, not two), and FUSE readahead on the
+    # blob would fetch the neighbouring files' chunks. Off for users that must
+    # mmap a blob (FUSE refuses shared mmap of direct_io files).
+    blob_direct_io: bool = True
 
 
 @dataclass
@@ -70,6 +79,12 @@ class _Handle:
     mount: str
     next_offset: int = -1
     prefetched_to: int = -1
+
+
+@dataclass
+class _BlobHandle:
+    blob: LayerBlob
+    mount: str
 
 
 @dataclass
@@ -96,7 +111,9 @@ class LazyFS(pyfuse3.Operations):
         self.by_digest: dict[str, LayerTree] = {}
         self._next_base = FIRST_BASE
         self._loading: dict[str, trio.Event] = {}
-        self._handles: dict[int, _Handle | _Dir] = {}
+        self._handles: dict[int, _Handle | _BlobHandle | _Dir] = {}
+        self.blobs: dict[str, LayerBlob] = {}  # digest -> blob, built on first lookup
+        self._blob_loading: dict[str, trio.Event] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_fh = 1
         self._hot: collections.OrderedDict[tuple[str, bytes], bytes] = collections.OrderedDict()
@@ -125,6 +142,8 @@ class LazyFS(pyfuse3.Operations):
         try:
             manifest = await trio.to_thread.run_sync(self.catalog.load_layer, digest)
             tree = LayerTree.build(digest, manifest, self._next_base)
+            # entries take base+1 .. base+n; base+n+1 (the next layer's base,
+            # never an entry) is this layer's blob file
             self._next_base += len(tree.entries) + 1
             self.trees[tree.base] = tree
             self._bases.append(tree.base)  # increasing: bases only grow
@@ -142,6 +161,37 @@ class LazyFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return tree
 
+    async def blob(self, digest: str) -> LayerBlob:
+        """A layer's blob, its layout computed once (in a thread: a large
+        layer takes a moment), however many ask."""
+        blob = self.blobs.get(digest)
+        if blob is not None:
+            return blob
+        tree = await self.layer(digest)
+        ev = self._blob_loading.get(digest)
+        if ev is not None:
+            await ev.wait()
+            blob = self.blobs.get(digest)
+            if blob is None:
+                raise pyfuse3.FUSEError(errno.EIO)
+            return blob
+        ev = self._blob_loading[digest] = trio.Event()
+        try:
+            blob = await trio.to_thread.run_sync(LayerBlob.build, tree)
+            self.blobs[digest] = blob
+            return blob
+        finally:
+            del self._blob_loading[digest]
+            ev.set()
+
+    def _blob_of(self, inode: int) -> LayerBlob | None:
+        """The blob whose file is this inode, if it is one."""
+        k = bisect.bisect_right(self._bases, inode - 1) - 1
+        tree = self.trees.get(self._bases[k]) if k >= 0 else None
+        if tree is None or inode != tree.base + len(tree.entries) + 1:
+            return None
+        return self.blobs.get(tree.digest)
+
     # -- attributes -----------------------------------------------------------
 
     def _dir_attr(self, inode: int, nlink: int = 2) -> pyfuse3.EntryAttributes:
@@ -153,6 +203,19 @@ class LazyFS(pyfuse3.Operations):
         t = int(self.started * 1e9)
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
         a.entry_timeout = a.attr_timeout = 1.0  # `layers/` grows as images arrive
+        return a
+
+    def _blob_attr(self, blob: LayerBlob) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = blob.inode
+        a.st_mode = stat.S_IFREG | 0o444
+        a.st_nlink = 1
+        a.st_size = blob.size
+        a.st_blksize = 128 << 10
+        a.st_blocks = blob.size // 512
+        t = int(self.started * 1e9)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
+        a.entry_timeout = a.attr_timeout = self.options.cache_timeout
         return a
 
     def _attr(self, tree: LayerTree, i: int) -> pyfuse3.EntryAttributes:
@@ -175,9 +238,12 @@ class LazyFS(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
                       ) -> pyfuse3.EntryAttributes:
         if inode == ROOT:
-            return self._dir_attr(ROOT, 3)
-        if inode == LAYERS:
-            return self._dir_attr(LAYERS)
+            return self._dir_attr(ROOT, 4)
+        if inode in (LAYERS, BLOBS):
+            return self._dir_attr(inode)
+        blob = self._blob_of(inode)
+        if blob is not None:
+            return self._blob_attr(blob)
         tree = self._tree_of(inode)
         return self._attr(tree, tree.index(inode))
 
@@ -186,22 +252,25 @@ class LazyFS(pyfuse3.Operations):
         if parent_inode == ROOT:
             if name == b"layers":
                 return self._dir_attr(LAYERS)
+            if name == b"blobs":
+                return self._dir_attr(BLOBS)
             raise pyfuse3.FUSEError(errno.ENOENT)
         if parent_inode == LAYERS:
-            digest = name.decode("utf-8", "replace")
-            if digest in self.by_digest:
-                tree = self.by_digest[digest]
-                return self._attr(tree, tree.root_index)
+            tree = await self._lookup_layer(name.decode("utf-8", "replace"))
+            return self._attr(tree, tree.root_index)
+        if parent_inode == BLOBS:
+            digest = digest_of(name)
+            if digest is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            await self._lookup_layer(digest)
             try:
-                if not await trio.to_thread.run_sync(self.catalog.has_layer, digest):
-                    raise pyfuse3.FUSEError(errno.ENOENT)
-                tree = await self.layer(digest)
+                blob = await self.blob(digest)
             except pyfuse3.FUSEError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a failing store must not end the session
-                log.error("layer %s cannot be loaded: %s", digest, e)
+            except Exception as e:  # noqa: BLE001 - a bad manifest must not end the session
+                log.error("blob of layer %s cannot be laid out: %s", digest, e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
-            return self._attr(tree, tree.root_index)
+            return self._blob_attr(blob)
         tree = self._tree_of(parent_inode)
         kids = tree.children.get(tree.index(parent_inode))
         if kids is None:
@@ -210,6 +279,20 @@ class LazyFS(pyfuse3.Operations):
         if j is None:
             return self._negative()
         return self._attr(tree, j)
+
+    async def _lookup_layer(self, digest: str) -> LayerTree:
+        tree = self.by_digest.get(digest)
+        if tree is not None:
+            return tree
+        try:
+            if not await trio.to_thread.run_sync(self.catalog.has_layer, digest):
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return await self.layer(digest)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failing store must not end the session
+            log.error("layer %s cannot be loaded: %s", digest, e)
+            raise pyfuse3.FUSEError(errno.EIO) from None
 
     def _negative(self) -> pyfuse3.EntryAttributes:
         """A cacheable "no such entry" (inode 0): the kernel keeps the negative
@@ -232,14 +315,14 @@ class LazyFS(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         d = _Dir()
         if inode == ROOT:
-            d.names, d.inodes = [b"layers"], [LAYERS]
-        elif inode == LAYERS:
+            d.names, d.inodes = [b"blobs", b"layers"], [BLOBS, LAYERS]
+        elif inode in (LAYERS, BLOBS):
             try:
                 digests = await trio.to_thread.run_sync(self.catalog.list_layers)
             except Exception as e:  # noqa: BLE001 - a failing store must not end the session
                 log.error("cannot list layers: %s", e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
-            d.names = [x.encode() for x in digests]
+            d.names = [(x if inode == LAYERS else blob_name(x)).encode() for x in digests]
         else:
             tree = self._tree_of(inode)
             i = tree.index(inode)
@@ -261,7 +344,7 @@ class LazyFS(pyfuse3.Operations):
             try:
                 attr = await self.lookup(parent, name)
             except pyfuse3.FUSEError:
-                if parent == LAYERS:
+                if parent in (LAYERS, BLOBS):
                     continue  # a layer that cannot load must not hide the others
                 raise
             if not pyfuse3.readdir_reply(token, name, attr, k + 1):
@@ -280,6 +363,14 @@ class LazyFS(pyfuse3.Operations):
                    ) -> pyfuse3.FileInfo:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
+        blob = self._blob_of(inode)
+        if blob is not None:
+            fh = self._next_fh
+            self._next_fh += 1
+            self._handles[fh] = _BlobHandle(blob, self.attribute(ctx.pid))
+            if self.options.blob_direct_io:
+                return pyfuse3.FileInfo(fh=fh, direct_io=True)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=self.options.keep_cache)
         tree = self._tree_of(inode)
         i = tree.target[tree.index(inode)]
         if tree.entries[i].kind != Kind.FILE:
@@ -295,33 +386,16 @@ class LazyFS(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self._handles.get(fh)
+        if isinstance(h, _BlobHandle):
+            return await self._read_blob(h, off, size)
         if not isinstance(h, _Handle):
             raise pyfuse3.FUSEError(errno.EBADF)
         data = h.tree.file_data(h.index)
         span = data.span(off, size)
         if not span:
             return b""
-        ids = [data.ids[k] for k in span]
-        wanted = [c for c in ids if c is not None]
-        dom = str(h.tree.domain)
-        hot = {c: d for c in wanted if (d := self._hot_get(dom, c)) is not None}
-        cold = [c for c in wanted if c not in hot]
-        hits = len(hot) + sum(1 for c in cold if self.cache.contains(c, h.tree.domain))
-        t0 = time.perf_counter()
-        got = await self._fetch(h.tree, h.index, cold, foreground=True)
-        for c, d in zip(cold, got, strict=True):
-            hot[c] = d
-            self._hot_put(dom, c, d)
-        self.tracer.read(h.tree, h.index, span, h.mount, time.perf_counter() - t0,
-                         hits=hits, misses=len(wanted) - hits)
-        parts = []
-        for k, cid in zip(span, ids, strict=True):
-            parts.append(hot[cid] if cid is not None else bytes(data.lengths[k]))
-        start = off - data.starts[span[0]]
-        length = min(size, data.size - off)
-        # one chunk (the common case): a view, no copy; pyfuse3 takes any buffer
-        blob = memoryview(parts[0]) if len(parts) == 1 else memoryview(b"".join(parts))
-        out = blob[start:start + length]
+        [out] = await self._read_ranges(h.tree, [(h.index, off, size)], h.mount,
+                                        h.tree.entries[h.index].path)
         # sequential reading: fetch what comes next in the background
         if self.options.readahead_chunks and self.nursery is not None:
             if off == h.next_offset and span[-1] + 1 < len(data.ids):
@@ -333,6 +407,65 @@ class LazyFS(pyfuse3.Operations):
                     self.nursery.start_soon(self._prefetch, h.tree, h.index, ahead)
             h.next_offset = off + len(out)
         return out  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
+
+    async def _read_blob(self, h: _BlobHandle, off: int, size: int) -> bytes:
+        """Blob bytes: the files behind the range (fetched together, traced
+        as reads of those files) and zeros for padding and holes."""
+        tree = h.blob.tree
+        pieces = h.blob.pieces(off, size)
+        ranges = [(p.entry, p.file_offset, p.length) for p in pieces if p.entry >= 0]
+        for i, _, _ in ranges:
+            self.tracer.opened(tree, i, h.mount)
+        paths = [tree.entries[i].path for i, _, _ in ranges[:3]] + ["..."] * (len(ranges) > 3)
+        what = f"blob bytes {off}+{size} ({', '.join(paths)})"
+        views = iter(await self._read_ranges(tree, ranges, h.mount, what) if ranges else [])
+        if len(pieces) == 1 and ranges:
+            return next(views)  # type: ignore[return-value]  # any contiguous buffer will do
+        return b"".join(next(views) if p.entry >= 0 else bytes(p.length) for p in pieces)
+
+    async def _read_ranges(self, tree: LayerTree, ranges: list[tuple[int, int, int]], mount: str,
+                           what: str) -> list[memoryview]:
+        """The bytes of (entry index, offset, size) file ranges of one layer,
+        each chunk fetched once (hot set, node cache, then the store); every
+        range is traced as a read of its file."""
+        dom = str(tree.domain)
+        spans: list[range] = []
+        wanted: dict[ChunkId, None] = {}  # ordered, each chunk once
+        for i, off, size in ranges:
+            data = tree.file_data(i)
+            span = data.span(off, size)
+            spans.append(span)
+            for k in span:
+                cid = data.ids[k]
+                if cid is not None:
+                    wanted[cid] = None
+        hot = {c: d for c in wanted if (d := self._hot_get(dom, c)) is not None}
+        cold = [c for c in wanted if c not in hot]
+        hits = len(hot) + sum(1 for c in cold if self.cache.contains(c, tree.domain))
+        t0 = time.perf_counter()
+        got = await self._fetch(tree, what, cold, foreground=True)
+        for c, d in zip(cold, got, strict=True):
+            hot[c] = d
+            self._hot_put(dom, c, d)
+        latency = time.perf_counter() - t0
+        out: list[memoryview] = []
+        for n, ((i, off, size), span) in enumerate(zip(ranges, spans, strict=True)):
+            data = tree.file_data(i)
+            self.tracer.read(tree, i, span, mount, latency, hits=hits if n == 0 else 0,
+                             misses=len(wanted) - hits if n == 0 else 0)
+            if not span:
+                out.append(memoryview(b""))
+                continue
+            parts = []
+            for k in span:
+                cid = data.ids[k]
+                parts.append(hot[cid] if cid is not None else bytes(data.lengths[k]))
+            start = off - data.starts[span[0]]
+            length = min(size, data.size - off)
+            # one chunk (the common case): a view, no copy; pyfuse3 takes any buffer
+            buf = memoryview(parts[0]) if len(parts) == 1 else memoryview(b"".join(parts))
+            out.append(buf[start:start + length])
+        return out
 
     def _hot_get(self, dom: str, cid: ChunkId) -> bytes | None:
         d = self._hot.get((dom, cid))
@@ -354,7 +487,7 @@ class LazyFS(pyfuse3.Operations):
         self._hot.clear()
         self._hot_size = 0
 
-    async def _fetch(self, tree: LayerTree, i: int, ids: list[ChunkId], *,
+    async def _fetch(self, tree: LayerTree, what: str, ids: list[ChunkId], *,
                      foreground: bool) -> list[bytes]:
         if not ids:
             return []
@@ -366,12 +499,12 @@ class LazyFS(pyfuse3.Operations):
                                       wait_timeout=self.options.fetch_timeout),
                     limiter=limit, abandon_on_cancel=True)
         except (trio.TooSlowError, TimeoutError):
-            log.error("read of %s in layer %s: fetch timed out after %gs", tree.entries[i].path,
+            log.error("read of %s in layer %s: fetch timed out after %gs", what,
                       tree.digest, self.options.fetch_timeout)
             self.tracer.error()
             raise pyfuse3.FUSEError(errno.EIO) from None
         except Exception as e:  # noqa: BLE001 - whatever the store raised: EIO
-            log.error("read of %s in layer %s failed: %s", tree.entries[i].path, tree.digest, e)
+            log.error("read of %s in layer %s failed: %s", what, tree.digest, e)
             self.tracer.error()
             raise pyfuse3.FUSEError(errno.EIO) from None
 
@@ -380,7 +513,7 @@ class LazyFS(pyfuse3.Operations):
         if not missing:
             return
         try:
-            got = await self._fetch(tree, i, missing, foreground=False)
+            got = await self._fetch(tree, tree.entries[i].path, missing, foreground=False)
             self.tracer.prefetched(len(missing))
         except pyfuse3.FUSEError:
             return  # a foreground read will report it
@@ -432,7 +565,7 @@ class LazyFS(pyfuse3.Operations):
 
     async def _fetch_batch(self, tree: LayerTree, ids: list[ChunkId]) -> None:
         try:
-            await self._fetch(tree, tree.root_index, ids, foreground=False)
+            await self._fetch(tree, "a recorded trace", ids, foreground=False)
             self.tracer.prefetched(len(ids))
         except pyfuse3.FUSEError:
             pass
@@ -440,7 +573,7 @@ class LazyFS(pyfuse3.Operations):
     # -- xattrs, statfs ---------------------------------------------------------
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if inode in (ROOT, LAYERS):
+        if inode in (ROOT, LAYERS, BLOBS) or self._blob_of(inode) is not None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         tree = self._tree_of(inode)
         value = tree.xattrs(tree.target[tree.index(inode)]).get(
@@ -450,7 +583,7 @@ class LazyFS(pyfuse3.Operations):
         return value
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        if inode in (ROOT, LAYERS):
+        if inode in (ROOT, LAYERS, BLOBS) or self._blob_of(inode) is not None:
             return []
         tree = self._tree_of(inode)
         names = tree.listed_xattrs(tree.target[tree.index(inode)])

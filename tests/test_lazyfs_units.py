@@ -70,3 +70,14 @@ def test_fixups_take_metadata_from_the_layer_that_listed_the_directory() -> None
     fixes = {e.path: e for e in overlay_fixups([base, tk])}
     assert set(fixes) == {"", "opt"}
     assert (fixes["opt"].mode, fixes["opt"].uid, fixes["opt"].mtime_ns) == (0o700, 7, 9)
+
+
+def test_a_layer_blob_takes_the_inode_its_range_leaves_free() -> None:
+    from lazyfs.blob import LayerBlob, blob_name, digest_of
+    m = _layer(Entry("f", Kind.FILE, 0o644))
+    tree = LayerTree.build("blake3:t", m, 3)
+    blob = LayerBlob.build(tree)
+    assert blob.inode == tree.base + len(tree.entries) + 1  # the next layer's base
+    assert all(tree.inode(i) != blob.inode for i in range(len(tree.entries)))
+    assert digest_of(blob_name("blake3:t").encode()) == "blake3:t"
+    assert digest_of(b".data") is None and digest_of(b"blake3:t") is None
