@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -79,8 +80,12 @@ def exists(sandbox_id: str) -> bool:
     return path("memory", sandbox_id).is_dir()
 
 
-def remove_empty(sandbox_id: str) -> None:
-    """rmdir what runc may leave when a container died under it."""
+def remove_empty(sandbox_id: str, wait: float = 5.0) -> None:
+    """rmdir what runc leaves when the sandbox's processes were still dying
+    as it deleted the container (the kernel refuses while tasks remain)."""
+    deadline = time.monotonic() + wait
+    while pids(sandbox_id) and time.monotonic() < deadline:
+        time.sleep(0.01)
     for controller in os.listdir(CGROUP_ROOT):
         p = CGROUP_ROOT / controller / PARENT / sandbox_id
         try:

@@ -112,11 +112,11 @@ class Sandbox:
     @classmethod
     def create(cls, image: str, *, backend: Backend = "container", cpu: float | None = None,
                memory_mb: int | None = None, disk_mb: int | None = None,
-               timeout: float | None = None, idle_timeout: float | None = None,
+               pids: int | None = None, timeout: float | None = None, idle_timeout: float | None = None,
                network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
                labels: Mapping[str, str] | None = None, qos: str | None = None,
                workdir: str | None = None, node: NodeRef = None) -> Sandbox:
-        spec = _spec(image, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb,
+        spec = _spec(image, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, network=network,
                      env=dict(env) if env else None, labels=dict(labels) if labels else None,
                      qos=qos, workdir=workdir)

@@ -32,7 +32,7 @@ from lazyfs.mounts import MountError, mount_image, unmount
 
 from .. import cgroups, oci, procio
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable, SandboxError, SandboxStateError
+from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
 from ..files import SandboxFiles
 from ..images import Images
 from ..native import sandbox_init
@@ -184,30 +184,50 @@ class ContainerBackend:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out = procio.run(proc, stdin=req.stdin, timeout=req.timeout,
                              max_output=req.max_output_bytes,
-                             stop=lambda: self._kill_tree(h, pidf), on_stdout=on_stdout,
+                             stop=lambda: self._kill_tree(h, pidf, proc.pid), on_stdout=on_stdout,
                              on_stderr=on_stderr)
             oom = cgroups.oom_kills(h.id) > ooms
         code = out.returncode  # runc reports a signal N as 128+N, as shells do
-        if code == 255 and not out.stdout and out.stderr.startswith(b"time="):
-            raise SandboxStateError("runc exec failed: "
-                                    + bytes(out.stderr).decode(errors="replace")[-300:])
+        if code == 255 and b'level=error msg="exec failed' in out.stderr:
+            self._exec_failed(h, bytes(out.stderr))
         return ExecResult(exit_code=code, stdout=bytes(out.stdout), stderr=bytes(out.stderr),
                           duration=out.duration, truncated=out.truncated,
                           timed_out=out.timed_out, oom_killed=oom and code == 128 + signal.SIGKILL)
 
-    def _kill_tree(self, h: Handle, pidf: Path) -> None:
-        """Kill the command started through pidf and everything it started:
-        freeze the sandbox so nothing forks meanwhile, kill, thaw."""
+    def _exec_failed(self, h: Handle, stderr: bytes) -> None:
+        """runc could not start the command: say why in one line (runc's own
+        output can be a Go panic dump when the sandbox cannot fork)."""
+        msg = stderr.decode(errors="replace").rsplit('msg="', 1)[-1].rstrip().rstrip('"')
+        limit = cgroups.path("pids", h.id) / "pids.max"
+        try:
+            at_limit = len(cgroups.pids(h.id)) >= int(limit.read_text())
+        except (OSError, ValueError):
+            at_limit = False
+        if at_limit:
+            raise QuotaExceeded(f"{h.id} is at its process limit (pids={h.spec.pids}); "
+                                f"the command could not start ({msg})")
+        if self.status(h) == "paused":
+            raise SandboxStateError(f"{h.id} is paused: {msg}")
+        raise SandboxError(f"runc could not start the command in {h.id}: {msg}")
+
+    def _kill_tree(self, h: Handle, pidf: Path, runc_pid: int) -> None:
+        """Kill the command started through pidf and everything it started
+        (its descendants, its session, and whatever still holds its output
+        pipes, such as a double-forked daemon): freeze the sandbox so nothing
+        forks meanwhile, kill, thaw."""
         try:
             leader = int(pidf.read_text())
         except (OSError, ValueError):
             return
+        # runc exec relays the command's stdio through pipes of its own: any
+        # process of the sandbox holding one of them belongs to this exec
+        pipes = {link for link in _fd_links(runc_pid) if link.startswith("pipe:")}
         freezer = cgroups.path("freezer", h.id) / "freezer.state"
         was_frozen = freezer.read_text().strip() == "FROZEN"
         if not was_frozen:
             freezer.write_text("FROZEN")
         try:
-            for pid in _tree(leader, cgroups.pids(h.id)):
+            for pid in _tree(leader, cgroups.pids(h.id), pipes):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -220,8 +240,27 @@ class ContainerBackend:
         return SandboxFiles(h.state["rootfs"])
 
 
-def _tree(leader: int, members: list[int]) -> list[int]:
-    """The processes among `members` in leader's session or descending from it."""
+def _fd_links(pid: int) -> list[str]:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return out
+
+
+def _holds(pid: int, pipes: set[str]) -> bool:
+    return any(link in pipes for link in _fd_links(pid))
+
+
+def _tree(leader: int, members: list[int], pipes: set[str]) -> list[int]:
+    """The processes among `members` in leader's session, descending from it,
+    or holding one of its output pipes."""
     parent, session = {}, {}
     for pid in members:
         try:
@@ -230,8 +269,10 @@ def _tree(leader: int, members: list[int]) -> list[int]:
             parent[pid], session[pid] = int(fields[1]), int(fields[3])
         except (OSError, IndexError, ValueError):
             continue
-    out = []
+    out = [pid for pid in parent if _holds(pid, pipes)]
     for pid in parent:
+        if pid in out:
+            continue
         p, seen = pid, 0
         while p in parent and seen < 4096:
             if p == leader or session.get(p) == leader:

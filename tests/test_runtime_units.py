@@ -1,0 +1,169 @@
+"""Runtime pieces that need no root: specs and their errors, the OCI config,
+the seccomp and nftables policies, openat2-confined file access, and output
+capture with caps and deadlines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import landlock, oci, procio
+from runtime.backends import capabilities
+from runtime.backends.netpolicy import addresses, ruleset
+from runtime.errors import BackendUnavailable, FileError, InvalidSpec
+from runtime.files import SandboxFiles
+from runtime.seccomp import CLONE_NS_FLAGS, DENIED, oci_section
+from runtime.spec import ExecRequest, NetworkPolicy, SandboxSpec, build, command, parse, parse_rule
+
+
+def test_spec_errors_name_the_field() -> None:
+    with pytest.raises(InvalidSpec, match="memory_mb"):
+        build(SandboxSpec, image="x", memory_mb=1)
+    with pytest.raises(InvalidSpec, match="backend"):
+        build(SandboxSpec, image="x", backend="kvm")
+    with pytest.raises(InvalidSpec, match="gpu"):
+        build(SandboxSpec, image="x", gpu=1)
+    with pytest.raises(InvalidSpec, match="env"):
+        build(SandboxSpec, image="x", env={"A=B": "c"})
+    with pytest.raises(InvalidSpec, match="labels"):
+        build(SandboxSpec, image="x", labels={"": "v"})
+    with pytest.raises(InvalidSpec, match="timeout"):
+        build(ExecRequest, cmd=("true",), timeout=0)
+    with pytest.raises(InvalidSpec, match="cmd"):
+        build(ExecRequest, cmd=())
+    with pytest.raises(InvalidSpec):
+        parse(SandboxSpec, b'{"image": "x", "cpu": "lots"}')
+
+
+def test_commands_and_rules() -> None:
+    assert command("echo hi | wc") == ("/bin/sh", "-c", "echo hi | wc")
+    assert command(["ls", "-l"]) == ("ls", "-l")
+    assert parse_rule("10.0.0.5:3128").port == 3128
+    r = parse_rule("192.168.1.0/24:53/udp")
+    assert (r.cidr, r.port, r.protocol) == ("192.168.1.0/24", 53, "udp")
+    assert parse_rule("10.1.2.3").port is None
+    with pytest.raises(ValueError, match="not an address"):
+        parse_rule("mirror.example:80")
+
+
+def test_exec_result_bytes_survive_json() -> None:
+    from runtime.spec import ExecResult
+    r = ExecResult(exit_code=0, stdout=bytes(range(256)), stderr=b"\xff", duration=0.1)
+    assert ExecResult.model_validate_json(r.model_dump_json()) == r
+
+
+def test_oci_config_confines_the_sandbox(tmp_path: Path) -> None:
+    spec = SandboxSpec(image="x", cpu=0.5, memory_mb=256, pids=64, env={"A": "1"},
+                       qos="best_effort")
+    c = oci.config("sb-1", spec, tmp_path / "rootfs", tmp_path / "init")
+    ns = {n["type"] for n in c["linux"]["namespaces"]}
+    assert ns == {"pid", "ipc", "uts", "mount", "cgroup", "network"}
+    binds = [m for m in c["mounts"] if m["type"] == "bind"]
+    assert binds == [{"destination": oci.INIT_PATH, "type": "bind",
+                      "source": str(tmp_path / "init"),
+                      "options": ["bind", "ro", "nosuid", "nodev"]}]
+    caps = set(c["process"]["capabilities"]["bounding"])
+    assert "CAP_SYS_ADMIN" not in caps and "CAP_NET_ADMIN" not in caps
+    assert "CAP_NET_RAW" not in caps and "CAP_MKNOD" not in caps
+    assert c["process"]["noNewPrivileges"] is True
+    assert "/proc/kcore" in c["linux"]["maskedPaths"]
+    res = c["linux"]["resources"]
+    assert res["memory"]["limit"] == 256 << 20
+    assert res["cpu"]["quota"] == 50_000 and res["pids"]["limit"] == 64
+    assert c["process"]["args"][-1] == "-i"  # best effort: SCHED_IDLE
+    assert "A=1" in c["process"]["env"]
+
+
+def test_seccomp_denies_namespace_flags_one_rule_each() -> None:
+    s = oci_section()
+    assert s["defaultAction"] == "SCMP_ACT_ALLOW"
+    assert {"mount", "unshare", "bpf", "kexec_load", "open_by_handle_at"} <= set(DENIED)
+    clone_rules = [r for r in s["syscalls"] if r["names"] == ["clone"]]
+    bits = sorted(r["args"][0]["value"] for r in clone_rules)
+    assert sum(bits) == CLONE_NS_FLAGS and all(b & (b - 1) == 0 for b in bits)
+    assert all(r["args"][0]["valueTwo"] == r["args"][0]["value"] for r in clone_rules)
+
+
+def test_nft_ruleset_allows_only_listed_destinations() -> None:
+    text = ruleset(NetworkPolicy.allow_only("10.0.0.5:3128", "192.168.0.0/16:53/udp"))
+    assert "policy drop" in text and 'oifname "lo" accept' in text
+    assert "ip daddr 10.0.0.5/32 tcp dport 3128 accept" in text
+    assert "ip daddr 192.168.0.0/16 udp dport 53 accept" in text
+    assert text.rstrip().endswith("}")
+    host, sb = addresses("sb-1")
+    assert host.startswith("10.203.") and sb.startswith("10.203.") and host != sb
+
+
+def test_capabilities_say_what_each_backend_does() -> None:
+    assert "files" in capabilities("container") and "pause" in capabilities("container")
+    assert "exec" in capabilities("fncall") and "files" not in capabilities("fncall")
+    assert "exec" not in capabilities("microvm")
+    assert "issue 8" in capabilities("vm").notes
+    with pytest.raises(BackendUnavailable, match="unknown backend"):
+        capabilities("kvm")
+
+
+def test_files_never_leave_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "motd").write_text("inside\n")
+    secret = tmp_path / "secret"
+    secret.write_text("host secret\n")
+    (root / "abs").symlink_to("/etc")        # absolute: the sandbox's /etc
+    (root / "up").symlink_to("../../../..")  # climbs: stops at the root
+    (root / "out").symlink_to(str(secret))   # the host path, as the sandbox sees it
+    f = SandboxFiles(root)
+    assert f.read("/abs/motd") == b"inside\n"
+    assert f.read("/up/etc/motd") == b"inside\n"
+    assert f.read("/../../etc/motd") == b"inside\n"
+    with pytest.raises(FileError, match="No such file"):
+        f.read("/out")
+    f.write("/up/new/dir/file.txt", b"data", mode=0o600)
+    assert (root / "new" / "dir" / "file.txt").read_bytes() == b"data"
+    assert (root / "new" / "dir" / "file.txt").stat().st_mode & 0o777 == 0o600
+    f.write("/abs/motd", b"changed\n")
+    assert (root / "etc" / "motd").read_text() == "changed\n"
+    assert secret.read_text() == "host secret\n"
+    names = [e.name for e in f.list("/")]
+    assert names == sorted(["abs", "etc", "new", "out", "up"])
+    assert [e.type for e in f.list("/") if e.name == "abs"] == ["symlink"]
+    f.remove("/new", recursive=True)
+    assert not (root / "new").exists()
+    with pytest.raises(FileError, match="runtime's"):
+        f.read("/proc/self/environ")
+    with pytest.raises(FileError, match="absolute"):
+        f.read("etc/motd")
+    os.mkfifo(root / "fifo")
+    with pytest.raises(FileError, match="not a regular file"):
+        f.read("/fifo")  # must not block on a planted fifo
+
+
+def _popen(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_procio_caps_output_and_stops_once() -> None:
+    stops: list[int] = []
+    p = _popen("import sys\nwhile True: sys.stdout.write('y' * 4096)")
+    out = procio.run(p, stdin=b"", timeout=30, max_output=10_000,
+                     stop=lambda: (stops.append(1), p.kill()))
+    assert out.truncated and len(out.stdout) == 10_000 and stops == [1]
+
+
+def test_procio_deadline_and_stdin() -> None:
+    p = _popen("import sys, time\nsys.stdout.write(sys.stdin.read().upper())\n"
+               "sys.stdout.flush()\ntime.sleep(60)")
+    got: list[bytes] = []
+    out = procio.run(p, stdin=b"hello" * 100_000, timeout=1.0, max_output=1 << 22,
+                     stop=p.kill, on_stdout=got.append)
+    assert out.timed_out and bytes(out.stdout) == b"HELLO" * 100_000 == b"".join(got)
+    assert out.duration < 20
+
+
+def test_landlock_is_available_here() -> None:
+    assert landlock.abi() >= 1
