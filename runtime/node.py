@@ -230,6 +230,8 @@ class Node:
     def recover(self) -> None:
         """Load the sandboxes a previous node process left; those whose
         backend no longer runs them are cleaned up."""
+        from .backends.fncall import sweep
+        sweep(self.config)
         for f in sorted(self.config.sandboxes.glob("*/sandbox.json")):
             try:
                 raw = json.loads(f.read_text())

@@ -8,6 +8,7 @@ Where: `node=` argument > $LAZYFS_NODE > embedded. Forms: "unix:///path",
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
@@ -247,7 +248,22 @@ def embedded_node() -> Node:
         return _default
 
 
+_clients: dict[tuple[str, str | None], Http] = {}
+
+
+def _close_clients() -> None:
+    with _default_lock:
+        for c in _clients.values():
+            c.client.close()
+        _clients.clear()
+
+
+atexit.register(_close_clients)
+
+
 def resolve(node: str | Node | Transport | None, token: str | None = None) -> Transport:
+    """The transport for `node`; one HTTP client (connection pool) per agent
+    and token in this process, shared by every Sandbox and thread."""
     if node is None:
         node = os.environ.get("LAZYFS_NODE") or None
     if node is None:
@@ -255,7 +271,11 @@ def resolve(node: str | Node | Transport | None, token: str | None = None) -> Tr
     if isinstance(node, Node):
         return Embedded(node)
     if isinstance(node, str):
-        return Http(node, token)
+        key = (node, token or os.environ.get("LAZYFS_NODE_TOKEN"))
+        with _default_lock:
+            if key not in _clients:
+                _clients[key] = Http(node, key[1])
+            return _clients[key]
     return node
 
 

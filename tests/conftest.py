@@ -45,8 +45,8 @@ def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
     netns = [n for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
              if n.startswith("lzsb-")]
     assert not leaked and not procs and not sandboxes and not netns, (
-        f"left behind: mounts {leaked}, processes {procs}, sandbox cgroups {sandboxes}, "
-        f"network namespaces {netns}")
+        f"left behind: mounts {leaked[:10]}, processes {procs[:10]}, sandbox cgroups "
+        f"{sorted({p.rsplit('/', 1)[1] for p in sandboxes})[:10]}, network namespaces {netns}")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ reaper task that kills sandboxes past their timeouts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -39,17 +40,23 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
     agent on the same state directory finds them (Node.recover)."""
     if listen and token is None:
         raise ValueError("a TCP listener needs a token (--token-file)")
-    config = Config()
-    config.bind = []
+    def config(binds: list[str]) -> Config:
+        c = Config()
+        c.bind = binds
+        c.accesslog = None
+        c.errorlog = logging.getLogger("hypercorn.error")
+        c.graceful_timeout = 2.0
+        return c
+
+    # The Unix socket is guarded by its permissions; TCP by the token: two
+    # servers over one node.
+    servers = []
     if socket is not None:
         socket.parent.mkdir(parents=True, exist_ok=True)
         socket.unlink(missing_ok=True)
-        config.bind.append(f"unix:{socket}")
-    config.bind += list(listen or [])
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = 2.0
-    app = make_app(node, token)
+        servers.append((make_app(node), config([f"unix:{socket}"])))
+    if listen:
+        servers.append((make_app(node, token), config(list(listen))))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -73,7 +80,10 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
                     on_ready()
 
             nursery.start_soon(ready_when_bound)
-            await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)
+            async with trio.open_nursery() as inner:
+                for app, cfg in servers:
+                    inner.start_soon(functools.partial(hypercorn_serve, app, cfg,
+                                                       shutdown_trigger=shutdown.wait))
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -176,10 +176,12 @@ class ContainerBackend:
             pf, pidf = Path(tmp) / "process.json", Path(tmp) / "pid"
             pf.write_text(json.dumps(oci.process(req.cmd, cwd=cwd, env=req.env, spec=h.spec)))
             ooms = cgroups.oom_kills(h.id)
-            # When the node process dies, the stdout pipe loses its reader and
-            # sandbox-init exec kills the command's session: no orphan left.
+            # When the node process dies, runc exec dies with it (pdeathsig),
+            # the command's stdout loses its reader, and sandbox-init exec
+            # kills the command's session: no orphan left.
             proc = subprocess.Popen(
-                [self.runc, "--root", str(self.config.runc_root), "exec", "--process", str(pf),
+                [str(self._check()), "pdeathsig", "--", self.runc, "--root",
+                 str(self.config.runc_root), "exec", "--process", str(pf),
                  "--pid-file", str(pidf), h.id],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out = procio.run(proc, stdin=req.stdin, timeout=req.timeout,

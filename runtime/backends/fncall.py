@@ -157,6 +157,14 @@ class Pool:
                 unmount(self.paths, self.rootfs, lazy=True)
 
 
+def sweep(config: RuntimeConfig) -> None:
+    """Unmount pool roots a previous node process left (pools do not survive
+    their node: their workers were its children)."""
+    for rootfs in (config.state_dir / "fncall").glob("*/rootfs"):
+        if sysmount.find_mount(rootfs) is not None:
+            sysmount.umount(rootfs, lazy=True)
+
+
 class FncallBackend:
     name = "fncall"
     capabilities = Capabilities("fncall", frozenset({"exec", "stream"}),
@@ -169,14 +177,6 @@ class FncallBackend:
         self._pools: dict[str, Pool] = {}
         self._lock = threading.Lock()
         self._init: Path | None = None
-        self._sweep()
-
-    def _sweep(self) -> None:
-        """Unmount pool roots a previous node process left (pools do not
-        survive their node: their workers were its children)."""
-        for rootfs in (self.config.state_dir / "fncall").glob("*/rootfs"):
-            if sysmount.find_mount(rootfs) is not None:
-                sysmount.umount(rootfs, lazy=True)
 
     def init(self) -> Path:
         if self._init is None:

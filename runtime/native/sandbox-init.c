@@ -9,6 +9,12 @@
  *                                     end closes), kills the command's session so
  *                                     nothing outlives a dead agent.
  *
+ *   sandbox-init pdeathsig -- ARGV... (on the host) runs ARGV so that it gets
+ *                                     SIGKILL when the calling thread's process
+ *                                     dies: the node's `runc exec` goes with the
+ *                                     node agent, and the command then sees its
+ *                                     output reader gone.
+ *
  * -i puts the process under SCHED_IDLE (qos="best_effort"); children inherit it.
  * Exit status of exec: the command's status; 127 with a message on stderr when
  * the command cannot be started (not found, not executable); a command killed
@@ -114,7 +120,8 @@ static int run_exec(int argc, char **argv, const char *cwd) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: sandbox-init init [-i] | exec [-i] [-c DIR] -- ARGV...\n");
+        fprintf(stderr, "usage: sandbox-init init [-i] | exec [-i] [-c DIR] -- ARGV... | "
+                        "pdeathsig -- ARGV...\n");
         return 2;
     }
     int i = 2;
@@ -129,6 +136,14 @@ int main(int argc, char **argv) {
     if (idle) idle_class();
     if (strcmp(argv[1], "init") == 0) return run_init();
     if (strcmp(argv[1], "exec") == 0) return run_exec(argc - i, argv + i, cwd);
+    if (strcmp(argv[1], "pdeathsig") == 0 && i < argc) {
+        pid_t parent = getppid();
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) return 137;  /* the parent died before prctl */
+        execvp(argv[i], argv + i);
+        fprintf(stderr, "sandbox-init: cannot run %s: %s\n", argv[i], strerror(errno));
+        return 127;
+    }
     fprintf(stderr, "sandbox-init: unknown mode %s\n", argv[1]);
     return 2;
 }

@@ -1,0 +1,226 @@
+"""The node agent as users run it (`lazyfs agent`, a separate process) and the
+SDK talking to it over its Unix socket and over TCP with a token: the same
+calls and typed errors as the embedded runtime, streaming output, the OpenAPI
+schema, and what happens when the agent dies mid-exec and comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from lazynode import LazyNode
+from sandboxes import IMAGE, busybox_store, runtime_missing
+from support import parent_death_signal, terminate
+
+from runtime import (
+    AsyncSandbox,
+    BackendUnavailable,
+    ExecTimeout,
+    ImageNotFound,
+    InvalidSpec,
+    Sandbox,
+    SandboxNotFound,
+    Unsupported,
+)
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Agent:
+    def __init__(self, d: Path, store: Path, node_root: Path) -> None:
+        self.d, self.store, self.node_root = d, store, node_root
+        self.sock = d / "agent.sock"
+        self.port = _free_port()
+        self.token_file = d / "token"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def unix(self) -> str:
+        return f"unix://{self.sock}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def start(self) -> None:
+        self.sock.unlink(missing_ok=True)
+        log = open(self.d / "agent.log", "ab")  # noqa: SIM115 - the child keeps its copy
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.cli", "--store", str(self.store), "agent",
+             "--socket", str(self.sock), "--state", str(self.d / "state"),
+             "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
+             "--token-file", str(self.token_file)],
+            stdout=log, stderr=log, cwd=REPO, preexec_fn=parent_death_signal())  # noqa: PLW1509
+        log.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (self.d / "agent.log").read_text()
+            if self.sock.exists():
+                with socket.socket(socket.AF_UNIX) as s:
+                    if s.connect_ex(str(self.sock)) == 0:
+                        return
+            time.sleep(0.05)
+        raise RuntimeError("agent not ready: " + (self.d / "agent.log").read_text())
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        terminate(self.proc, 10)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    d = tmp_path_factory.mktemp("agent")
+    store = busybox_store(d)
+    with LazyNode(d / "lazynode", store) as lazy:
+        a = Agent(d, store, lazy.paths.root)
+        a.start()
+        try:
+            yield a
+        finally:
+            try:
+                Sandbox.kill_many(node=a.unix)
+            except BackendUnavailable:
+                pass
+            a.stop()
+            from runtime.config import RuntimeConfig
+            from runtime.node import Node
+            # whatever a killed agent left, a node on the same state cleans up
+            n = Node(RuntimeConfig(store=store, cluster=None, state_dir=d / "state",
+                                   node_root=lazy.paths.root))
+            n.kill_many(None)
+            n.close()
+
+
+def test_sdk_over_the_unix_socket(agent: Agent) -> None:
+    with Sandbox.create(IMAGE, node=agent.unix, labels={"via": "unix"}) as sb:
+        got: list[bytes] = []
+        r = sb.exec("echo one; busybox sleep 0.2; echo two; echo err >&2; exit 5",
+                    on_stdout=got.append)
+        assert (r.exit_code, r.stdout, r.stderr) == (5, b"one\ntwo\n", b"err\n")
+        assert got[0] == b"one\n"  # streamed before the command ended
+        assert sb.exec(["cat"], stdin=bytes(range(256))).stdout == bytes(range(256))
+        sb.files.write("/tmp/f.bin", b"\x00\x01\xff")
+        assert sb.files.read("/tmp/f.bin") == b"\x00\x01\xff"
+        assert [f.name for f in sb.files.list("/tmp")] == ["f.bin"]
+        figures = sb.pause()
+        assert "before" in figures and "after" in figures
+        sb.resume()
+        assert [s.id for s in Sandbox.list({"via": "unix"}, node=agent.unix)] == [sb.id]
+        assert Sandbox.connect(sb.id, node=agent.unix).exec("echo again").stdout == b"again\n"
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect(sb.id, node=agent.unix)
+
+
+def test_typed_errors_cross_http(agent: Agent) -> None:
+    with pytest.raises(ImageNotFound, match="nope:1"):
+        Sandbox.create("nope:1", node=agent.unix)
+    with pytest.raises(InvalidSpec, match="memory_mb"):
+        Sandbox.create(IMAGE, node=agent.unix, memory_mb=1)
+    with pytest.raises(BackendUnavailable, match="issue 8"):
+        Sandbox.create(IMAGE, backend="microvm", node=agent.unix)
+    with Sandbox.create(IMAGE, backend="fncall", node=agent.unix) as fn:
+        with pytest.raises(Unsupported):
+            fn.files.read("/etc/motd")
+        with pytest.raises(ExecTimeout) as e:
+            fn.exec("echo partial; busybox sleep 10", timeout=0.5)
+        assert e.value.result is not None and e.value.result.stdout == b"partial\n"
+
+
+def test_tcp_needs_the_token(agent: Agent) -> None:
+    with pytest.raises(BackendUnavailable, match="token"):
+        Sandbox.list(node=agent.http)
+    os.environ["LAZYFS_NODE_TOKEN"] = "wrong"
+    try:
+        with pytest.raises(BackendUnavailable, match="token"):
+            Sandbox.list(node=agent.http)
+        os.environ["LAZYFS_NODE_TOKEN"] = agent.token
+        with Sandbox.create(IMAGE, node=agent.http) as sb:
+            assert sb.exec("cat /etc/motd").stdout == b"hello from the image\n"
+    finally:
+        del os.environ["LAZYFS_NODE_TOKEN"]
+    assert (agent.sock.stat().st_mode & 0o777) == 0o600
+
+
+def test_openapi_schema_is_published(agent: Agent) -> None:
+    r = httpx.get(f"{agent.http}/openapi.json",
+                  headers={"authorization": f"Bearer {agent.token}"})
+    paths = r.json()["paths"]
+    assert "/v1/sandboxes" in paths and "/v1/sandboxes/{sandbox_id}/exec" in paths
+    assert "SandboxSpec" in r.json()["components"]["schemas"]
+
+
+def test_async_sdk_over_http(agent: Agent) -> None:
+    async def main() -> list[bytes]:
+        boxes = await asyncio.gather(*[AsyncSandbox.create(IMAGE, node=agent.unix)
+                                       for _ in range(3)])
+        try:
+            rs = await asyncio.gather(*[b.exec(f"echo {i}") for i, b in enumerate(boxes)])
+            return [r.stdout for r in rs]
+        finally:
+            await asyncio.gather(*[b.kill() for b in boxes])
+
+    assert asyncio.run(main()) == [b"0\n", b"1\n", b"2\n"]
+
+
+def test_agent_killed_mid_exec_then_restarted(agent: Agent) -> None:
+    sb = Sandbox.create(IMAGE, node=agent.unix)
+    sb.exec("echo kept > /tmp/state")
+    tag = str(time.time_ns() % 10**9)
+    errors: list[BaseException] = []
+
+    def long_exec() -> None:
+        try:
+            sb.exec(f"busybox sleep 4{tag}", timeout=60)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    import threading
+    t = threading.Thread(target=long_exec)
+    t.start()
+    time.sleep(0.5)
+    agent.kill()
+    t.join(10)
+    assert not t.is_alive()
+    assert errors and isinstance(errors[0], BackendUnavailable)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+            tag.encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit()):
+        time.sleep(0.05)
+    assert not any(tag.encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit())
+    agent.start()
+    again = Sandbox.connect(sb.id, node=agent.unix)  # the new agent found it
+    assert again.exec("cat /tmp/state").stdout == b"kept\n"
+    again.kill()
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+

@@ -1,0 +1,94 @@
+"""fncall sandboxes through the SDK: a warm pool of real restricted workers
+over a lazily loaded image. Each call is a fresh process: uid nobody, its own
+PID namespace, no network, a read-only image, a fresh /tmp, Landlock and
+seccomp; nothing of one call is visible to the next."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+
+from runtime import ExecTimeout, OutputTruncated, Sandbox, Unsupported
+from runtime.node import Node
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    d = tmp_path_factory.mktemp("fncall")
+    with node_for(busybox_store(d), d) as n:
+        yield n
+
+
+@pytest.fixture
+def fn(node: Node) -> Iterator[Sandbox]:
+    with Sandbox.create(IMAGE, backend="fncall", node=node) as s:
+        yield s
+
+
+def test_calls_run_restricted(fn: Sandbox) -> None:
+    r = fn.exec("cat /etc/motd; id -u; echo $$")
+    assert r.stdout == b"hello from the image\n65534\n1\n"  # nobody, PID 1 of its own ns
+    assert fn.exec(["cat"], stdin=b"\x00binary\xff").stdout == b"\x00binary\xff"
+    r = fn.exec("echo x > /etc/motd")
+    assert r.exit_code != 0 and b"Read-only" in r.stderr
+    links = fn.exec("busybox ip -o link").stdout
+    assert b"eth" not in links and b"UP" not in links  # no network at all
+    assert fn.exec("busybox mount -t tmpfs x /tmp").exit_code != 0
+    assert fn.exec("ls /proc").stdout == b""  # no /proc of the host
+    r = fn.exec(["no-such-tool"])
+    assert r.exit_code == 127 and b"command not found" in r.stderr
+
+
+def test_each_call_starts_clean(fn: Sandbox) -> None:
+    assert fn.exec("echo secret > /tmp/left; ls /tmp").stdout == b"left\n"
+    assert fn.exec("ls -A /tmp").stdout == b""
+    tag = str(time.time_ns() % 10**9)
+    r = fn.exec(f"busybox sleep 1{tag} >/dev/null 2>&1 & echo started")
+    assert r.stdout == b"started\n"
+    time.sleep(0.2)
+    leftovers = [p for p in os.listdir("/proc") if p.isdigit()
+                 and tag.encode() in _cmdline(p)]
+    assert leftovers == []  # the call's PID namespace ended with it
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_limits(fn: Sandbox) -> None:
+    with pytest.raises(ExecTimeout) as e:
+        fn.exec("echo before; busybox sleep 30", timeout=0.5)
+    assert e.value.result is not None and e.value.result.stdout == b"before\n"
+    with pytest.raises(OutputTruncated):
+        fn.exec("busybox yes", max_output_bytes=50_000)
+    r = fn.exec("busybox dd if=/dev/zero of=/tmp/big bs=1M count=100")
+    assert r.exit_code != 0  # the scratch is small
+    assert fn.exec("echo still here").stdout == b"still here\n"
+
+
+def test_stateful_calls_are_unsupported(fn: Sandbox) -> None:
+    with pytest.raises(Unsupported, match="fncall"):
+        fn.files.read("/etc/motd")
+    with pytest.raises(Unsupported, match="fncall"):
+        fn.pause()
+    caps = Sandbox.capabilities("fncall", node=fn._t)
+    assert caps["exec"] and not caps["files"] and not caps["pause"]
+
+
+def test_calls_in_parallel_and_overhead(node: Node) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    with Sandbox.create(IMAGE, backend="fncall", node=node) as s:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda i: s.exec(f"echo {i}").stdout, range(40)))
+        assert outs == [f"{i}\n".encode() for i in range(40)]
