@@ -14,9 +14,13 @@ cd "$(dirname "$0")"
 #   docker.io: a private dockerd for the docker:// source tests (never the system one)
 #   git: the git: workspace source
 #   fuse3, libfuse3-dev, pkg-config: the lazyfs FUSE daemon (pyfuse3 builds against libfuse3)
+#   erofs-utils: fsck.erofs checks of the EROFS images we write
+#   runc, libc6-dev (static libc for sandbox-init), libseccomp2, iproute2, nftables:
+#   container and fncall sandboxes (runc, seccomp, network namespaces and allowlists)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
               docker-registry apache2-utils openssl debootstrap docker.io git
-              fuse3 libfuse3-dev pkg-config erofs-utils)
+              fuse3 libfuse3-dev pkg-config erofs-utils
+              runc libc6-dev libseccomp2 iproute2 nftables)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -94,8 +94,14 @@ def test_nft_ruleset_allows_only_listed_destinations() -> None:
     assert "ip daddr 10.0.0.5/32 tcp dport 3128 accept" in text
     assert "ip daddr 192.168.0.0/16 udp dport 53 accept" in text
     assert text.rstrip().endswith("}")
-    host, sb = addresses("sb-1")
-    assert host.startswith("10.203.") and sb.startswith("10.203.") and host != sb
+    host, sb = addresses(1)
+    assert (host, sb) == ("10.203.0.5", "10.203.0.6")
+
+
+def test_network_slots_are_never_shared(tmp_path: Path) -> None:
+    from runtime.backends.netpolicy import allocate
+    slots = [allocate(tmp_path, "sb-same-hash") for _ in range(50)]
+    assert len(set(slots)) == 50
 
 
 def test_capabilities_say_what_each_backend_does() -> None:

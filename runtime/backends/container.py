@@ -56,6 +56,7 @@ class ContainerBackend:
         self.images = images
         self.runc = shutil.which("runc")
         self._init: Path | None = None
+        self._slots = config.state_dir / "netslots"
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
@@ -112,8 +113,10 @@ class ContainerBackend:
             h.state["mounted"] = True
             netns = None
             if h.spec.network.mode == "allowlist":
-                netns = netpolicy.create(h.id, h.spec.network)
+                h.state["net_slot"] = netpolicy.allocate(self._slots, h.id)
+                netns = netpolicy.create(h.id, h.spec.network, h.state["net_slot"])
                 h.state["netns"] = str(netns)
+                h.state["node_address"] = netpolicy.addresses(h.state["net_slot"])[0]
             (h.dir / "config.json").write_text(json.dumps(
                 oci.config(h.id, h.spec, rootfs, init, netns)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
@@ -137,8 +140,8 @@ class ContainerBackend:
         rw = Path(h.state.get("rw", h.dir / "rw"))
         if sysmount.find_mount(rw) is not None:
             sysmount.umount(rw, lazy=True)
-        if "netns" in h.state:
-            netpolicy.remove(h.id)
+        if "net_slot" in h.state:
+            netpolicy.remove(h.id, self._slots, h.state["net_slot"])
         shutil.rmtree(h.dir, ignore_errors=True)
 
     def status(self, h: Handle) -> str:

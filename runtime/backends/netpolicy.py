@@ -14,27 +14,46 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
 import subprocess
 from pathlib import Path
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, QuotaExceeded
 from ..spec import NetworkPolicy
 
 NETWORK = ipaddress.ip_network("10.203.0.0/16")
 NETNS_DIR = Path("/run/netns")
 
 
-def _names(sandbox_id: str) -> tuple[str, str, int]:
+SLOTS = NETWORK.num_addresses // 4 - 1
+
+
+def _names(sandbox_id: str) -> tuple[str, str]:
     h = hashlib.blake2s(sandbox_id.encode(), digest_size=4).hexdigest()
-    slot = int(h, 16) % (NETWORK.num_addresses // 4 - 1) + 1
-    return f"lzsb-{h}", f"lz{h}", slot
+    return f"lzsb-{h}", f"lz{h}"
 
 
-def addresses(sandbox_id: str) -> tuple[str, str]:
-    """(host side, sandbox side) addresses of the sandbox's /30."""
-    _, _, slot = _names(sandbox_id)
+def addresses(slot: int) -> tuple[str, str]:
+    """(host side, sandbox side) addresses of a slot's /30."""
     base = int(NETWORK.network_address) + 4 * slot
     return str(ipaddress.ip_address(base + 1)), str(ipaddress.ip_address(base + 2))
+
+
+def allocate(slots: Path, sandbox_id: str) -> int:
+    """A free /30 for the sandbox: one file per slot, created exclusively
+    (probing from the id's hash), so concurrent creations never share one."""
+    slots.mkdir(parents=True, exist_ok=True)
+    start = int(hashlib.blake2s(sandbox_id.encode(), digest_size=4).hexdigest(), 16)
+    for i in range(SLOTS):
+        slot = (start + i) % SLOTS + 1
+        try:
+            fd = os.open(slots / str(slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        os.write(fd, sandbox_id.encode())
+        os.close(fd)
+        return slot
+    raise QuotaExceeded(f"all {SLOTS} sandbox networks of {NETWORK} are in use")
 
 
 def _run(*cmd: str, stdin: str | None = None) -> None:
@@ -55,9 +74,9 @@ def ruleset(policy: NetworkPolicy) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create(sandbox_id: str, policy: NetworkPolicy) -> Path:
-    ns, host_if, _ = _names(sandbox_id)
-    host_ip, sb_ip = addresses(sandbox_id)
+def create(sandbox_id: str, policy: NetworkPolicy, slot: int) -> Path:
+    ns, host_if = _names(sandbox_id)
+    host_ip, sb_ip = addresses(slot)
     try:
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -74,7 +93,9 @@ def create(sandbox_id: str, policy: NetworkPolicy) -> Path:
     return NETNS_DIR / ns
 
 
-def remove(sandbox_id: str) -> None:
-    ns, host_if, _ = _names(sandbox_id)
+def remove(sandbox_id: str, slots: Path | None = None, slot: int | None = None) -> None:
+    ns, host_if = _names(sandbox_id)
     subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+    if slots is not None and slot is not None:
+        (slots / str(slot)).unlink(missing_ok=True)
