@@ -89,11 +89,14 @@ class Node:
         return self.backend(info.spec.backend)
 
     def _touch(self, info: SandboxInfo, h: Handle, **changes: Any) -> SandboxInfo:
+        """Record activity (in memory: an exec must not cost a file write) and
+        state changes (on disk too)."""
         new = info.model_copy(update={"last_active": time.time(), **changes})
         with self._lock:
             if info.id in self._sandboxes:
                 self._sandboxes[info.id] = (new, h)
-                self._save(new, h)
+                if changes:
+                    self._save(new, h)
         return new
 
     # -- lifecycle -----------------------------------------------------------
@@ -251,8 +254,9 @@ class Node:
                 backend.kill(h)
                 shutil.rmtree(h.dir, ignore_errors=True)
                 continue
-            with self._lock:
-                self._sandboxes[info.id] = (info.model_copy(update={"state": status}), h)
+            with self._lock:  # idle time restarts: activity was only kept in memory
+                self._sandboxes[info.id] = (info.model_copy(
+                    update={"state": status, "last_active": time.time()}), h)
         for d in self.config.sandboxes.iterdir():  # creations cut short
             if not (d / "sandbox.json").exists() and d.name not in self._sandboxes:
                 h = Handle(d.name, SandboxSpec(image="-"), d, {})
