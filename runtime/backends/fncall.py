@@ -68,10 +68,13 @@ class Worker:
     def call(self, req: ExecRequest, on_stdout: Sink | None, on_stderr: Sink | None
              ) -> ExecResult:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(msgpack.packb({
-            "cmd": list(req.cmd), "cwd": req.cwd, "env": req.env, "stdin": req.stdin,
-            "timeout": req.timeout, "max_output": req.max_output_bytes}))
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(msgpack.packb({
+                "cmd": list(req.cmd), "cwd": req.cwd, "env": req.env, "stdin": req.stdin,
+                "timeout": req.timeout, "max_output": req.max_output_bytes}))
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise BackendUnavailable(f"fncall worker {self.proc.pid} is gone: {e}") from e
         out, err = bytearray(), bytearray()
         while True:
             msg = self._next(req.timeout + 60)
@@ -135,6 +138,12 @@ class Pool:
         except queue.Empty:
             raise BackendUnavailable("every fncall worker stayed busy for "
                                      f"{WAIT_FOR_WORKER:g}s") from None
+        if w.proc.poll() is not None:  # it died between calls: a fresh one takes the call
+            log.warning("fncall worker %d exited (%s); replacing it", w.proc.pid, w.proc.returncode)
+            self.workers.remove(w)
+            w.close()
+            w = Worker(self.rootfs, self.backend.init(), 64, self.dir / "workers.log")
+            self.workers.append(w)
         try:
             r = w.call(req, on_stdout, on_stderr)
         except BaseException:

@@ -109,29 +109,26 @@ class Call:
         os.execve(self.init_fd, self.argv, self.env)
 
     def run(self, out: Any) -> None:
-        try:
-            self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
-                        "TMPDIR": "/tmp", **self.req["env"]}
-            self.argv = ["sandbox-init", "exec", "-c", self.req.get("cwd") or "/tmp", "--",
-                         *self.req["cmd"]]
-            proc = subprocess.Popen(
-                ["/"], cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                preexec_fn=self.child_setup)  # noqa: PLW1509 - the worker has one thread
+        self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
+                    "TMPDIR": "/tmp", **self.req["env"]}
+        self.argv = ["sandbox-init", "exec", "-c", self.req.get("cwd") or "/tmp", "--",
+                     *self.req["cmd"]]
+        proc = subprocess.Popen(
+            ["/"], cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=self.child_setup)  # noqa: PLW1509 - the worker has one thread
 
-            def stop() -> None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        def stop() -> None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
-            res = procio.run(proc, stdin=self.req["stdin"], timeout=self.req["timeout"],
-                             max_output=self.req["max_output"], stop=stop,
-                             on_stdout=lambda b: out({"o": b}), on_stderr=lambda b: out({"e": b}))
-            out({"x": res.returncode, "d": res.duration, "t": res.truncated,
-                 "to": res.timed_out})
-        finally:
-            wipe_scratch()
+        res = procio.run(proc, stdin=self.req["stdin"], timeout=self.req["timeout"],
+                         max_output=self.req["max_output"], stop=stop,
+                         on_stdout=lambda b: out({"o": b}), on_stderr=lambda b: out({"e": b}))
+        out({"x": res.returncode, "d": res.duration, "t": res.truncated,
+             "to": res.timed_out})
 
 
 def main() -> None:
@@ -162,6 +159,11 @@ def main() -> None:
                 Call(req, init_fd, args.scratch_mb, syscalls).run(out)
             except Exception as e:  # noqa: BLE001 - one bad call must not end the worker
                 out({"x": 127, "d": 0.0, "t": False, "to": False, "err": str(e)})
+            try:
+                wipe_scratch()
+            except OSError as e:  # never hand a dirty /tmp to the next call
+                sys.stderr.write(f"fncall worker: cannot empty /tmp ({e}); exiting\n")
+                sys.exit(3)
 
 
 if __name__ == "__main__":
