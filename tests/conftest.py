@@ -41,7 +41,7 @@ def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
                 os.kill(int(pid), 9)
             except OSError:
                 pass
-    sandboxes = [str(p) for p in Path("/sys/fs/cgroup").glob("*/lazyfs/sb-*")]
+    sandboxes = [str(p) for p in Path("/sys/fs/cgroup").glob("*/lazyfs/*") if p.is_dir()]
     netns = [n for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
              if n.startswith("lzsb-")]
     assert not leaked and not procs and not sandboxes and not netns, (

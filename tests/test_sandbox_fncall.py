@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 
-from runtime import ExecTimeout, OutputTruncated, Sandbox, Unsupported
+from runtime import ExecTimeout, OutOfMemory, OutputTruncated, Sandbox, Unsupported
 from runtime.node import Node
 
 pytestmark = [pytest.mark.root,
@@ -75,6 +75,36 @@ def test_limits(fn: Sandbox) -> None:
     r = fn.exec("busybox dd if=/dev/zero of=/tmp/big bs=1M count=100")
     assert r.exit_code != 0  # the scratch is small
     assert fn.exec("echo still here").stdout == b"still here\n"
+
+
+def test_an_escaped_process_dies_with_its_call(node: Node) -> None:
+    """A call that leaves its session (setsid) and keeps running must not
+    outlive its timeout, nor see what a later call of another sandbox puts
+    in /tmp."""
+    with Sandbox.create(IMAGE, backend="fncall", node=node) as a, \
+            Sandbox.create(IMAGE, backend="fncall", node=node) as b:
+        spy = ("while :; do cat /tmp/secret >> /tmp/.loot 2>/dev/null; "
+               "busybox sleep 0.05; done")
+        t0 = time.monotonic()
+        with pytest.raises(ExecTimeout):
+            a.exec(["busybox", "setsid", "sh", "-c", spy], timeout=1)
+        assert time.monotonic() - t0 < 10
+        for _ in range(4):  # whichever worker takes it, the spy is gone
+            b.exec("echo TOPSECRET > /tmp/secret; busybox sleep 0.2")
+        assert a.exec("cat /tmp/.loot /tmp/secret 2>&1").stdout.count(b"TOPSECRET") == 0
+
+
+def test_limits_of_the_sandbox_hold_per_call(node: Node) -> None:
+    with Sandbox.create(IMAGE, backend="fncall", node=node, memory_mb=32) as small:
+        with pytest.raises(OutOfMemory):
+            small.exec("a=$(busybox yes aaaaaaaa | busybox head -c 200000000)", timeout=60)
+        assert small.exec("echo ok").stdout == b"ok\n"
+    with Sandbox.create(IMAGE, backend="fncall", node=node, pids=16) as bomb, \
+            Sandbox.create(IMAGE, backend="fncall", node=node) as other:
+        r = bomb.exec("for i in $(busybox seq 100); do busybox sleep 5 & done; wait",
+                      timeout=30)
+        assert b"can't fork" in r.stderr
+        assert other.exec("echo unaffected").stdout == b"unaffected\n"
 
 
 def test_stateful_calls_are_unsupported(fn: Sandbox) -> None:

@@ -10,6 +10,7 @@ its labels and timeouts: there is no state to pause, snapshot or browse.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -25,26 +26,62 @@ import msgpack
 from lazyfs import sysmount
 from lazyfs.mounts import MountError, mount_image, unmount
 
+from .. import cgroups
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, Unsupported
 from ..files import SandboxFiles
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import ExecRequest, ExecResult
+from ..spec import ExecRequest, ExecResult, SandboxSpec
 from .base import Capabilities, Handle, Sink
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 20.0
 WAIT_FOR_WORKER = 60.0
+SCRATCH_MB = 64
+
+
+CONTROLLERS = ("memory", "pids", "freezer", "cpu")
+
+
+def _cgroup_dirs(name: str) -> list[Path]:
+    return [cgroups.CGROUP_ROOT / c / cgroups.PARENT / name for c in CONTROLLERS]
+
+
+def _remove_cgroup(name: str) -> None:
+    procs = cgroups.CGROUP_ROOT / "pids" / cgroups.PARENT / name / "cgroup.procs"
+    deadline = time.monotonic() + 5
+    while procs.exists() and procs.read_text().split() and time.monotonic() < deadline:
+        for pid in procs.read_text().split():
+            try:
+                os.kill(int(pid), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.01)
+    for d in _cgroup_dirs(name):
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("cannot remove cgroup %s: %s", d, e)
 
 
 class Worker:
-    def __init__(self, rootfs: Path, init: Path, scratch_mb: int, logfile: Path) -> None:
+    """A worker process and its own cgroup (`name`), created here and removed
+    by close()."""
+
+    def __init__(self, rootfs: Path, init: Path, scratch_mb: int, logfile: Path,
+                 name: str) -> None:
+        self.cgroup = name
+        for d in _cgroup_dirs(name):
+            d.mkdir(parents=True, exist_ok=True)
         with open(logfile, "ab") as log_f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "runtime.backends.fncall_worker", "--root", str(rootfs),
-                 "--init", str(init), "--scratch-mb", str(scratch_mb)],
+                 "--init", str(init), "--scratch-mb", str(scratch_mb),
+                 "--cgroup", f"{cgroups.PARENT}/{name}"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_f, cwd=REPO,
                 start_new_session=True)
         self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=256 << 20)
@@ -65,13 +102,14 @@ class Worker:
                 raise BackendUnavailable(f"fncall worker exited ({self.proc.poll()})")
             self.unpacker.feed(data)
 
-    def call(self, req: ExecRequest, on_stdout: Sink | None, on_stderr: Sink | None
-             ) -> ExecResult:
+    def call(self, req: ExecRequest, spec: SandboxSpec, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(msgpack.packb({
                 "cmd": list(req.cmd), "cwd": req.cwd, "env": req.env, "stdin": req.stdin,
-                "timeout": req.timeout, "max_output": req.max_output_bytes}))
+                "timeout": req.timeout, "max_output": req.max_output_bytes,
+                "memory": spec.memory_mb << 20, "pids": spec.pids, "cpu": spec.cpu}))
             self.proc.stdin.flush()
         except OSError as e:
             raise BackendUnavailable(f"fncall worker {self.proc.pid} is gone: {e}") from e
@@ -89,9 +127,11 @@ class Worker:
             elif "x" in msg:
                 if msg.get("err"):
                     err += f"fncall: {msg['err']}\n".encode()
-                return ExecResult(exit_code=int(msg["x"]), stdout=bytes(out), stderr=bytes(err),
+                code = int(msg["x"])
+                return ExecResult(exit_code=code, stdout=bytes(out), stderr=bytes(err),
                                   duration=float(msg["d"]), truncated=bool(msg["t"]),
-                                  timed_out=bool(msg["to"]))
+                                  timed_out=bool(msg["to"]),
+                                  oom_killed=bool(msg.get("oom")) and code == 137)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -103,6 +143,7 @@ class Worker:
             self.proc.wait()
         if self.proc.stdout:
             self.proc.stdout.close()
+        _remove_cgroup(self.cgroup)
 
 
 class Pool:
@@ -116,6 +157,8 @@ class Pool:
         except MountError as e:
             raise BackendUnavailable(f"mounting {image} for fncall: {e}") from e
         self.paths = paths
+        self.digest = digest
+        self._serial = 0
         self.idle: queue.Queue[Worker] = queue.Queue()
         self.workers: list[Worker] = []
         try:
@@ -126,13 +169,18 @@ class Pool:
             raise
         self.backend = backend
 
+    def _worker(self, backend: FncallBackend) -> Worker:
+        self._serial += 1
+        name = f"{backend.prefix}-{self.digest.split(':')[-1][:12]}-{self._serial}"
+        return Worker(self.rootfs, backend.init(), SCRATCH_MB, self.dir / "workers.log", name)
+
     def _spawn(self, backend: FncallBackend) -> None:
-        w = Worker(self.rootfs, backend.init(), 64, self.dir / "workers.log")
+        w = self._worker(backend)
         self.workers.append(w)
         self.idle.put(w)
 
-    def call(self, req: ExecRequest, on_stdout: Sink | None, on_stderr: Sink | None
-             ) -> ExecResult:
+    def call(self, req: ExecRequest, spec: SandboxSpec, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
         try:
             w = self.idle.get(timeout=WAIT_FOR_WORKER)
         except queue.Empty:
@@ -142,10 +190,10 @@ class Pool:
             log.warning("fncall worker %d exited (%s); replacing it", w.proc.pid, w.proc.returncode)
             self.workers.remove(w)
             w.close()
-            w = Worker(self.rootfs, self.backend.init(), 64, self.dir / "workers.log")
+            w = self._worker(self.backend)
             self.workers.append(w)
         try:
-            r = w.call(req, on_stdout, on_stderr)
+            r = w.call(req, spec, on_stdout, on_stderr)
         except BaseException:
             self.workers.remove(w)
             w.proc.kill()
@@ -166,12 +214,23 @@ class Pool:
                 unmount(self.paths, self.rootfs, lazy=True)
 
 
+def cgroup_prefix(config: RuntimeConfig) -> str:
+    """fncall cgroups are named per node state directory, so nodes sharing a
+    host never sweep each other's."""
+    h = hashlib.blake2s(str(config.state_dir.absolute()).encode(), digest_size=4).hexdigest()
+    return f"fncall-{h}"
+
+
 def sweep(config: RuntimeConfig) -> None:
-    """Unmount pool roots a previous node process left (pools do not survive
-    their node: their workers were its children)."""
+    """Remove what pools of a previous node process left: root mounts and
+    worker cgroups (pools do not survive their node: their workers were its
+    children)."""
     for rootfs in (config.state_dir / "fncall").glob("*/rootfs"):
         if sysmount.find_mount(rootfs) is not None:
             sysmount.umount(rootfs, lazy=True)
+    prefix = cgroup_prefix(config)
+    for d in (cgroups.CGROUP_ROOT / "pids" / cgroups.PARENT).glob(f"{prefix}-*"):
+        _remove_cgroup(d.name)
 
 
 class FncallBackend:
@@ -186,6 +245,7 @@ class FncallBackend:
         self._pools: dict[str, Pool] = {}
         self._lock = threading.Lock()
         self._init: Path | None = None
+        self.prefix = cgroup_prefix(config)
 
     def init(self) -> Path:
         if self._init is None:
@@ -206,7 +266,7 @@ class FncallBackend:
 
     def exec(self, h: Handle, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
-        return self._pool(h.spec.image).call(req, on_stdout, on_stderr)
+        return self._pool(h.spec.image).call(req, h.spec, on_stdout, on_stderr)
 
     def files(self, h: Handle) -> SandboxFiles:
         raise Unsupported("fncall sandboxes are stateless: pass data through stdin/stdout")

@@ -1,20 +1,24 @@
 """One pre-forked fncall worker: `python -m runtime.backends.fncall_worker`.
 
-Set up once, as root, before the first call: a private mount namespace and an
-empty network namespace (no interface is up: no network), chroot into the
-image's read-only root. Then, per call (msgpack frames on stdin, answers on
-stdout; never pickle: the node and the worker trust each other, the output
-does not):
+Set up once, as root, before the first call: the worker's own cgroup (memory,
+pids, freezer, cpu; opened before the chroot hides /sys), a private mount
+namespace and an empty network namespace (no interface is up: no network),
+chroot into the image's read-only root, one size-limited tmpfs on /tmp. Then,
+per call (msgpack frames on stdin, answers on stdout; never pickle: the node
+and the worker trust each other, the output does not):
 
-    /tmp: the worker's size-limited tmpfs, empty at the start of every call
-    fork → new PID namespace → rlimits → Landlock (read-only image, writable
-    /tmp, no TCP) → no_new_privs → seccomp → uid/gid nobody → sandbox-init
-    exec → the command (PID 1 of its namespace: when it ends, everything it
-    started dies with it)
+    limits of the calling sandbox written to the worker's cgroup
+    fork → join the cgroup → new PID namespace → rlimits → Landlock (read-only
+    image, writable /tmp, no TCP) → no_new_privs → seccomp → uid/gid nobody →
+    sandbox-init exec → the command (PID 1 of its namespace)
+    after it: every process left in the cgroup (a setsid'd child escapes any
+    process group, never the cgroup) is killed; /tmp is emptied; a worker that
+    cannot get back to an empty cgroup and an empty /tmp exits (the pool
+    replaces it) rather than serve the next call dirty.
 
-Frames: request {cmd, cwd, env, stdin, timeout, max_output}; answers
-{"o": bytes} / {"e": bytes} while it runs, then {"x": exit_code, "d":
-duration, "t": truncated, "to": timed_out}.
+Frames: request {cmd, cwd, env, stdin, timeout, max_output, memory, pids,
+cpu}; answers {"o": bytes} / {"e": bytes} while it runs, then {"x":
+exit_code, "d": duration, "t": truncated, "to": timed_out, "oom": bool}.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import msgpack
@@ -36,7 +41,13 @@ from runtime import landlock, procio, seccomp
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID = 0x20000, 0x40000000, 0x20000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x4000, 1 << 18, 2, 4
 NOBODY = 65534
+CONTROLLERS = ("memory", "pids", "freezer", "cpu")
+CPU_PERIOD = 100_000
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Retire(Exception):
+    """The worker cannot return to a clean state; it must exit."""
 
 
 def _sys(ret: int, what: str) -> None:
@@ -50,6 +61,87 @@ def _mount(src: str, target: str, fstype: str | None, flags: int, data: str | No
                      data.encode() if data else None), f"mount {target}")
 
 
+class Cgroup:
+    """The worker's cgroup v1 directories, through descriptors opened before
+    the chroot."""
+
+    def __init__(self, root: str, name: str) -> None:
+        def op(controller: str, file: str, flags: int) -> int:
+            return os.open(f"{root}/{controller}/{name}/{file}", flags | os.O_CLOEXEC)
+
+        self.join_fds = [op(c, "cgroup.procs", os.O_WRONLY) for c in CONTROLLERS]
+        # cgroup v1 caches a pid list per open file: open the list anew for
+        # every read, relative to the directory (the chroot hides its path)
+        self.pids_dir = os.open(f"{root}/pids/{name}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.freezer = op("freezer", "freezer.state", os.O_RDWR)
+        self.mem_limit = op("memory", "memory.limit_in_bytes", os.O_WRONLY)
+        self.oom = op("memory", "memory.oom_control", os.O_RDONLY)
+        self.pids_max = op("pids", "pids.max", os.O_WRONLY)
+        self.quota = op("cpu", "cpu.cfs_quota_us", os.O_WRONLY)
+        # the host's /proc, to tell zombies (dead, waiting for a slow reaper,
+        # still listed in cgroup v1) from the living after the chroot
+        self.proc_dir = os.open("/proc", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    @staticmethod
+    def _read(fd: int) -> str:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, 1 << 20).decode()
+
+    def members(self) -> list[int]:
+        """Living processes of the cgroup."""
+        out = []
+        fd = os.open("cgroup.procs", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.pids_dir)
+        try:
+            listed = os.read(fd, 1 << 20).split()
+        finally:
+            os.close(fd)
+        for pid in listed:
+            try:
+                fd = os.open(f"{pid.decode()}/stat", os.O_RDONLY | os.O_CLOEXEC,
+                             dir_fd=self.proc_dir)
+            except FileNotFoundError:
+                continue
+            try:
+                state = os.read(fd, 4096).rsplit(b")", 1)[1].split()[0]
+            finally:
+                os.close(fd)
+            if state not in (b"Z", b"X"):
+                out.append(int(pid))
+        return out
+
+    def oom_kills(self) -> int:
+        for line in self._read(self.oom).splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def limit(self, memory: int, pids: int, cpu: float) -> None:
+        os.write(self.mem_limit, str(memory).encode())
+        os.write(self.pids_max, str(pids).encode())
+        os.write(self.quota, str(max(1000, int(cpu * CPU_PERIOD))).encode())
+
+    def join(self) -> None:  # in the forked child, still root
+        for fd in self.join_fds:
+            os.write(fd, b"0")
+
+    def kill_all(self, wait: float = 5.0) -> bool:
+        """Kill every member (frozen first, so nothing forks meanwhile);
+        True once the cgroup is empty."""
+        deadline = time.monotonic() + wait
+        while self.members():
+            os.write(self.freezer, b"FROZEN")
+            for pid in self.members():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os.write(self.freezer, b"THAWED")
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+
 def setup(root: str, scratch_mb: int) -> None:
     _sys(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare")
     _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
@@ -61,9 +153,9 @@ def setup(root: str, scratch_mb: int) -> None:
 
 
 def wipe_scratch() -> None:
-    """Empty /tmp. The call's processes are gone (its PID namespace ended
-    with it), so nothing writes there any more; rmtree works on descriptors
-    and does not follow the links a call may have planted."""
+    """Empty /tmp once the call's processes are all gone; rm works on
+    descriptors without recursion limits and does not follow links a call
+    may have planted."""
     with os.scandir("/tmp") as entries:
         for e in entries:
             if e.is_dir(follow_symlinks=False):
@@ -73,12 +165,12 @@ def wipe_scratch() -> None:
 
 
 class Call:
-    def __init__(self, req: dict[str, Any], init_fd: int, scratch_mb: int, syscalls: Any
+    def __init__(self, req: dict[str, Any], init_fd: int, cgroup: Cgroup, syscalls: Any
                  ) -> None:
         self.req = req
-        self.syscalls = syscalls
         self.init_fd = init_fd
-        self.scratch_mb = scratch_mb
+        self.cgroup = cgroup
+        self.syscalls = syscalls
         self.argv: list[str] = []
         self.env: dict[str, str] = {}
 
@@ -94,10 +186,8 @@ class Call:
             os._exit(127)
 
     def _restrict_and_exec(self) -> None:
+        self.cgroup.join()
         _sys(_libc.unshare(CLONE_NEWPID), "unshare pid")
-        mb = self.scratch_mb
-        resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (mb << 20, mb << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         cpu = int(self.req["timeout"]) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
@@ -108,7 +198,12 @@ class Call:
         os.setuid(NOBODY)
         os.execve(self.init_fd, self.argv, self.env)
 
+    def _stop(self) -> None:
+        self.cgroup.kill_all()
+
     def run(self, out: Any) -> None:
+        self.cgroup.limit(self.req["memory"], self.req["pids"], self.req["cpu"])
+        ooms = self.cgroup.oom_kills()
         self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
                     "TMPDIR": "/tmp", **self.req["env"]}
         self.argv = ["sandbox-init", "exec", "-c", self.req.get("cwd") or "/tmp", "--",
@@ -117,27 +212,24 @@ class Call:
             ["/"], cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             preexec_fn=self.child_setup)  # noqa: PLW1509 - the worker has one thread
-
-        def stop() -> None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
         res = procio.run(proc, stdin=self.req["stdin"], timeout=self.req["timeout"],
-                         max_output=self.req["max_output"], stop=stop,
+                         max_output=self.req["max_output"], stop=self._stop,
                          on_stdout=lambda b: out({"o": b}), on_stderr=lambda b: out({"e": b}))
-        out({"x": res.returncode, "d": res.duration, "t": res.truncated,
-             "to": res.timed_out})
+        code = res.returncode if res.returncode >= 0 else 128 - res.returncode  # as shells show
+        out({"x": code, "d": res.duration, "t": res.truncated,
+             "to": res.timed_out, "oom": self.cgroup.oom_kills() > ooms})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
     ap.add_argument("--init", required=True)
+    ap.add_argument("--cgroup", required=True, help="cgroup name under each controller")
+    ap.add_argument("--cgroup-root", default="/sys/fs/cgroup")
     ap.add_argument("--scratch-mb", type=int, default=64)
     args = ap.parse_args()
     init_fd = os.open(args.init, os.O_RDONLY)  # exec'd by fd: not in the image's tree
+    cgroup = Cgroup(args.cgroup_root, args.cgroup)
     syscalls = seccomp.Compiled()  # uses libseccomp before the chroot hides it
     setup(args.root, args.scratch_mb)
     rx, tx = sys.stdin.buffer, sys.stdout.buffer
@@ -156,13 +248,16 @@ def main() -> None:
         unpacker.feed(data)
         for req in unpacker:
             try:
-                Call(req, init_fd, args.scratch_mb, syscalls).run(out)
+                Call(req, init_fd, cgroup, syscalls).run(out)
             except Exception as e:  # noqa: BLE001 - one bad call must not end the worker
-                out({"x": 127, "d": 0.0, "t": False, "to": False, "err": str(e)})
-            try:
+                out({"x": 127, "d": 0.0, "t": False, "to": False, "oom": False, "err": str(e)})
+            try:  # never hand a dirty cgroup or /tmp to the next call
+                if not cgroup.kill_all():
+                    raise Retire("processes of the last call would not die")
                 wipe_scratch()
-            except OSError as e:  # never hand a dirty /tmp to the next call
-                sys.stderr.write(f"fncall worker: cannot empty /tmp ({e}); exiting\n")
+            except (OSError, Retire) as e:
+                sys.stderr.write(f"fncall worker: cannot get back to a clean state ({e}); "
+                                 "exiting\n")
                 sys.exit(3)
 
 
