@@ -2,8 +2,8 @@
 EROFS image (pmem/erofs.py) names as its data device, served by the daemon
 as `blobs/<digest>.data`.
 
-The blob holds no bytes of its own: pmem.layout.BlobLayout maps each blob
-range back to (file, offset), and the daemon reads those through the same
+The blob holds no bytes of its own: composer.bloblayout.BlobLayout maps each
+blob range back to (file, offset), and the daemon reads those through the same
 node cache, tracer and fetch pool as reads of the layer's tree, so a kernel
 EROFS mount over this file fetches only the chunks behind what it reads and
 counts toward the layer's touched figures.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from composer.bloblayout import BlobLayout, BlobPiece
 from composer.manifest import LayerManifest
-from pmem.layout import BlobLayout, BlobPiece
 
 from .tree import LayerTree
 

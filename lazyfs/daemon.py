@@ -8,6 +8,9 @@ Node layout under one root directory (default /run/lazyfs as root):
     ROOT/daemon.log      its log when started detached
     ROOT/mounts/         one JSON file per composed mount (`lazyfs mount`)
     ROOT/fixups/         per-image directory metadata overlayfs needs (see mounts.py)
+    ROOT/erofs/          layers' EROFS metadata images, built on demand (erofsmounts.py)
+    ROOT/erofs-mnt/      the one shared kernel EROFS mount of each layer in use
+    ROOT/erofs.lock      flock around the shared-mount bookkeeping
 
 Control requests (one JSON object per line, one answer each):
     {"op": "ping"}                       -> {"ok": true, "pid": ..., "source": store or cluster}
@@ -100,6 +103,22 @@ class NodePaths:
     @property
     def fixups(self) -> Path:
         return self.root / "fixups"
+
+    @property
+    def blobs(self) -> Path:
+        return self.mnt / "blobs"
+
+    @property
+    def erofs_images(self) -> Path:
+        return self.root / "erofs"
+
+    @property
+    def erofs_mounts(self) -> Path:
+        return self.root / "erofs-mnt"
+
+    @property
+    def erofs_lock(self) -> Path:
+        return self.root / "erofs.lock"
 
 
 def default_root() -> Path:

@@ -70,6 +70,10 @@ class Options:
     # blob would fetch the neighbouring files' chunks. Off for users that must
     # mmap a blob (FUSE refuses shared mmap of direct_io files).
     blob_direct_io: bool = True
+    # chunks fetched ahead of a sequential reader of a blob: EROFS asks for
+    # 128 KiB at a time, one request in flight, so the next chunks must be
+    # in memory before it asks (0: off)
+    blob_readahead_chunks: int = 8
 
 
 @dataclass
@@ -85,6 +89,11 @@ class _Handle:
 class _BlobHandle:
     blob: LayerBlob
     mount: str
+    # one open blob serves every reader of a shared EROFS mount: sequential
+    # streams are told apart by where each one's next read starts
+    streams: collections.OrderedDict[int, None] = field(
+        default_factory=collections.OrderedDict)
+    prefetched: dict[int, int] = field(default_factory=dict)  # entry -> last chunk queued
 
 
 @dataclass
@@ -387,6 +396,8 @@ class LazyFS(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self._handles.get(fh)
         if isinstance(h, _BlobHandle):
+            if self.options.blob_readahead_chunks and self.nursery is not None:
+                self._blob_readahead(h, off, min(size, h.blob.size - off))
             return await self._read_blob(h, off, size)
         if not isinstance(h, _Handle):
             raise pyfuse3.FUSEError(errno.EBADF)
@@ -422,6 +433,38 @@ class LazyFS(pyfuse3.Operations):
         if len(pieces) == 1 and ranges:
             return next(views)  # type: ignore[return-value]  # any contiguous buffer will do
         return b"".join(next(views) if p.entry >= 0 else bytes(p.length) for p in pieces)
+
+    def _blob_readahead(self, h: _BlobHandle, off: int, size: int) -> None:
+        """A blob read that continues an earlier one (EROFS reads a file's
+        blocks in order, 128 KiB at a time) starts a background fetch of the
+        next chunks of the same file, never of its neighbours in the blob
+        (they were not asked for). Called before the read is served: the
+        kernel has several reads of a stream in flight at once."""
+        sequential = off in h.streams
+        h.streams.pop(off, None)
+        h.streams[off + size] = None
+        while len(h.streams) > 64:
+            h.streams.popitem(last=False)
+        if not sequential or size <= 0:
+            return
+        last = h.blob.pieces(off + size - 1, 1)
+        if not last or last[0].entry < 0:
+            return
+        i, tree = last[0].entry, h.blob.tree
+        data = tree.file_data(i)
+        span = data.span(last[0].file_offset, 1)
+        if not span:
+            return
+        first = max(span[-1] + 1, h.prefetched.get(i, -1) + 1)
+        stop = min(span[-1] + self.options.blob_readahead_chunks, len(data.ids) - 1)
+        ahead = [c for c in data.ids[first:stop + 1] if c is not None]
+        if not ahead:
+            return
+        if len(h.prefetched) > 1024:
+            h.prefetched.clear()
+        h.prefetched[i] = stop
+        assert self.nursery is not None
+        self.nursery.start_soon(self._prefetch, tree, i, ahead)
 
     async def _read_ranges(self, tree: LayerTree, ranges: list[tuple[int, int, int]], mount: str,
                            what: str) -> list[memoryview]:

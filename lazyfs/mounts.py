@@ -1,14 +1,22 @@
-"""Composed roots: kernel overlayfs over the daemon's layer trees.
+"""Composed roots: kernel overlayfs over the image's layers.
 
     root = mount_image(paths, catalog, "debian:12", Path("/tmp/root"), writable=Path("/tmp/rw"))
     ...
     unmount(paths, Path("/tmp/root"))
 
-lower = the image's layer trees, top layer first (toolkits over workspace over
-base) as the daemon serves them under ROOT/mnt/layers/<digest>; upper = the
-sandbox's own directory (WRITABLE/upper, WRITABLE/work) on local disk, or,
-read-only, nothing. overlayfs honours the whiteouts and opaque directories the
-trees present. Directory metadata that overlayfs would take from an upper
+lower = the image's layers, top layer first (toolkits over workspace over
+base), each either
+
+- kernel path (default, `KERNEL_DEFAULT`): the layer's shared kernel EROFS
+  mount, ROOT/erofs-mnt/<digest>, whose metadata image is local and whose
+  data device is the daemon's blob (erofsmounts.py): lookups, stat, readdir
+  and xattrs run in the kernel, Python sees only cold data reads; or
+- FUSE path (`kernel=False`, `lazyfs mount --fuse`): the layer tree the daemon
+  serves under ROOT/mnt/layers/<digest>;
+
+upper = the sandbox's own directory (WRITABLE/upper, WRITABLE/work) on local
+disk, or, read-only, nothing. overlayfs honours the whiteouts (char 0/0) and
+opaque directories (trusted.overlay.opaque=y) both kinds of lower present. Directory metadata that overlayfs would take from an upper
 layer which only implied a directory is fixed by placing those directories,
 with the composed metadata, above the layers: in the writable upper when it
 is new, else in a per-image metadata-only top layer (ROOT/fixups/<image>).
@@ -17,8 +25,10 @@ Mounting reads manifests only: no file data is fetched before the first read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -28,16 +38,23 @@ from pathlib import Path
 from composer.catalog import Image, ImageCatalog
 from composer.compose import overlay_fixups
 from composer.manifest import Entry, LayerManifest
+from pmem.errors import PmemError
 
-from . import sysmount
+from . import erofsmounts, sysmount
 from .daemon import NodePaths, request
+from .errors import MountError
 from .tree import is_overlay_xattr
 
+__all__ = ["KERNEL_DEFAULT", "ComposedMount", "MountError", "mount_image", "registered",
+           "unmount", "write_fixups"]
+
+log = logging.getLogger(__name__)
+
 MAX_OPTIONS = 4000  # overlayfs mount data is one page
-
-
-class MountError(Exception):
-    """A composed mount could not be made or removed; the message says why."""
+# Composed roots use the layers' kernel EROFS mounts as lowers unless told
+# otherwise: benchmarks/bench_erofs.py measured metadata work at kernel speed
+# there (docs/erofs.md has the figures). False falls back to the FUSE trees.
+KERNEL_DEFAULT = True
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,7 @@ class ComposedMount:
     image: str
     layers: list[str]
     writable: Path | None
+    kernel: bool = False  # lowers are the layers' shared EROFS mounts
 
 
 def _reg_path(paths: NodePaths, mountpoint: Path) -> Path:
@@ -117,14 +135,21 @@ def _escape(path: Path) -> str:
 
 
 def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: Path, *,
-                writable: Path | None = None, allow_devices: bool = False) -> ComposedMount:
+                writable: Path | None = None, allow_devices: bool = False,
+                kernel: bool | None = None) -> ComposedMount:
     """Mount image `name` (catalog name or digest) composed at `mountpoint`.
     The daemon must be running. Undone completely on failure.
+
+    kernel: True = the layers' shared kernel EROFS mounts as lowers, False =
+    the daemon's FUSE trees, None = KERNEL_DEFAULT, falling back to the FUSE
+    trees (with a warning) where the kernel has no EROFS or a layer cannot
+    be an EROFS image.
 
     The mount is nosuid and nodev unless allow_devices: an image is content
     somebody else chose, and its setuid binaries and device nodes must not
     work for users of this host (a container runtime that confines them in
-    its own namespaces may allow them)."""
+    its own namespaces may allow them). The shared EROFS mounts are always
+    nosuid,nodev; the composed mount's flags are the ones that count."""
     if not paths.layers.is_dir():
         raise MountError(f"no lazyfs daemon serving {paths.mnt}")
     digest, image = catalog.resolve(name)
@@ -135,10 +160,12 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
         raise MountError(f"{mountpoint} is already a mount point")
     manifests, layer_digests = _effective_layers(
         [catalog.load_layer(d) for d in image.layers], list(image.layers))
-    lowers = [paths.layers / d for d in reversed(layer_digests)]
-    for low in lowers:  # loads each layer's manifest in the daemon: metadata only
-        if not low.is_dir():
-            raise MountError(f"layer {low.name} of {name} is not served by the daemon")
+    use_kernel = _kernel_ready(paths, name, dict(zip(layer_digests, manifests, strict=True)),
+                               kernel)
+    if not use_kernel:
+        for low in (paths.layers / d for d in layer_digests):
+            if not low.is_dir():  # loads the layer's manifest in the daemon: metadata only
+                raise MountError(f"layer {low.name} of {name} is not served by the daemon")
     fixups = overlay_fixups(manifests)
     flags = 0 if allow_devices else sysmount.MS_NOSUID | sysmount.MS_NODEV
     if writable is not None:
@@ -153,39 +180,90 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
             except OSError as e:
                 raise MountError(f"cannot write directory fixups into {upper}: {e}") from e
             done.write_text(digest + "\n")
-        data = (f"lowerdir={':'.join(_escape(p) for p in lowers)},"
-                f"upperdir={_escape(upper)},workdir={_escape(work)}")
+        above = ""
+        below = f",upperdir={_escape(upper)},workdir={_escape(work)}"
     else:
-        top = _fixup_layer(paths, digest, fixups)
-        data = f"lowerdir={':'.join(_escape(p) for p in [top, *lowers])}"
+        above = _escape(_fixup_layer(paths, digest, fixups)) + ":"
+        below = ""
         flags |= sysmount.MS_RDONLY
-    if len(data) > MAX_OPTIONS:
-        raise MountError(f"{name}: {len(image.layers)} layers make overlayfs options of "
-                         f"{len(data)} bytes (limit {MAX_OPTIONS}); use a shorter daemon root")
+    # the shared EROFS mounts are looked up, made, and counted (through the
+    # registry file written below) under one lock, so a concurrent unmount
+    # never takes down a layer mount this root is about to be made on
+    with erofsmounts.locked(paths) if use_kernel else contextlib.nullcontext():
+        try:
+            if use_kernel:
+                lowers = list(reversed(erofsmounts.acquire(paths, layer_digests)))
+            else:
+                lowers = [paths.layers / d for d in reversed(layer_digests)]
+            data = f"lowerdir={above}{':'.join(_escape(p) for p in lowers)}{below}"
+            if len(data) > MAX_OPTIONS:
+                raise MountError(f"{name}: {len(image.layers)} layers make overlayfs options "
+                                 f"of {len(data)} bytes (limit {MAX_OPTIONS}); use a shorter "
+                                 "daemon root")
+            try:
+                sysmount.mount("overlay", mountpoint, "overlay", flags, data)
+            except OSError as e:
+                raise MountError(f"overlayfs mount of {name} on {mountpoint} failed: "
+                                 f"{e.strerror} (see dmesg)") from e
+            try:
+                _register(paths, mountpoint, {
+                    "mountpoint": str(mountpoint), "image": digest, "name": name,
+                    "layers": image.layers, "writable": str(writable) if writable else None,
+                    "lowers": "kernel" if use_kernel else "fuse",
+                    "erofs_layers": layer_digests if use_kernel else []})
+            except OSError as e:
+                sysmount.umount(mountpoint, lazy=True)
+                raise MountError(f"cannot register the mount of {name} on {mountpoint}: "
+                                 f"{e}") from e
+        except MountError:
+            if use_kernel:
+                erofsmounts.release_unused(paths)
+            raise
+    return ComposedMount(mountpoint, digest, list(image.layers), writable, use_kernel)
+
+
+def _kernel_ready(paths: NodePaths, name: str, layers: dict[str, LayerManifest],
+                  kernel: bool | None) -> bool:
+    """Whether this mount takes the kernel path; builds the layers' metadata
+    images (outside the lock: they are deterministic and atomic)."""
+    if not (KERNEL_DEFAULT if kernel is None else kernel):
+        return False
     try:
-        sysmount.mount("overlay", mountpoint, "overlay", flags, data)
-    except OSError as e:
-        raise MountError(f"overlayfs mount of {name} on {mountpoint} failed: {e.strerror} "
-                         "(see dmesg)") from e
-    reg = ComposedMount(mountpoint, digest, list(image.layers), writable)
-    _reg_path(paths, mountpoint).write_text(json.dumps(
-        {"mountpoint": str(mountpoint), "image": digest, "name": name,
-         "layers": image.layers, "writable": str(writable) if writable else None}))
-    return reg
+        if not erofsmounts.available():
+            raise MountError("this kernel has no EROFS (CONFIG_EROFS_FS)")
+        erofsmounts.build_images(paths, layers)
+    except (MountError, PmemError, OSError) as e:
+        if kernel:
+            raise MountError(f"kernel path for {name}: {e}") from e
+        log.warning("%s: kernel EROFS path unavailable (%s); using the FUSE trees", name, e)
+        return False
+    return True
+
+
+def _register(paths: NodePaths, mountpoint: Path, record: dict[str, object]) -> None:
+    path = _reg_path(paths, mountpoint)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
 
 
 def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
+    """Unmount a composed root and release the shared EROFS mounts no other
+    mounted root uses (also those a crashed user of this node left)."""
     mountpoint = Path(os.path.realpath(mountpoint))
-    info = sysmount.find_mount(mountpoint)
-    if info is None:
+    with erofsmounts.locked(paths):
+        info = sysmount.find_mount(mountpoint)
+        if info is None:
+            _reg_path(paths, mountpoint).unlink(missing_ok=True)
+            erofsmounts.release_unused(paths)
+            raise MountError(f"{mountpoint} is not mounted")
+        try:
+            sysmount.umount(mountpoint, lazy=lazy)
+        except OSError as e:
+            hint = " (in use: close what runs there, or use --lazy)" if e.errno == 16 else ""
+            raise MountError(f"cannot unmount {mountpoint}: {e.strerror}{hint}") from e
         _reg_path(paths, mountpoint).unlink(missing_ok=True)
-        raise MountError(f"{mountpoint} is not mounted")
-    try:
-        sysmount.umount(mountpoint, lazy=lazy)
-    except OSError as e:
-        hint = " (in use: close what runs there, or use --lazy)" if e.errno == 16 else ""
-        raise MountError(f"cannot unmount {mountpoint}: {e.strerror}{hint}") from e
-    _reg_path(paths, mountpoint).unlink(missing_ok=True)
+        erofsmounts.release_unused(paths)
     try:  # its per-mount counters go with it (the per-layer ones stay)
         request(paths, {"op": "forget_mount", "mount": str(mountpoint)}, timeout=2.0)
     except (OSError, ConnectionError, ValueError, RuntimeError):

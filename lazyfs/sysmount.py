@@ -85,9 +85,12 @@ def find_mount(path: str | Path) -> MountInfo | None:
 
 
 def is_stale(path: str | Path) -> bool:
-    """A FUSE mount whose daemon is gone (ENOTCONN on access)."""
-    try:
-        os.stat(path)
-    except OSError as e:
-        return e.errno == errno.ENOTCONN
+    """A FUSE mount whose daemon is gone (ENOTCONN on access). stat alone can
+    be answered from the kernel's attribute cache (lazyfs caches attributes
+    for hours); statfs always asks the daemon."""
+    for probe in (os.stat, os.statvfs):
+        try:
+            probe(path)
+        except OSError as e:
+            return e.errno == errno.ENOTCONN
     return False

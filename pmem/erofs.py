@@ -2,7 +2,7 @@
 
     image = build_image(manifest, layer=digest)     # deterministic bytes
     image.meta         -> the metadata image (`<digest>.meta.erofs`, local disk)
-    image.layout       -> pmem.layout.BlobLayout: the layer's data as device 1
+    image.layout       -> composer.bloblayout.BlobLayout: the layer's data as device 1
 
 The kernel mounts it from files, no loop device (PLATFORM.md): mount(2)
 with fstype "erofs", source = the meta image, MS_RDONLY and data
@@ -60,10 +60,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chunkstore import ChunkId
+from composer.bloblayout import BLOCK, BLOCK_BITS, HOLE, BlobLayout
 from composer.manifest import Entry, Kind, LayerManifest
 
 from .errors import LayoutError, UnrepresentableEntry
-from .layout import BLOCK, BLOCK_BITS, HOLE, BlobLayout
 
 log = logging.getLogger(__name__)
 
@@ -477,6 +477,18 @@ def write_image(manifest: LayerManifest, dest: str | os.PathLike[str], *,
         Path(tmp).unlink(missing_ok=True)
         raise
     return image
+
+
+def cached_image(manifest: LayerManifest, directory: str | os.PathLike[str], *,
+                 layer: str) -> Path:
+    """The path of layer's metadata image in directory, built there first if
+    it is missing. Images are deterministic and written atomically, so a
+    file that exists is the image, and two builders racing write the same
+    bytes."""
+    path = Path(directory) / meta_name(layer)
+    if not path.exists():
+        write_image(manifest, path, layer=layer)
+    return path
 
 
 def materialize_blob(manifest: LayerManifest, layout: BlobLayout,

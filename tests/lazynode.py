@@ -8,7 +8,8 @@
 The daemon is `python -m tools.cli daemon` in a child process (the same code
 path users run), with its own node root, node cache and log. On exit, every
 composed mount the node made is unmounted (lazily if busy), the daemon gets
-SIGTERM (SIGKILL after 10 s), and a FUSE mount a dead daemon left is detached:
+SIGTERM (SIGKILL after 10 s), the shared EROFS layer mounts of the kernel
+path are taken down, and a FUSE mount a dead daemon left is detached:
 nothing stays mounted, also when the test failed. A parent-death signal stops
 the daemon if the test process itself dies.
 """
@@ -26,7 +27,7 @@ from typing import Any
 from support import parent_death_signal, terminate
 
 from composer.catalog import ImageCatalog
-from lazyfs import sysmount
+from lazyfs import erofsmounts, sysmount
 from lazyfs.daemon import NodePaths, request, running
 from lazyfs.mounts import mount_image, unmount
 
@@ -98,9 +99,9 @@ class LazyNode:
             return ""
 
     def mount(self, catalog: ImageCatalog, name: str, mountpoint: Path, *,
-              writable: Path | None = None) -> Path:
+              writable: Path | None = None, kernel: bool | None = None) -> Path:
         mountpoint.mkdir(parents=True, exist_ok=True)
-        mount_image(self.paths, catalog, name, mountpoint, writable=writable)
+        mount_image(self.paths, catalog, name, mountpoint, writable=writable, kernel=kernel)
         self.mounted.append(mountpoint.absolute())
         return mountpoint
 
@@ -129,6 +130,12 @@ class LazyNode:
                 except OSError:
                     sysmount.umount(mp, lazy=True)
         self.mounted.clear()
+        with erofsmounts.locked(self.paths):
+            erofsmounts.release_unused(self.paths, everything=True)
         terminate(self.proc, 10)
         while sysmount.find_mount(self.mnt) is not None:
             sysmount.umount(self.mnt, lazy=True)
+
+    def erofs_mounts(self) -> list[sysmount.MountInfo]:
+        """The node's shared EROFS layer mounts in the mount table."""
+        return list(erofsmounts.shared_mounts(self.paths).values())

@@ -35,6 +35,7 @@ from test_lazyfs import make_image
 from treediff import data_extents, diff_trees
 
 from chunkstore import TRUSTED, ChunkStore
+from composer.bloblayout import BLOCK, BlobLayout, BlobPiece
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.manifest import ChunkRef, Entry, Kind, LayerManifest
@@ -42,7 +43,6 @@ from composer.tarlayer import import_tar
 from lazyfs import sysmount
 from pmem.erofs import build_image, materialize_blob, write_image
 from pmem.errors import UnrepresentableEntry
-from pmem.layout import BLOCK, BlobLayout, BlobPiece
 
 MIB = 1 << 20
 CHUNK = 256 << 10  # the converter's default chunk size

@@ -12,8 +12,12 @@ File: $LAZYFS_CONFIG, else $XDG_CONFIG_HOME/lazyfs/config.toml (TOML):
     [cluster]
     url = "s3://lazyfs/images?endpoint=http://seaweed:8333"
 
+    [mount]
+    lowers = "kernel"        # or "fuse": what `lazyfs mount` composes over
+
 Environment: LAZYFS_STORE, LAZYFS_ZSTD_LEVEL, LAZYFS_PACK_SIZE_MIB,
-LAZYFS_THREADS, LAZYFS_CLUSTER. Unknown keys or sections are errors.
+LAZYFS_THREADS, LAZYFS_CLUSTER, LAZYFS_LOWERS. Unknown keys or sections are
+errors.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class Settings:
     # the cluster store images are served from (s3://BUCKET[/PREFIX]?endpoint=URL or
     # posix:///PATH); None: the local store. Option --cluster, env LAZYFS_CLUSTER.
     cluster: str | None = None
+    # composed mounts' lowers: "kernel" (EROFS) or "fuse"; None: lazyfs.mounts'
+    # default. Option --kernel/--fuse of `lazyfs mount`, env LAZYFS_LOWERS.
+    lowers: str | None = None
 
     @classmethod
     def load(cls, **cli: Any) -> Settings:
@@ -62,13 +69,14 @@ class Settings:
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         file_cluster: str | None = None
+        lowers: tuple[str, str] | None = None  # (value, where it came from)
         path = config_file_path()
         if path.exists():
             try:
                 doc = tomllib.loads(path.read_text())
             except (OSError, tomllib.TOMLDecodeError) as e:
                 raise QuietError(f"config file {path}: {e}") from e
-            unknown = set(doc) - {"store", "cluster"}
+            unknown = set(doc) - {"store", "cluster", "mount"}
             if unknown:
                 raise QuietError(f"config file {path}: unknown section(s) {sorted(unknown)}")
             cluster_doc = doc.get("cluster", {})
@@ -76,6 +84,12 @@ class Settings:
                 raise QuietError(f"config file {path}: unknown key(s) in [cluster] "
                                  f"{sorted(set(cluster_doc) - {'url'})} (known: url)")
             file_cluster = cluster_doc.get("url")
+            mount_doc = doc.get("mount", {})
+            if set(mount_doc) - {"lowers"}:
+                raise QuietError(f"config file {path}: unknown key(s) in [mount] "
+                                 f"{sorted(set(mount_doc) - {'lowers'})} (known: lowers)")
+            if "lowers" in mount_doc:
+                lowers = (mount_doc["lowers"], f"config file {path}: mount.lowers")
             for key, value in doc.get("store", {}).items():
                 if key not in _STORE_KEYS:
                     raise QuietError(f"config file {path}: unknown key store.{key} "
@@ -106,4 +120,8 @@ class Settings:
             raise QuietError(f"invalid store setting: {e}") from e
         store_path = Path(values.get("path") or default_store_path()).expanduser()
         cluster = cli.get("cluster") or os.environ.get("LAZYFS_CLUSTER") or file_cluster
-        return cls(store_path, config, cluster)
+        if os.environ.get("LAZYFS_LOWERS"):
+            lowers = (os.environ["LAZYFS_LOWERS"], "environment LAZYFS_LOWERS")
+        if lowers is not None and lowers[0] not in ("kernel", "fuse"):
+            raise QuietError(f"{lowers[1]}: expected \"kernel\" or \"fuse\", got {lowers[0]!r}")
+        return cls(store_path, config, cluster, lowers[0] if lowers else None)

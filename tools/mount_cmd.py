@@ -23,6 +23,7 @@ from composer.envspec import build as build_env
 from composer.envspec import load_spec
 from composer.remote import ClusterCatalog
 from lazyfs import daemon as lazyd
+from lazyfs import erofsmounts
 from lazyfs.fs import Options
 from lazyfs.mounts import MountError, mount_image, registered, unmount
 from lazyfs.trace import load_trace
@@ -156,6 +157,8 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None, cache_
     opts = Options(fetch_threads=fetch_threads, fetch_timeout=fetch_timeout,
                    readahead_chunks=readahead_chunks, keep_cache=keep_cache,
                    cache_timeout=cache_timeout)
+    with erofsmounts.locked(paths):  # layer mounts a crashed daemon left, unused now
+        erofsmounts.release_unused(paths)
     lazyd.run(paths, None if settings.cluster else settings.store_path,
               cache_dir or default_cache_dir(), size, cluster_url=settings.cluster,
               options=opts, prefetch=events, read_ahead_kb=read_ahead_kb,
@@ -205,18 +208,26 @@ def _image_name(settings: Settings, target: str) -> str:
 @click.option("--allow-devices", is_flag=True,
               help="Let setuid binaries and device nodes of the image work (default: the "
                    "mount is nosuid,nodev; only for images you trust).")
+@click.option("--kernel/--fuse", "kernel", default=None,
+              help="Lowers: the layers' shared kernel EROFS mounts, or the daemon's FUSE "
+                   "trees [default: [mount] lowers in the config file, LAZYFS_LOWERS, "
+                   "else kernel].")
 @root_option
 @cache_options
 @click.pass_obj
 def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | None,
-          foreground: bool, prefetch: str | None, allow_devices: bool, root: Path | None,
-          cache_dir: Path | None, cache_size: str) -> None:
+          foreground: bool, prefetch: str | None, allow_devices: bool, kernel: bool | None,
+          root: Path | None, cache_dir: Path | None, cache_size: str) -> None:
     """Mount IMAGE (a catalog name, or an environment SPEC.toml) at MOUNTPOINT.
 
-    The layers are composed with overlayfs over the node daemon's lazy trees
-    (started if it is not running). Nothing is read from the store until a
-    file is read. Unmount with `lazyfs umount MOUNTPOINT`.
+    The layers are composed with overlayfs, over their kernel EROFS mounts
+    (metadata local, data from the node daemon's blobs) or over the daemon's
+    FUSE trees (--fuse); the daemon is started if it is not running. Nothing
+    is read from the store until a file is read. Unmount with `lazyfs umount
+    MOUNTPOINT`.
     """
+    if kernel is None and settings.lowers is not None:
+        kernel = settings.lowers == "kernel"
     paths = _paths(root)
     name = _image_name(settings, image)
     events = _trace(prefetch)
@@ -237,7 +248,7 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
     with image_catalog(settings) as catalog:
         try:
             m = mount_image(paths, catalog, name, mountpoint, writable=writable,
-                            allow_devices=allow_devices)
+                            allow_devices=allow_devices, kernel=kernel)
         except MountError as e:
             raise QuietError(str(e)) from e
     if events:
@@ -246,7 +257,8 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
         except (OSError, ConnectionError, RuntimeError) as e:
             click.echo(f"lazyfs: warning: mounted, but the prefetch was refused: {e}", err=True)
     click.echo(f"mounted {name} ({len(m.layers)} layers, "
-               f"{'writable' if writable else 'read-only'}) at {m.mountpoint}")
+               f"{'writable' if writable else 'read-only'}, "
+               f"{'kernel EROFS' if m.kernel else 'FUSE'} lowers) at {m.mountpoint}")
     if not foreground:
         return
     click.echo("Ctrl-C to unmount", err=True)
@@ -287,6 +299,14 @@ def _stop_daemon(paths: lazyd.NodePaths, lazy: bool) -> None:
     if busy and not lazy:
         raise QuietError(f"composed mounts still use the daemon: {', '.join(map(str, busy))} "
                          "(unmount them first, or --lazy)")
+    # the shared EROFS layer mounts hold the daemon's blobs open; with
+    # --lazy, also those under live composed roots (which keep their own
+    # clones and get EIO on data not yet read)
+    try:
+        with erofsmounts.locked(paths):
+            erofsmounts.release_unused(paths, everything=lazy)
+    except MountError as e:
+        raise QuietError(str(e)) from e
     pid = None
     try:
         pid = int(paths.pidfile.read_text())

@@ -4,9 +4,11 @@ device 1 of the layer's EROFS image and that the lazyfs daemon serves as
 
 The blob is never written: its byte ranges map onto the chunks the layer's
 manifest already lists, so a layer's data exists once, in the chunk store.
-This module owns only the arithmetic, shared by the EROFS writer (which
-points inodes at blob blocks) and the daemon (which turns a blob read back
-into file reads); it knows nothing of EROFS on-disk structures or of FUSE.
+This module owns only the arithmetic, shared by the EROFS writer (pmem/,
+which points inodes at blob blocks) and the daemon (lazyfs/, which turns a
+blob read back into file reads); it sits in composer, below both, because
+it is a pure function of the layer manifest. It knows nothing of EROFS
+on-disk structures or of FUSE.
 
 Layout, deterministic for a given manifest:
 

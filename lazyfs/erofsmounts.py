@@ -1,0 +1,227 @@
+"""Shared kernel EROFS mounts of layers: the overlayfs lowers of composed
+roots on the kernel path (`mounts.mount_image(..., kernel=True)`).
+
+    ROOT/erofs/<digest>.meta.erofs   the layer's metadata image (pmem.erofs),
+                                     built on first use and kept: deterministic,
+                                     written atomically
+    ROOT/erofs-mnt/<digest>/         the layer's one EROFS mount on this node:
+                                     mount(2) source = the meta image, data
+                                     "device=ROOT/mnt/blobs/<digest>.data"
+                                     (the daemon's blob), ro,nosuid,nodev
+    ROOT/erofs-mnt/<digest>.json     the FUSE mount (device number) whose blob
+                                     it reads, to tell a stale mount
+    ROOT/erofs.lock                  flock: acquiring, releasing and the
+                                     registry change that goes with them
+
+There is no counter to get wrong: a layer's EROFS mount is in use while a
+composed mount registered in ROOT/mounts/*.json with the layer in its
+"erofs_layers" is still mounted. The registry survives crashes of whoever
+mounted, so the count does too: `release_unused`, run after every unmount
+and when the daemon starts or stops, takes down exactly the mounts no live
+composed root needs.
+
+overlayfs works on private clones of its lower mounts, so unmounting a
+shared EROFS mount never fails under a composed root that still uses it.
+Sharing is what the count keeps: every composed root of a layer is made on
+the same EROFS superblock, so the node has one page-cache copy of the layer
+and Python sees each cold block once.
+
+An EROFS mount made over a daemon that has died reads a dead FUSE file: the
+next acquire sees that its recorded FUSE device is not the live one, detaches
+it and mounts the layer again; composed roots made before get EIO on data
+they had not read until they are unmounted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from composer.manifest import LayerManifest
+from pmem.erofs import cached_image, meta_name
+
+from . import sysmount
+from .blob import blob_name
+from .daemon import NodePaths
+from .errors import MountError
+
+log = logging.getLogger(__name__)
+
+MOUNT_FLAGS = sysmount.MS_RDONLY | sysmount.MS_NOSUID | sysmount.MS_NODEV
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether this kernel mounts EROFS (loading the module if it must)."""
+    global _available
+    if _available is None:
+        _available = _has_erofs()
+        if not _available:
+            subprocess.run(["modprobe", "-q", "erofs"], check=False, capture_output=True)
+            _available = _has_erofs()
+    return _available
+
+
+def _has_erofs() -> bool:
+    try:
+        with open("/proc/filesystems") as f:
+            return any(line.split()[-1:] == ["erofs"] for line in f)
+    except OSError:
+        return False
+
+
+def image_path(paths: NodePaths, digest: str) -> Path:
+    return paths.erofs_images / meta_name(digest)
+
+
+def mount_path(paths: NodePaths, digest: str) -> Path:
+    return paths.erofs_mounts / digest
+
+
+def _state_path(paths: NodePaths, digest: str) -> Path:
+    return paths.erofs_mounts / f"{digest}.json"
+
+
+@contextlib.contextmanager
+def locked(paths: NodePaths) -> Iterator[None]:
+    """Hold the node's lock on shared-mount bookkeeping (exclusive flock;
+    released when the process dies, so a crash never leaves it taken)."""
+    if not paths.root.is_dir():  # no node here: nothing is shared yet
+        yield
+        return
+    fd = os.open(paths.erofs_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def build_images(paths: NodePaths, layers: dict[str, LayerManifest]) -> dict[str, Path]:
+    """The metadata image of each layer (digest -> manifest), built where
+    missing. Needs no lock: images are deterministic and written atomically.
+    Raises pmem.errors.PmemError for a layer EROFS cannot hold."""
+    paths.erofs_images.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return {d: cached_image(m, paths.erofs_images, layer=d) for d, m in layers.items()}
+
+
+def _fuse_device(paths: NodePaths) -> str:
+    info = sysmount.find_mount(paths.mnt)
+    if info is None or info.fstype != "fuse.lazyfs" or sysmount.is_stale(paths.mnt):
+        raise MountError(f"no live lazyfs daemon serving {paths.mnt}")
+    return f"{info.dev[0]}:{info.dev[1]}"
+
+
+def _recorded_device(paths: NodePaths, digest: str) -> str | None:
+    try:
+        value = json.loads(_state_path(paths, digest).read_text()).get("fuse_device")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _write_state(paths: NodePaths, digest: str, state: dict[str, str]) -> None:
+    path = _state_path(paths, digest)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def acquire(paths: NodePaths, digests: list[str]) -> list[Path]:
+    """The shared EROFS mount of each layer, mounted where missing or stale.
+    Call under `locked(paths)`, after `build_images`; on failure, mounts
+    already made stay until `release_unused` (which the caller runs)."""
+    device = _fuse_device(paths)
+    paths.erofs_mounts.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out = []
+    for digest in digests:
+        target = mount_path(paths, digest)
+        info = sysmount.find_mount(target)
+        if info is not None:
+            if info.fstype == "erofs" and _recorded_device(paths, digest) == device:
+                out.append(target)
+                continue
+            log.warning("%s: EROFS mount of a daemon that is gone (FUSE %s, live %s); "
+                        "mounting the layer again", target, _recorded_device(paths, digest),
+                        device)
+            _take_down(target, lazy=True)
+        meta = image_path(paths, digest)
+        blob = paths.blobs / blob_name(digest)
+        if "," in str(blob):
+            raise MountError(f"the daemon's blob path {blob} holds a ',', which EROFS mount "
+                             "options cannot carry; use another node root")
+        target.mkdir(exist_ok=True)
+        try:
+            sysmount.mount(str(meta), target, "erofs", MOUNT_FLAGS, f"device={blob}")
+        except OSError as e:
+            raise MountError(f"kernel EROFS mount of layer {digest} ({meta}, data {blob}) on "
+                             f"{target} failed: {e.strerror} (see dmesg)") from e
+        _write_state(paths, digest, {"fuse_device": device, "meta": str(meta),
+                                     "blob": str(blob)})
+        out.append(target)
+    return out
+
+
+def in_use(paths: NodePaths) -> set[str]:
+    """Layers whose EROFS mount a composed root still mounted needs, from the
+    composed-mount registry and the live mount table."""
+    overlays = {m.mount_point for m in sysmount.mounts() if m.fstype == "overlay"}
+    used: set[str] = set()
+    for f in paths.mounts.glob("*.json") if paths.mounts.is_dir() else []:
+        try:
+            reg = json.loads(f.read_text())
+            layers = reg.get("erofs_layers") or []
+            mountpoint = str(reg["mountpoint"])
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue
+        if mountpoint in overlays and isinstance(layers, list):
+            used.update(str(d) for d in layers)
+    return used
+
+
+def shared_mounts(paths: NodePaths) -> dict[str, sysmount.MountInfo]:
+    """The node's EROFS layer mounts now in the mount table, by layer digest."""
+    where = os.path.realpath(paths.erofs_mounts)
+    return {os.path.basename(m.mount_point): m for m in sysmount.mounts()
+            if m.fstype == "erofs" and os.path.dirname(m.mount_point) == where}
+
+
+def release_unused(paths: NodePaths, *, everything: bool = False) -> list[str]:
+    """Unmount the shared EROFS mounts no mounted composed root uses (all of
+    them with everything=True, lazily where busy); returns their layers.
+    Call under `locked(paths)`."""
+    if not paths.erofs_mounts.is_dir():
+        return []
+    keep = set() if everything else in_use(paths)
+    released = []
+    for digest, info in shared_mounts(paths).items():
+        if digest in keep:
+            continue
+        _take_down(Path(info.mount_point), lazy=everything)
+        released.append(digest)
+    mounted = set(shared_mounts(paths))
+    for entry in paths.erofs_mounts.iterdir():  # leftovers of mounts gone
+        name = entry.name.removesuffix(".json")
+        if name in mounted or name.startswith("."):
+            continue
+        with contextlib.suppress(OSError):
+            entry.unlink() if entry.name.endswith(".json") else entry.rmdir()
+    return released
+
+
+def _take_down(target: Path, *, lazy: bool) -> None:
+    while sysmount.find_mount(target) is not None:
+        try:
+            sysmount.umount(target, lazy=lazy)
+        except OSError as e:
+            if lazy:
+                raise MountError(f"cannot detach the EROFS layer mount {target}: "
+                                 f"{e.strerror}") from e
+            log.warning("%s busy (%s); detaching it lazily", target, e.strerror)
+            lazy = True

@@ -1,0 +1,382 @@
+"""The kernel path for composed roots: overlayfs over the layers' shared
+kernel EROFS mounts (metadata image on the node, data from the daemon's
+blob), against the same image on the FUSE tree path and extracted.
+
+Real mounts (root, /dev/fuse, EROFS in the kernel); every mount is taken
+down in finalizers (LazyNode.close releases the shared EROFS mounts too)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from images import (
+    add_special_files,
+    build_busybox_rootfs,
+    chroot_run,
+    extract_layers,
+    tar_of,
+    whiteout_layer,
+)
+from lazynode import REPO, LazyNode, fuse_missing
+from support import flip_byte, pack_path
+from test_lazyfs import make_image
+from treediff import diff_trees
+
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
+from lazyfs import erofsmounts, sysmount
+from lazyfs.daemon import NodePaths
+from lazyfs.mounts import KERNEL_DEFAULT, MountError, mount_image, registered, unmount
+
+MIB = 1 << 20
+
+
+def _kernel_path_missing() -> str | None:
+    if (why := fuse_missing()) is not None:
+        return why
+    if not erofsmounts.available():
+        return "this kernel has no EROFS (CONFIG_EROFS_FS)"
+    return None
+
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(_kernel_path_missing() is not None,
+                                 reason=str(_kernel_path_missing()))]
+
+
+@pytest.fixture(scope="module")
+def image_tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tricky image of the lazyfs tests: devices, hardlinks, xattrs,
+    sparse files, a 10,000-entry directory, 255-byte names, a 40-deep path,
+    and an upper layer with whiteouts and an opaque directory."""
+    d = tmp_path_factory.mktemp("kernelimg")
+    base = build_busybox_rootfs(d / "base")
+    add_special_files(base)
+    upper = whiteout_layer(d / "upper", remove=["etc/hostname", "posix/big/f00007"],
+                           opaque=["posix/deep"], add={"posix/deep/new": b"new\n",
+                                                       "etc/motd": b"hello\n"}, like=base)
+    tars = {"base": tar_of(base, d / "base.tar"), "upper": tar_of(upper, d / "upper.tar")}
+    tars["ref"] = extract_layers([tars["base"], tars["upper"]], d / "ref")
+    return tars
+
+
+@pytest.fixture
+def image(store: ChunkStore, cat: Catalog, image_tars: dict[str, Path]) -> list[str]:
+    return make_image(store, cat, "posix:1", [image_tars["base"], image_tars["upper"]])
+
+
+@pytest.fixture
+def node(tmp_path: Path, store: ChunkStore) -> Iterator[LazyNode]:
+    with LazyNode(tmp_path / "node", Path(store.root)) as n:
+        yield n
+
+
+def _erofs_by_layer(node: LazyNode) -> dict[str, int]:
+    """How many EROFS mounts in this namespace have each layer's meta image
+    as their source (the shared ones and any duplicate)."""
+    counts: dict[str, int] = {}
+    images = os.path.realpath(node.paths.erofs_images)
+    for m in sysmount.mounts():
+        if m.fstype == "erofs" and os.path.dirname(m.source) == images:
+            digest = os.path.basename(m.source).removesuffix(".meta.erofs")
+            counts[digest] = counts.get(digest, 0) + 1
+    return counts
+
+
+def _lowerdirs(mountpoint: Path) -> str:
+    info = sysmount.find_mount(mountpoint)
+    assert info is not None and info.fstype == "overlay"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if left.split()[4] == str(mountpoint):
+                return right.split()[2]
+    raise AssertionError(f"{mountpoint} not in mountinfo")
+
+
+def test_the_kernel_path_is_the_default() -> None:
+    assert KERNEL_DEFAULT is True
+
+
+def test_composed_root_equals_the_extracted_image(node: LazyNode, cat: Catalog,
+                                                  image: list[str], image_tars: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    ro = node.mount(cat, "posix:1", tmp_path / "ro", kernel=True)
+    rw = node.mount(cat, "posix:1", tmp_path / "rw", writable=tmp_path / "w", kernel=True)
+    for mp in (ro, rw):
+        assert str(node.paths.erofs_mounts) in _lowerdirs(mp)
+        assert "/mnt/layers/" not in _lowerdirs(mp)
+    regs = {r["mountpoint"]: r for r in registered(node.paths)}
+    assert regs[str(ro)]["lowers"] == "kernel" and regs[str(ro)]["erofs_layers"] == image
+    # metadata work is in the kernel: the walk fetched no data
+    subprocess.run(["ls", "-lR", str(ro)], check=True, capture_output=True)
+    assert node.stats()["cache"]["misses"] == 0, "a metadata walk fetched data"
+    assert diff_trees(image_tars["ref"], ro) == []
+    assert diff_trees(image_tars["ref"], rw) == []
+    # whiteouts and the opaque dir applied; writes stay in the upper
+    assert not (ro / "etc" / "hostname").exists() and (ro / "etc" / "motd").read_text() == "hello\n"
+    assert os.listdir(ro / "posix" / "deep") == ["new"]
+    (rw / "etc" / "motd").write_text("changed\n")
+    assert (tmp_path / "w" / "upper" / "etc" / "motd").read_text() == "changed\n"
+    assert (ro / "etc" / "motd").read_text() == "hello\n"
+    with pytest.raises(OSError) as e:
+        (ro / "etc" / "new").write_text("x")
+    assert e.value.errno == errno.EROFS
+    # the image's setuid binaries and devices do nothing on the host by default
+    for mp in (ro, rw):
+        flags = os.statvfs(mp).f_flag
+        assert flags & os.ST_NOSUID and flags & os.ST_NODEV
+    # programs run from it
+    assert chroot_run(rw, "/bin/busybox", "cat", "/etc/motd").stdout == "changed\n"
+
+
+def test_two_roots_share_one_erofs_mount_per_layer(node: LazyNode, cat: Catalog,
+                                                   image: list[str], tmp_path: Path) -> None:
+    a = node.mount(cat, "posix:1", tmp_path / "a", kernel=True)
+    b = node.mount(cat, "posix:1", tmp_path / "b", writable=tmp_path / "wb", kernel=True)
+    assert _erofs_by_layer(node) == {d: 1 for d in image}
+    # one superblock: both roots see the layer's inode numbers through one mount
+    shared = {Path(m.mount_point).name: m for m in node.erofs_mounts()}
+    assert set(shared) == set(image)
+    for m in shared.values():
+        flags = os.statvfs(m.mount_point).f_flag
+        assert flags & os.ST_RDONLY and flags & os.ST_NOSUID and flags & os.ST_NODEV
+    assert (a / "bin" / "busybox").read_bytes() == (b / "bin" / "busybox").read_bytes()
+    node.unmount(a)
+    assert _erofs_by_layer(node) == {d: 1 for d in image}, "released while b uses it"
+    assert (b / "etc" / "passwd").read_bytes().startswith(b"root:")
+    node.unmount(b)
+    assert _erofs_by_layer(node) == {}, "the last unmount must release the layer mounts"
+    assert not any(node.paths.erofs_mounts.iterdir())
+    # the meta images stay cached on the node for the next mount
+    assert sorted(p.name for p in node.paths.erofs_images.iterdir()) == \
+        sorted(f"{d}.meta.erofs" for d in image)
+
+
+def test_the_count_comes_from_the_registry_and_survives_a_crash(
+        node: LazyNode, cat: Catalog, image: list[str], tmp_path: Path) -> None:
+    a = node.mount(cat, "posix:1", tmp_path / "a", kernel=True)
+    b = node.mount(cat, "posix:1", tmp_path / "b", kernel=True)
+    # a user that crashed: its root unmounted without `unmount`, registry left
+    sysmount.umount(a)
+    node.mounted.remove(a)
+    assert any(r["mountpoint"] == str(a) for r in registered(node.paths))
+    node.unmount(b)  # b was the last root still mounted: everything goes
+    assert _erofs_by_layer(node) == {}
+    # an EROFS mount nobody registered (a mounter killed between the two) is
+    # released by the next bookkeeping pass, here the daemon's stop command
+    c = node.mount(cat, "posix:1", tmp_path / "c", kernel=True)
+    sysmount.umount(c)
+    node.mounted.remove(c)
+    (node.paths.mounts / "stale.json").write_text(json.dumps(
+        {"mountpoint": str(tmp_path / "nowhere"), "erofs_layers": image}))
+    assert _erofs_by_layer(node) == {d: 1 for d in image}
+    p = subprocess.run([sys.executable, "-m", "tools.cli", "--store", str(node.store), "umount",
+                        str(node.mnt), "--root", str(node.paths.root)],
+                       capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    assert _erofs_by_layer(node) == {} and sysmount.find_mount(node.mnt) is None
+
+
+def test_concurrent_mounts_and_unmounts_keep_the_count(node: LazyNode, cat: Catalog,
+                                                       image: list[str], tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for n in range(6):
+                mp = tmp_path / f"m{k}-{n}"
+                mp.mkdir()
+                mount_image(node.paths, cat, "posix:1", mp, kernel=True)
+                try:
+                    assert (mp / "etc" / "motd").read_text() == "hello\n"
+                finally:
+                    unmount(node.paths, mp)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+    keep = node.mount(cat, "posix:1", tmp_path / "keep", kernel=True)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert _erofs_by_layer(node) == {d: 1 for d in image}
+    assert (keep / "etc" / "motd").read_text() == "hello\n"
+    node.unmount(keep)
+    assert _erofs_by_layer(node) == {}
+
+
+def _workload(root: Path) -> None:
+    subprocess.run(["ls", "-lR", str(root)], check=True, capture_output=True)
+    for name in ("posix/sizes/random_3mib", "posix/links/two", "etc/motd"):
+        (root / name).read_bytes()
+    assert chroot_run(root, "/bin/busybox", "cat", "/etc/passwd").returncode == 0
+
+
+def test_touched_figures_match_the_fuse_path(tmp_path: Path, store: ChunkStore, cat: Catalog,
+                                             image: list[str]) -> None:
+    figures = {}
+    for kernel in (False, True):
+        with LazyNode(tmp_path / f"node-{kernel}", Path(store.root)) as n:
+            root = n.mount(cat, "posix:1", tmp_path / f"root-{kernel}", kernel=kernel)
+            _workload(root)
+            figures[kernel] = n.stats()["layers"]
+            cli = subprocess.run([sys.executable, "-m", "tools.cli", "--store", str(store.root),
+                                  "stats", "--root", str(n.paths.root)], capture_output=True,
+                                 text=True, cwd=REPO, timeout=60, check=True).stdout
+            assert "posix:1: touched" in cli
+    fuse, kern = figures[False], figures[True]
+    for d in image:
+        f, k = fuse.get(d, {}), kern.get(d, {})
+        assert f.get("files_touched", 0) == k.get("files_touched", 0), (d, f, k)
+        assert f.get("image_bytes") == k.get("image_bytes")
+        tf, tk = f.get("touched_bytes", 0), k.get("touched_bytes", 0)
+        assert abs(tf - tk) <= 0.05 * max(tf, tk), (d, tf, tk)
+    assert kern[image[0]]["touched_fraction"] > 0
+
+
+def test_corrupt_blob_chunk_is_eio_through_the_composed_root(
+        tmp_path: Path, store: ChunkStore, cat: Catalog, image: list[str]) -> None:
+    m = cat.load_layer(image[0])
+    entry = next(e for e in m.entries if e.path == "posix/sizes/random_3mib")
+    cid = entry.chunks[-1].id
+    assert cid is not None
+    info = store.stat(cid)
+    flip_byte(pack_path(Path(store.root), info.pack), info.offset + info.stored_len - 3)
+    with LazyNode(tmp_path / "node", Path(store.root)) as node:
+        root = node.mount(cat, "posix:1", tmp_path / "root", kernel=True)
+        with open(root / "posix" / "sizes" / "random_3mib", "rb") as fh:
+            assert len(fh.read(4096)) == 4096  # chunk 0 is fine
+            fh.seek(entry.size - 4096)
+            with pytest.raises(OSError) as e:
+                fh.read(4096)
+        assert e.value.errno == errno.EIO
+        assert node.stats()["errors"] >= 1
+        assert str(cid) in node.log() and "posix/sizes/random_3mib" in node.log()
+
+
+def test_a_killed_daemon_gives_errors_and_cleanup_unmounts_everything(
+        tmp_path: Path, store: ChunkStore, cat: Catalog, image: list[str]) -> None:
+    node = LazyNode(tmp_path / "node", Path(store.root))
+    node.start()
+    cli = [sys.executable, "-m", "tools.cli", "--store", str(store.root)]
+    try:
+        old = node.mount(cat, "posix:1", tmp_path / "old", kernel=True)
+        assert (old / "etc" / "passwd").read_bytes().startswith(b"root:")
+        node.kill()
+        # metadata is local; data never read is an error, in bounded time
+        assert (old / "posix" / "sizes" / "one_mib").stat().st_size == MIB
+        p = subprocess.run([sys.executable, "-c", "import sys; open(sys.argv[1], 'rb').read()",
+                            str(old / "posix" / "sizes" / "one_mib")],
+                           capture_output=True, text=True, timeout=30, check=False)
+        assert p.returncode != 0 and "Error" in p.stderr
+        # a new daemon on the node: a new root gets fresh layer mounts over the
+        # live blobs, the old root keeps failing until unmounted
+        node.start()
+        new = node.mount(cat, "posix:1", tmp_path / "new", kernel=True)
+        assert len((new / "posix" / "sizes" / "one_mib").read_bytes()) == MIB
+        assert _erofs_by_layer(node) == {d: 1 for d in image}  # the stale ones detached
+        for mp in (old, new):
+            r = subprocess.run([*cli, "umount", str(mp), "--root", str(node.paths.root)],
+                               capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+            assert r.returncode == 0, r.stderr
+            node.mounted.remove(mp)
+        assert _erofs_by_layer(node) == {}
+        r = subprocess.run([*cli, "umount", str(node.mnt), "--root", str(node.paths.root)],
+                           capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+        assert r.returncode == 0, r.stderr
+    finally:
+        node.close()
+    root = str(node.paths.root)
+    left = [m.mount_point for m in sysmount.mounts() if m.mount_point.startswith(root)
+            or m.mount_point.startswith(str(tmp_path))]
+    assert left == []
+
+
+def test_cli_chooses_the_lowers_and_stop_waits_for_roots(tmp_path: Path, store: ChunkStore,
+                                                         cat: Catalog, image: list[str]) -> None:
+    node_root = tmp_path / "node"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}
+    env.pop("LAZYFS_LOWERS", None)
+    cli = [sys.executable, "-m", "tools.cli", "--store", str(store.root)]
+
+    def run(*args: str, ok: bool = True, extra: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run([*cli, *args], capture_output=True, text=True, cwd=REPO,
+                           env={**env, **(extra or {})}, check=False, timeout=60)
+        assert (p.returncode == 0) == ok, p.stderr
+        return p
+    mps = [tmp_path / n for n in ("k", "f", "e")]
+    for mp in mps:
+        mp.mkdir()
+    try:
+        assert "kernel EROFS" in run("mount", "posix:1", str(mps[0]), "--root",
+                                     str(node_root)).stdout
+        assert "FUSE lowers" in run("mount", "posix:1", str(mps[1]), "--fuse", "--root",
+                                    str(node_root)).stdout
+        assert "FUSE lowers" in run("mount", "posix:1", str(mps[2]), "--root", str(node_root),
+                                    extra={"LAZYFS_LOWERS": "fuse"}).stdout
+        bad = run("mount", "posix:1", str(tmp_path), "--root", str(node_root), ok=False,
+                  extra={"LAZYFS_LOWERS": "tree"})
+        assert "LAZYFS_LOWERS" in bad.stderr
+        busy = run("umount", str(node_root / "mnt"), "--root", str(node_root), ok=False)
+        assert "still use the daemon" in busy.stderr
+        assert len(list((node_root / "erofs-mnt").glob("*.json"))) == len(image)
+        for mp in mps:
+            run("umount", str(mp), "--root", str(node_root))
+        assert erofsmounts.shared_mounts(NodePaths(node_root.absolute())) == {}
+        run("umount", str(node_root / "mnt"), "--root", str(node_root))
+    finally:
+        for p in [*mps, *(node_root / "erofs-mnt").glob("*"), node_root / "mnt"]:
+            while sysmount.find_mount(p) is not None:
+                sysmount.umount(p, lazy=True)
+        pid = node_root / "daemon.pid"
+        if pid.exists():
+            try:
+                os.kill(int(pid.read_text()), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def test_explicit_kernel_path_errors_name_the_layer(node: LazyNode, cat: Catalog,
+                                                    image: list[str], tmp_path: Path) -> None:
+    # a meta image that is not one: the kernel refuses it, the error names it
+    node.paths.erofs_images.mkdir(parents=True, exist_ok=True)
+    bad = erofsmounts.image_path(node.paths, image[0])
+    bad.write_bytes(b"\0" * 8192)
+    with pytest.raises(MountError, match=f"layer {image[0]}.*meta.erofs"):
+        node.mount(cat, "posix:1", tmp_path / "root", kernel=True)
+    node.mounted.clear()
+    assert sysmount.find_mount(tmp_path / "root") is None and _erofs_by_layer(node) == {}
+
+
+@pytest.mark.slow
+def test_debian_minbase_on_the_kernel_path(tmp_path: Path, store: ChunkStore, cat: Catalog
+                                           ) -> None:
+    from test_lazyfs_debian import _debootstrap
+    if not os.path.exists("/usr/sbin/debootstrap"):
+        pytest.skip("debootstrap is not installed (install.sh installs it)")
+    minbase = _debootstrap("debian-minbase", None, "usr/bin/dpkg")
+    convert(store, cat, f"dir:{minbase}", "debian:minbase")
+    with LazyNode(tmp_path / "node", Path(store.root), cache_size="2G") as node:
+        root = node.mount(cat, "debian:minbase", tmp_path / "root", kernel=True)
+        rw = node.mount(cat, "debian:minbase", tmp_path / "rw", writable=tmp_path / "w",
+                        kernel=True)
+        assert len(node.erofs_mounts()) == 1
+        out = chroot_run(rw, "dpkg", "-l", timeout=60)
+        assert "ii  dpkg" in out.stdout, out.stderr
+        assert chroot_run(rw, "bash", "-c", "echo $((6*7)) > /answer; cat /answer"
+                          ).stdout == "42\n"
+        (layer,) = node.stats()["layers"].values()
+        assert 0 < layer["touched_fraction"] < 0.2, layer
+        assert diff_trees(minbase, root) == []
