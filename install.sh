@@ -17,10 +17,11 @@ cd "$(dirname "$0")"
 #   erofs-utils: fsck.erofs checks of the EROFS images we write
 #   runc, libc6-dev (static libc for sandbox-init), libseccomp2, iproute2, nftables:
 #   container and fncall sandboxes (runc, seccomp, network namespaces and allowlists)
+#   qemu-system-x86: microVM sandboxes (the guest kernel is fetched below with apt-get download)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
               docker-registry apache2-utils openssl debootstrap docker.io git
               fuse3 libfuse3-dev pkg-config erofs-utils
-              runc libc6-dev libseccomp2 iproute2 nftables)
+              runc libc6-dev libseccomp2 iproute2 nftables qemu-system-x86)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -41,4 +42,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c 'import chunkstore, tools.cli' || { echo "install.sh: install failed" >&2; exit 1; }
+# The microVM guest kernel (Debian's cloud kernel, unpacked into /var/cache/lazyfs/guest-kernel);
+# the backend fetches it on first use too, this only saves the first sandbox the wait.
+if [ "$(id -u)" -eq 0 ]; then
+    .venv/bin/python -c 'from runtime.guest.kernel import guest_kernel; print("install.sh: guest kernel", guest_kernel().version)' \
+        || echo "install.sh: could not fetch the microVM guest kernel (the microvm backend will say why)" >&2
+fi
 echo "install.sh: ready (.venv/bin/lazyfs)"

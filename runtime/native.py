@@ -1,8 +1,10 @@
-"""The sandbox's own small program (native/sandbox-init.c), built on first use.
+"""The sandbox's own small programs, built on first use: sandbox-init
+(native/sandbox-init.c, containers and the host side of VMs) and the guest
+agent of VMs (native/guest-agent.c).
 
-It is compiled statically, so it runs in any image (no libc needed there), and
-cached under the runtime's state directory by the hash of its source: editing
-the source rebuilds it, nothing else does.
+They are compiled statically, so they run in any image (no libc needed there),
+and cached under the runtime's state directory by the hash of their source:
+editing the source rebuilds it, nothing else does.
 """
 
 from __future__ import annotations
@@ -17,26 +19,38 @@ from pathlib import Path
 from .errors import BackendUnavailable
 
 SOURCE = Path(__file__).with_name("native") / "sandbox-init.c"
+GUEST_AGENT_SOURCE = Path(__file__).with_name("native") / "guest-agent.c"
 
 
 def sandbox_init(cache_dir: Path) -> Path:
     """Path of the built sandbox-init binary (built now if missing)."""
-    src = SOURCE.read_bytes()
-    out = cache_dir / f"sandbox-init-{hashlib.sha256(src).hexdigest()[:16]}"
+    return build_static(SOURCE, cache_dir)
+
+
+def guest_agent(cache_dir: Path) -> Path:
+    """Path of the built guest agent (lazyfs-agent, PID 1 of sandbox VMs)."""
+    return build_static(GUEST_AGENT_SOURCE, cache_dir)
+
+
+def build_static(source: Path, cache_dir: Path) -> Path:
+    """Path of the static binary built from one C file (built now if missing)."""
+    src = source.read_bytes()
+    name = source.stem
+    out = cache_dir / f"{name}-{hashlib.sha256(src).hexdigest()[:16]}"
     if out.exists():
         return out
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise BackendUnavailable("building sandbox-init needs a C compiler (apt-get install gcc)")
+        raise BackendUnavailable(f"building {name} needs a C compiler (apt-get install gcc)")
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".build-")
     os.close(fd)
     try:
-        p = subprocess.run([cc, "-static", "-O2", "-Wall", "-o", tmp, str(SOURCE)],
+        p = subprocess.run([cc, "-static", "-O2", "-Wall", "-o", tmp, str(source)],
                            capture_output=True, text=True, check=False)
         if p.returncode != 0:
             raise BackendUnavailable(
-                f"building sandbox-init failed (static libc from libc6-dev needed): "
+                f"building {name} failed (static libc from libc6-dev needed): "
                 f"{p.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, out)

@@ -107,7 +107,7 @@ def test_network_slots_are_never_shared(tmp_path: Path) -> None:
 def test_capabilities_say_what_each_backend_does() -> None:
     assert "files" in capabilities("container") and "pause" in capabilities("container")
     assert "exec" in capabilities("fncall") and "files" not in capabilities("fncall")
-    assert "exec" not in capabilities("microvm")
+    assert "exec" in capabilities("microvm") and "network_allowlist" not in capabilities("microvm")
     assert "issue 8" in capabilities("vm").notes
     with pytest.raises(BackendUnavailable, match="unknown backend"):
         capabilities("kvm")

@@ -2,7 +2,7 @@
 
     fncall     pre-forked restricted workers over an image's tree (stateless calls)
     container  runc over a lazily loaded composed root
-    microvm    QEMU/Firecracker with virtio-pmem layers (not built yet: issue 8)
+    microvm    QEMU guests with the image layers as virtio-pmem + DAX (EROFS)
     vm         full QEMU VMs (not built yet: issue 8)
 """
 
@@ -16,8 +16,6 @@ from .base import Backend, Capabilities, Handle, Sink
 __all__ = ["Backend", "Capabilities", "Handle", "Sink", "capabilities", "make_backend"]
 
 _PLANNED = {
-    "microvm": Capabilities("microvm", frozenset(), "not built yet (issue 8: QEMU/Firecracker "
-                            "with virtio-pmem + DAX layers)"),
     "vm": Capabilities("vm", frozenset(), "not built yet (issue 8: full QEMU VMs)"),
 }
 
@@ -29,6 +27,9 @@ def capabilities(name: str) -> Capabilities:
     if name == "fncall":
         from .fncall import FncallBackend
         return FncallBackend.capabilities
+    if name == "microvm":
+        from .microvm import MicrovmBackend
+        return MicrovmBackend.capabilities
     if name in _PLANNED:
         return _PLANNED[name]
     raise BackendUnavailable(f"unknown backend {name!r}: fncall, container, microvm or vm")
@@ -41,4 +42,7 @@ def make_backend(name: str, config: RuntimeConfig, images: Images) -> Backend:
     if name == "fncall":
         from .fncall import FncallBackend
         return FncallBackend(config, images)
+    if name == "microvm":
+        from .microvm import MicrovmBackend
+        return MicrovmBackend(config, images)
     raise BackendUnavailable(capabilities(name).notes or f"backend {name} is not available")

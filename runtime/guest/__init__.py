@@ -1,0 +1,16 @@
+"""What runs inside a sandbox VM and how the host reaches it.
+
+    kernel.py     Debian's cloud kernel, fetched with apt and unpacked into a
+                  cache (the guest needs no bootloader and no disk); module
+                  dependency order read from the modules themselves
+    initramfs.py  the guest's first and only boot image: busybox, the kernel
+                  modules for virtio-pmem, EROFS, overlayfs and virtio-serial,
+                  an init script that mounts the image layers, and the agent
+    protocol.py   the length-prefixed frames spoken with the guest agent
+                  (runtime/native/guest-agent.c) and the host's client
+    pmemimages.py the layers' EROFS images as files QEMU can map as
+                  virtio-pmem devices
+
+Used by the microvm backend (runtime/backends/microvm.py); a full-VM backend
+reuses the kernel-independent parts (protocol, agent).
+"""

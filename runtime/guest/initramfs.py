@@ -1,0 +1,206 @@
+"""The guest's initramfs: the whole userland a sandbox VM boots, besides
+its image.
+
+    path = initramfs(kernel, cache_dir)      # built once per input set, cached
+
+Contents (cpio newc, uncompressed: under TCG decompressing costs more than
+reading the extra megabytes):
+
+    /bin/busybox       busybox-static (mount, insmod, sh ...)
+    /modules/*.ko      virtio-pci, virtio-pmem + nd_pmem, EROFS, overlayfs,
+    /modules/order     virtio-console, in dependency order (kernel.load_order)
+    /lazyfs-agent      the guest agent (runtime/native/guest-agent.c), static
+    /init              the script below
+
+/init loads the modules, mounts each layer from its two virtio-pmem devices
+(EROFS metadata image, EROFS blob as its extra device) with `-o ro,dax` at
+/layers/<i>, composes them with overlayfs under a tmpfs upper at /sandbox,
+gives that root a minimal /dev, /proc and /sys, and becomes the agent
+(PID 1), which chroots each command into /sandbox. Any failure prints one
+line starting "lazyfs-init: FAILED" on the console and powers off, so the
+host sees the VMM exit at once instead of waiting for a timeout.
+
+Kernel command line parameters read by /init:
+    lazyfs.layers=N        layers, bottom first: pmem devices 2i (meta) and 2i+1 (blob)
+    lazyfs.upper_mb=M      size of the writable upper (tmpfs in guest memory)
+    lazyfs.hostname=H
+    lazyfs.test=noagent    (tests only) never start the agent
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..errors import BackendUnavailable
+from ..native import guest_agent
+from .kernel import GuestKernel, load_order
+
+MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "erofs", "overlay", "virtio_console")
+BUSYBOX = Path("/bin/busybox")
+
+INIT = r"""#!/bin/busybox sh
+/bin/busybox mkdir -p /proc /sys /dev /bin /sbin /usr/bin /usr/sbin
+/bin/busybox --install -s
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+fail() {
+    echo "lazyfs-init: FAILED: $*" >/dev/console
+    dmesg | tail -n 20 >/dev/console
+    poweroff -f
+    sleep 10
+}
+layers=0; upper_mb=256; host=sandbox; test=""
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in
+        lazyfs.layers=*) layers=${arg#*=} ;;
+        lazyfs.upper_mb=*) upper_mb=${arg#*=} ;;
+        lazyfs.hostname=*) host=${arg#*=} ;;
+        lazyfs.test=*) test=${arg#*=} ;;
+    esac
+done
+for m in $(cat /modules/order); do
+    insmod /modules/$m || fail "insmod $m"
+done
+hostname "$host"
+ip link set lo up 2>/dev/null
+[ "$layers" -gt 0 ] || fail "no layers (lazyfs.layers)"
+last=$((2 * layers - 1))
+n=0
+while [ ! -b /dev/pmem$last ]; do
+    n=$((n + 1)); [ $n -gt 500 ] && fail "no /dev/pmem$last"; sleep 0.02
+done
+lowers=""
+i=0
+while [ $i -lt "$layers" ]; do
+    mkdir -p /layers/$i
+    mount -t erofs -o ro,dax,device=/dev/pmem$((2 * i + 1)) /dev/pmem$((2 * i)) /layers/$i \
+        || fail "mount layer $i (erofs, dax)"
+    lowers="/layers/$i${lowers:+:$lowers}"
+    i=$((i + 1))
+done
+mkdir -p /rw /sandbox
+mount -t tmpfs -o size=${upper_mb}m,mode=0755 tmpfs /rw || fail "tmpfs upper"
+mkdir -p /rw/upper /rw/work
+mount -t overlay overlay -o lowerdir=$lowers,upperdir=/rw/upper,workdir=/rw/work /sandbox \
+    || fail "overlay"
+for d in proc sys dev tmp; do [ -d /sandbox/$d ] || mkdir -p /sandbox/$d; done
+mount -t proc proc /sandbox/proc
+mount -t sysfs -o ro,nosuid,nodev,noexec sysfs /sandbox/sys
+mount -t tmpfs -o mode=0755,nosuid,size=1m tmpfs /sandbox/dev
+mknod -m 666 /sandbox/dev/null c 1 3
+mknod -m 666 /sandbox/dev/zero c 1 5
+mknod -m 666 /sandbox/dev/full c 1 7
+mknod -m 666 /sandbox/dev/random c 1 8
+mknod -m 666 /sandbox/dev/urandom c 1 9
+mknod -m 666 /sandbox/dev/tty c 5 0
+ln -s /proc/self/fd /sandbox/dev/fd
+ln -s /proc/self/fd/0 /sandbox/dev/stdin
+ln -s /proc/self/fd/1 /sandbox/dev/stdout
+ln -s /proc/self/fd/2 /sandbox/dev/stderr
+mkdir -p /sandbox/dev/pts /sandbox/dev/shm
+mount -t devpts -o newinstance,ptmxmode=0666 devpts /sandbox/dev/pts
+mount -t tmpfs -o nosuid,nodev tmpfs /sandbox/dev/shm
+port=""
+n=0
+while [ -z "$port" ]; do
+    for p in /sys/class/virtio-ports/*; do
+        [ "$(cat $p/name 2>/dev/null)" = lazyfs.agent ] && port=/dev/${p##*/}
+    done
+    [ -n "$port" ] && [ -c "$port" ] && break
+    port=""
+    n=$((n + 1)); [ $n -gt 500 ] && fail "no virtio-serial port lazyfs.agent"; sleep 0.02
+done
+echo "lazyfs-init: layers mounted, starting the agent on $port"
+if [ "$test" = noagent ]; then
+    exec sleep 2147483647
+fi
+exec /lazyfs-agent "$port" /sandbox
+"""
+
+
+class _Cpio:
+    """A cpio archive in the "newc" format the kernel unpacks."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.ino = 1
+
+    def _entry(self, name: str, mode: int, data: bytes) -> None:
+        fields = (self.ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(name) + 1, 0)
+        self.ino += 1
+        self.out += b"070701" + b"".join(b"%08X" % f for f in fields)
+        self.out += name.encode() + b"\0"
+        self.out += b"\0" * (-len(self.out) % 4)
+        self.out += data
+        self.out += b"\0" * (-len(self.out) % 4)
+
+    def dir(self, name: str) -> None:
+        self._entry(name, stat.S_IFDIR | 0o755, b"")
+
+    def file(self, name: str, data: bytes, mode: int = 0o644) -> None:
+        self._entry(name, stat.S_IFREG | mode, data)
+
+    def symlink(self, name: str, target: str) -> None:
+        self._entry(name, stat.S_IFLNK | 0o777, target.encode())
+
+    def finish(self) -> bytes:
+        self._entry("TRAILER!!!", 0, b"")
+        return bytes(self.out)
+
+
+def build(kernel: GuestKernel, agent: Path, modules: Iterable[str] = MODULES) -> bytes:
+    if not BUSYBOX.is_file():
+        raise BackendUnavailable("the guest initramfs needs busybox-static "
+                                 "(apt-get install busybox-static)")
+    order = load_order(kernel, modules)
+    a = _Cpio()
+    for d in ("bin", "dev", "proc", "sys", "modules", "layers"):
+        a.dir(d)
+    a.file("bin/busybox", BUSYBOX.read_bytes(), 0o755)
+    a.symlink("bin/sh", "busybox")
+    a.file("lazyfs-agent", agent.read_bytes(), 0o755)
+    for ko in order:
+        a.file(f"modules/{ko.name}", ko.read_bytes())
+    a.file("modules/order", "".join(f"{ko.name}\n" for ko in order).encode())
+    a.file("init", INIT.encode(), 0o755)
+    return a.finish()
+
+
+def initramfs(kernel: GuestKernel, cache_dir: Path) -> Path:
+    """Path of the initramfs for this kernel, agent and init (built if missing)."""
+    agent = guest_agent(cache_dir)
+    key = hashlib.sha256()
+    for part in (kernel.version.encode(), agent.name.encode(), INIT.encode(),
+                 " ".join(MODULES).encode(), str(BUSYBOX.stat().st_mtime_ns).encode()
+                 if BUSYBOX.exists() else b""):
+        key.update(part + b"\0")
+    out = cache_dir / f"initramfs-{key.hexdigest()[:16]}.cpio"
+    if out.exists():
+        return out
+    data = build(kernel, agent)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".initramfs-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def tools_missing() -> str | None:
+    """What the guest userland needs from the host and is not there."""
+    if not BUSYBOX.is_file():
+        return "busybox-static (apt-get install busybox-static)"
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        return "a C compiler for the guest agent (apt-get install gcc libc6-dev)"
+    return None

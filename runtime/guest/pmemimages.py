@@ -1,0 +1,181 @@
+"""An image's layers as files QEMU maps into guests as virtio-pmem devices.
+
+    layers = pmem_layers(images, "bb:1", cache)   # bottom first, then the fixup layer
+    for layer in layers: layer.meta, layer.blob   # each a multiple of 2 MiB
+
+Each layer is two devices: its EROFS metadata image (pmem/erofs.py) and its
+blob (the layer's file data, device 1 of the image), mounted in the guest
+with `mount -t erofs -o ro,dax,device=/dev/pmemB /dev/pmemA`. Two devices
+rather than one concatenated file because the guest kernel (Debian 12's
+6.1) does not map a multi-device image's blob flat after its metadata
+(that arrived in 6.12); `device=` works on both.
+
+Why a local copy of the blob, not the lazyfs daemon's blob file: virtio-pmem
+needs a shared file mapping (QEMU mmaps the file; guest page faults are then
+host page-cache faults), and the daemon opens blobs with direct_io, which
+refuses shared mmap (docs/erofs.md). So the first VM of a layer on a node
+copies the blob out of the daemon (through the node cache) into
+CACHE/<digest>-<fingerprint>.blob.pmem, sparse, and every later VM of the
+layer maps that same file: one host page-cache copy for all guests, but not
+lazy. Lazy serving would need the daemon to allow shared mmap of blobs
+(`Options.blob_direct_io = False`) at the price of FUSE readahead pulling in
+neighbouring files, and a guest vCPU stalled on a FUSE miss; not done yet.
+
+The files are mapped read-only (memory-backend-file readonly=on): a guest
+that writes to its pmem device faults in the guest and cannot change the
+file other VMs read.
+
+Directory metadata overlayfs would take from the wrong layer (see
+lazyfs/mounts.py) is fixed as on the host: a metadata-only top layer of the
+image's fixup directories, built as one more EROFS image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from composer.compose import overlay_fixups
+from composer.manifest import LayerManifest
+from lazyfs.blob import blob_name
+from pmem.erofs import build_image
+from pmem.errors import PmemError
+
+from ..errors import BackendUnavailable
+from ..images import Images
+
+ALIGN = 2 << 20  # virtio-pmem regions are mapped in 2 MiB units
+COPY = 1 << 20
+_CODE = (Path(__file__).resolve().parents[2] / "pmem" / "erofs.py",
+         Path(__file__).resolve().parents[2] / "composer" / "bloblayout.py")
+
+
+@dataclass(frozen=True)
+class PmemLayer:
+    digest: str  # the layer's, or "fixups:<image digest>"
+    meta: Path
+    blob: Path
+
+    @property
+    def files(self) -> tuple[Path, Path]:
+        return (self.meta, self.blob)
+
+
+def fingerprint() -> str:
+    """Changes when the code that lays out images does: cached files made by
+    another version are never mapped."""
+    h = hashlib.sha256()
+    for p in _CODE:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def padded(size: int) -> int:
+    return max(ALIGN, (size + ALIGN - 1) // ALIGN * ALIGN)
+
+
+@contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    cache.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cache / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _publish(dest: Path, write: Callable[[int], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+    try:
+        write(fd)
+        os.fchmod(fd, 0o444)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, dest)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_meta(dest: Path, meta: bytes) -> None:
+    def write(fd: int) -> None:
+        view = memoryview(meta)
+        while view:
+            view = view[os.write(fd, view):]
+        os.ftruncate(fd, padded(len(meta)))
+    _publish(dest, write)
+
+
+def _copy_blob(dest: Path, src: Path, size: int) -> None:
+    """Copy the daemon's blob file, leaving all-zero stretches as holes."""
+    zero = bytes(COPY)
+
+    def write(fd: int) -> None:
+        os.ftruncate(fd, padded(size))
+        with open(src, "rb", buffering=0) as f:
+            pos = 0
+            while pos < size:
+                data = f.read(min(COPY, size - pos))
+                if not data:
+                    raise BackendUnavailable(f"{src} ended at {pos} of {size} bytes")
+                if data != zero[:len(data)]:
+                    os.pwrite(fd, data, pos)
+                pos += len(data)
+    _publish(dest, write)
+
+
+def _effective(manifests: list[LayerManifest], digests: list[str]
+               ) -> tuple[list[LayerManifest], list[str]]:
+    # as lazyfs.mounts: a layer with an opaque root hides every layer below it
+    start = 0
+    for i, m in enumerate(manifests):
+        root = next((e for e in m.entries if e.path == ""), None)
+        if i > 0 and root is not None and root.opaque:
+            start = i
+    return manifests[start:], digests[start:]
+
+
+def pmem_layers(images: Images, name: str, cache: Path) -> list[PmemLayer]:
+    """The pmem files of image `name`, bottom layer first, the fixup layer
+    last; made where missing (needs the node's lazyfs daemon for blobs)."""
+    catalog = images.catalog()
+    image_digest, image = catalog.resolve(name)
+    manifests, digests = _effective([catalog.load_layer(d) for d in image.layers],
+                                    list(image.layers))
+    fp = fingerprint()
+    out = []
+    paths = None
+    fixups = [dataclasses.replace(e, opaque=False) for e in overlay_fixups(manifests)]
+    wanted = list(zip(digests, manifests, strict=True))
+    wanted.append((f"fixups-{image_digest.replace(':', '-')}", LayerManifest(fixups)))
+    for digest, manifest in wanted:
+        stem = cache / f"{digest.replace(':', '-')}-{fp}"
+        layer = PmemLayer(digest, stem.with_suffix(".meta.pmem"), stem.with_suffix(".blob.pmem"))
+        if not (layer.meta.exists() and layer.blob.exists()):
+            with _locked(cache):
+                if not (layer.meta.exists() and layer.blob.exists()):
+                    try:
+                        built = build_image(manifest, layer=digest)
+                    except PmemError as e:
+                        raise BackendUnavailable(f"layer {digest} of {name} cannot be an "
+                                                 f"EROFS image: {e}") from e
+                    if built.blob_size and not layer.blob.exists():
+                        if paths is None:
+                            paths = images.ensure_daemon()
+                        _copy_blob(layer.blob, paths.blobs / blob_name(digest), built.blob_size)
+                    elif not layer.blob.exists():
+                        _publish(layer.blob, lambda fd: os.ftruncate(fd, ALIGN))
+                    _write_meta(layer.meta, built.meta)
+        out.append(layer)
+    return out

@@ -1,0 +1,326 @@
+"""The host's side of the guest agent's protocol (runtime/native/guest-agent.c
+has the frame table): length-prefixed binary frames over a virtio-serial
+port, which QEMU exposes on the host as a Unix socket.
+
+Everything the guest sends is untrusted: frame sizes are checked before
+anything is read, every field is parsed with struct (no pickle, no eval),
+output is capped on the host too, and every wait has a deadline. A guest
+that stops answering, answers out of step or goes away raises AgentError and
+leaves the connection `broken`: later calls fail at once rather than read a
+stale reply.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import FileError, SandboxError
+
+MAX_FRAME = 1 << 20
+CHUNK = 1 << 16
+HEADER = struct.Struct("<IB3x")
+CALL_TIMEOUT = 60.0
+EXEC_GRACE = 30.0  # past an exec's own timeout, for the guest to kill and report
+
+EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN = range(1, 11)
+READY, STDOUT, STDERR, EXIT, FDATA, ENTRY, OK, ERROR = range(32, 40)
+
+Sink = Callable[[bytes], None]
+
+
+class AgentError(SandboxError):
+    """The guest agent did not answer in time, answered out of step, or the
+    connection to it is gone."""
+
+
+@dataclass
+class ExitStatus:
+    code: int
+    timed_out: bool
+    truncated: bool
+
+
+@dataclass
+class Entry:
+    name: str
+    mode: int
+    size: int
+    mtime_ns: int
+
+
+def _string(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<I", len(b)) + b
+
+
+class AgentConnection:
+    """One connection to one guest agent. Calls are serialized (the agent
+    serves one request at a time)."""
+
+    def __init__(self, sock: socket.socket, *, alive: Callable[[], bool] = lambda: True) -> None:
+        self.sock = sock
+        self.sock.setblocking(False)
+        self.alive = alive  # False once the VMM has exited: stop waiting
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self._buf = bytearray()
+        self.version = ""
+
+    @classmethod
+    def connect(cls, path: str, *, alive: Callable[[], bool] = lambda: True) -> AgentConnection:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            s.connect(path)
+        except OSError:
+            s.close()
+            raise
+        return cls(s, alive=alive)
+
+    def close(self) -> None:
+        self.broken = self.broken or "closed"
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # -- frames --------------------------------------------------------------
+    def _fail(self, why: str) -> AgentError:
+        self.broken = why
+        return AgentError(why)
+
+    def _send(self, kind: int, payload: bytes = b"", deadline: float | None = None) -> None:
+        if len(payload) > MAX_FRAME:
+            raise ValueError(f"frame of {len(payload)} bytes")
+        data = memoryview(HEADER.pack(len(payload), kind) + payload)
+        deadline = deadline or time.monotonic() + CALL_TIMEOUT
+        while data:
+            try:
+                n = self.sock.send(data)
+                data = data[n:]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise self._fail(f"the guest agent's connection failed: {e}") from e
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.alive():
+                raise self._fail("the guest agent stopped reading its requests")
+            select.select([], [self.sock], [], min(left, 0.5))
+
+    def _fill(self, n: int, deadline: float) -> None:
+        while len(self._buf) < n:
+            try:
+                data = self.sock.recv(max(CHUNK, n - len(self._buf)))
+                if not data:
+                    raise self._fail("the guest agent's connection closed (the VM exited?)")
+                self._buf += data
+                continue
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise self._fail(f"the guest agent's connection failed: {e}") from e
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail("the guest agent did not answer in time")
+            if not self.alive():
+                raise self._fail("the VM exited")
+            select.select([self.sock], [], [], min(left, 0.5))
+
+    def recv(self, deadline: float) -> tuple[int, bytes]:
+        self._fill(HEADER.size, deadline)
+        length, kind = HEADER.unpack_from(self._buf)
+        if length > MAX_FRAME:
+            raise self._fail(f"the guest agent sent a frame of {length} bytes "
+                             f"(at most {MAX_FRAME}): out of step")
+        self._fill(HEADER.size + length, deadline)
+        payload = bytes(self._buf[HEADER.size:HEADER.size + length])
+        del self._buf[:HEADER.size + length]
+        return kind, payload
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise AgentError(f"the guest agent is unusable: {self.broken}")
+
+    def _reply(self, deadline: float, what: str) -> None:
+        """Wait for OK; ERROR raises FileError with the guest's message."""
+        kind, payload = self.recv(deadline)
+        if kind == OK:
+            return
+        if kind == ERROR:
+            raise _file_error(payload, what)
+        raise self._fail(f"unexpected frame {kind} in reply to {what}")
+
+    # -- ready ---------------------------------------------------------------
+    def wait_ready(self, deadline: float) -> str:
+        """Wait for the agent's READY frame (sent on every new connection)."""
+        with self.lock:
+            while True:
+                kind, payload = self.recv(deadline)
+                if kind == READY:
+                    self.version = payload.decode(errors="replace")
+                    return self.version
+
+    def ping(self, timeout: float = 10.0) -> None:
+        """Round trip; READY frames (the agent greets every new connection)
+        are skipped, so this also syncs a fresh connection to a running VM."""
+        with self.lock:
+            self._check()
+            deadline = time.monotonic() + timeout
+            self._send(PING, deadline=deadline)
+            while True:
+                kind, payload = self.recv(deadline)
+                if kind == READY:
+                    self.version = payload.decode(errors="replace")
+                    continue
+                if kind != OK:
+                    raise self._fail(f"unexpected frame {kind} in reply to ping")
+                return
+
+    # -- exec ----------------------------------------------------------------
+    def exec(self, argv: tuple[str, ...], *, env: dict[str, str], cwd: str, stdin: bytes,
+             timeout: float, max_output: int, on_stdout: Sink | None,
+             on_stderr: Sink | None, grace: float = EXEC_GRACE
+             ) -> tuple[ExitStatus, bytearray, bytearray]:
+        """Run argv in the guest. The guest enforces timeout and max_output
+        (killing the command's tree); the host gives up `grace` seconds
+        after the timeout if no exit status came."""
+        with self.lock:
+            self._check()
+            env_list = [f"{k}={v}" for k, v in env.items()]
+            head = struct.pack("<IQIII", max(1, int(timeout * 1000)), max_output,
+                               1 if stdin else 0, len(argv), len(env_list))
+            body = head + _string(cwd) + b"".join(_string(a) for a in argv) + \
+                b"".join(_string(e) for e in env_list)
+            if len(body) > MAX_FRAME:
+                raise SandboxError(f"command and environment take {len(body)} bytes; at most "
+                                   f"{MAX_FRAME} fit an exec request")
+            deadline = time.monotonic() + timeout + grace
+            self._send(EXEC, body, deadline)
+            for i in range(0, len(stdin), CHUNK):
+                self._send(DATA, stdin[i:i + CHUNK], deadline)
+            if stdin:
+                self._send(DATA, b"", deadline)
+            out, err = bytearray(), bytearray()
+            while True:
+                kind, payload = self.recv(deadline)
+                if kind in (STDOUT, STDERR):
+                    buf, sink = (out, on_stdout) if kind == STDOUT else (err, on_stderr)
+                    room = max_output - len(buf)
+                    if len(payload) > room:
+                        raise self._fail("the guest agent sent more output than the cap")
+                    buf += payload
+                    if sink is not None and payload:
+                        sink(payload)
+                elif kind == EXIT and len(payload) == 8:
+                    code, flags = struct.unpack("<iI", payload)
+                    return ExitStatus(code, bool(flags & 1), bool(flags & 2)), out, err
+                elif kind == ERROR:
+                    _, msg = _error_fields(payload)
+                    raise SandboxError(f"the guest agent could not run {argv[0]!r}: {msg}")
+                else:
+                    raise self._fail(f"unexpected frame {kind} during exec")
+
+    # -- files ---------------------------------------------------------------
+    def read(self, path: str, limit: int) -> bytes:
+        with self.lock:
+            self._check()
+            self._send(READ, struct.pack("<Q", limit) + _string(path))
+            deadline = time.monotonic() + CALL_TIMEOUT
+            data = bytearray()
+            while True:
+                kind, payload = self.recv(deadline)
+                if kind == FDATA:
+                    if len(data) + len(payload) > limit:
+                        raise self._fail(f"{path}: the guest sent more than {limit} bytes")
+                    data += payload
+                    deadline = time.monotonic() + CALL_TIMEOUT
+                elif kind == OK:
+                    return bytes(data)
+                elif kind == ERROR:
+                    raise _file_error(payload, path)
+                else:
+                    raise self._fail(f"unexpected frame {kind} reading {path}")
+
+    def write(self, path: str, data: bytes, mode: int) -> None:
+        with self.lock:
+            self._check()
+            deadline = time.monotonic() + CALL_TIMEOUT + len(data) / (10 << 20)
+            self._send(WRITE, struct.pack("<I", mode) + _string(path), deadline)
+            for i in range(0, len(data), CHUNK):
+                self._send(DATA, data[i:i + CHUNK], deadline)
+            self._send(DATA, b"", deadline)
+            self._reply(deadline, path)
+
+    def list(self, path: str) -> list[Entry]:
+        with self.lock:
+            self._check()
+            self._send(LIST, _string(path))
+            deadline = time.monotonic() + CALL_TIMEOUT
+            out = []
+            while True:
+                kind, payload = self.recv(deadline)
+                if kind == ENTRY and len(payload) >= 24:
+                    mode, size, mtime, n = struct.unpack_from("<IQqI", payload)
+                    if n != len(payload) - 24:
+                        raise self._fail("malformed directory entry from the guest")
+                    name = payload[24:].decode(errors="surrogateescape")
+                    out.append(Entry(name, mode, size, mtime))
+                elif kind == OK:
+                    return out
+                elif kind == ERROR:
+                    raise _file_error(payload, path)
+                else:
+                    raise self._fail(f"unexpected frame {kind} listing {path}")
+
+    def remove(self, path: str, recursive: bool) -> None:
+        with self.lock:
+            self._check()
+            self._send(REMOVE, struct.pack("<I", int(recursive)) + _string(path))
+            self._reply(time.monotonic() + CALL_TIMEOUT, path)
+
+    def exists(self, path: str) -> bool:
+        with self.lock:
+            self._check()
+            self._send(STAT, _string(path))
+            try:
+                self._reply(time.monotonic() + CALL_TIMEOUT, path)
+            except FileError:
+                return False
+            return True
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self.lock:
+            self._check()
+            self._send(SHUTDOWN)
+            self._reply(time.monotonic() + timeout, "shutdown")
+
+
+def _error_fields(payload: bytes) -> tuple[int, str]:
+    if len(payload) < 4:
+        return 0, "unknown error"
+    (errno_,) = struct.unpack_from("<i", payload)
+    return errno_, payload[4:4096].decode(errors="replace")
+
+
+def _file_error(payload: bytes, path: str) -> FileError:
+    _, msg = _error_fields(payload)
+    # the agent says "<path>: <strerror>"; keep the host's path in front
+    return FileError(f"{path}: {msg.rsplit(': ', 1)[-1]}")
+
+
+def entry_kind(mode: int) -> str:
+    return ("dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode)
+            else "symlink" if stat.S_ISLNK(mode) else "other")
+
+
+def socket_path_ok(path: str) -> bool:
+    """Unix socket paths are limited to 107 bytes."""
+    return len(os.fsencode(path)) < 108

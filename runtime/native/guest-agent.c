@@ -1,0 +1,684 @@
+/* lazyfs-agent: PID 1 of a sandbox VM, the host's only way in.
+ *
+ *   lazyfs-agent PORT ROOT
+ *
+ * PORT is the virtio-serial port named lazyfs.agent (/dev/vportNpM); ROOT
+ * is the sandbox's composed root (overlayfs of the EROFS layers + a
+ * writable upper), which commands run chrooted into and file paths resolve
+ * under (openat2 RESOLVE_IN_ROOT: "..", absolute links and links pointing
+ * out stay inside). The agent itself lives in the initramfs, outside ROOT,
+ * so the image needs nothing of ours (no Python, no libc: static build).
+ *
+ * Frames, both ways: u32 payload length, u8 type, 3 zero bytes, payload
+ * (little-endian; at most MAX_FRAME bytes, checked on both ends). One
+ * request at a time; the host serializes its calls.
+ *
+ *   host -> guest                         guest -> host
+ *   EXEC   timeout_ms u32, max_output u64,  STDOUT/STDERR chunks, then EXIT
+ *          flags u32 (1: stdin follows as   (code i32 as a shell shows it,
+ *          DATA frames, empty = EOF), argc,  flags u32: 1 timed out, 2 output
+ *          envc u32, then strings (u32 len   cap hit)
+ *          + bytes): cwd, argv.., env..
+ *   DATA   stdin or file bytes
+ *   KILL   kill the running command's tree
+ *   READ   limit u64, path               DATA chunks, then OK | ERROR
+ *   WRITE  mode u32, path; DATA.., empty  OK | ERROR
+ *   LIST   path                          ENTRY.. then OK | ERROR
+ *   REMOVE recursive u32, path           OK | ERROR
+ *   STAT   path                          OK | ERROR
+ *   PING                                 OK
+ *   SHUTDOWN                             OK, then power off
+ *   (on every new host connection)       READY version
+ *
+ * A command runs in its own session; on timeout, output cap or KILL its
+ * tree is killed: every process of its session and every process holding
+ * its stdout/stderr pipes (a double-forked daemon). When the host goes away
+ * mid-command the command's tree is killed too.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/reboot.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define VERSION "lazyfs-agent 1"
+#define MAX_FRAME (1u << 20)
+#define CHUNK 65536
+#define SEND_TIMEOUT_MS 30000
+#define RECV_TIMEOUT_MS 30000
+
+enum {
+    T_EXEC = 1, T_DATA = 2, T_KILL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_REMOVE = 7,
+    T_STAT = 8, T_PING = 9, T_SHUTDOWN = 10,
+    T_READY = 32, T_STDOUT = 33, T_STDERR = 34, T_EXIT = 35, T_FDATA = 36, T_ENTRY = 37,
+    T_OK = 38, T_ERROR = 39,
+};
+
+static int port = -1;
+static int rootfd = -1;
+static int connected = 0;
+static int sigfd = -1;
+static unsigned char *rbuf;  /* the frame being read */
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+static void nap(int ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* ---- frames ------------------------------------------------------------ */
+
+/* Write all of buf; 0 on success, -1 when the host is gone or stuck. */
+static int write_all(const void *buf, size_t n) {
+    const unsigned char *p = buf;
+    long long deadline = now_ms() + SEND_TIMEOUT_MS;
+    while (n > 0) {
+        ssize_t w = write(port, p, n);
+        if (w > 0) { p += w; n -= (size_t)w; continue; }
+        if (w < 0 && errno != EAGAIN && errno != EINTR) return -1;
+        struct pollfd pfd = {.fd = port, .events = POLLOUT};
+        long long left = deadline - now_ms();
+        if (left <= 0) return -1;
+        int r = poll(&pfd, 1, (int)left);
+        if (r > 0 && (pfd.revents & POLLHUP)) { connected = 0; return -1; }
+    }
+    return 0;
+}
+
+static int send_frame(int type, const void *payload, uint32_t len) {
+    unsigned char hdr[8] = {0};
+    memcpy(hdr, &len, 4);
+    hdr[4] = (unsigned char)type;
+    if (write_all(hdr, 8) != 0) return -1;
+    return len ? write_all(payload, len) : 0;
+}
+
+static int send_ok(void) { return send_frame(T_OK, NULL, 0); }
+
+static int send_error(int err, const char *what) {
+    char msg[1024];
+    int32_t e = err;
+    int n = snprintf(msg + 4, sizeof msg - 4, "%s: %s", what, strerror(err));
+    if (n < 0) n = 0;
+    if (n > (int)sizeof msg - 5) n = (int)sizeof msg - 5;
+    memcpy(msg, &e, 4);
+    return send_frame(T_ERROR, msg, (uint32_t)n + 4);
+}
+
+/* Read exactly n bytes; 0 ok, -1 host gone or timeout. */
+static int read_all(void *buf, size_t n, int timeout_ms) {
+    unsigned char *p = buf;
+    long long deadline = now_ms() + timeout_ms;
+    while (n > 0) {
+        ssize_t r = read(port, p, n);
+        if (r > 0) { p += r; n -= (size_t)r; continue; }
+        if (r == 0) { connected = 0; return -1; }
+        if (errno != EAGAIN && errno != EINTR) return -1;
+        struct pollfd pfd = {.fd = port, .events = POLLIN};
+        long long left = deadline - now_ms();
+        if (left <= 0) return -1;
+        poll(&pfd, 1, (int)left);
+        if ((pfd.revents & POLLHUP) && !(pfd.revents & POLLIN)) { connected = 0; return -1; }
+    }
+    return 0;
+}
+
+/* Read one frame into rbuf; returns its type, -1 on a lost connection. */
+static int recv_frame(uint32_t *len) {
+    unsigned char hdr[8];
+    if (read_all(hdr, 8, RECV_TIMEOUT_MS) != 0) return -1;
+    memcpy(len, hdr, 4);
+    if (*len > MAX_FRAME) { connected = 0; return -1; }  /* out of sync: drop it */
+    if (*len && read_all(rbuf, *len, RECV_TIMEOUT_MS) != 0) return -1;
+    return hdr[4];
+}
+
+/* A cursor over a request's payload. */
+struct cur { const unsigned char *p; uint32_t left; int bad; };
+
+static uint32_t get_u32(struct cur *c) {
+    uint32_t v = 0;
+    if (c->left < 4) { c->bad = 1; return 0; }
+    memcpy(&v, c->p, 4); c->p += 4; c->left -= 4;
+    return v;
+}
+
+static uint64_t get_u64(struct cur *c) {
+    uint64_t v = 0;
+    if (c->left < 8) { c->bad = 1; return 0; }
+    memcpy(&v, c->p, 8); c->p += 8; c->left -= 8;
+    return v;
+}
+
+/* A NUL-terminated copy of the next string (malloc'd). */
+static char *get_str(struct cur *c) {
+    uint32_t n = get_u32(c);
+    if (c->bad || n > c->left) { c->bad = 1; return NULL; }
+    char *s = malloc(n + 1);
+    if (!s) { c->bad = 1; return NULL; }
+    memcpy(s, c->p, n); s[n] = 0;
+    if (strlen(s) != n) { free(s); c->bad = 1; return NULL; }  /* embedded NUL */
+    c->p += n; c->left -= n;
+    return s;
+}
+
+/* ---- paths inside the root ---------------------------------------------- */
+
+static int open_in_root(const char *path, int flags, mode_t mode) {
+    struct open_how how = {.flags = (uint64_t)(flags | O_CLOEXEC), .mode = mode,
+                           .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS};
+    return (int)syscall(SYS_openat2, rootfd, path, &how, sizeof how);
+}
+
+/* Split path into a parent fd (O_PATH dir, opened in the root) and its last
+ * component. create: make the missing directories on the way. */
+static int open_parent(char *path, char **name, int create) {
+    char *slash = strrchr(path, '/');
+    if (!slash || slash[1] == 0 || strcmp(slash + 1, ".") == 0 || strcmp(slash + 1, "..") == 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    *name = slash + 1;
+    *slash = 0;
+    const char *dir = path[0] ? path : "/";
+    if (create) {
+        for (char *p = path + 1; ; p++) {
+            if (*p == '/' || *p == 0) {
+                char save = *p;
+                *p = 0;
+                char *last = strrchr(path, '/');
+                if (last && last[1]) {
+                    *last = 0;
+                    int pfd = open_in_root(path[0] ? path : "/", O_PATH | O_DIRECTORY, 0);
+                    *last = '/';
+                    if (pfd >= 0) {
+                        if (mkdirat(pfd, last + 1, 0755) != 0 && errno != EEXIST) {
+                            int e = errno; close(pfd); *p = save; errno = e; return -1;
+                        }
+                        close(pfd);
+                    }
+                }
+                *p = save;
+                if (save == 0) break;
+            }
+        }
+    }
+    return open_in_root(dir, O_PATH | O_DIRECTORY, 0);
+}
+
+/* ---- file requests ------------------------------------------------------ */
+
+static void do_read(struct cur *c) {
+    uint64_t limit = get_u64(c);
+    char *path = get_str(c);
+    if (c->bad) { free(path); send_error(EINVAL, "bad READ request"); return; }
+    int fd = open_in_root(path, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0);
+    struct stat st;
+    if (fd < 0) { send_error(errno, path); free(path); return; }
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        send_error(fstat(fd, &st) != 0 ? errno : EISDIR, path);
+        close(fd); free(path); return;
+    }
+    if ((uint64_t)st.st_size > limit) {
+        send_error(EFBIG, path); close(fd); free(path); return;
+    }
+    static unsigned char buf[CHUNK];
+    uint64_t total = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) { send_error(errno, path); break; }
+        if (n == 0) { send_ok(); break; }
+        total += (uint64_t)n;
+        if (total > limit) { send_error(EFBIG, path); break; }
+        if (send_frame(T_FDATA, buf, (uint32_t)n) != 0) break;
+    }
+    close(fd);
+    free(path);
+}
+
+static void do_write(struct cur *c) {
+    uint32_t mode = get_u32(c);
+    char *path = get_str(c);
+    int err = c->bad ? EINVAL : 0;
+    char *name = NULL;
+    char tmp[64];
+    int dfd = -1, fd = -1;
+    if (!err) {
+        dfd = open_parent(path, &name, 1);
+        if (dfd < 0) err = errno;
+    }
+    if (!err) {
+        snprintf(tmp, sizeof tmp, ".lazyfs-agent-%lld.tmp", now_ms());
+        fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                    mode & 07777);
+        if (fd < 0) err = errno;
+    }
+    /* consume the data frames whatever happened, to stay in step */
+    for (;;) {
+        uint32_t len;
+        int t = recv_frame(&len);
+        if (t < 0) { err = err ? err : EPIPE; break; }
+        if (t != T_DATA) { err = err ? err : EPROTO; break; }
+        if (len == 0) break;
+        if (!err) {
+            unsigned char *p = rbuf;
+            while (len > 0) {
+                ssize_t w = write(fd, p, len);
+                if (w < 0 && errno == EINTR) continue;
+                if (w < 0) { err = errno; break; }
+                p += w; len -= (uint32_t)w;
+            }
+        }
+    }
+    if (!err && fchmod(fd, mode & 07777) != 0) err = errno;
+    if (fd >= 0 && close(fd) != 0 && !err) err = errno;
+    if (!err && renameat(dfd, tmp, dfd, name) != 0) err = errno;
+    if (err && fd >= 0) unlinkat(dfd, tmp, 0);
+    if (dfd >= 0) close(dfd);
+    if (err) send_error(err, path ? path : "write"); else send_ok();
+    free(path);
+}
+
+static void do_list(struct cur *c) {
+    char *path = get_str(c);
+    if (c->bad) { send_error(EINVAL, "bad LIST request"); return; }
+    int fd = open_in_root(path, O_RDONLY | O_DIRECTORY, 0);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!d) { send_error(errno, path); if (fd >= 0) close(fd); free(path); return; }
+    struct dirent *e;
+    unsigned char buf[8 + 4 + 8 + 8 + 4 + 256];
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        struct stat st;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+        uint32_t mode = st.st_mode;
+        uint64_t size = (uint64_t)st.st_size;
+        int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+        uint32_t n = (uint32_t)strlen(e->d_name);
+        memcpy(buf, &mode, 4);
+        memcpy(buf + 4, &size, 8);
+        memcpy(buf + 12, &mtime, 8);
+        memcpy(buf + 20, &n, 4);
+        memcpy(buf + 24, e->d_name, n);
+        if (send_frame(T_ENTRY, buf, 24 + n) != 0) break;
+    }
+    closedir(d);
+    send_ok();
+    free(path);
+}
+
+static int remove_tree(int dfd, const char *name) {
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) return -1;
+    if (!S_ISDIR(st.st_mode)) return unlinkat(dfd, name, 0);
+    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return -1;
+    DIR *d = fdopendir(fd);
+    if (!d) { close(fd); return -1; }
+    struct dirent *e;
+    int rc = 0;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (remove_tree(dirfd(d), e->d_name) != 0) rc = -1;
+    }
+    closedir(d);
+    return rc == 0 ? unlinkat(dfd, name, AT_REMOVEDIR) : -1;
+}
+
+static void do_remove(struct cur *c) {
+    uint32_t recursive = get_u32(c);
+    char *path = get_str(c);
+    char *name = NULL;
+    if (c->bad) { send_error(EINVAL, "bad REMOVE request"); return; }
+    int dfd = open_parent(path, &name, 0);
+    if (dfd < 0) { send_error(errno, path); free(path); return; }
+    /* O_PATH parent: reopen it as a directory we can unlink in */
+    int d = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    close(dfd);
+    struct stat st;
+    int rc = -1;
+    if (d >= 0 && fstatat(d, name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (!S_ISDIR(st.st_mode)) rc = unlinkat(d, name, 0);
+        else if (recursive) rc = remove_tree(d, name);
+        else rc = unlinkat(d, name, AT_REMOVEDIR);
+    }
+    if (rc != 0) send_error(errno, path); else send_ok();
+    if (d >= 0) close(d);
+    free(path);
+}
+
+static void do_stat(struct cur *c) {
+    char *path = get_str(c);
+    if (c->bad) { send_error(EINVAL, "bad STAT request"); return; }
+    int fd = open_in_root(path, O_PATH, 0);
+    if (fd < 0) send_error(errno, path); else { close(fd); send_ok(); }
+    free(path);
+}
+
+/* ---- exec ------------------------------------------------------------- */
+
+static ino_t pipe_ino(int fd) {
+    struct stat st;
+    return fstat(fd, &st) == 0 ? st.st_ino : 0;
+}
+
+static int holds_pipe(const char *pid, ino_t a, ino_t b) {
+    char dir[300], link[600], target[64];
+    snprintf(dir, sizeof dir, "/proc/%s/fd", pid);
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *e;
+    int found = 0;
+    while (!found && (e = readdir(d)) != NULL) {
+        snprintf(link, sizeof link, "%s/%s", dir, e->d_name);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n <= 0) continue;
+        target[n] = 0;
+        unsigned long ino;
+        if (sscanf(target, "pipe:[%lu]", &ino) == 1 && (ino == a || ino == b)) found = 1;
+    }
+    closedir(d);
+    return found;
+}
+
+/* Kill the command's tree: its session, and whoever holds its output pipes.
+ * Repeated until a pass finds nothing (what forked meanwhile is caught). */
+static void kill_tree(pid_t leader, ino_t out_ino, ino_t err_ino) {
+    for (int pass = 0; pass < 50; pass++) {
+        int killed = 0;
+        DIR *d = opendir("/proc");
+        if (!d) return;
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            char *end;
+            long pid = strtol(e->d_name, &end, 10);
+            if (*end || pid <= 1) continue;
+            char statp[64], line[512];
+            snprintf(statp, sizeof statp, "/proc/%ld/stat", pid);
+            int fd = open(statp, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) continue;
+            ssize_t n = read(fd, line, sizeof line - 1);
+            close(fd);
+            if (n <= 0) continue;
+            line[n] = 0;
+            char *rp = strrchr(line, ')');
+            char state;
+            int ppid, pgrp, session;
+            if (!rp || sscanf(rp + 2, "%c %d %d %d", &state, &ppid, &pgrp, &session) != 4)
+                continue;
+            if (state == 'Z') continue;
+            if (session == leader || pid == leader || holds_pipe(e->d_name, out_ino, err_ino)) {
+                kill((pid_t)pid, SIGKILL);
+                killed++;
+            }
+        }
+        closedir(d);
+        if (!killed) return;
+        nap(5);
+    }
+}
+
+/* Reap every child that exited; returns 1 if `child` was among them. */
+static int reap(pid_t child, int *status) {
+    int found = 0, st;
+    pid_t w;
+    while ((w = waitpid(-1, &st, WNOHANG)) > 0) {
+        if (w == child) { *status = st; found = 1; }
+    }
+    return found;
+}
+
+static void drain_signals(void) {
+    struct signalfd_siginfo si;
+    while (read(sigfd, &si, sizeof si) == (ssize_t)sizeof si) {}
+}
+
+static void do_exec(struct cur *c) {
+    uint32_t timeout_ms = get_u32(c);
+    uint64_t max_output = get_u64(c);
+    uint32_t flags = get_u32(c);
+    uint32_t argc = get_u32(c), envc = get_u32(c);
+    if (c->bad || argc == 0 || argc > 65536 || envc > 65536) {
+        send_error(EINVAL, "bad EXEC request");
+        return;
+    }
+    char *cwd = get_str(c);
+    char **argv = calloc(argc + 1, sizeof *argv);
+    char **envp = calloc(envc + 1, sizeof *envp);
+    for (uint32_t i = 0; argv && i < argc; i++) argv[i] = get_str(c);
+    for (uint32_t i = 0; envp && i < envc; i++) envp[i] = get_str(c);
+    int want_stdin = flags & 1;
+    if (c->bad || !argv || !envp) {
+        send_error(EINVAL, "bad EXEC request");
+        goto out;
+    }
+    int in[2], out[2], errp[2];
+    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(errp, O_CLOEXEC)) {
+        send_error(errno, "pipe");
+        goto out;
+    }
+    long long start = now_ms();
+    pid_t child = fork();
+    if (child < 0) {
+        send_error(errno, "fork");
+        close(in[0]); close(in[1]); close(out[0]); close(out[1]);
+        close(errp[0]); close(errp[1]);
+        goto out;
+    }
+    if (child == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        setsid();
+        dup2(in[0], 0); dup2(out[1], 1); dup2(errp[1], 2);
+        if (fchdir(rootfd) != 0 || chroot(".") != 0) {
+            dprintf(2, "lazyfs-agent: cannot enter the sandbox root: %s\n", strerror(errno));
+            _exit(127);
+        }
+        if (chdir(cwd[0] ? cwd : "/") != 0) {
+            dprintf(2, "lazyfs-agent: cannot enter working directory %s: %s\n", cwd,
+                    strerror(errno));
+            _exit(127);
+        }
+        extern char **environ;
+        environ = envp;
+        execvp(argv[0], argv);
+        int e = errno;
+        dprintf(2, "lazyfs-agent: cannot run %s: %s\n", argv[0],
+                e == ENOENT ? "command not found" : strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    close(in[0]); close(out[1]); close(errp[1]);
+    ino_t out_ino = pipe_ino(out[0]), err_ino = pipe_ino(errp[0]);
+    int fds_open[2] = {out[0], errp[0]};
+    fcntl(in[1], F_SETFL, O_NONBLOCK);
+    fcntl(out[0], F_SETFL, O_NONBLOCK);
+    fcntl(errp[0], F_SETFL, O_NONBLOCK);
+    if (!want_stdin) { close(in[1]); in[1] = -1; }
+    int stdin_done = !want_stdin;       /* the host sent its last stdin frame */
+    uint32_t pend_off = 0, pend_len = 0;  /* stdin bytes of rbuf not yet written */
+    uint64_t sent[2] = {0, 0};
+    long long deadline = start + timeout_ms;
+    int status = 0, exited = 0, killed = 0, timed_out = 0, truncated = 0, lost = 0;
+    long long killed_at = 0;
+    static unsigned char buf[CHUNK];
+    for (;;) {
+        if (exited && fds_open[0] < 0 && fds_open[1] < 0) break;
+        if (killed && now_ms() - killed_at > 5000) break;  /* the tree would not die */
+        struct pollfd p[5];
+        int np = 0, ip_port = -1, ip_in = -1, ip_out = -1, ip_err = -1;
+        p[np++] = (struct pollfd){.fd = sigfd, .events = POLLIN};
+        if (!lost && !(want_stdin && pend_len)) {
+            ip_port = np;
+            p[np++] = (struct pollfd){.fd = port, .events = POLLIN};
+        }
+        if (in[1] >= 0 && pend_len) { ip_in = np; p[np++] = (struct pollfd){.fd = in[1], .events = POLLOUT}; }
+        if (fds_open[0] >= 0) { ip_out = np; p[np++] = (struct pollfd){.fd = fds_open[0], .events = POLLIN}; }
+        if (fds_open[1] >= 0) { ip_err = np; p[np++] = (struct pollfd){.fd = fds_open[1], .events = POLLIN}; }
+        long long left = killed ? 200 : deadline - now_ms();
+        if (left < 0) left = 0;
+        int r = poll(p, (nfds_t)np, left > 1000 ? 1000 : (int)left);
+        if (r < 0 && errno != EINTR) break;
+        if (!killed && now_ms() >= deadline) {
+            timed_out = killed = 1; killed_at = now_ms();
+            kill_tree(child, out_ino, err_ino);
+        }
+        if (p[0].revents & POLLIN) {
+            drain_signals();
+            if (!exited && reap(child, &status)) exited = 1;
+        } else if (!exited && reap(child, &status)) {
+            exited = 1;
+        }
+        if (ip_port >= 0 && p[ip_port].revents) {
+            if ((p[ip_port].revents & POLLHUP) && !(p[ip_port].revents & POLLIN)) {
+                connected = 0;
+            } else {
+                uint32_t len;
+                int t = recv_frame(&len);
+                if (t == T_DATA && want_stdin && !stdin_done) {
+                    if (len == 0) {
+                        stdin_done = 1;
+                        if (in[1] >= 0) { close(in[1]); in[1] = -1; }
+                    } else { pend_off = 0; pend_len = len; }
+                } else if (t == T_KILL && !killed) {
+                    killed = 1; killed_at = now_ms();
+                    kill_tree(child, out_ino, err_ino);
+                }
+            }
+            if (!connected) {  /* the host went away: nothing may outlive it */
+                lost = 1;
+                if (!killed) { killed = 1; killed_at = now_ms(); kill_tree(child, out_ino, err_ino); }
+            }
+        }
+        if (ip_in >= 0 && p[ip_in].revents) {
+            ssize_t w = write(in[1], rbuf + pend_off, pend_len);
+            if (w > 0) { pend_off += (uint32_t)w; pend_len -= (uint32_t)w; }
+            else if (w < 0 && errno != EAGAIN && errno != EINTR) {
+                /* the command closed its stdin: drop the rest */
+                pend_len = 0; close(in[1]); in[1] = -1;
+            }
+        } else if (in[1] < 0 && pend_len) {
+            pend_len = 0;
+        }
+        int ips[2] = {ip_out, ip_err};
+        for (int k = 0; k < 2; k++) {
+            if (ips[k] < 0 || !p[ips[k]].revents) continue;
+            ssize_t n = read(fds_open[k], buf, sizeof buf);
+            if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+            if (n <= 0) { close(fds_open[k]); fds_open[k] = -1; continue; }
+            uint64_t room = max_output - sent[k];
+            uint32_t take = (uint64_t)n > room ? (uint32_t)room : (uint32_t)n;
+            if (take && !lost && send_frame(k ? T_STDERR : T_STDOUT, buf, take) != 0) lost = 1;
+            sent[k] += take;
+            if ((uint64_t)n > room && !killed) {
+                truncated = killed = 1; killed_at = now_ms();
+                kill_tree(child, out_ino, err_ino);
+            }
+            if (lost && !killed) {
+                killed = 1; killed_at = now_ms();
+                kill_tree(child, out_ino, err_ino);
+            }
+        }
+    }
+    for (int k = 0; k < 2; k++) if (fds_open[k] >= 0) close(fds_open[k]);
+    if (in[1] >= 0) close(in[1]);
+    if (!exited) {  /* it would not die in time: report it killed */
+        kill(child, SIGKILL);
+        for (int i = 0; i < 100 && !reap(child, &status); i++) nap(10);
+        exited = 1;
+    }
+    /* a host that sent stdin frames we never read: eat them up to the EOF frame */
+    while (!lost && want_stdin && !stdin_done && connected) {
+        uint32_t len;
+        int t = recv_frame(&len);
+        if (t < 0 || (t == T_DATA && len == 0)) break;
+    }
+    int32_t code = WIFEXITED(status) ? WEXITSTATUS(status)
+                 : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
+    uint32_t fl = (timed_out ? 1u : 0u) | (truncated ? 2u : 0u);
+    unsigned char ex[8];
+    memcpy(ex, &code, 4);
+    memcpy(ex + 4, &fl, 4);
+    if (!lost) send_frame(T_EXIT, ex, 8);
+out:
+    free(cwd);
+    if (argv) { for (uint32_t i = 0; i < argc; i++) free(argv[i]); free(argv); }
+    if (envp) { for (uint32_t i = 0; i < envc; i++) free(envp[i]); free(envp); }
+}
+
+/* ---- main loop ---------------------------------------------------------- */
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: lazyfs-agent PORT ROOT\n");
+        return 2;
+    }
+    rbuf = malloc(MAX_FRAME);
+    port = open(argv[1], O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (port < 0) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[1], strerror(errno)); return 1; }
+    rootfd = open(argv[2], O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (rootfd < 0 || !rbuf) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[2], strerror(errno)); return 1; }
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    signal(SIGPIPE, SIG_IGN);
+    fprintf(stderr, "lazyfs-agent: serving %s over %s\n", argv[2], argv[1]);
+    for (;;) {
+        struct pollfd p[2] = {{.fd = port, .events = POLLIN}, {.fd = sigfd, .events = POLLIN}};
+        int r = poll(p, 2, connected ? -1 : 100);
+        if (r < 0 && errno != EINTR) { nap(100); continue; }
+        if (p[1].revents & POLLIN) { int st; drain_signals(); reap(-1, &st); }
+        if (p[0].revents & POLLHUP) {  /* no host on the other end */
+            connected = 0;
+            nap(50);
+            continue;
+        }
+        if (!connected) {
+            connected = 1;
+            if (send_frame(T_READY, VERSION, sizeof VERSION - 1) != 0) continue;
+        }
+        if (!(p[0].revents & POLLIN)) continue;
+        uint32_t len;
+        int t = recv_frame(&len);
+        if (t < 0) continue;
+        struct cur c = {rbuf, len, 0};
+        switch (t) {
+        case T_EXEC: do_exec(&c); break;
+        case T_READ: do_read(&c); break;
+        case T_WRITE: do_write(&c); break;
+        case T_LIST: do_list(&c); break;
+        case T_REMOVE: do_remove(&c); break;
+        case T_STAT: do_stat(&c); break;
+        case T_PING: send_ok(); break;
+        case T_SHUTDOWN:
+            send_ok();
+            sync();
+            nap(100);
+            reboot(RB_POWER_OFF);
+            break;
+        case T_DATA: case T_KILL: break;  /* leftovers of a finished request */
+        default: send_error(EPROTO, "unknown request"); break;
+        }
+    }
+}

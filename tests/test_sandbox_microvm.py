@@ -1,0 +1,246 @@
+"""microVM sandboxes end to end through the SDK: real QEMU (TCG on these
+machines, KVM where it works), Debian's cloud kernel, the project's
+initramfs and guest agent, the image's layers as virtio-pmem devices
+mounted EROFS with DAX in the guest.
+
+VM boots are few (each takes seconds under TCG): one VM shared by most
+tests, and one each for kill, a hung guest, a panicking guest and an agent
+that never comes up."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+
+from runtime import (
+    BackendUnavailable,
+    ExecTimeout,
+    FileError,
+    OutputTruncated,
+    Sandbox,
+)
+from runtime.backends.microvm import MicrovmBackend
+from runtime.guest.qemu import Qmp
+from runtime.node import Node
+
+
+def _missing() -> str | None:
+    if shutil.which("qemu-system-x86_64") is None:
+        return "needs qemu-system-x86_64 (apt-get install qemu-system-x86)"
+    if not os.path.exists("/bin/busybox"):
+        return "needs busybox-static"
+    return runtime_missing()
+
+
+pytestmark = [pytest.mark.root, pytest.mark.slow,
+              pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("vm")
+    return busybox_store(d), d
+
+
+@pytest.fixture(scope="module")
+def node(store_dir: tuple[Path, Path]) -> Iterator[Node]:
+    store, d = store_dir
+    with node_for(store, d) as n:
+        # this run's layers are new (random data): keep their pmem files with the run
+        _backend(n).pmem_cache = d / "pmem"
+        yield n
+
+
+@pytest.fixture(scope="module")
+def sb(node: Node) -> Iterator[Sandbox]:
+    with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256, cpu=1) as s:
+        yield s
+
+
+def _backend(node: Node) -> MicrovmBackend:
+    b = node.backend("microvm")
+    assert isinstance(b, MicrovmBackend)
+    return b
+
+
+def _vm_dir(node: Node, sandbox_id: str) -> Path:
+    return node.config.sandboxes / sandbox_id / "vm"
+
+
+def _qemu_pids(marker: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def test_capabilities_and_boot(sb: Sandbox, node: Node) -> None:
+    caps = Sandbox.capabilities("microvm")
+    assert "exec" in caps and "files" in caps and "pause" in caps
+    h = node._get(sb.id)[1]
+    assert h.state["accel"] in ("tcg", "kvm") and h.state["boot_s"] > 0
+    assert sb.exec("hostname").stdout.strip() == sb.id.encode()
+
+
+def test_exec_output_exit_code_stdin_env_cwd(sb: Sandbox) -> None:
+    r = sb.exec("cat /etc/motd; echo oops >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"hello from the image\n", b"oops\n")
+    assert r.duration > 0 and not r.truncated
+    assert sb.exec(["cat"], stdin=b"\x00\xffbinary").stdout == b"\x00\xffbinary"
+    big = os.urandom(300_000)  # several stdin frames
+    assert sb.exec(["cat"], stdin=big).stdout == big
+    assert sb.exec("echo $GREETING; pwd", env={"GREETING": "hi"}, cwd="/etc").stdout == \
+        b"hi\n/etc\n"
+    chunks: list[bytes] = []
+    r = sb.exec("for i in 1 2 3; do echo $i; sleep 0.2; done", on_stdout=chunks.append)
+    assert b"".join(chunks) == r.stdout == b"1\n2\n3\n" and len(chunks) >= 2
+    r = sb.exec(["no-such-command", "x"])
+    assert r.exit_code == 127 and b"no-such-command: command not found" in r.stderr
+
+
+def test_layers_are_dax_erofs_on_pmem(sb: Sandbox, store_dir: tuple[Path, Path]) -> None:
+    # /proc/1 is the agent, outside the sandbox's root: its mounts show the layers
+    mounts = sb.exec("cat /proc/1/mounts").stdout.decode()
+    erofs = [line.split() for line in mounts.splitlines() if " erofs " in line]
+    assert erofs and all(m[0].startswith("/dev/pmem") for m in erofs)
+    assert all("dax=always" in m[3] and "ro" in m[3].split(",") for m in erofs)
+    assert any(line.startswith("overlay /sandbox overlay") for line in mounts.splitlines())
+    want = hashlib.sha256((store_dir[1] / "rootfs" / "data" / "big.bin").read_bytes()).hexdigest()
+    assert sb.exec("sha256sum /data/big.bin").stdout.split()[0].decode() == want
+
+
+def test_files_round_trip_and_stay_inside(sb: Sandbox, tmp_path: Path) -> None:
+    sb.files.write("/work/a/b.txt", b"patch")
+    assert sb.exec("cat /work/a/b.txt").stdout == b"patch"
+    assert [e.name for e in sb.files.list("/work/a")] == ["b.txt"]
+    info = sb.files.list("/work/a")[0]
+    assert info.type == "file" and info.size == 5 and info.mode == 0o644
+    sb.exec("ln -s /../../etc/motd /work/link; echo made-here > /work/made")
+    assert sb.files.read("/work/made") == b"made-here\n"
+    assert sb.files.read("/work/link") == b"hello from the image\n"  # resolved in the root
+    local = tmp_path / "up.bin"
+    local.write_bytes(os.urandom(200_000))
+    sb.files.upload(local, "/work/up.bin")
+    sb.files.download("/work/up.bin", tmp_path / "down.bin")
+    assert (tmp_path / "down.bin").read_bytes() == local.read_bytes()
+    sb.files.remove("/work", recursive=True)
+    assert sb.exec("ls /work").exit_code != 0
+    with pytest.raises(FileError, match="No such file"):
+        sb.files.read("/nope")
+
+
+def test_writes_land_in_the_upper(sb: Sandbox, node: Node) -> None:
+    layers = node._get(sb.id)[1].state["layers"]
+    cache = _backend(node).pmem_cache
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in cache.glob("*.pmem")}
+    assert sb.exec("echo mine > /etc/motd && rm /data/big.bin").exit_code == 0
+    assert sb.exec("cat /etc/motd").stdout == b"mine\n"
+    # the guest's view: the change is in the tmpfs upper, the EROFS layer is as it was
+    assert sb.exec("cat /proc/1/root/rw/upper/etc/motd").stdout == b"mine\n"
+    assert sb.exec("cat /proc/1/root/layers/0/etc/motd").stdout == b"hello from the image\n"
+    assert sb.exec("echo x > /proc/1/root/layers/0/etc/motd").exit_code != 0  # read-only
+    assert len(layers) == 2  # the image's layer + the directory fixups layer
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in cache.glob("*.pmem")}
+    assert before == after  # the shared image files never change
+
+
+def test_timeout_kills_the_tree(sb: Sandbox) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ExecTimeout) as e:
+        sb.exec("sleep 1000 & (setsid sleep 1001 &); sleep 1002", timeout=2)
+    assert time.monotonic() - t0 < 15
+    assert e.value.result is not None and e.value.result.timed_out
+    ps = sb.exec("ps -o pid,args").stdout
+    assert b"sleep 100" not in ps
+
+
+def test_output_cap(sb: Sandbox) -> None:
+    with pytest.raises(OutputTruncated) as e:
+        sb.exec("yes", max_output_bytes=100_000, timeout=60)
+    assert e.value.result is not None and len(e.value.result.stdout) == 100_000
+    assert sb.exec("echo still-here").stdout == b"still-here\n"
+
+
+def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
+    sb.exec("echo kept-in-guest-memory > /tmp/state")
+    h = node._get(sb.id)[1]
+    pid = h.state["pid"]
+    figures = sb.pause()
+    assert figures["snapshot_bytes"] > 0 and figures["vmm_pss_before"] > 0
+    assert not _qemu_pids(str(_vm_dir(node, sb.id)))  # the VMM exited
+    assert node.get(sb.id).state == "paused"
+    sb.resume()
+    assert node._get(sb.id)[1].state["pid"] != pid
+    assert sb.exec("cat /tmp/state").stdout == b"kept-in-guest-memory\n"
+    assert "snapshot" not in node._get(sb.id)[1].state
+
+
+def test_kill_leaves_nothing_and_writes_stayed_in_their_vm(node: Node) -> None:
+    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+    vmdir = _vm_dir(node, s.id)
+    assert (vmdir / "agent.sock").exists() and _qemu_pids(str(vmdir))
+    # another VM's writes (test_writes_land_in_the_upper) are not here
+    assert s.exec("cat /etc/motd").stdout == b"hello from the image\n"
+    s.kill()
+    assert not _qemu_pids(str(vmdir))
+    assert not (node.config.sandboxes / s.id).exists()
+
+
+def test_hung_guest_is_a_typed_error_in_bounded_time(node: Node) -> None:
+    backend = _backend(node)
+    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+    try:
+        q = Qmp(_vm_dir(node, s.id) / "qmp.sock")
+        q.execute("stop")  # every vCPU frozen: the agent never answers
+        q.close()
+        backend.agent_grace = 3.0
+        t0 = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="did not answer"):
+            s.exec("echo hi", timeout=1)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(BackendUnavailable, match="unusable"):
+            s.files.read("/etc/motd")
+    finally:
+        backend.agent_grace = 30.0
+        s.kill()
+    assert not _qemu_pids(str(_vm_dir(node, s.id)))
+
+
+def test_guest_panic_is_a_typed_error(node: Node) -> None:
+    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="VM exited"):
+            s.exec("echo c > /proc/sysrq-trigger; sleep 100", timeout=60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        s.kill()
+
+
+def test_agent_that_never_comes_up(node: Node) -> None:
+    backend = _backend(node)
+    backend.extra_append = ["lazyfs.test=noagent"]
+    backend.boot_timeout = 10.0
+    before = set(os.listdir(node.config.sandboxes))
+    vmms = set(_qemu_pids(str(node.config.sandboxes)))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="did not come up"):
+            Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+        assert time.monotonic() - t0 < 25
+    finally:
+        backend.extra_append = []
+        backend.boot_timeout = 90.0
+    assert set(os.listdir(node.config.sandboxes)) == before  # nothing left of it
+    assert set(_qemu_pids(str(node.config.sandboxes))) == vmms
