@@ -27,8 +27,8 @@ def default_state_dir() -> Path:
     env = os.environ.get("LAZYFS_RUNTIME_DIR")
     if env:
         return Path(env)
-    if os.geteuid() == 0:
-        return Path("/run/lazyfs-runtime")
+    if os.geteuid() == 0:  # on disk: sandboxes' writable layers live here
+        return Path("/var/lib/lazyfs-runtime")
     return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/lazyfs-{os.getuid()}") / "runtime"
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import stat
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import PurePosixPath
@@ -25,7 +25,8 @@ from .errors import FileError
 SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
-MAX_READ = 1 << 30
+MAX_READ = 256 << 20  # per read(); larger files go through download (streamed later)
+MAX_LIST = 100_000
 # Mounts the container runtime places over the root: the host's view of the
 # root does not show what the sandbox sees there.
 RUNTIME_MOUNTS = ("proc", "sys", "dev")
@@ -66,6 +67,23 @@ def _clean(path: str) -> PurePosixPath:
     return p
 
 
+def _printable(name: str) -> str:
+    """A name as text: bytes that are not UTF-8 (a sandbox can make such
+    names) become \\xNN escapes instead of breaking the listing."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    """Remove a directory tree a sandbox wrote (any depth: Python's rmtree
+    recurses and a sandbox can nest directories past the recursion limit),
+    never crossing into another mount. Missing is fine; failure is logged by
+    the caller through the exception."""
+    p = subprocess.run(["rm", "-rf", "--one-file-system", "--", os.fspath(path)],
+                       capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise OSError(f"cannot remove {os.fspath(path)}: {p.stderr.strip()[-300:]}")
+
+
 def _error(e: OSError, path: str) -> FileError:
     return FileError(f"{path}: {e.strerror}")
 
@@ -102,10 +120,16 @@ class SandboxFiles:
         p = _clean(path)
         try:
             with self._dir(PurePosixPath("/")) as root:
-                fd = _openat2(root, str(p), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                # look before opening: opening a device node of the image
+                # would run its driver as root on the host
+                pfd = _openat2(root, str(p), os.O_PATH)
+            try:
+                if not stat.S_ISREG(os.fstat(pfd).st_mode):
                     raise FileError(f"{path}: not a regular file")
+                fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC)
+            finally:
+                os.close(pfd)
+            with os.fdopen(fd, "rb") as f:
                 data = f.read(limit + 1)
         except OSError as e:
             raise _error(e, path) from None
@@ -143,12 +167,18 @@ class SandboxFiles:
             with self._dir(p) as d:
                 fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
                 try:
-                    for e in sorted(os.scandir(fd), key=lambda e: e.name):
+                    entries = []
+                    for e in os.scandir(fd):
+                        entries.append(e)
+                        if len(entries) > MAX_LIST:
+                            raise FileError(f"{path}: more than {MAX_LIST} entries")
+                    for e in sorted(entries, key=lambda e: e.name):
                         st = e.stat(follow_symlinks=False)
                         kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file"
                                 if stat.S_ISREG(st.st_mode) else "symlink"
                                 if stat.S_ISLNK(st.st_mode) else "other")
-                        out.append(FileInfo(name=e.name, path=str(p / e.name), type=kind,
+                        name = _printable(e.name)
+                        out.append(FileInfo(name=name, path=str(p / name), type=kind,
                                             size=st.st_size, mode=stat.S_IMODE(st.st_mode),
                                             mtime=st.st_mtime))
                 finally:
@@ -166,8 +196,13 @@ class SandboxFiles:
                 st = os.stat(p.name, dir_fd=parent, follow_symlinks=False)
                 if not stat.S_ISDIR(st.st_mode):
                     os.unlink(p.name, dir_fd=parent)
-                elif recursive:
-                    shutil.rmtree(p.name, dir_fd=parent)
+                elif recursive:  # through the resolved parent: no link is followed
+                    rm = subprocess.run(["rm", "-rf", "--one-file-system", "--",
+                                         f"/proc/self/fd/{parent}/{p.name}"],
+                                        pass_fds=(parent,), capture_output=True, text=True,
+                                        check=False)
+                    if rm.returncode != 0:
+                        raise FileError(f"{path}: {rm.stderr.strip()[-200:]}")
                 else:
                     os.rmdir(p.name, dir_fd=parent)
         except OSError as e:

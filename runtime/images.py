@@ -34,6 +34,41 @@ READY_TIMEOUT = 30.0
 REPO = Path(__file__).resolve().parent.parent
 
 
+# LMDB allows one open environment per store per process: nodes in one
+# process (an embedded node and a test's second node) share it.
+_local: dict[Path, tuple[ChunkStore, Catalog, int]] = {}
+_local_lock = threading.Lock()
+
+
+def _local_catalog(store_path: Path) -> Catalog:
+    key = store_path.resolve()
+    with _local_lock:
+        if key in _local:
+            store, cat, n = _local[key]
+            _local[key] = (store, cat, n + 1)
+            return cat
+        store = ChunkStore.open(key, readonly=True)
+        try:
+            cat = Catalog(store)
+        except BaseException:
+            store.close()
+            raise
+        _local[key] = (store, cat, 1)
+        return cat
+
+
+def _release_local(store_path: Path) -> None:
+    key = store_path.resolve()
+    with _local_lock:
+        store, cat, n = _local[key]
+        if n > 1:
+            _local[key] = (store, cat, n - 1)
+            return
+        del _local[key]
+    cat.close()
+    store.close()
+
+
 class Images:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
@@ -51,11 +86,8 @@ class Images:
                             Cluster(open_object_store(self.config.cluster)))
                         self._catalog = ClusterCatalog(cluster)
                     else:
-                        store = ChunkStore.open(self.config.store, readonly=True)
-                        self._stack.callback(store.close)
-                        cat = Catalog(store)
-                        self._stack.callback(cat.close)
-                        self._catalog = cat
+                        self._catalog = _local_catalog(self.config.store)
+                        self._stack.callback(_release_local, self.config.store)
                 except (ChunkStoreError, ComposerError, OSError) as e:
                     where = self.config.cluster or self.config.store
                     raise BackendUnavailable(f"cannot open the image store {where}: {e}") from e

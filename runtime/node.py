@@ -12,11 +12,11 @@ worker threads; the embedded SDK calls it directly.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -26,6 +26,7 @@ from typing import Any
 from .backends import Backend, Handle, Sink, capabilities, make_backend
 from .config import RuntimeConfig
 from .errors import (
+    BackendUnavailable,
     ExecTimeout,
     OutOfMemory,
     OutputTruncated,
@@ -35,7 +36,7 @@ from .errors import (
     SandboxStateError,
     Unsupported,
 )
-from .files import FileInfo, SandboxFiles
+from .files import FileInfo, SandboxFiles, remove_tree
 from .images import Images
 from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, parse
 
@@ -56,6 +57,9 @@ class Node:
         self._busy: dict[str, int] = {}  # running execs per sandbox
         self.config.sandboxes.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.state_dir, 0o700)
+        self._lockfile = _lock_state(self.config.state_dir)
+        self._pending = 0  # creations under way, counted against the quota
+        self._sandbox_locks: dict[str, threading.Lock] = {}
         self.recover()
 
     # -- plumbing ------------------------------------------------------------
@@ -102,24 +106,31 @@ class Node:
     # -- lifecycle -----------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxInfo:
         backend = self.backend(spec.backend)
-        with self._lock:
-            if len(self._sandboxes) >= self.config.max_sandboxes:
+        with self._lock:  # creations under way count, so a burst cannot overshoot
+            if len(self._sandboxes) + self._pending >= self.config.max_sandboxes:
                 raise QuotaExceeded(f"this node holds its maximum of "
                                     f"{self.config.max_sandboxes} sandboxes")
-        self.images.resolve(spec.image)
-        sandbox_id = f"sb-{secrets.token_hex(8)}"
-        d = self.config.sandboxes / sandbox_id
-        d.mkdir(mode=0o700)
-        h = Handle(sandbox_id, spec, d, {})
+            self._pending += 1
         try:
-            backend.create(h)
-        except BaseException:
-            shutil.rmtree(d, ignore_errors=True)
-            raise
-        info = SandboxInfo(id=sandbox_id, spec=spec, state="running", node=os.uname().nodename)
-        with self._lock:
-            self._sandboxes[sandbox_id] = (info, h)
-            self._save(info, h)
+            self.images.resolve(spec.image)
+            sandbox_id = f"sb-{secrets.token_hex(8)}"
+            d = self.config.sandboxes / sandbox_id
+            d.mkdir(mode=0o700)
+            h = Handle(sandbox_id, spec, d, {})
+            try:
+                backend.create(h)
+            except BaseException:
+                _remove(d)
+                raise
+            info = SandboxInfo(id=sandbox_id, spec=spec, state="running",
+                               node=os.uname().nodename)
+            with self._lock:
+                self._sandboxes[sandbox_id] = (info, h)
+                self._sandbox_locks[sandbox_id] = threading.Lock()
+                self._save(info, h)
+        finally:
+            with self._lock:
+                self._pending -= 1
         log.info("created %s (%s, %s)", sandbox_id, spec.backend, spec.image)
         return info
 
@@ -134,24 +145,32 @@ class Node:
         info, h = self._get(sandbox_id)
         with self._lock:
             self._sandboxes.pop(sandbox_id, None)
+            self._sandbox_locks.pop(sandbox_id, None)
         self.backend(info.spec.backend).kill(h)
-        shutil.rmtree(h.dir, ignore_errors=True)
+        _remove(h.dir)
         log.info("killed %s", sandbox_id)
 
+    def _state_lock(self, sandbox_id: str) -> threading.Lock:
+        with self._lock:
+            lock = self._sandbox_locks.setdefault(sandbox_id, threading.Lock())
+        return lock
+
     def pause(self, sandbox_id: str) -> dict[str, Any]:
-        info, h = self._get(sandbox_id)
-        if info.state == "paused":
-            raise SandboxStateError(f"{sandbox_id} is already paused")
-        figures = self._require(info, "pause").pause(h)
-        self._touch(info, h, state="paused")
-        return figures
+        with self._state_lock(sandbox_id):  # check and change as one step
+            info, h = self._get(sandbox_id)
+            if info.state == "paused":
+                raise SandboxStateError(f"{sandbox_id} is already paused")
+            figures = self._require(info, "pause").pause(h)
+            self._touch(info, h, state="paused")
+            return figures
 
     def resume(self, sandbox_id: str) -> None:
-        info, h = self._get(sandbox_id)
-        if info.state != "paused":
-            raise SandboxStateError(f"{sandbox_id} is not paused")
-        self._require(info, "resume").resume(h)
-        self._touch(info, h, state="running")
+        with self._state_lock(sandbox_id):
+            info, h = self._get(sandbox_id)
+            if info.state != "paused":
+                raise SandboxStateError(f"{sandbox_id} is not paused")
+            self._require(info, "resume").resume(h)
+            self._touch(info, h, state="running")
 
     def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
         done = []
@@ -184,7 +203,9 @@ class Node:
         finally:
             with self._lock:
                 self._busy[sandbox_id] -= 1
-            self._touch(*self._get(sandbox_id)) if sandbox_id in self._sandboxes else None
+                current = self._sandboxes.get(sandbox_id)  # a kill may have raced us
+            if current is not None:
+                self._touch(*current)
         what = " ".join(req.cmd)[:200]
         if r.timed_out:
             raise ExecTimeout(f"{what!r} ran past its {req.timeout:g}s timeout; its "
@@ -237,33 +258,36 @@ class Node:
         sweep(self.config)
         for f in sorted(self.config.sandboxes.glob("*/sandbox.json")):
             try:
-                raw = json.loads(f.read_text())
-                info = parse(SandboxInfo, json.dumps(raw["info"]))
-                h = Handle(info.id, info.spec, f.parent, dict(raw["state"]))
-            except (OSError, ValueError, KeyError, SandboxError) as e:
-                log.warning("ignoring unreadable sandbox state %s: %s", f, e)
-                continue
-            try:
-                backend = self.backend(info.spec.backend)
-                status = backend.status(h)
-            except SandboxError as e:
-                log.warning("cannot recover %s: %s", info.id, e)
-                continue
-            if status == "stopped" or "persistent" not in capabilities(info.spec.backend):
-                log.info("cleaning up %s: no longer running", info.id)
-                backend.kill(h)
-                shutil.rmtree(h.dir, ignore_errors=True)
-                continue
-            with self._lock:  # idle time restarts: activity was only kept in memory
-                self._sandboxes[info.id] = (info.model_copy(
-                    update={"state": status, "last_active": time.time()}), h)
+                self._recover_one(f)
+            except Exception:  # one broken sandbox must not keep the node from starting
+                log.exception("cannot recover %s; left for the next start", f.parent.name)
         for d in self.config.sandboxes.iterdir():  # creations cut short
             if not (d / "sandbox.json").exists() and d.name not in self._sandboxes:
                 h = Handle(d.name, SandboxSpec(image="-"), d, {})
                 try:
                     self.backend("container").kill(h)
-                except SandboxError:
-                    shutil.rmtree(d, ignore_errors=True)
+                except Exception:
+                    log.exception("cleaning up the cut-short creation %s", d.name)
+                    _remove(d)
+
+    def _recover_one(self, f: Path) -> None:
+        try:
+            raw = json.loads(f.read_text())
+            info = parse(SandboxInfo, json.dumps(raw["info"]))
+            h = Handle(info.id, info.spec, f.parent, dict(raw["state"]))
+        except (OSError, ValueError, KeyError, SandboxError) as e:
+            log.warning("ignoring unreadable sandbox state %s: %s", f, e)
+            return
+        backend = self.backend(info.spec.backend)
+        status = backend.status(h)
+        if status == "stopped" or "persistent" not in capabilities(info.spec.backend):
+            log.info("cleaning up %s: no longer running", info.id)
+            backend.kill(h)
+            _remove(h.dir)
+            return
+        with self._lock:  # idle time restarts: activity was only kept in memory
+            self._sandboxes[info.id] = (info.model_copy(
+                update={"state": status, "last_active": time.time()}), h)
 
     def close(self) -> None:
         """Stop the node's worker pools. Container sandboxes stay (a new
@@ -274,3 +298,29 @@ class Node:
                 b.close()
             self._backends.clear()
         self.images.close()
+        os.close(self._lockfile)
+
+
+def _remove(d: Path) -> None:
+    try:
+        remove_tree(d)
+    except OSError as e:
+        log.warning("%s", e)
+
+
+def _lock_state(state_dir: Path) -> int:
+    """One node process per state directory: two would clean up each
+    other's creations under way and unmount each other's pools."""
+    fd = os.open(state_dir / "node.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise BackendUnavailable(
+            f"another node process (pid {owner or '?'}) owns {state_dir}: talk to its agent "
+            f"(node=\"unix://{state_dir / 'agent.sock'}\") or use another state directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

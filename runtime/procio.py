@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import selectors
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,13 +54,31 @@ def run(proc: subprocess.Popen[bytes], *, stdin: bytes, timeout: float, max_outp
     else:
         proc.stdin.close()
     stopped = False
+    once = threading.Lock()
+
+    def stop_once(why: str) -> None:
+        nonlocal stopped
+        with once:
+            if stopped:
+                return
+            stopped = True
+            if why == "timeout":
+                out.timed_out = True
+            else:
+                out.truncated = True
+        stop()
+
+    # The deadline also fires from a timer: a sink that blocks (a slow
+    # reader of a stream) must not hold the command past its timeout.
+    watchdog = threading.Timer(timeout, stop_once, args=("timeout",))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         readers = (proc.stdout.fileno(), proc.stderr.fileno())
         while any(fd in sel.get_map() for fd in readers):
             left = deadline - time.monotonic()
             if left <= 0 and not stopped:
-                out.timed_out = stopped = True
-                stop()
+                stop_once("timeout")
             for key, _ in sel.select(timeout=max(left, 0.05) if not stopped else 1.0):
                 fd = key.fd
                 if fd == stdin_fd:
@@ -84,15 +103,14 @@ def run(proc: subprocess.Popen[bytes], *, stdin: bytes, timeout: float, max_outp
                 room = max_output - len(buf)
                 if len(data) > room:
                     data = data[:room]
-                    if not stopped:
-                        out.truncated = stopped = True
-                        stop()
+                    stop_once("output")
                 buf += data
                 if sink is not None and data:
                     sink(data)
             if stopped and time.monotonic() > deadline + 30:
                 break  # the tree would not die; do not hang the caller
     finally:
+        watchdog.cancel()
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):
             try:

@@ -11,7 +11,7 @@
         await sb.kill()
 
 The same calls reach the embedded runtime (default on one machine) or a node
-agent (`node="unix:///run/lazyfs-runtime/agent.sock"` or "http://host:port",
+agent (`node="unix:///var/lib/lazyfs-runtime/agent.sock"` or "http://host:port",
 or $LAZYFS_NODE). Errors are runtime.errors classes: ImageNotFound,
 SandboxNotFound, ExecTimeout / OutputTruncated / OutOfMemory (with `.result`),
 Unsupported (a backend that cannot do a call says so), BackendUnavailable,

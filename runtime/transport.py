@@ -24,7 +24,10 @@ from .files import FileInfo
 from .node import Node
 from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 
-TIMEOUT = httpx.Timeout(60.0, read=None)
+# exec streams stay open as long as their command runs; waiting for a pooled
+# connection must not time out either (a rollout may run thousands at once)
+TIMEOUT = httpx.Timeout(60.0, read=None, pool=None)
+LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
 
 
 class Transport(Protocol):
@@ -160,9 +163,10 @@ class Http:
     def __init__(self, url: str, token: str | None = None) -> None:
         base, kw = client_args(url, token)
         uds = kw.pop("uds", None)
-        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        transport = httpx.HTTPTransport(uds=uds, limits=LIMITS) if uds else None
         self.url = url
-        self.client = httpx.Client(base_url=base, transport=transport, timeout=TIMEOUT, **kw)
+        self.client = httpx.Client(base_url=base, transport=transport, timeout=TIMEOUT,
+                                   limits=LIMITS, **kw)
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:

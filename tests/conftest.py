@@ -44,6 +44,8 @@ def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
     sandboxes = [str(p) for p in Path("/sys/fs/cgroup").glob("*/lazyfs/*") if p.is_dir()]
     netns = [n for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
              if n.startswith("lzsb-")]
+    netns += [f"slot {s}" for s in (os.listdir("/run/lazyfs-netslots")
+                                    if os.path.isdir("/run/lazyfs-netslots") else [])]
     assert not leaked and not procs and not sandboxes and not netns, (
         f"left behind: mounts {leaked[:10]}, processes {procs[:10]}, sandbox cgroups "
         f"{sorted({p.rsplit('/', 1)[1] for p in sandboxes})[:10]}, network namespaces {netns}")

@@ -91,6 +91,7 @@ def test_seccomp_denies_namespace_flags_one_rule_each() -> None:
 def test_nft_ruleset_allows_only_listed_destinations() -> None:
     text = ruleset(NetworkPolicy.allow_only("10.0.0.5:3128", "192.168.0.0/16:53/udp"))
     assert "policy drop" in text and 'oifname "lo" accept' in text
+    assert "hook input priority 0; policy drop" in text  # nothing may connect in
     assert "ip daddr 10.0.0.5/32 tcp dport 3128 accept" in text
     assert "ip daddr 192.168.0.0/16 udp dport 53 accept" in text
     assert text.rstrip().endswith("}")
@@ -100,7 +101,7 @@ def test_nft_ruleset_allows_only_listed_destinations() -> None:
 
 def test_network_slots_are_never_shared(tmp_path: Path) -> None:
     from runtime.backends.netpolicy import allocate
-    slots = [allocate(tmp_path, "sb-same-hash") for _ in range(50)]
+    slots = [allocate("sb-same-hash", tmp_path) for _ in range(50)]
     assert len(set(slots)) == 50
 
 

@@ -22,6 +22,7 @@ from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 from lazyfs import sysmount
 from runtime import (
     AsyncSandbox,
+    BackendUnavailable,
     ExecTimeout,
     FileError,
     ImageNotFound,
@@ -257,18 +258,27 @@ def test_timeouts_reap_sandboxes(node: Node) -> None:
         busy.kill()
 
 
-def test_a_new_node_finds_running_sandboxes(node: Node) -> None:
-    s = Sandbox.create(IMAGE, node=node)
-    s.exec("echo before > /tmp/mark")
-    second = Node(RuntimeConfig(store=node.config.store, cluster=None,
-                                state_dir=node.config.state_dir,
-                                node_root=node.config.node_root))
+def test_a_new_node_finds_running_sandboxes(node: Node, tmp_path: Path) -> None:
+    config = RuntimeConfig(store=node.config.store, cluster=None, state_dir=tmp_path / "state",
+                           node_root=node.config.node_root)
+    first = Node(config)
+    try:
+        s = Sandbox.create(IMAGE, node=first)
+        s.exec("echo before > /tmp/mark")
+        with pytest.raises(BackendUnavailable, match="owns"):
+            Node(config)  # one node process per state directory
+    except BaseException:
+        first.kill_many(None)
+        raise
+    finally:
+        first.close()  # the process goes; its sandboxes stay
+    second = Node(config)
     try:
         again = Sandbox.connect(s.id, node=second)
         assert again.exec("cat /tmp/mark").stdout == b"before\n"
     finally:
+        second.kill_many(None)
         second.close()
-    s.kill()
 
 
 def test_async_sandbox_under_asyncio_and_trio(node: Node) -> None:
@@ -318,6 +328,18 @@ def test_network_allowlist(node: Node) -> None:
             r = s.exec(f"busybox wget -O - http://{host}:{denied}/")
             assert r.exit_code != 0 and time.monotonic() - t0 < 3  # rejected, not hanging
             assert s.exec("busybox ip route add 1.0.0.0/8 dev eth0").exit_code != 0
+            with Sandbox.create(IMAGE, node=node, network=policy) as other:
+                # a sandbox listening on the allowed port is still unreachable
+                # for its neighbours: nothing may connect in
+                other_ip = node._sandboxes[other.id][1].state["node_address"]
+                other_ip = other_ip[:-1] + str(int(other_ip[-1]) + 1)  # its side of the /30
+                listener = threading.Thread(target=lambda: other.exec(
+                    f"busybox nc -l -p {allowed} -w 3", timeout=10))
+                listener.start()
+                time.sleep(0.3)
+                r = s.exec(f"echo hi | busybox nc -w 2 {other_ip} {allowed}")
+                assert r.exit_code != 0
+                listener.join()
         assert not [n for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
                     if n.startswith("lzsb-")]
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,17 @@ def _labels(items: tuple[str, ...]) -> dict[str, str]:
 
 
 def _target(settings: Settings, node: str | None) -> str | Node:
+    """--node, else the agent of the default state directory when one runs
+    (a second node process on its state would be refused), else embedded."""
     if node:
         return node
-    embedded = Node(_config(settings, None, None))
+    config = _config(settings, None, None)
+    sock = config.state_dir / "agent.sock"
+    if sock.is_socket():
+        with socket.socket(socket.AF_UNIX) as s:
+            if s.connect_ex(str(sock)) == 0:
+                return f"unix://{sock}"
+    embedded = Node(config)
     click.get_current_context().call_on_close(embedded.close)  # fncall pools go with us
     return embedded
 
@@ -62,7 +71,7 @@ def _target(settings: Settings, node: str | None) -> str | Node:
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Bearer token for TCP clients (created with a random token if missing).")
 @click.option("--state", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Runtime state directory [default /run/lazyfs-runtime as root].")
+              help="Runtime state directory [default /var/lib/lazyfs-runtime as root].")
 @click.option("--node-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The node's lazyfs daemon root [default /run/lazyfs as root].")
 @click.pass_obj

@@ -41,6 +41,16 @@ from ..node import Node
 from ..spec import ExecRequest, SandboxInfo, SandboxSpec
 
 STREAM_BUFFER = 64
+EXEC_THREADS = 8192  # execs hold a thread for their whole run; control calls must not wait
+
+_exec_limiter: anyio.CapacityLimiter | None = None
+
+
+def exec_limiter() -> anyio.CapacityLimiter:
+    global _exec_limiter
+    if _exec_limiter is None:  # created inside the event loop
+        _exec_limiter = anyio.CapacityLimiter(EXEC_THREADS)
+    return _exec_limiter
 
 
 class Labels(BaseModel):
@@ -188,7 +198,7 @@ async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest) -> AsyncIt
 
     async def drive() -> None:
         async with send:
-            await anyio.to_thread.run_sync(work)
+            await anyio.to_thread.run_sync(work, limiter=exec_limiter())
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(drive)

@@ -2,7 +2,7 @@
 0600: only its owner may call), TCP listeners only with a bearer token, and a
 reaper task that kills sandboxes past their timeouts.
 
-    serve(node, socket=Path("/run/lazyfs-runtime/agent.sock"))
+    serve(node, socket=Path("/var/lib/lazyfs-runtime/agent.sock"))
     serve(node, listen=["127.0.0.1:7070"], token="…")
 """
 

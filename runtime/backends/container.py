@@ -33,7 +33,7 @@ from lazyfs.mounts import MountError, mount_image, unmount
 from .. import cgroups, oci, procio
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
-from ..files import SandboxFiles
+from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
 from ..spec import ExecRequest, ExecResult
@@ -56,7 +56,6 @@ class ContainerBackend:
         self.images = images
         self.runc = shutil.which("runc")
         self._init: Path | None = None
-        self._slots = config.state_dir / "netslots"
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
@@ -113,8 +112,8 @@ class ContainerBackend:
             h.state["mounted"] = True
             netns = None
             if h.spec.network.mode == "allowlist":
-                h.state["net_slot"] = netpolicy.allocate(self._slots, h.id)
-                netns = netpolicy.create(h.id, h.spec.network, h.state["net_slot"])
+                h.state["net_slot"] = netpolicy.allocate(h.id)
+                netns = netpolicy.create(h.state["net_slot"], h.spec.network)
                 h.state["netns"] = str(netns)
                 h.state["node_address"] = netpolicy.addresses(h.state["net_slot"])[0]
             (h.dir / "config.json").write_text(json.dumps(
@@ -144,9 +143,12 @@ class ContainerBackend:
         rw = Path(h.state.get("rw", h.dir / "rw"))
         if sysmount.find_mount(rw) is not None:
             sysmount.umount(rw, lazy=True)
-        if "net_slot" in h.state:
-            netpolicy.remove(h.id, self._slots, h.state["net_slot"])
-        shutil.rmtree(h.dir, ignore_errors=True)
+        # the slot files name their sandbox: also finds a slot whose creation
+        # was cut short before the state recorded it
+        for slot in {*netpolicy.slots_of(h.id), *([h.state["net_slot"]]
+                                                 if "net_slot" in h.state else [])}:
+            netpolicy.remove(slot)
+        _remove(h.dir)
 
     def _kill_init(self, h: Handle, wait: float = 5.0) -> bool:
         """SIGKILL the sandbox's init if it is still the process we started;
@@ -318,3 +320,10 @@ def _tree(leader: int, members: list[int], pipes: set[str]) -> list[int]:
                 break
             p, seen = parent[p], seen + 1
     return out
+
+
+def _remove(d: Path) -> None:
+    try:
+        remove_tree(d)
+    except OSError as e:
+        log.warning("%s", e)

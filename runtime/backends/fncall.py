@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 
 from lazyfs import sysmount
+from lazyfs.daemon import NodePaths
 from lazyfs.mounts import MountError, mount_image, unmount
 
 from .. import cgroups
@@ -225,9 +226,13 @@ def sweep(config: RuntimeConfig) -> None:
     """Remove what pools of a previous node process left: root mounts and
     worker cgroups (pools do not survive their node: their workers were its
     children)."""
+    paths = NodePaths(config.node_root.absolute())
     for rootfs in (config.state_dir / "fncall").glob("*/rootfs"):
         if sysmount.find_mount(rootfs) is not None:
-            sysmount.umount(rootfs, lazy=True)
+            try:  # through lazyfs: the layers' shared mounts are released too
+                unmount(paths, rootfs, lazy=True)
+            except MountError:
+                sysmount.umount(rootfs, lazy=True)
     prefix = cgroup_prefix(config)
     for d in (cgroups.CGROUP_ROOT / "pids" / cgroups.PARENT).glob(f"{prefix}-*"):
         _remove_cgroup(d.name)

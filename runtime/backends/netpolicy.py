@@ -1,13 +1,20 @@
 """Network allowlists for container sandboxes: the sandbox gets its own network
 namespace with a veth pair to the host, and an nftables table *inside that
-namespace* that accepts loopback, replies, and the allowed destinations, and
-rejects everything else (reject, not drop: a denied connect fails at once
-instead of hanging the agent's tool until its timeout).
+namespace*: outgoing, loopback, replies and the allowed destinations are
+accepted and everything else rejected (reject, not drop: a denied connect
+fails at once instead of hanging the agent's tool until its timeout);
+incoming, only replies and loopback (a sandbox cannot serve another one).
 
 The rules live in the sandbox's namespace, which its processes cannot change
 (no CAP_NET_ADMIN). Reaching addresses beyond this host needs the operator's
-forwarding/NAT for 10.203.0.0/16; destinations on the host's veth address
-work as is (the usual shape: a package mirror or proxy on the node).
+forwarding/NAT for 10.203.0.0/16; the node's own side of the veth (the
+sandbox's `node_address`) works as is, the usual shape: a package mirror or
+proxy on the node.
+
+Each sandbox holds one /30 slot, claimed by creating the slot's file
+exclusively in a directory shared by every runtime on the host; the
+namespace and interface names derive from the slot, so two sandboxes never
+share a name and removing one never touches another's.
 """
 
 from __future__ import annotations
@@ -22,15 +29,14 @@ from ..errors import BackendUnavailable, QuotaExceeded
 from ..spec import NetworkPolicy
 
 NETWORK = ipaddress.ip_network("10.203.0.0/16")
+SLOTS = NETWORK.num_addresses // 4 - 1
+SLOT_DIR = Path("/run/lazyfs-netslots")
 NETNS_DIR = Path("/run/netns")
 
 
-SLOTS = NETWORK.num_addresses // 4 - 1
-
-
-def _names(sandbox_id: str) -> tuple[str, str]:
-    h = hashlib.blake2s(sandbox_id.encode(), digest_size=4).hexdigest()
-    return f"lzsb-{h}", f"lz{h}"
+def names(slot: int) -> tuple[str, str]:
+    """(network namespace, host-side interface) of a slot."""
+    return f"lzsb-{slot}", f"lzsb{slot}h"
 
 
 def addresses(slot: int) -> tuple[str, str]:
@@ -39,9 +45,8 @@ def addresses(slot: int) -> tuple[str, str]:
     return str(ipaddress.ip_address(base + 1)), str(ipaddress.ip_address(base + 2))
 
 
-def allocate(slots: Path, sandbox_id: str) -> int:
-    """A free /30 for the sandbox: one file per slot, created exclusively
-    (probing from the id's hash), so concurrent creations never share one."""
+def allocate(sandbox_id: str, slots: Path = SLOT_DIR) -> int:
+    """A free slot for the sandbox (probing from the id's hash)."""
     slots.mkdir(parents=True, exist_ok=True)
     start = int(hashlib.blake2s(sandbox_id.encode(), digest_size=4).hexdigest(), 16)
     for i in range(SLOTS):
@@ -56,6 +61,18 @@ def allocate(slots: Path, sandbox_id: str) -> int:
     raise QuotaExceeded(f"all {SLOTS} sandbox networks of {NETWORK} are in use")
 
 
+def slots_of(sandbox_id: str, slots: Path = SLOT_DIR) -> list[int]:
+    """Slots claimed for a sandbox (to clean up after a creation cut short)."""
+    out = []
+    for f in slots.glob("*") if slots.is_dir() else []:
+        try:
+            if f.read_text() == sandbox_id:
+                out.append(int(f.name))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _run(*cmd: str, stdin: str | None = None) -> None:
     p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, check=False)
     if p.returncode != 0:
@@ -63,9 +80,11 @@ def _run(*cmd: str, stdin: str | None = None) -> None:
 
 
 def ruleset(policy: NetworkPolicy) -> str:
-    lines = ["table inet lazyfs_sandbox {", " chain out {",
-             "  type filter hook output priority 0; policy drop;",
-             "  oifname \"lo\" accept", "  ct state established,related accept"]
+    lines = ["table inet lazyfs_sandbox {",
+             " chain in {", "  type filter hook input priority 0; policy drop;",
+             '  iifname "lo" accept', "  ct state established,related accept", " }",
+             " chain out {", "  type filter hook output priority 0; policy drop;",
+             '  oifname "lo" accept', "  ct state established,related accept"]
     for r in policy.allow:
         fam = "ip" if ipaddress.ip_network(r.cidr).version == 4 else "ip6"
         port = f" {r.protocol} dport {r.port}" if r.port else f" meta l4proto {r.protocol}"
@@ -74,8 +93,10 @@ def ruleset(policy: NetworkPolicy) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create(sandbox_id: str, policy: NetworkPolicy, slot: int) -> Path:
-    ns, host_if = _names(sandbox_id)
+def create(slot: int, policy: NetworkPolicy) -> Path:
+    """The slot's namespace, veth pair, addresses, route and rules; undone on
+    failure."""
+    ns, host_if = names(slot)
     host_ip, sb_ip = addresses(slot)
     try:
         _run("ip", "netns", "add", ns)
@@ -88,14 +109,14 @@ def create(sandbox_id: str, policy: NetworkPolicy, slot: int) -> Path:
         _run("ip", "-n", ns, "route", "add", "default", "via", host_ip)
         _run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=ruleset(policy))
     except BaseException:
-        remove(sandbox_id)
+        remove(slot, release=False)
         raise
     return NETNS_DIR / ns
 
 
-def remove(sandbox_id: str, slots: Path | None = None, slot: int | None = None) -> None:
-    ns, host_if = _names(sandbox_id)
+def remove(slot: int, *, release: bool = True, slots: Path = SLOT_DIR) -> None:
+    ns, host_if = names(slot)
     subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-    if slots is not None and slot is not None:
+    if release:
         (slots / str(slot)).unlink(missing_ok=True)

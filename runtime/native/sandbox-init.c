@@ -1,7 +1,10 @@
 /* sandbox-init: the only program of ours inside a container sandbox.
  *
  *   sandbox-init init [-i]            PID 1 of the sandbox: reaps orphans, sleeps
- *                                     (a few KiB of memory), exits on SIGTERM.
+ *                                     (a few KiB of memory). No signal from
+ *                                     inside ends it (the sandbox cannot stop
+ *                                     itself behind the node's back); the node
+ *                                     ends it with SIGKILL from outside.
  *   sandbox-init exec [-i] [-c DIR] -- ARGV...
  *                                     runs one command in its own session and
  *                                     waits for it; when the agent that reads the
@@ -42,7 +45,7 @@ static void idle_class(void) {
         perror("sandbox-init: SCHED_IDLE");
 }
 
-static int run_init(void) {
+static __attribute__((noreturn)) void run_init(void) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, NULL);
@@ -51,8 +54,6 @@ static int run_init(void) {
         int sig = sigwaitinfo(&all, &si);
         if (sig == SIGCHLD) {
             while (waitpid(-1, NULL, WNOHANG) > 0) {}
-        } else if (sig == SIGTERM || sig == SIGINT) {
-            return 0;
         }
     }
 }
@@ -134,7 +135,7 @@ int main(int argc, char **argv) {
         else break;
     }
     if (idle) idle_class();
-    if (strcmp(argv[1], "init") == 0) return run_init();
+    if (strcmp(argv[1], "init") == 0) run_init();
     if (strcmp(argv[1], "exec") == 0) return run_exec(argc - i, argv + i, cwd);
     if (strcmp(argv[1], "pdeathsig") == 0 && i < argc) {
         pid_t parent = getppid();
