@@ -60,6 +60,14 @@ def oom_kills(sandbox_id: str) -> int:
     return 0
 
 
+def fork_refusals(sandbox_id: str) -> int:
+    """How many forks the pids limit has refused in the sandbox (pids.events)."""
+    for line in _read(path("pids", sandbox_id) / "pids.events").splitlines():
+        if line.startswith("max "):
+            return int(line.split()[1])
+    return 0
+
+
 def reclaim(sandbox_id: str) -> None:
     """Drop what the sandbox's memory cgroup can give back (page cache; its
     anonymous memory stays: this host has no swap). memory.force_empty

@@ -3,7 +3,7 @@
     fncall     pre-forked restricted workers over an image's tree (stateless calls)
     container  runc over a lazily loaded composed root
     microvm    QEMU guests with the image layers as virtio-pmem + DAX (EROFS)
-    vm         full QEMU VMs (not built yet: issue 8)
+    vm         full QEMU VMs booting a whole disk built from the image
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from .base import Backend, Capabilities, Handle, Sink
 
 __all__ = ["Backend", "Capabilities", "Handle", "Sink", "capabilities", "make_backend"]
 
-_PLANNED = {
-    "vm": Capabilities("vm", frozenset(), "not built yet (issue 8: full QEMU VMs)"),
-}
+_PLANNED: dict[str, Capabilities] = {}
 
 
 def capabilities(name: str) -> Capabilities:
@@ -30,6 +28,9 @@ def capabilities(name: str) -> Capabilities:
     if name == "microvm":
         from .microvm import MicrovmBackend
         return MicrovmBackend.capabilities
+    if name == "vm":
+        from .vm import VmBackend
+        return VmBackend.capabilities
     if name in _PLANNED:
         return _PLANNED[name]
     raise BackendUnavailable(f"unknown backend {name!r}: fncall, container, microvm or vm")
@@ -45,4 +46,7 @@ def make_backend(name: str, config: RuntimeConfig, images: Images) -> Backend:
     if name == "microvm":
         from .microvm import MicrovmBackend
         return MicrovmBackend(config, images)
+    if name == "vm":
+        from .vm import VmBackend
+        return VmBackend(config, images)
     raise BackendUnavailable(capabilities(name).notes or f"backend {name} is not available")

@@ -213,7 +213,7 @@ class ContainerBackend:
         with tempfile.TemporaryDirectory(dir=h.dir, prefix="exec-") as tmp:
             pf, pidf = Path(tmp) / "process.json", Path(tmp) / "pid"
             pf.write_text(json.dumps(oci.process(req.cmd, cwd=cwd, env=req.env, spec=h.spec)))
-            ooms = cgroups.oom_kills(h.id)
+            ooms, refusals = cgroups.oom_kills(h.id), cgroups.fork_refusals(h.id)
             # When the node process dies, runc exec dies with it (pdeathsig),
             # the command's stdout loses its reader, and sandbox-init exec
             # kills the command's session: no orphan left.
@@ -229,21 +229,16 @@ class ContainerBackend:
             oom = cgroups.oom_kills(h.id) > ooms
         code = out.returncode  # runc reports a signal N as 128+N, as shells do
         if code == 255 and b'level=error msg="exec failed' in out.stderr:
-            self._exec_failed(h, bytes(out.stderr))
+            self._exec_failed(h, bytes(out.stderr), cgroups.fork_refusals(h.id) > refusals)
         return ExecResult(exit_code=code, stdout=bytes(out.stdout), stderr=bytes(out.stderr),
                           duration=out.duration, truncated=out.truncated,
                           timed_out=out.timed_out, oom_killed=oom and code == 128 + signal.SIGKILL)
 
-    def _exec_failed(self, h: Handle, stderr: bytes) -> None:
+    def _exec_failed(self, h: Handle, stderr: bytes, refused: bool) -> None:
         """runc could not start the command: say why in one line (runc's own
         output can be a Go panic dump when the sandbox cannot fork)."""
         msg = stderr.decode(errors="replace").rsplit('msg="', 1)[-1].rstrip().rstrip('"')
-        limit = cgroups.path("pids", h.id) / "pids.max"
-        try:
-            at_limit = len(cgroups.pids(h.id)) >= int(limit.read_text())
-        except (OSError, ValueError):
-            at_limit = False
-        if at_limit:
+        if refused:  # the pids limit refused runc's own forks or threads
             raise QuotaExceeded(f"{h.id} is at its process limit (pids={h.spec.pids}); "
                                 f"the command could not start ({msg})")
         if self.status(h) == "paused":

@@ -156,6 +156,13 @@ class MicrovmBackend:
         self.pmem_cache = PMEM_CACHE
         self.agent_grace = EXEC_GRACE  # past an exec's timeout, before the agent counts as hung
         self.extra_append: list[str] = []  # kernel parameters added to every boot (tests)
+        # where the layers are attached: "pmem" (virtio-pmem + DAX: one host page-cache
+        # copy for all VMs) or "blk" (virtio-blk, each guest caches its own copy: only
+        # for comparing the two; LAZYFS_MICROVM_LAYERS)
+        self.layers_on = os.environ.get("LAZYFS_MICROVM_LAYERS", "pmem")
+        if self.layers_on not in ("pmem", "blk"):
+            raise BackendUnavailable(f"LAZYFS_MICROVM_LAYERS={self.layers_on!r}: "
+                                     "pmem or blk")
         self._vms: dict[str, _Vm] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # every VMM we started, until killed
         self._lock = threading.Lock()
@@ -185,31 +192,55 @@ class MicrovmBackend:
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, h: Handle) -> None:
-        binary, init = self._check()
-        kernel = guest_kernel(self.kernel_cache)
-        initrd = initramfs(kernel, self.config.bin_dir)
-        layers = pmem_layers(self.images, h.spec.image, self.pmem_cache)
+        _, init = self._check()
         vmdir = h.dir / "vm"
         vmdir.mkdir(mode=0o700)
         agent_sock = vmdir / "agent.sock"
-        if len(os.fsencode(agent_sock)) > 100:
-            raise BackendUnavailable(f"socket path {agent_sock} is too long for a Unix socket; "
-                                     "use a shorter runtime state directory")
-        upper_mb = h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
-        cfg = qemu.VmConfig(
-            qemu=binary, accel=qemu.accelerator(binary, kernel.vmlinuz), vmlinuz=kernel.vmlinuz,
-            initrd=initrd, memory_mb=max(h.spec.memory_mb, MIN_GUEST_MB),
-            cpus=max(1, min(math.ceil(h.spec.cpu), os.cpu_count() or 1)),
-            pmem=[p for layer in layers for p in layer.files], agent_socket=agent_sock,
-            console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
-            append=[f"lazyfs.layers={len(layers)}", f"lazyfs.upper_mb={upper_mb}",
-                    f"lazyfs.hostname={h.id}", *self.extra_append])
-        h.state.update(vm_dir=str(vmdir), accel=cfg.accel, layers=[x.digest for x in layers])
         try:
+            if len(os.fsencode(agent_sock)) > 100:
+                raise BackendUnavailable(f"socket path {agent_sock} is too long for a Unix "
+                                         "socket; use a shorter runtime state directory")
+            h.state["vm_dir"] = str(vmdir)
+            self._prepare(h, vmdir)
+            cfg = self._config(h, vmdir)
+            h.state["accel"] = cfg.accel
             self._boot(h, cfg, init)
         except BaseException:
             self.kill(h)
             raise
+
+    def _prepare(self, h: Handle, vmdir: Path) -> None:
+        """What a new sandbox needs on the host before its first boot."""
+        h.state["layers_on"] = self.layers_on
+
+    def _config(self, h: Handle, vmdir: Path, incoming: str | None = None) -> qemu.VmConfig:
+        """The VMM of this sandbox: for its first boot, or (incoming) to
+        restore it from a snapshot, with the same devices."""
+        binary = qemu.qemu_binary()
+        kernel = guest_kernel(self.kernel_cache)
+        layers = pmem_layers(self.images, h.spec.image, self.pmem_cache)
+        h.state["layers"] = [x.digest for x in layers]
+        upper_mb = h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
+        on = str(h.state.get("layers_on", "pmem"))
+        if on == "blk":  # the same files as read-only disks: each guest caches what it reads
+            pmem: list[Path] = []
+            drives = [qemu.Drive(f, f"lz{i}{kind}") for i, layer in enumerate(layers)
+                      for f, kind in zip(layer.files, "mb", strict=True)]
+        else:
+            pmem, drives = [p for layer in layers for p in layer.files], []
+        accel = (str(h.state.get("accel", "tcg")) if incoming is not None
+                 else qemu.accelerator(binary, kernel.vmlinuz))
+        return qemu.VmConfig(
+            qemu=binary, accel=accel, vmlinuz=kernel.vmlinuz,
+            initrd=initramfs(kernel, self.config.bin_dir),
+            memory_mb=max(h.spec.memory_mb, MIN_GUEST_MB),
+            cpus=max(1, min(math.ceil(h.spec.cpu), os.cpu_count() or 1)),
+            pmem=pmem, drives=drives, agent_socket=vmdir / "agent.sock",
+            console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
+            append=[f"lazyfs.layers={len(layers)}", f"lazyfs.layers_on={on}",
+                    f"lazyfs.upper_mb={upper_mb}", f"lazyfs.hostname={h.id}",
+                    *self.extra_append],
+            incoming=incoming)
 
     def _start(self, h: Handle, cfg: qemu.VmConfig, init: Path) -> subprocess.Popen[bytes]:
         for s in (cfg.agent_socket, cfg.console_socket, cfg.qmp_socket):
@@ -387,16 +418,7 @@ class MicrovmBackend:
             raise SandboxStateError(f"{h.id} has no snapshot to resume from")
         _, init = self._check()
         vmdir = Path(h.state.get("vm_dir", h.dir / "vm"))
-        layers = pmem_layers(self.images, h.spec.image, self.pmem_cache)
-        kernel = guest_kernel(self.kernel_cache)
-        cfg = qemu.VmConfig(
-            qemu=qemu.qemu_binary(), accel=str(h.state.get("accel", "tcg")),
-            vmlinuz=kernel.vmlinuz, initrd=initramfs(kernel, self.config.bin_dir),
-            memory_mb=max(h.spec.memory_mb, MIN_GUEST_MB), cpus=max(1, min(math.ceil(h.spec.cpu),
-                                                        os.cpu_count() or 1)),
-            pmem=[p for layer in layers for p in layer.files],
-            agent_socket=vmdir / "agent.sock", console_socket=vmdir / "console.sock",
-            qmp_socket=vmdir / "qmp.sock", incoming="defer")
+        cfg = self._config(h, vmdir, incoming="defer")
         deadline = time.monotonic() + self.boot_timeout
         proc = self._start(h, cfg, init)
         try:

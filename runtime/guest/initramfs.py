@@ -12,17 +12,30 @@ reading the extra megabytes):
     /lazyfs-agent      the guest agent (runtime/native/guest-agent.c), static
     /init              the script below
 
-/init loads the modules, mounts each layer from its two virtio-pmem devices
-(EROFS metadata image, EROFS blob as its extra device) with `-o ro,dax` at
-/layers/<i>, composes them with overlayfs under a tmpfs upper at /sandbox,
-gives that root a minimal /dev, /proc and /sys, and becomes the agent
-(PID 1), which chroots each command into /sandbox. Any failure prints one
-line starting "lazyfs-init: FAILED" on the console and powers off, so the
-host sees the VMM exit at once instead of waiting for a timeout.
+Two flavours, each with its own /init (and cache key):
+
+microvm  /init loads the modules, mounts each layer from its two virtio-pmem
+         devices (EROFS metadata image, EROFS blob as its extra device) with
+         `-o ro,dax` at /layers/<i> -- or, with lazyfs.layers_on=blk, the same
+         two files as virtio-blk disks (serials lz<i>m, lz<i>b) without dax --
+         composes them with overlayfs under a tmpfs upper at /sandbox, gives
+         that root a minimal /dev, /proc and /sys, and becomes the agent
+         (PID 1), which chroots each command into /sandbox.
+vm       /init mounts the disk with serial lazyfs-root (the image as ext4,
+         behind the sandbox's qcow2 overlay) read-write at /newroot. With
+         lazyfs.init=PATH it starts the agent chrooted into /newroot and
+         hands PID 1 to the image's init (switch_root); without, the agent is
+         PID 1 and chroots each command into /newroot.
+
+Any failure prints one line starting "lazyfs-init: FAILED" on the console
+and powers off, so the host sees the VMM exit at once instead of waiting for
+a timeout.
 
 Kernel command line parameters read by /init:
-    lazyfs.layers=N        layers, bottom first: pmem devices 2i (meta) and 2i+1 (blob)
-    lazyfs.upper_mb=M      size of the writable upper (tmpfs in guest memory)
+    lazyfs.layers=N        (microvm) layers, bottom first: pmem devices 2i (meta), 2i+1 (blob)
+    lazyfs.layers_on=blk   (microvm) layers on virtio-blk instead of pmem (benchmarks)
+    lazyfs.upper_mb=M      (microvm) size of the writable upper (tmpfs in guest memory)
+    lazyfs.init=PATH       (vm) the image's init, run as PID 1 after switch_root
     lazyfs.hostname=H
     lazyfs.test=noagent    (tests only) never start the agent
 """
@@ -41,10 +54,16 @@ from ..errors import BackendUnavailable
 from ..native import guest_agent
 from .kernel import GuestKernel, load_order
 
-MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "erofs", "overlay", "virtio_console")
+# virtio_blk: the microvm backend's blk mode (layers as disks, for the
+# benchmark against pmem + DAX); a few hundred KiB, loaded in every boot.
+MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "virtio_blk", "erofs", "overlay",
+           "virtio_console")
+VM_MODULES = ("virtio_pci", "virtio_blk", "ext4", "virtio_console")
 BUSYBOX = Path("/bin/busybox")
 
-INIT = r"""#!/bin/busybox sh
+# What both flavours do first: API filesystems, the failure path, the
+# command line, the modules, the hostname; and two helpers.
+_PRELUDE = r"""#!/bin/busybox sh
 /bin/busybox mkdir -p /proc /sys /dev /bin /sbin /usr/bin /usr/sbin
 /bin/busybox --install -s
 mount -t proc proc /proc
@@ -56,12 +75,14 @@ fail() {
     poweroff -f
     sleep 10
 }
-layers=0; upper_mb=256; host=sandbox; test=""
+layers=0; upper_mb=256; host=sandbox; test=""; layers_on=pmem; init=""
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
         lazyfs.layers=*) layers=${arg#*=} ;;
+        lazyfs.layers_on=*) layers_on=${arg#*=} ;;
         lazyfs.upper_mb=*) upper_mb=${arg#*=} ;;
         lazyfs.hostname=*) host=${arg#*=} ;;
+        lazyfs.init=*) init=${arg#*=} ;;
         lazyfs.test=*) test=${arg#*=} ;;
     esac
 done
@@ -70,18 +91,64 @@ for m in $(cat /modules/order); do
 done
 hostname "$host"
 ip link set lo up 2>/dev/null
-[ "$layers" -gt 0 ] || fail "no layers (lazyfs.layers)"
-last=$((2 * layers - 1))
-n=0
-while [ ! -b /dev/pmem$last ]; do
-    n=$((n + 1)); [ $n -gt 500 ] && fail "no /dev/pmem$last"; sleep 0.02
-done
+disk() {  # the virtio-blk disk whose serial is $1, waiting for it
+    n=0
+    while :; do
+        for b in /sys/block/vd*; do
+            [ "$(cat $b/serial 2>/dev/null)" = "$1" ] && [ -b /dev/${b##*/} ] \
+                && { echo /dev/${b##*/}; return 0; }
+        done
+        n=$((n + 1)); [ $n -gt 500 ] && return 1; sleep 0.02
+    done
+}
+agent_port() {  # the virtio-serial port named lazyfs.agent
+    n=0
+    while :; do
+        for p in /sys/class/virtio-ports/*; do
+            [ "$(cat $p/name 2>/dev/null)" = lazyfs.agent ] && [ -c /dev/${p##*/} ] \
+                && { echo /dev/${p##*/}; return 0; }
+        done
+        n=$((n + 1)); [ $n -gt 500 ] && return 1; sleep 0.02
+    done
+}
+sandbox_dev() {  # a minimal /dev for the root at $1
+    mount -t tmpfs -o mode=0755,nosuid,size=1m tmpfs $1/dev
+    mknod -m 666 $1/dev/null c 1 3
+    mknod -m 666 $1/dev/zero c 1 5
+    mknod -m 666 $1/dev/full c 1 7
+    mknod -m 666 $1/dev/random c 1 8
+    mknod -m 666 $1/dev/urandom c 1 9
+    mknod -m 666 $1/dev/tty c 5 0
+    ln -s /proc/self/fd $1/dev/fd
+    ln -s /proc/self/fd/0 $1/dev/stdin
+    ln -s /proc/self/fd/1 $1/dev/stdout
+    ln -s /proc/self/fd/2 $1/dev/stderr
+    mkdir -p $1/dev/pts $1/dev/shm
+    mount -t devpts -o newinstance,ptmxmode=0666 devpts $1/dev/pts
+    mount -t tmpfs -o nosuid,nodev tmpfs $1/dev/shm
+}
+"""
+
+INIT = _PRELUDE + r"""[ "$layers" -gt 0 ] || fail "no layers (lazyfs.layers)"
 lowers=""
 i=0
+if [ "$layers_on" = pmem ]; then
+    last=$((2 * layers - 1))
+    n=0
+    while [ ! -b /dev/pmem$last ]; do
+        n=$((n + 1)); [ $n -gt 500 ] && fail "no /dev/pmem$last"; sleep 0.02
+    done
+fi
 while [ $i -lt "$layers" ]; do
     mkdir -p /layers/$i
-    mount -t erofs -o ro,dax,device=/dev/pmem$((2 * i + 1)) /dev/pmem$((2 * i)) /layers/$i \
-        || fail "mount layer $i (erofs, dax)"
+    if [ "$layers_on" = pmem ]; then
+        mount -t erofs -o ro,dax,device=/dev/pmem$((2 * i + 1)) /dev/pmem$((2 * i)) /layers/$i \
+            || fail "mount layer $i (erofs, dax)"
+    else  # blk: the same images as virtio-blk disks, through the guest's page cache
+        meta=$(disk lz${i}m) || fail "no disk with serial lz${i}m"
+        blob=$(disk lz${i}b) || fail "no disk with serial lz${i}b"
+        mount -t erofs -o ro,device=$blob $meta /layers/$i || fail "mount layer $i (erofs, blk)"
+    fi
     lowers="/layers/$i${lowers:+:$lowers}"
     i=$((i + 1))
 done
@@ -93,36 +160,50 @@ mount -t overlay overlay -o lowerdir=$lowers,upperdir=/rw/upper,workdir=/rw/work
 for d in proc sys dev tmp; do [ -d /sandbox/$d ] || mkdir -p /sandbox/$d; done
 mount -t proc proc /sandbox/proc
 mount -t sysfs -o ro,nosuid,nodev,noexec sysfs /sandbox/sys
-mount -t tmpfs -o mode=0755,nosuid,size=1m tmpfs /sandbox/dev
-mknod -m 666 /sandbox/dev/null c 1 3
-mknod -m 666 /sandbox/dev/zero c 1 5
-mknod -m 666 /sandbox/dev/full c 1 7
-mknod -m 666 /sandbox/dev/random c 1 8
-mknod -m 666 /sandbox/dev/urandom c 1 9
-mknod -m 666 /sandbox/dev/tty c 5 0
-ln -s /proc/self/fd /sandbox/dev/fd
-ln -s /proc/self/fd/0 /sandbox/dev/stdin
-ln -s /proc/self/fd/1 /sandbox/dev/stdout
-ln -s /proc/self/fd/2 /sandbox/dev/stderr
-mkdir -p /sandbox/dev/pts /sandbox/dev/shm
-mount -t devpts -o newinstance,ptmxmode=0666 devpts /sandbox/dev/pts
-mount -t tmpfs -o nosuid,nodev tmpfs /sandbox/dev/shm
-port=""
-n=0
-while [ -z "$port" ]; do
-    for p in /sys/class/virtio-ports/*; do
-        [ "$(cat $p/name 2>/dev/null)" = lazyfs.agent ] && port=/dev/${p##*/}
-    done
-    [ -n "$port" ] && [ -c "$port" ] && break
-    port=""
-    n=$((n + 1)); [ $n -gt 500 ] && fail "no virtio-serial port lazyfs.agent"; sleep 0.02
-done
-echo "lazyfs-init: layers mounted, starting the agent on $port"
+sandbox_dev /sandbox
+port=$(agent_port) || fail "no virtio-serial port lazyfs.agent"
+echo "lazyfs-init: layers mounted ($layers_on), starting the agent on $port"
 if [ "$test" = noagent ]; then
     exec sleep 2147483647
 fi
 exec /lazyfs-agent "$port" /sandbox
 """
+
+# The full VM: the image's own disk (ext4, writable: a copy-on-write overlay
+# on the host) becomes the root. With lazyfs.init=PATH (the image has an
+# init) the agent is started chrooted into that root and the image's init
+# takes PID 1 through switch_root; otherwise the agent is PID 1, as in a
+# microVM, and chroots each command into the disk.
+VM_INIT = _PRELUDE + r"""root=$(disk lazyfs-root) || fail "no disk with serial lazyfs-root"
+mkdir -p /newroot
+mount -t ext4 -o rw $root /newroot || fail "mount $root (ext4)"
+for d in proc sys dev run tmp; do [ -d /newroot/$d ] || mkdir -p /newroot/$d; done
+port=$(agent_port) || fail "no virtio-serial port lazyfs.agent"
+if [ -n "$init" ]; then
+    mount --move /dev /newroot/dev || fail "move /dev"
+    mkdir -p /newroot/dev/pts /newroot/dev/shm
+    mount -t devpts -o ptmxmode=0666 devpts /newroot/dev/pts
+    mount -t tmpfs -o nosuid,nodev tmpfs /newroot/dev/shm
+    mount -t proc proc /newroot/proc
+    mount -t sysfs sysfs /newroot/sys
+    echo "lazyfs-init: $root mounted, agent on $port, handing over to $init"
+    if [ "$test" != noagent ]; then
+        /lazyfs-agent --chroot "/newroot$port" /newroot </dev/null &
+    fi
+    umount /proc /sys 2>/dev/null
+    exec switch_root /newroot "$init"
+fi
+mount -t proc proc /newroot/proc
+mount -t sysfs -o nosuid,nodev,noexec sysfs /newroot/sys
+sandbox_dev /newroot
+echo "lazyfs-init: $root mounted, starting the agent on $port"
+if [ "$test" = noagent ]; then
+    exec sleep 2147483647
+fi
+exec /lazyfs-agent "$port" /newroot
+"""
+
+FLAVOURS = {"microvm": (INIT, MODULES), "vm": (VM_INIT, VM_MODULES)}
 
 
 class _Cpio:
@@ -155,7 +236,8 @@ class _Cpio:
         return bytes(self.out)
 
 
-def build(kernel: GuestKernel, agent: Path, modules: Iterable[str] = MODULES) -> bytes:
+def build(kernel: GuestKernel, agent: Path, modules: Iterable[str] = MODULES,
+          init: str = INIT) -> bytes:
     if not BUSYBOX.is_file():
         raise BackendUnavailable("the guest initramfs needs busybox-static "
                                  "(apt-get install busybox-static)")
@@ -169,22 +251,25 @@ def build(kernel: GuestKernel, agent: Path, modules: Iterable[str] = MODULES) ->
     for ko in order:
         a.file(f"modules/{ko.name}", ko.read_bytes())
     a.file("modules/order", "".join(f"{ko.name}\n" for ko in order).encode())
-    a.file("init", INIT.encode(), 0o755)
+    a.file("init", init.encode(), 0o755)
     return a.finish()
 
 
-def initramfs(kernel: GuestKernel, cache_dir: Path) -> Path:
-    """Path of the initramfs for this kernel, agent and init (built if missing)."""
+def initramfs(kernel: GuestKernel, cache_dir: Path, flavour: str = "microvm") -> Path:
+    """Path of the initramfs for this kernel, agent and init (built if missing).
+    flavour: "microvm" (layers from pmem or blk, overlay upper in memory) or
+    "vm" (the image's own ext4 disk as the root)."""
+    init, modules = FLAVOURS[flavour]
     agent = guest_agent(cache_dir)
     key = hashlib.sha256()
-    for part in (kernel.version.encode(), agent.name.encode(), INIT.encode(),
-                 " ".join(MODULES).encode(), str(BUSYBOX.stat().st_mtime_ns).encode()
+    for part in (kernel.version.encode(), agent.name.encode(), init.encode(),
+                 " ".join(modules).encode(), str(BUSYBOX.stat().st_mtime_ns).encode()
                  if BUSYBOX.exists() else b""):
         key.update(part + b"\0")
     out = cache_dir / f"initramfs-{key.hexdigest()[:16]}.cpio"
     if out.exists():
         return out
-    data = build(kernel, agent)
+    data = build(kernel, agent, modules, init)
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".initramfs-")
     try:

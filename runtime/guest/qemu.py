@@ -1,5 +1,6 @@
 """QEMU as the VMM of sandbox VMs: the accelerator choice, the command line of
-a small q35 guest with virtio-pmem layers, and a minimal QMP client.
+a small q35 guest with virtio-pmem layers and/or virtio-blk disks (found in
+the guest by their serial), and a minimal QMP client.
 
 Why q35 and not `-M microvm`: virtio-pmem on `-M microvm` maps the device at
 address 0 and nd_pmem cannot reserve the region (PLATFORM.md); q35 carries
@@ -75,6 +76,16 @@ def _kvm_works(qemu: str, vmlinuz: Path) -> bool:
     return p.returncode == 0 and b"Linux version" in p.stdout
 
 
+@dataclass(frozen=True)
+class Drive:
+    """A virtio-blk disk: the guest finds it by its serial (/sys/block/vd*/serial)."""
+
+    path: Path
+    serial: str
+    format: str = "raw"        # or qcow2 (a sandbox's copy-on-write overlay)
+    readonly: bool = True
+
+
 @dataclass
 class VmConfig:
     qemu: str
@@ -89,6 +100,7 @@ class VmConfig:
     qmp_socket: Path
     append: list[str] = field(default_factory=list)
     incoming: str | None = None            # restore from a migration stream
+    drives: list[Drive] = field(default_factory=list)  # virtio-blk, after the pmem devices
 
 
 def command(c: VmConfig) -> list[str]:
@@ -98,8 +110,8 @@ def command(c: VmConfig) -> list[str]:
         accel = ["-accel", "kvm", "-cpu", "host"]
     else:
         accel = ["-accel", "tcg,thread=multi", "-cpu", "max"]
-    cmd = [c.qemu, "-M", "q35", *accel, "-smp", str(c.cpus),
-           "-m", f"{c.memory_mb}M,slots={max(1, len(sizes))},maxmem={maxmem}M",
+    memory = f"{c.memory_mb}M,slots={len(sizes)},maxmem={maxmem}M" if sizes else f"{c.memory_mb}M"
+    cmd = [c.qemu, "-M", "q35", *accel, "-smp", str(c.cpus), "-m", memory,
            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
            "-kernel", str(c.vmlinuz), "-initrd", str(c.initrd),
            "-append", " ".join([*KERNEL_ARGS, *c.append]),
@@ -115,6 +127,11 @@ def command(c: VmConfig) -> list[str]:
                    f"mem-path={path},size={size}")
         device = f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,addr={0x10 + i:#x}"
         cmd += ["-object", backend, "-device", device]
+    for i, d in enumerate(c.drives):
+        file = str(d.path).replace(",", ",,")  # QEMU's option syntax escapes commas
+        mode = "readonly=on" if d.readonly else "readonly=off,discard=unmap"
+        cmd += ["-drive", f"file={file},if=none,id=disk{i},format={d.format},{mode}",
+                "-device", f"virtio-blk-pci,drive=disk{i},serial={d.serial}"]
     if c.incoming is not None:
         cmd += ["-incoming", c.incoming]
     return cmd

@@ -1,6 +1,6 @@
 /* lazyfs-agent: PID 1 of a sandbox VM, the host's only way in.
  *
- *   lazyfs-agent PORT ROOT
+ *   lazyfs-agent [--chroot] PORT ROOT
  *
  * PORT is the virtio-serial port named lazyfs.agent (/dev/vportNpM); ROOT
  * is the sandbox's composed root (overlayfs of the EROFS layers + a
@@ -8,6 +8,10 @@
  * under (openat2 RESOLVE_IN_ROOT: "..", absolute links and links pointing
  * out stay inside). The agent itself lives in the initramfs, outside ROOT,
  * so the image needs nothing of ours (no Python, no libc: static build).
+ *
+ * --chroot: the agent chroots itself into ROOT after opening PORT, for a
+ * full VM whose image's own init becomes PID 1 (switch_root moves ROOT to
+ * "/"; an agent left in the initramfs root would lose /proc with it).
  *
  * Frames, both ways: u32 payload length, u8 type, 3 zero bytes, payload
  * (little-endian; at most MAX_FRAME bytes, checked on both ends). One
@@ -628,8 +632,10 @@ out:
 /* ---- main loop ---------------------------------------------------------- */
 
 int main(int argc, char **argv) {
+    int self_chroot = argc == 4 && strcmp(argv[1], "--chroot") == 0;
+    if (self_chroot) { argv++; argc--; }
     if (argc != 3) {
-        fprintf(stderr, "usage: lazyfs-agent PORT ROOT\n");
+        fprintf(stderr, "usage: lazyfs-agent [--chroot] PORT ROOT\n");
         return 2;
     }
     rbuf = malloc(MAX_FRAME);
@@ -637,6 +643,10 @@ int main(int argc, char **argv) {
     if (port < 0) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[1], strerror(errno)); return 1; }
     rootfd = open(argv[2], O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (rootfd < 0 || !rbuf) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[2], strerror(errno)); return 1; }
+    if (self_chroot && (fchdir(rootfd) != 0 || chroot(".") != 0 || chdir("/") != 0)) {
+        fprintf(stderr, "lazyfs-agent: chroot %s: %s\n", argv[2], strerror(errno));
+        return 1;
+    }
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);

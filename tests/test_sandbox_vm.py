@@ -1,0 +1,189 @@
+"""Full-VM sandboxes end to end through the SDK: real QEMU (TCG on these
+machines), Debian's cloud kernel, the "vm" initramfs, the image as a whole
+ext4 disk behind a qcow2 overlay per sandbox, the same guest agent as the
+microVMs.
+
+Three VM boots: one shared VM of the busybox image (no init of its own: the
+agent is PID 1), a second VM of the same image (isolation, kill), and one VM
+of an image whose own init takes PID 1."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from images import build_busybox_rootfs
+from sandboxes import IMAGE, node_for, runtime_missing
+
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
+from runtime import FileError, Sandbox
+from runtime.backends.vm import VmBackend
+from runtime.node import Node
+
+INIT_IMAGE = "bbinit:1"
+INITTAB = b"::sysinit:/bin/sh -c 'echo ran-by-the-image-init > /var/init-ran'\n"
+
+
+def _missing() -> str | None:
+    for tool, pkg in (("qemu-system-x86_64", "qemu-system-x86"), ("qemu-img", "qemu-utils"),
+                      ("mkfs.ext4", "e2fsprogs")):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (apt-get install {pkg})"
+    if not os.path.exists("/bin/busybox"):
+        return "needs busybox-static"
+    return runtime_missing()
+
+
+pytestmark = [pytest.mark.root, pytest.mark.slow,
+              pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """IMAGE (busybox, no init) and INIT_IMAGE (busybox whose init runs an inittab)."""
+    d = tmp_path_factory.mktemp("fullvm")
+    plain = build_busybox_rootfs(d / "rootfs")
+    (plain / "etc" / "motd").write_text("hello from the image\n")
+    (plain / "data").mkdir()
+    (plain / "data" / "big.bin").write_bytes(os.urandom(3 << 20))
+    with_init = build_busybox_rootfs(d / "rootfs-init")
+    os.symlink("../bin/busybox", with_init / "sbin" / "init")
+    (with_init / "etc" / "inittab").write_bytes(INITTAB)
+    store = d / "store"
+    with ChunkStore.open(store, create=True) as s, Catalog(s) as cat:
+        convert(s, cat, f"dir:{plain}", IMAGE)
+        convert(s, cat, f"dir:{with_init}", INIT_IMAGE)
+    return store, d
+
+
+@pytest.fixture(scope="module")
+def node(store_dir: tuple[Path, Path]) -> Iterator[Node]:
+    store, d = store_dir
+    with node_for(store, d) as n:
+        _backend(n).disk_cache = d / "disks"  # this run's images are new: keep them with it
+        _backend(n).disk_headroom_mb = 64
+        yield n
+
+
+@pytest.fixture(scope="module")
+def sb(node: Node) -> Iterator[Sandbox]:
+    with Sandbox.create(IMAGE, backend="vm", node=node, memory_mb=256, cpu=1) as s:
+        yield s
+
+
+def _backend(node: Node) -> VmBackend:
+    b = node.backend("vm")
+    assert isinstance(b, VmBackend)
+    return b
+
+
+def _qemu_pids(marker: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def test_boots_from_its_disk_with_the_agent_as_pid1(sb: Sandbox, node: Node) -> None:
+    assert "exec" in Sandbox.capabilities("vm") and "files" in Sandbox.capabilities("vm")
+    h = node._get(sb.id)[1]
+    assert h.state["init"] is None and h.state["boot_s"] > 0
+    assert Path(h.state["disk"]).is_file() and Path(h.state["base_disk"]).is_file()
+    assert sb.exec("hostname").stdout.strip() == sb.id.encode()
+    mounts = sb.exec("cat /proc/mounts").stdout.decode()
+    root = [line.split() for line in mounts.splitlines() if line.split()[1] == "/"]
+    assert root and root[-1][0].startswith("/dev/vd") and root[-1][2] == "ext4"
+    assert "rw" in root[-1][3].split(",")
+    assert sb.exec("cat /proc/1/comm").stdout == b"lazyfs-agent\n"
+
+
+def test_exec_and_image_content(sb: Sandbox, store_dir: tuple[Path, Path]) -> None:
+    r = sb.exec("cat /etc/motd; echo oops >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"hello from the image\n", b"oops\n")
+    assert sb.exec(["cat"], stdin=b"\x00\xffbinary").stdout == b"\x00\xffbinary"
+    assert sb.exec("echo $GREETING; pwd", env={"GREETING": "hi"}, cwd="/etc").stdout == \
+        b"hi\n/etc\n"
+    want = hashlib.sha256((store_dir[1] / "rootfs" / "data" / "big.bin").read_bytes())
+    assert sb.exec("sha256sum /data/big.bin").stdout.split()[0].decode() == want.hexdigest()
+
+
+def test_files_round_trip(sb: Sandbox, tmp_path: Path) -> None:
+    sb.files.write("/work/a/b.txt", b"patch")
+    assert sb.exec("cat /work/a/b.txt").stdout == b"patch"
+    info = sb.files.list("/work/a")[0]
+    assert (info.name, info.type, info.size) == ("b.txt", "file", 5)
+    local = tmp_path / "up.bin"
+    local.write_bytes(os.urandom(200_000))
+    sb.files.upload(local, "/work/up.bin")
+    sb.files.download("/work/up.bin", tmp_path / "down.bin")
+    assert (tmp_path / "down.bin").read_bytes() == local.read_bytes()
+    sb.files.remove("/work/a", recursive=True)
+    assert sb.exec("ls /work").stdout == b"up.bin\n"
+    with pytest.raises(FileError, match="No such file"):
+        sb.files.read("/nope")
+
+
+def test_writes_persist_in_the_overlay_not_the_base(sb: Sandbox, node: Node) -> None:
+    h = node._get(sb.id)[1]
+    base = Path(h.state["base_disk"])
+    before = _sha(base)
+    assert sb.exec("echo mine > /etc/motd && rm /data/big.bin && sync").exit_code == 0
+    assert sb.exec("cat /etc/motd").stdout == b"mine\n"
+    assert sb.exec("ls /data").stdout == b""
+    # written through to the sandbox's qcow2 overlay; the base disk is as it was
+    assert Path(h.state["disk"]).stat().st_size > 0
+    assert _sha(base) == before and base.stat().st_mode & 0o222 == 0
+
+
+def test_pause_and_resume_keep_the_disk_and_memory(sb: Sandbox, node: Node) -> None:
+    sb.exec("echo in-memory > /dev/shm/x; echo on-disk > /root/y")
+    figures = sb.pause()
+    assert figures["snapshot_bytes"] > 0
+    assert not _qemu_pids(str(node.config.sandboxes / sb.id / "vm"))
+    sb.resume()
+    assert sb.exec("cat /dev/shm/x /root/y").stdout == b"in-memory\non-disk\n"
+
+
+def test_another_vm_sees_the_image_and_kill_leaves_nothing(sb: Sandbox, node: Node) -> None:
+    sb.exec("echo only-in-the-first > /root/mark")
+    s = Sandbox.create(IMAGE, backend="vm", node=node, memory_mb=256)
+    vmdir = node.config.sandboxes / s.id / "vm"
+    try:
+        assert s.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        assert s.exec("cat /root/mark").exit_code != 0
+        assert (vmdir / "disk.qcow2").is_file() and _qemu_pids(str(vmdir))
+    finally:
+        s.kill()
+    assert not _qemu_pids(str(vmdir))
+    assert not (node.config.sandboxes / s.id).exists()  # overlay, sockets, logs
+    assert sb.exec("cat /root/mark").stdout == b"only-in-the-first\n"
+
+
+def test_the_image_init_runs_as_pid1(node: Node) -> None:
+    with Sandbox.create(INIT_IMAGE, backend="vm", node=node, memory_mb=256) as s:
+        assert node._get(s.id)[1].state["init"] == "/sbin/init"
+        assert s.exec("cat /proc/1/comm").stdout == b"init\n"
+        deadline = time.monotonic() + 30  # the agent answers before init's sysinit is done
+        while (r := s.exec("cat /var/init-ran")).exit_code != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.stdout == b"ran-by-the-image-init\n"
+        assert s.exec("echo x > /tmp/y && cat /tmp/y").stdout == b"x\n"
