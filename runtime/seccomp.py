@@ -68,6 +68,7 @@ class Compiled:
             build_filter().export_bpf(f)
             f.seek(0)
             code = f.read()
+        self.code = code
         self._buf = ctypes.create_string_buffer(code, len(code))
         self._prog = _SockFprog(len(code) // 8, ctypes.cast(self._buf, ctypes.c_void_p))
         self._libc = ctypes.CDLL(None, use_errno=True)

@@ -64,7 +64,7 @@ def test_bad_input_is_one_line(cli) -> None:  # type: ignore[no-untyped-def]
                       (("run", "--memory-mb", "1", IMAGE, "--", "true"), "memory_mb"),
                       (("run", "--allow", "mirror:80", IMAGE, "--", "true"), "not an address"),
                       (("exec", "sb-nope", "--", "true"), "no sandbox 'sb-nope'"),
-                      (("run", "--backend", "vm", IMAGE, "--", "true"), "not built yet")]:
+                      (("run", "--backend", "kvm", IMAGE, "--", "true"), "'kvm' is not one of")]:
         p = cli("sandbox", *args)
         assert p.returncode != 0 and msg in p.stderr, (args, p.stderr)
         assert "Traceback" not in p.stderr

@@ -49,7 +49,8 @@ def test_calls_run_restricted(fn: Sandbox) -> None:
 
 def test_each_call_starts_clean(fn: Sandbox) -> None:
     assert fn.exec("echo secret > /tmp/left; ls /tmp").stdout == b"left\n"
-    assert fn.exec("ls -A /tmp").stdout == b""
+    assert fn.exec("ls -A /tmp").stdout == b".lazyfs\n"  # only the launcher, read-only
+    assert fn.exec("rm -rf /tmp/.lazyfs; echo x > /tmp/.lazyfs/sandbox-init").exit_code != 0
     tag = str(time.time_ns() % 10**9)
     r = fn.exec(f"busybox sleep 1{tag} >/dev/null 2>&1 & echo started")
     assert r.stdout == b"started\n"

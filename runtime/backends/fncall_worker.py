@@ -8,9 +8,11 @@ per call (msgpack frames on stdin, answers on stdout; never pickle: the node
 and the worker trust each other, the output does not):
 
     limits of the calling sandbox written to the worker's cgroup
-    fork → join the cgroup → new PID namespace → rlimits → Landlock (read-only
+    vfork + exec of `sandbox-init call` (a copy in a root-owned /tmp/.lazyfs),
+    which joins the cgroup → new PID namespace → rlimits → Landlock (read-only
     image, writable /tmp, no TCP) → no_new_privs → seccomp → uid/gid nobody →
-    sandbox-init exec → the command (PID 1 of its namespace)
+    the command (PID 1 of its namespace); in C, so no Python runs in the
+    child and the fork is a vfork
     after it: every process left in the cgroup (a setsid'd child escapes any
     process group, never the cgroup) is killed; /tmp is emptied; a worker that
     cannot get back to an empty cgroup and an empty /tmp exits (the pool
@@ -36,7 +38,7 @@ from typing import Any
 
 import msgpack
 
-from runtime import landlock, procio, seccomp
+from runtime import procio, seccomp
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID = 0x20000, 0x40000000, 0x20000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x4000, 1 << 18, 2, 4
@@ -142,7 +144,14 @@ class Cgroup:
         return True
 
 
-def setup(root: str, scratch_mb: int) -> None:
+INIT_DIR = "/tmp/.lazyfs"  # root-owned in the sticky /tmp: calls cannot touch it
+INIT = f"{INIT_DIR}/sandbox-init"
+
+
+def setup(root: str, scratch_mb: int, init_binary: bytes) -> None:
+    # Without /proc (hidden by the chroot) a child closes descriptors one by
+    # one up to this limit before exec: a high limit cost ~5 ms per call.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
     _sys(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare")
     _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
     os.chroot(root)
@@ -150,6 +159,10 @@ def setup(root: str, scratch_mb: int) -> None:
     # one scratch tmpfs for the worker's life, emptied after every call
     # (a mount + unmount per call cost ~3 ms)
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_mb}m,mode=1777")
+    os.mkdir(INIT_DIR, 0o755)
+    fd = os.open(INIT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o555)
+    os.write(fd, init_binary)
+    os.close(fd)
 
 
 def wipe_scratch() -> None:
@@ -158,6 +171,8 @@ def wipe_scratch() -> None:
     may have planted."""
     with os.scandir("/tmp") as entries:
         for e in entries:
+            if e.path == INIT_DIR:
+                continue
             if e.is_dir(follow_symlinks=False):
                 shutil.rmtree(e.path)
             else:
@@ -165,38 +180,10 @@ def wipe_scratch() -> None:
 
 
 class Call:
-    def __init__(self, req: dict[str, Any], init_fd: int, cgroup: Cgroup, syscalls: Any
-                 ) -> None:
+    def __init__(self, req: dict[str, Any], cgroup: Cgroup, seccomp_fd: int) -> None:
         self.req = req
-        self.init_fd = init_fd
         self.cgroup = cgroup
-        self.syscalls = syscalls
-        self.argv: list[str] = []
-        self.env: dict[str, str] = {}
-
-    def child_setup(self) -> None:
-        # In the forked child, after Popen set up its pipes: restrict, then
-        # execute sandbox-init from its descriptor (it is not in the image).
-        # A failure is written to the call's stderr (Popen's own message
-        # would not say which step failed).
-        try:
-            self._restrict_and_exec()
-        except BaseException as e:  # noqa: BLE001 - reported, then the child exits
-            os.write(2, f"fncall: cannot start the call: {e}\n".encode())
-            os._exit(127)
-
-    def _restrict_and_exec(self) -> None:
-        self.cgroup.join()
-        _sys(_libc.unshare(CLONE_NEWPID), "unshare pid")
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        cpu = int(self.req["timeout"]) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        landlock.restrict(["/"], ["/tmp"], executable_fds=[self.init_fd])
-        self.syscalls.load()
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        os.execve(self.init_fd, self.argv, self.env)
+        self.seccomp_fd = seccomp_fd
 
     def _stop(self) -> None:
         self.cgroup.kill_all()
@@ -204,14 +191,16 @@ class Call:
     def run(self, out: Any) -> None:
         self.cgroup.limit(self.req["memory"], self.req["pids"], self.req["cpu"])
         ooms = self.cgroup.oom_kills()
-        self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
-                    "TMPDIR": "/tmp", **self.req["env"]}
-        self.argv = ["sandbox-init", "exec", "-c", self.req.get("cwd") or "/tmp", "--",
-                     *self.req["cmd"]]
-        proc = subprocess.Popen(
-            ["/"], cwd="/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=self.child_setup)  # noqa: PLW1509 - the worker has one thread
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+               **self.req["env"]}
+        joins = [a for fd in self.cgroup.join_fds for a in ("-j", str(fd))]
+        argv = [INIT, "call", *joins, "-s", str(self.seccomp_fd),
+                "-t", str(int(self.req["timeout"]) + 1), "-u", str(NOBODY),
+                "-r", "/", "-w", "/tmp", "-c", self.req.get("cwd") or "/tmp", "--",
+                *self.req["cmd"]]
+        proc = subprocess.Popen(argv, env=env, cwd="/", stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=(*self.cgroup.join_fds, self.seccomp_fd))
         res = procio.run(proc, stdin=self.req["stdin"], timeout=self.req["timeout"],
                          max_output=self.req["max_output"], stop=self._stop,
                          on_stdout=lambda b: out({"o": b}), on_stderr=lambda b: out({"e": b}))
@@ -228,10 +217,12 @@ def main() -> None:
     ap.add_argument("--cgroup-root", default="/sys/fs/cgroup")
     ap.add_argument("--scratch-mb", type=int, default=64)
     args = ap.parse_args()
-    init_fd = os.open(args.init, os.O_RDONLY)  # exec'd by fd: not in the image's tree
+    with open(args.init, "rb") as f:  # copied into the worker's /tmp after the chroot
+        init_binary = f.read()
     cgroup = Cgroup(args.cgroup_root, args.cgroup)
-    syscalls = seccomp.Compiled()  # uses libseccomp before the chroot hides it
-    setup(args.root, args.scratch_mb)
+    seccomp_fd = os.memfd_create("lazyfs-seccomp", os.MFD_CLOEXEC)
+    os.write(seccomp_fd, seccomp.Compiled().code)  # libseccomp, before the chroot hides it
+    setup(args.root, args.scratch_mb, init_binary)
     rx, tx = sys.stdin.buffer, sys.stdout.buffer
     packer = msgpack.Packer()
 
@@ -248,7 +239,7 @@ def main() -> None:
         unpacker.feed(data)
         for req in unpacker:
             try:
-                Call(req, init_fd, cgroup, syscalls).run(out)
+                Call(req, cgroup, seccomp_fd).run(out)
             except Exception as e:  # noqa: BLE001 - one bad call must not end the worker
                 out({"x": 127, "d": 0.0, "t": False, "to": False, "oom": False, "err": str(e)})
             try:  # never hand a dirty cgroup or /tmp to the next call

@@ -18,6 +18,18 @@
  *                                     node agent, and the command then sees its
  *                                     output reader gone.
  *
+ *   sandbox-init call [-j FD]... [-s FD] [-t SECS] [-u ID] [-r PATH]... [-w PATH]...
+ *                     [-c DIR] -- ARGV...
+ *                                     (fncall) restrict itself, then as exec:
+ *                                     join the cgroups whose cgroup.procs are
+ *                                     open at FD, new PID namespace for the
+ *                                     command, RLIMIT_CPU, Landlock (read -r,
+ *                                     write -w, no TCP, scoped signals and
+ *                                     abstract sockets), no_new_privs, the
+ *                                     seccomp BPF program at FD, uid/gid ID.
+ *                                     Done here, in C, so the worker can start
+ *                                     calls with vfork (no Python in the child).
+ *
  * -i puts the process under SCHED_IDLE (qos="best_effort"); children inherit it.
  * Exit status of exec: the command's status; 127 with a message on stderr when
  * the command cannot be started (not found, not executable); a command killed
@@ -34,8 +46,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stdint.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/signalfd.h>
+#include <grp.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -119,6 +138,55 @@ static int run_exec(int argc, char **argv, const char *cwd) {
     }
 }
 
+/* ---- fncall restrictions ---------------------------------------------- */
+
+struct ll_ruleset_attr { uint64_t fs, net, scoped; };
+struct ll_path_beneath { uint64_t allowed; int32_t parent_fd; } __attribute__((packed));
+#define LL_READ ((1ULL << 0) | (1ULL << 2) | (1ULL << 3)) /* execute, read file, read dir */
+
+static int die(const char *what) {
+    fprintf(stderr, "sandbox-init: %s: %s\n", what, strerror(errno));
+    _exit(127);
+}
+
+static void landlock(char **ro, int nro, char **rw, int nrw) {
+    long abi = syscall(444, NULL, 0, 1UL);
+    if (abi <= 0) die("landlock unavailable");
+    static const int fs_bits[] = {0, 13, 14, 15, 15, 16};
+    int bits = abi < 6 ? fs_bits[abi] : 16;
+    struct ll_ruleset_attr attr = {(1ULL << bits) - 1, 0, 0};
+    size_t size = 8;
+    if (abi >= 4) { attr.net = 3; size = 16; }          /* bind + connect TCP */
+    if (abi >= 6) { attr.scoped = 3; size = 24; }       /* abstract unix, signal */
+    int fd = (int)syscall(444, &attr, size, 0UL);
+    if (fd < 0) die("landlock ruleset");
+    for (int k = 0; k < nro + nrw; k++) {
+        const char *p = k < nro ? ro[k] : rw[k - nro];
+        int pfd = open(p, O_PATH | O_CLOEXEC);
+        if (pfd < 0) die(p);
+        struct ll_path_beneath rule = {k < nro ? LL_READ : attr.fs, pfd};
+        if (syscall(445, fd, 1, &rule, 0UL) != 0) die("landlock rule");
+        close(pfd);
+    }
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) die("no_new_privs");
+    if (syscall(446, fd, 0UL) != 0) die("landlock restrict");
+    close(fd);
+}
+
+static void seccomp_from(int fd) {
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0 || st.st_size % sizeof(struct sock_filter))
+        die("seccomp program");
+    struct sock_filter *code = malloc(st.st_size);
+    if (!code || pread(fd, code, st.st_size, 0) != st.st_size) die("seccomp program");
+    struct sock_fprog prog = {(unsigned short)(st.st_size / sizeof(struct sock_filter)), code};
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0) != 0) die("seccomp");
+    free(code);
+    close(fd);
+}
+
+#define MAX_OPT 16
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: sandbox-init init [-i] | exec [-i] [-c DIR] -- ARGV... | "
@@ -127,14 +195,42 @@ int main(int argc, char **argv) {
     }
     int i = 2;
     const char *cwd = NULL;
-    int idle = 0;
+    int idle = 0, njoin = 0, nro = 0, nrw = 0, seccomp_fd = -1, uid = -1;
+    long cpu = -1;
+    int join[MAX_OPT];
+    char *ro[MAX_OPT], *rw[MAX_OPT];
     for (; i < argc; i++) {
+        int more = i + 1 < argc;
         if (strcmp(argv[i], "-i") == 0) idle = 1;
-        else if (strcmp(argv[i], "-c") == 0 && i + 1 < argc) cwd = argv[++i];
+        else if (strcmp(argv[i], "-c") == 0 && more) cwd = argv[++i];
+        else if (strcmp(argv[i], "-j") == 0 && more && njoin < MAX_OPT) join[njoin++] = atoi(argv[++i]);
+        else if (strcmp(argv[i], "-s") == 0 && more) seccomp_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "-t") == 0 && more) cpu = atol(argv[++i]);
+        else if (strcmp(argv[i], "-u") == 0 && more) uid = atoi(argv[++i]);
+        else if (strcmp(argv[i], "-r") == 0 && more && nro < MAX_OPT) ro[nro++] = argv[++i];
+        else if (strcmp(argv[i], "-w") == 0 && more && nrw < MAX_OPT) rw[nrw++] = argv[++i];
         else if (strcmp(argv[i], "--") == 0) { i++; break; }
         else break;
     }
     if (idle) idle_class();
+    if (strcmp(argv[1], "call") == 0) {
+        for (int k = 0; k < njoin; k++)
+            if (write(join[k], "0", 1) != 1) die("joining the call's cgroup");
+        if (unshare(CLONE_NEWPID) != 0) die("new PID namespace");
+        struct rlimit zero = {0, 0};
+        setrlimit(RLIMIT_CORE, &zero);
+        if (cpu > 0) {
+            struct rlimit c = {(rlim_t)cpu, (rlim_t)cpu};
+            setrlimit(RLIMIT_CPU, &c);
+        }
+        landlock(ro, nro, rw, nrw);
+        if (seccomp_fd >= 0) seccomp_from(seccomp_fd);
+        if (uid >= 0) {
+            if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0) die("uid");
+        }
+        for (int k = 0; k < njoin; k++) close(join[k]);
+        return run_exec(argc - i, argv + i, cwd);
+    }
     if (strcmp(argv[1], "init") == 0) run_init();
     if (strcmp(argv[1], "exec") == 0) return run_exec(argc - i, argv + i, cwd);
     if (strcmp(argv[1], "pdeathsig") == 0 && i < argc) {
