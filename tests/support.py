@@ -100,3 +100,25 @@ def parent_death_signal() -> Callable[[], None] | None:
         prctl(pr_set_pdeathsig, signal.SIGKILL)
 
     return preexec
+
+
+def processes_with(tag: str) -> list[int]:
+    """Host pids whose command line contains `tag` (a unique string a test
+    put in a command, to check that it no longer runs anywhere)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and tag.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def gone(tag: str, wait: float = 5.0) -> bool:
+    """True once no process with `tag` in its command line is left."""
+    import time
+    deadline = time.monotonic() + wait
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not processes_with(tag)

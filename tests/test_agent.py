@@ -18,7 +18,7 @@ import httpx
 import pytest
 from lazynode import LazyNode
 from sandboxes import IMAGE, busybox_store, runtime_missing
-from support import parent_death_signal, terminate
+from support import gone, parent_death_signal, terminate
 
 from runtime import (
     AsyncSandbox,
@@ -206,21 +206,8 @@ def test_agent_killed_mid_exec_then_restarted(agent: Agent) -> None:
     t.join(10)
     assert not t.is_alive()
     assert errors and isinstance(errors[0], BackendUnavailable)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(
-            tag.encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit()):
-        time.sleep(0.05)
-    assert not any(tag.encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit())
+    assert gone(tag)
     agent.start()
     again = Sandbox.connect(sb.id, node=agent.unix)  # the new agent found it
     assert again.exec("cat /tmp/state").stdout == b"kept\n"
     again.kill()
-
-
-def _cmdline(pid: str) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-

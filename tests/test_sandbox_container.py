@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from support import gone
 
 from lazyfs import sysmount
 from runtime import (
@@ -54,17 +55,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 def sb(node: Node) -> Iterator[Sandbox]:
     with Sandbox.create(IMAGE, node=node, memory_mb=256, labels={"test": "container"}) as s:
         yield s
-
-
-def _host_sleepers(tag: str) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and tag.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
 
 
 def test_exec_output_exit_code_stdin_env_cwd(sb: Sandbox) -> None:
@@ -128,10 +118,7 @@ def test_timeout_kills_the_whole_tree(sb: Sandbox) -> None:
                 f" busybox sleep 3{tag}", timeout=1.0)
     assert e.value.result is not None and e.value.result.stdout == b"started\n"
     assert e.value.result.timed_out
-    deadline = time.monotonic() + 5
-    while _host_sleepers(tag) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _host_sleepers(tag) == []
+    assert gone(tag)
     assert sb.exec("echo alive").stdout == b"alive\n"
 
 
