@@ -1,32 +1,45 @@
-"""microVM benchmark: boot-to-first-exec and host memory per VM, side by side
-with the container backend, on the tests' busybox image, in one run.
+"""microVM benchmark: host memory of N microVMs with the image on virtio-pmem +
+DAX vs the same layers on virtio-blk, boot-to-first-exec and per-VM memory
+of microvm and vm side by side with the container backend, in one run.
 
 What is measured
 ----------------
-latency   create + first exec("true"), one at a time, R rounds each:
-          microvm    Node.create(backend="microvm") (QEMU q35 boot under the
-                     accelerator the backend picks: TCG here) + exec; the first
-                     create (kernel fetch, initramfs, pmem files) on its own row
-          container  the same through runc over the lazy overlay root
-memory    N microVMs (N = 1, 2, 4) each running the same read-heavy workload
-          (`cat` of every file of the image 3 times); per VM: VMM PSS
-          (/proc/PID/smaps_rollup), and for all: sum of VMM PSS + the host
-          page cache of the image's pmem files (mincore through `fincore`).
-          With DAX the guests read the image from that one page-cache copy,
-          so the image's cost does not grow with N.
+density   N microVMs (N = 2, 4, 8; --quick: 2, 4) of one image each run the
+          same read-heavy workload (every file of the image read twice), with
+          the layers attached
+            pmem  as virtio-pmem devices mounted EROFS -o dax: guests load the
+                  image straight from QEMU's shared mapping of the host file,
+                  i.e. from one host page-cache copy
+            blk   the same EROFS files as read-only virtio-blk disks (QEMU's
+                  default cache=writeback): one host page-cache copy too, plus
+                  each guest's own page cache of what it read
+          Host memory = sum over the VMMs of PSS (/proc/PID/smaps) minus the
+          PSS of their mappings of the image files, plus the host page cache
+          the image files occupy (mincore through util-linux fincore): the
+          mapped image pages are counted once, as page cache. The image files'
+          page cache is dropped (fadvise DONTNEED) before each configuration.
+          Ratio = pmem / blk - 1, next to the reference system's -40.2 %.
+          The image: Debian bookworm minbase (/var/cache/lazyfs-tests/
+          debian-minbase, which tests/test_lazyfs_debian.py builds), or a
+          synthetic image of ~200 MB of incompressible files without it.
+latency   create + first exec("true"), one at a time: the first create (kernel,
+          initramfs, pmem files / VM disk made) on its own, then the median of R,
+          for microvm, vm and container, on the tests' busybox image
+memory    VMM PSS of one idle microVM and one idle full VM (256 MiB guests);
+          microVM pause (snapshot to disk, VMM exits) and resume
 
-Not yet measured: the same layers on virtio-blk (each guest with its own page
-cache; the ratio against the reference system's -40.2 %) -- the initramfs
-mounts pmem only so far -- and KVM (unavailable on these machines).
-
-Prints a table and writes benchmarks/results/microvm.json. Needs root,
-/dev/fuse, qemu-system-x86, runc (container side), gcc, busybox-static.
+Prints tables and writes benchmarks/results/microvm.json. Needs root,
+/dev/fuse, qemu-system-x86, qemu-utils, runc (container side), gcc,
+busybox-static. Under TCG (these machines) every guest instruction is
+translated: boots take seconds, and the TCG translation cache (~50 MiB per
+VMM) is part of each VMM's PSS; KVM would remove both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,25 +49,104 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_chunkstore import add_run_options, apply_profile, machine_info
 from sandboxes import IMAGE, busybox_store, node_for
 
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
 from runtime import Sandbox
 from runtime.backends.microvm import MicrovmBackend, vmm_pss
+from runtime.backends.vm import VmBackend
 from runtime.node import Node
 
-WORKLOAD = "for i in 1 2 3; do find / -xdev -type f -exec cat {} + > /dev/null; done"
-REFERENCE = -40.2  # % host memory, pmem+DAX vs virtio-blk, the reference system
+BIG_IMAGE = "big:1"
+MINBASE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests")) / "debian-minbase"
+WORKLOAD = "for i in 1 2; do find / -xdev -type f -exec cat {} + > /dev/null; done"
+REFERENCE = -40.2  # % peak host memory, pmem + DAX vs virtio-blk (DSec)
+GUEST_MB = 512     # room for a blk guest to cache the whole image
+QUICK: dict[str, Any] = {"n": [2, 4], "rounds": 1}
+FULL: dict[str, Any] = {"n": [2, 4, 8], "rounds": 3}
 
+
+# -- measuring ---------------------------------------------------------------
 
 def page_cache_bytes(files: list[Path]) -> int:
-    """Resident page-cache bytes of files (util-linux fincore)."""
+    """Resident page-cache bytes of files (util-linux fincore: mincore)."""
     if not files:
         return 0
     p = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES",
                         *map(str, files)], capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"fincore failed: {p.stderr.strip()}")
     return sum(int(x) for x in p.stdout.split() if x.isdigit())
 
+
+def drop_page_cache(files: list[Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def vmm_memory(pid: int, files: set[str]) -> tuple[int, int]:
+    """(PSS of the process, PSS of its mappings of `files`), bytes."""
+    total = mapped = 0
+    in_file = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                fields = line.split(None, 5)
+                in_file = len(fields) == 6 and fields[5].strip() in files
+            elif first == "Pss:":
+                kib = int(line.split()[1]) * 1024
+                total += kib
+                if in_file:
+                    mapped += kib
+    return total, mapped
+
+
+def _pid(node: Node, sb: Sandbox) -> int:
+    return int(node._get(sb.id)[1].state["pid"])
+
+
+# -- images ------------------------------------------------------------------
+
+def synthetic_tree(root: Path, total: int = 200 << 20) -> Path:
+    """~total bytes of incompressible files in a few directories, + busybox."""
+    from images import build_busybox_rootfs
+    build_busybox_rootfs(root)
+    sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
+    i = written = 0
+    while written < total:
+        d = root / "data" / f"d{i % 16}"
+        d.mkdir(parents=True, exist_ok=True)
+        size = sizes[i % len(sizes)]
+        (d / f"f{i}").write_bytes(os.urandom(size))
+        written += size
+        i += 1
+    return root
+
+
+def add_big_image(store: Path, d: Path) -> str:
+    """Convert the density benchmark's image into the store; its description."""
+    if (MINBASE / "usr" / "bin" / "dpkg").exists():
+        src, what = MINBASE, "Debian bookworm minbase"
+    else:
+        src, what = synthetic_tree(d / "synthetic"), "synthetic (~200 MB of random files)"
+    t0 = time.monotonic()
+    with ChunkStore.open(store) as s, Catalog(s) as cat:
+        convert(s, cat, f"dir:{src}", BIG_IMAGE)
+    print(f"density image: {what}, converted in {time.monotonic() - t0:.1f}s", flush=True)
+    return what
+
+
+# -- runs --------------------------------------------------------------------
 
 def timed_create(node: Node, backend: str) -> tuple[float, float, Sandbox]:
     t0 = time.monotonic()
@@ -66,6 +158,7 @@ def timed_create(node: Node, backend: str) -> tuple[float, float, Sandbox]:
 
 def latency(node: Node, backend: str, rounds: int) -> dict[str, Any]:
     first_create, first_total, sb = timed_create(node, backend)
+    idle = vmm_pss(_pid(node, sb)) if backend != "container" else None
     sb.kill()
     creates, totals = [], []
     for _ in range(rounds):
@@ -75,72 +168,163 @@ def latency(node: Node, backend: str, rounds: int) -> dict[str, Any]:
         sb.kill()
     return {"first_create_s": first_create, "first_total_s": first_total,
             "create_s": creates, "create_to_first_exec_s": totals,
-            "median_create_to_first_exec_s": statistics.median(totals)}
+            "median_create_to_first_exec_s": statistics.median(totals),
+            "idle_vmm_pss_bytes": idle}
 
 
-def memory(node: Node, n: int) -> dict[str, Any]:
+def vm_disk(node: Node) -> dict[str, Any]:
+    """A full VM of the density image: the first create builds its base disk
+    (reads the whole image through the lazy mount), the second only makes an
+    overlay."""
+    out: dict[str, Any] = {}
+    for key in ("first", "second"):
+        t0 = time.monotonic()
+        sb = Sandbox.create(BIG_IMAGE, backend="vm", node=node, memory_mb=256)
+        try:
+            sb.exec("true")
+            out[f"{key}_create_to_first_exec_s"] = time.monotonic() - t0
+        finally:
+            sb.kill()
+    vm = node.backend("vm")
+    assert isinstance(vm, VmBackend)
+    disks = list(vm.disk_cache.glob("*.ext4"))
+    out["base_disk_bytes"] = max((f.stat().st_size for f in disks), default=0)
+    out["base_disk_allocated_bytes"] = max((f.stat().st_blocks * 512 for f in disks), default=0)
+    return out
+
+
+def density(node: Node, mode: str, n: int) -> dict[str, Any]:
     backend = node.backend("microvm")
     assert isinstance(backend, MicrovmBackend)
-    sbs = [Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256) for _ in range(n)]
+    backend.layers_on = mode
+    sbs: list[Sandbox] = []
     try:
-        for sb in sbs:
-            r = sb.exec(WORKLOAD, timeout=600)
-            assert r.exit_code == 0, r.stderr
-        pss = [vmm_pss(int(node._get(sb.id)[1].state["pid"])) for sb in sbs]
+        t0 = time.monotonic()
+        sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node, memory_mb=GUEST_MB))
         layers = node._get(sbs[0].id)[1].state["layers"]
         files = sorted(f for f in backend.pmem_cache.glob("*.pmem")
                        if any(f.name.startswith(x.replace(":", "-")) for x in layers))
+        for _ in range(n - 1):
+            sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
+                                      memory_mb=GUEST_MB))
+        boot_s = time.monotonic() - t0
+        work = []
+        for sb in sbs:
+            t1 = time.monotonic()
+            r = sb.exec(WORKLOAD, timeout=1800)
+            if r.exit_code != 0:
+                raise RuntimeError(f"workload failed in {sb.id}: {r.stderr[-500:]!r}")
+            work.append(time.monotonic() - t1)
+        names = {str(f) for f in files}
+        pss, mapped = zip(*(vmm_memory(_pid(node, sb), names) for sb in sbs), strict=True)
         cache = page_cache_bytes(files)
-        return {"n": n, "vmm_pss_bytes": pss, "image_page_cache_bytes": cache,
-                "total_bytes": sum(pss) + cache,
-                "image_bytes": sum(f.stat().st_size for f in files)}
+        own = [p - m for p, m in zip(pss, mapped, strict=True)]
+        return {"mode": mode, "n": n, "vmm_pss_bytes": list(pss),
+                "vmm_pss_image_mappings_bytes": list(mapped), "vmm_own_bytes": own,
+                "image_page_cache_bytes": cache, "total_bytes": sum(own) + cache,
+                "image_file_bytes": sum(f.stat().st_size for f in files),
+                "boot_s": boot_s, "workload_s": work}
     finally:
         for sb in sbs:
             sb.kill()
+        backend.layers_on = "pmem"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--n", type=int, nargs="+", default=None, help="VM counts (2 4 8)")
+    ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--no-container", action="store_true")
-    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "microvm.json")
+    ap.add_argument("--no-latency", action="store_true", help="density only")
+    add_run_options(ap, Path(__file__).parent / "results" / "microvm.json", QUICK)
     args = ap.parse_args()
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-microvm-") as tmp:
+    apply_profile(args, QUICK, FULL)
+    out: dict[str, Any] = {"machine": machine_info(Path(tempfile.gettempdir())),
+                           "reference_pct": REFERENCE, "guest_mb": GUEST_MB,
+                           "workload": WORKLOAD}
+    tmp = tempfile.mkdtemp(prefix="bench-microvm-", dir="/var/tmp")
+    try:
         d = Path(tmp)
-        with node_for(busybox_store(d), d) as node:
+        store = busybox_store(d)
+        out["density_image"] = add_big_image(store, d)
+        with node_for(store, d) as node:
             mvm = node.backend("microvm")
-            assert isinstance(mvm, MicrovmBackend)
-            mvm.pmem_cache = d / "pmem"  # a new random image each run: keep it with the run
-            out["microvm"] = latency(node, "microvm", args.rounds)
-            if not args.no_container:
-                out["container"] = latency(node, "container", args.rounds)
-            sb = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)
-            out["accel"] = node._get(sb.id)[1].state["accel"]
-            out["idle_vmm_pss_bytes"] = vmm_pss(int(node._get(sb.id)[1].state["pid"]))
-            out["pause"] = sb.pause()
-            t0 = time.monotonic()
-            sb.resume()
-            out["resume_s"] = time.monotonic() - t0
-            sb.kill()
-            out["memory"] = [memory(node, n) for n in (1, 2, 4)]
-    print(f"accelerator: {out['accel']}")
-    print(f"{'backend':10} {'first':>8} {'median create->first exec':>26}")
-    for name in ("microvm", "container"):
-        if name in out:
-            r = out[name]
-            print(f"{name:10} {r['first_total_s']:8.2f} {r['median_create_to_first_exec_s']:26.2f}")
-    print(f"idle VMM PSS: {out['idle_vmm_pss_bytes'] / 2**20:.1f} MiB; pause "
-          f"{out['pause']['snapshot_s']:.2f}s, snapshot "
-          f"{out['pause']['snapshot_bytes'] / 2**20:.1f} MiB, resume {out['resume_s']:.2f}s")
-    print(f"{'N':>3} {'VMM PSS each (MiB)':>30} {'image page cache':>17} {'total':>8}")
-    for m in out["memory"]:
-        each = " ".join(f"{p / 2**20:.0f}" for p in m["vmm_pss_bytes"])
-        print(f"{m['n']:3} {each:>30} {m['image_page_cache_bytes'] / 2**20:15.1f}Mi "
-              f"{m['total_bytes'] / 2**20:7.0f}Mi")
-    print(f"pmem+DAX vs virtio-blk: not measured yet (reference system: {REFERENCE} %)")
+            vm = node.backend("vm")
+            assert isinstance(mvm, MicrovmBackend) and isinstance(vm, VmBackend)
+            mvm.pmem_cache = d / "pmem"  # on disk (not tmpfs), gone with the run
+            vm.disk_cache = d / "disks"
+            if not args.no_latency:
+                out["microvm"] = latency(node, "microvm", args.rounds)
+                out["vm"] = latency(node, "vm", args.rounds)
+                if not args.no_container:
+                    out["container"] = latency(node, "container", args.rounds)
+                sb = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)
+                out["accel"] = node._get(sb.id)[1].state["accel"]
+                out["pause"] = sb.pause()
+                t0 = time.monotonic()
+                sb.resume()
+                out["resume_s"] = time.monotonic() - t0
+                sb.kill()
+                out["vm_density_image"] = vm_disk(node)
+            out["density"] = []
+            for n in args.n:
+                for mode in ("pmem", "blk"):
+                    drop = sorted(mvm.pmem_cache.glob("*.pmem"))
+                    drop_page_cache(drop)
+                    r = density(node, mode, n)
+                    out["density"].append(r)
+                    print(f"  {mode:4} N={n}: {r['total_bytes'] / 2**20:.0f} MiB "
+                          f"(workload {statistics.mean(r['workload_s']):.1f}s per VM)",
+                          flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            subprocess.run(["rm", "-rf", "--one-file-system", tmp], check=False)
+    report(out)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
+
+
+def report(out: dict[str, Any]) -> None:
+    mib = 2**20
+    if "microvm" in out:
+        print(f"\naccelerator: {out['accel']}")
+        print(f"{'backend':10} {'first create+exec':>18} {'median create->first exec':>26} "
+              f"{'idle VMM PSS':>13}")
+        for name in ("microvm", "vm", "container"):
+            if name in out:
+                r = out[name]
+                pss = (f"{r['idle_vmm_pss_bytes'] / mib:10.0f}MiB"
+                       if r["idle_vmm_pss_bytes"] else f"{'-':>13}")
+                print(f"{name:10} {r['first_total_s']:17.2f}s "
+                      f"{r['median_create_to_first_exec_s']:25.2f}s {pss}")
+        p = out["pause"]
+        print(f"microvm pause {p['snapshot_s']:.2f}s (snapshot {p['snapshot_bytes'] / mib:.0f} "
+              f"MiB, VMM PSS freed {p['vmm_pss_before'] / mib:.0f} MiB), "
+              f"resume {out['resume_s']:.2f}s")
+        v = out["vm_density_image"]
+        print(f"vm of {out['density_image']}: first create+exec (builds the base disk) "
+              f"{v['first_create_to_first_exec_s']:.2f}s, then {v['second_create_to_first_exec_s']:.2f}s;"
+              f" base disk {v['base_disk_bytes'] / mib:.0f} MiB "
+              f"({v['base_disk_allocated_bytes'] / mib:.0f} MiB allocated)")
+    rows = {(r["mode"], r["n"]): r for r in out["density"]}
+    print(f"\nhost memory, N microVMs reading {out['density_image']} "
+          f"({GUEST_MB} MiB guests): VMM PSS without image mappings + image page cache")
+    print(f"{'N':>3} {'pmem+DAX':>22} {'virtio-blk':>22} {'pmem vs blk':>12} "
+          f"{'reference':>10}")
+    out["ratios"] = {}
+    for n in sorted({k[1] for k in rows}):
+        pm, bl = rows.get(("pmem", n)), rows.get(("blk", n))
+        if pm is None or bl is None:
+            continue
+        ratio = (pm["total_bytes"] / bl["total_bytes"] - 1) * 100
+        out["ratios"][str(n)] = ratio
+
+        def cell(r: dict[str, Any]) -> str:
+            return (f"{r['total_bytes'] / mib:6.0f} ({sum(r['vmm_own_bytes']) / mib:.0f}+"
+                    f"{r['image_page_cache_bytes'] / mib:.0f})")
+        print(f"{n:3} {cell(pm):>22} {cell(bl):>22} {ratio:11.1f}% {REFERENCE:9.1f}%")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def test_capabilities_say_what_each_backend_does() -> None:
     assert "files" in capabilities("container") and "pause" in capabilities("container")
     assert "exec" in capabilities("fncall") and "files" not in capabilities("fncall")
     assert "exec" in capabilities("microvm") and "network_allowlist" not in capabilities("microvm")
-    assert "issue 8" in capabilities("vm").notes
+    assert "exec" in capabilities("vm") and "network_allowlist" not in capabilities("vm")
     with pytest.raises(BackendUnavailable, match="unknown backend"):
         capabilities("kvm")
 

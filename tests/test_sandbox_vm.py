@@ -145,12 +145,14 @@ def test_files_round_trip(sb: Sandbox, tmp_path: Path) -> None:
 def test_writes_persist_in_the_overlay_not_the_base(sb: Sandbox, node: Node) -> None:
     h = node._get(sb.id)[1]
     base = Path(h.state["base_disk"])
-    before = _sha(base)
-    assert sb.exec("echo mine > /etc/motd && rm /data/big.bin && sync").exit_code == 0
+    overlay = Path(h.state["disk"])
+    before, overlay_blocks = _sha(base), overlay.stat().st_blocks
+    assert sb.exec("echo mine > /etc/motd && rm /data/big.bin && "
+                   "head -c 2000000 /dev/urandom > /root/new && sync").exit_code == 0
     assert sb.exec("cat /etc/motd").stdout == b"mine\n"
     assert sb.exec("ls /data").stdout == b""
     # written through to the sandbox's qcow2 overlay; the base disk is as it was
-    assert Path(h.state["disk"]).stat().st_size > 0
+    assert overlay.stat().st_blocks * 512 >= overlay_blocks * 512 + 2_000_000
     assert _sha(base) == before and base.stat().st_mode & 0o222 == 0
 
 

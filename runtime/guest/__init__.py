@@ -10,7 +10,10 @@
                   (runtime/native/guest-agent.c) and the host's client
     pmemimages.py the layers' EROFS images as files QEMU can map as
                   virtio-pmem devices
+    disk.py       an image as a whole ext4 disk (cached per image) and the
+                  qcow2 overlay each full VM writes to
 
-Used by the microvm backend (runtime/backends/microvm.py); a full-VM backend
-reuses the kernel-independent parts (protocol, agent).
+Used by the microvm backend (runtime/backends/microvm.py) and the full-VM
+backend (runtime/backends/vm.py), which share the kernel, the agent and its
+protocol and differ in the initramfs flavour and how the image is attached.
 """

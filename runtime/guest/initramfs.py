@@ -188,7 +188,7 @@ if [ -n "$init" ]; then
     mount -t sysfs sysfs /newroot/sys
     echo "lazyfs-init: $root mounted, agent on $port, handing over to $init"
     if [ "$test" != noagent ]; then
-        /lazyfs-agent --chroot "/newroot$port" /newroot </dev/null &
+        /lazyfs-agent --chroot "/newroot$port" /newroot </newroot/dev/null &
     fi
     umount /proc /sys 2>/dev/null
     exec switch_root /newroot "$init"
