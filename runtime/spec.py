@@ -92,8 +92,8 @@ class SandboxSpec(_Model):
     memory_mb: int = Field(default=1024, ge=16, le=1 << 20)
     disk_mb: int | None = Field(default=None, ge=1, le=1 << 24)
     pids: int = Field(default=1024, ge=8, le=1 << 22)
-    timeout: float | None = Field(default=3600.0, gt=0)  # lifetime from creation
-    idle_timeout: float | None = Field(default=None, gt=0)  # since the last call
+    timeout: float | None = Field(default=3600.0, gt=0, le=365 * 86400)  # lifetime
+    idle_timeout: float | None = Field(default=None, gt=0, le=365 * 86400)  # since the last call
     network: NetworkPolicy = NetworkPolicy()
     env: dict[str, str] = {}
     labels: dict[str, str] = {}
@@ -134,7 +134,7 @@ class ExecRequest(_Model):
     cwd: str | None = None
     env: dict[str, str] = {}
     stdin: bytes = b""
-    timeout: float = Field(default=DEFAULT_EXEC_TIMEOUT, gt=0)
+    timeout: float = Field(default=DEFAULT_EXEC_TIMEOUT, gt=0, le=7 * 86400)
     max_output_bytes: int = Field(default=DEFAULT_MAX_OUTPUT, ge=0)
 
     @field_validator("env")

@@ -25,6 +25,7 @@ from runtime import (
     FileError,
     OutputTruncated,
     Sandbox,
+    SandboxStateError,
 )
 from runtime.backends.microvm import MicrovmBackend
 from runtime.guest.qemu import Qmp
@@ -163,6 +164,22 @@ def test_timeout_kills_the_tree(sb: Sandbox) -> None:
     assert e.value.result is not None and e.value.result.timed_out
     ps = sb.exec("ps -o pid,args").stdout
     assert b"sleep 100" not in ps
+
+
+def test_commands_get_default_sigpipe(sb: Sandbox) -> None:
+    r = sb.exec("yes | head -c 1")  # yes dies of SIGPIPE quietly, as on any host
+    assert (r.exit_code, r.stdout, r.stderr) == (0, b"y", b"")
+
+
+def test_pause_waits_for_no_running_call(sb: Sandbox) -> None:
+    import threading
+    t = threading.Thread(target=lambda: sb.exec("sleep 4"))
+    t.start()
+    time.sleep(1)
+    with pytest.raises(SandboxStateError, match="running a command"):
+        sb.pause()
+    t.join()
+    assert sb.exec("echo still-running").stdout == b"still-running\n"
 
 
 def test_output_cap(sb: Sandbox) -> None:

@@ -23,7 +23,7 @@ from sandboxes import IMAGE, node_for, runtime_missing
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
-from runtime import FileError, Sandbox
+from runtime import ExecTimeout, FileError, Sandbox
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
 
@@ -189,3 +189,8 @@ def test_the_image_init_runs_as_pid1(node: Node) -> None:
             time.sleep(0.2)
         assert r.stdout == b"ran-by-the-image-init\n"
         assert s.exec("echo x > /tmp/y && cat /tmp/y").stdout == b"x\n"
+        # next to an image's init the agent is not PID 1: a timeout must kill
+        # the command, not the agent (found by review)
+        with pytest.raises(ExecTimeout):
+            s.exec("sleep 100", timeout=2)
+        assert s.exec("echo agent-alive").stdout == b"agent-alive\n"

@@ -56,7 +56,7 @@ from lazyfs import sysmount
 
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, FileError, SandboxError, SandboxStateError
-from ..files import MAX_READ, FileInfo, SandboxFiles, _clean
+from ..files import MAX_READ, FileInfo, SandboxFiles, _clean, _printable
 from ..guest import qemu
 from ..guest.initramfs import initramfs, tools_missing
 from ..guest.kernel import DEFAULT_CACHE, guest_kernel
@@ -77,6 +77,7 @@ KILL_WAIT = 10.0
 # larger -m costs host memory only when used.
 MIN_GUEST_MB = 256
 MIGRATE_TIMEOUT = 120.0
+PAUSE_WAIT = 2.0  # how long pause waits for a call in the guest to end
 PMEM_CACHE = Path(os.environ.get("LAZYFS_PMEM_CACHE", "/var/cache/lazyfs/pmem"))
 SNAPSHOT_DIR = Path(os.environ.get("LAZYFS_MICROVM_SNAPSHOTS", "/var/lib/lazyfs/vm-snapshots"))
 
@@ -365,6 +366,20 @@ class MicrovmBackend:
         return h.dir / "vm" / "snapshot.bin"
 
     def pause(self, h: Handle) -> dict[str, Any]:
+        """Refused while a call runs in the guest: a snapshot taken mid-call
+        would resume with the agent answering a call the new connection
+        never made."""
+        vm = self._vm(h)
+        agent = vm.agent
+        if not agent.lock.acquire(timeout=PAUSE_WAIT):
+            raise SandboxStateError(f"{h.id} is running a command or a file call; "
+                                    "pause it once that ends")
+        try:
+            return self._pause(h)
+        finally:
+            agent.lock.release()
+
+    def _pause(self, h: Handle) -> dict[str, Any]:
         vm = self._vm(h)
         pss = vmm_pss(vm.proc.pid)
         snap = self._snapshot_path(h)
@@ -525,8 +540,9 @@ class GuestFiles(SandboxFiles):
             entries = agent.list(path)
         except AgentError as e:
             raise self._backend._unavailable(self._h, vm, e) from e
-        return [FileInfo(name=e.name, path=str(p / e.name), type=entry_kind(e.mode),
-                         size=e.size, mode=e.mode & 0o7777, mtime=e.mtime_ns / 1e9)
+        return [FileInfo(name=_printable(e.name), path=str(p / _printable(e.name)),
+                         type=entry_kind(e.mode), size=e.size, mode=e.mode & 0o7777,
+                         mtime=e.mtime_ns / 1e9)
                 for e in sorted(entries, key=lambda e: e.name)]
 
     def remove(self, path: str, *, recursive: bool = False) -> None:

@@ -28,6 +28,9 @@ MAX_FRAME = 1 << 20
 CHUNK = 1 << 16
 HEADER = struct.Struct("<IB3x")
 CALL_TIMEOUT = 60.0
+MIN_RATE = 1 << 20  # bytes/s a file read may not fall below, for its deadline
+MAX_NAME = 255  # a directory entry's name (NAME_MAX)
+MAX_ENTRIES = 100_000  # a listing (as runtime.files.MAX_LIST)
 EXEC_GRACE = 30.0  # past an exec's own timeout, for the guest to kill and report
 
 EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN = range(1, 11)
@@ -233,7 +236,9 @@ class AgentConnection:
         with self.lock:
             self._check()
             self._send(READ, struct.pack("<Q", limit) + _string(path))
-            deadline = time.monotonic() + CALL_TIMEOUT
+            # one deadline for the whole read, sized by the limit: a guest
+            # trickling (or sending empty) frames cannot hold the VM's lock
+            deadline = time.monotonic() + CALL_TIMEOUT + limit / MIN_RATE
             data = bytearray()
             while True:
                 kind, payload = self.recv(deadline)
@@ -241,7 +246,6 @@ class AgentConnection:
                     if len(data) + len(payload) > limit:
                         raise self._fail(f"{path}: the guest sent more than {limit} bytes")
                     data += payload
-                    deadline = time.monotonic() + CALL_TIMEOUT
                 elif kind == OK:
                     return bytes(data)
                 elif kind == ERROR:
@@ -264,15 +268,18 @@ class AgentConnection:
             self._check()
             self._send(LIST, _string(path))
             deadline = time.monotonic() + CALL_TIMEOUT
-            out = []
+            out: list[Entry] = []
             while True:
                 kind, payload = self.recv(deadline)
                 if kind == ENTRY and len(payload) >= 24:
                     mode, size, mtime, n = struct.unpack_from("<IQqI", payload)
-                    if n != len(payload) - 24:
+                    raw = payload[24:]
+                    if n != len(raw) or not 0 < n <= MAX_NAME or raw in (b".", b"..") \
+                            or b"/" in raw or b"\0" in raw:
                         raise self._fail("malformed directory entry from the guest")
-                    name = payload[24:].decode(errors="surrogateescape")
-                    out.append(Entry(name, mode, size, mtime))
+                    if len(out) >= MAX_ENTRIES:
+                        raise self._fail(f"{path}: more than {MAX_ENTRIES} entries")
+                    out.append(Entry(raw.decode(errors="surrogateescape"), mode, size, mtime))
                 elif kind == OK:
                     return out
                 elif kind == ERROR:

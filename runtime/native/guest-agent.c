@@ -415,7 +415,9 @@ static void kill_tree(pid_t leader, ino_t out_ino, ino_t err_ino) {
         while ((e = readdir(d)) != NULL) {
             char *end;
             long pid = strtol(e->d_name, &end, 10);
-            if (*end || pid <= 1) continue;
+            /* never itself: next to an image's own init the agent is not PID 1,
+             * and it holds the read ends of the command's pipes */
+            if (*end || pid <= 1 || pid == getpid()) continue;
             char statp[64], line[512];
             snprintf(statp, sizeof statp, "/proc/%ld/stat", pid);
             int fd = open(statp, O_RDONLY | O_CLOEXEC);
@@ -492,6 +494,7 @@ static void do_exec(struct cur *c) {
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
+        signal(SIGPIPE, SIG_DFL);  /* ignored in the agent; an ignored disposition survives exec */
         setsid();
         dup2(in[0], 0); dup2(out[1], 1); dup2(errp[1], 2);
         if (fchdir(rootfd) != 0 || chroot(".") != 0) {
