@@ -166,6 +166,16 @@ def test_timeout_kills_the_tree(sb: Sandbox) -> None:
     assert b"sleep 100" not in ps
 
 
+def test_big_stdin_while_output_flows(sb: Sandbox) -> None:
+    # the host must read output while it still sends stdin (found by review:
+    # 1 MiB each way deadlocked the channel)
+    n = 2 << 20
+    r = sb.exec(f"head -c {n} /dev/zero; cat | wc -c", stdin=b"x" * n, timeout=120,
+                max_output_bytes=4 << 20)
+    assert r.exit_code == 0 and len(r.stdout) == n + len(f"{n}\n")
+    assert r.stdout.endswith(f"{n}\n".encode())
+
+
 def test_commands_get_default_sigpipe(sb: Sandbox) -> None:
     r = sb.exec("yes | head -c 1")  # yes dies of SIGPIPE quietly, as on any host
     assert (r.exit_code, r.stdout, r.stderr) == (0, b"y", b"")

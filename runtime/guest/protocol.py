@@ -137,6 +137,54 @@ class AgentConnection:
                 raise self._fail("the VM exited")
             select.select([self.sock], [], [], min(left, 0.5))
 
+    def _frame(self) -> tuple[int, bytes] | None:
+        """A whole frame from what has been received, if there is one."""
+        if len(self._buf) < HEADER.size:
+            return None
+        length, kind = HEADER.unpack_from(self._buf)
+        if length > MAX_FRAME:
+            raise self._fail(f"the guest agent sent a frame of {length} bytes "
+                             f"(at most {MAX_FRAME}): out of step")
+        if len(self._buf) < HEADER.size + length:
+            return None
+        payload = bytes(self._buf[HEADER.size:HEADER.size + length])
+        del self._buf[:HEADER.size + length]
+        return kind, payload
+
+    def _exchange(self, pending: memoryview, deadline: float) -> tuple[memoryview, bool]:
+        """Send what of `pending` the socket takes and receive what arrived,
+        waiting for either; returns the rest of pending and whether a whole
+        frame is ready. Lets stdin flow while output comes back (sending all
+        stdin first deadlocks once both directions fill)."""
+        while True:
+            if self._frame_ready():
+                return pending, True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail("the guest agent did not answer in time")
+            if not self.alive():
+                raise self._fail("the VM exited")
+            r, w, _ = select.select([self.sock], [self.sock] if pending else [], [],
+                                    min(left, 0.5))
+            try:
+                if w:
+                    pending = pending[self.sock.send(pending):]
+                if r:
+                    data = self.sock.recv(max(CHUNK, 1 << 16))
+                    if not data:
+                        raise self._fail("the guest agent's connection closed (the VM exited?)")
+                    self._buf += data
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise self._fail(f"the guest agent's connection failed: {e}") from e
+
+    def _frame_ready(self) -> bool:
+        if len(self._buf) < HEADER.size:
+            return False
+        length: int = HEADER.unpack_from(self._buf)[0]
+        return length > MAX_FRAME or len(self._buf) >= HEADER.size + length
+
     def recv(self, deadline: float) -> tuple[int, bytes]:
         self._fill(HEADER.size, deadline)
         length, kind = HEADER.unpack_from(self._buf)
@@ -207,13 +255,15 @@ class AgentConnection:
                                    f"{MAX_FRAME} fit an exec request")
             deadline = time.monotonic() + timeout + grace
             self._send(EXEC, body, deadline)
-            for i in range(0, len(stdin), CHUNK):
-                self._send(DATA, stdin[i:i + CHUNK], deadline)
-            if stdin:
-                self._send(DATA, b"", deadline)
+            frames = b"".join(HEADER.pack(len(c), DATA) + c for c in
+                              (stdin[i:i + CHUNK] for i in range(0, len(stdin), CHUNK)))
+            pending = memoryview(frames + (HEADER.pack(0, DATA) if stdin else b""))
             out, err = bytearray(), bytearray()
             while True:
-                kind, payload = self.recv(deadline)
+                pending, _ = self._exchange(pending, deadline)
+                frame = self._frame()
+                assert frame is not None
+                kind, payload = frame
                 if kind in (STDOUT, STDERR):
                     buf, sink = (out, on_stdout) if kind == STDOUT else (err, on_stderr)
                     room = max_output - len(buf)
