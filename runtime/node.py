@@ -43,6 +43,9 @@ from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, parse
 log = logging.getLogger(__name__)
 
 
+WATCHED = ("microvm", "vm")  # backends whose status is a cheap process check
+
+
 def _matches(labels: Mapping[str, str], want: Mapping[str, str] | None) -> bool:
     return not want or all(labels.get(k) == v for k, v in want.items())
 
@@ -230,17 +233,23 @@ class Node:
     # -- timeouts and restarts -----------------------------------------------
     def reap(self, now: float | None = None) -> list[str]:
         """Kill sandboxes past their lifetime or idle for longer than their
-        idle timeout (a running exec keeps a sandbox from being idle)."""
+        idle timeout (a running exec keeps a sandbox from being idle), and
+        clean up those whose VMM died under them (a process check; container
+        states would cost a runc call each, so they are checked on use)."""
         now = time.time() if now is None else now
         expired = []
         with self._lock:
-            for info, _ in self._sandboxes.values():
-                s = info.spec
-                if s.timeout is not None and now - info.created > s.timeout:
-                    expired.append((info.id, "timeout"))
-                elif (s.idle_timeout is not None and not self._busy.get(info.id)
-                      and now - info.last_active > s.idle_timeout):
-                    expired.append((info.id, "idle timeout"))
+            entries = list(self._sandboxes.values())
+        for info, h in entries:
+            s = info.spec
+            if s.timeout is not None and now - info.created > s.timeout:
+                expired.append((info.id, "timeout"))
+            elif (s.idle_timeout is not None and not self._busy.get(info.id)
+                  and now - info.last_active > s.idle_timeout):
+                expired.append((info.id, "idle timeout"))
+            elif (info.state == "running" and s.backend in WATCHED
+                  and self.backend(s.backend).status(h) == "stopped"):
+                expired.append((info.id, "its VM exited"))
         for sandbox_id, why in expired:
             try:
                 self.kill(sandbox_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from runtime import (
     FileError,
     OutputTruncated,
     Sandbox,
+    SandboxNotFound,
     SandboxStateError,
 )
 from runtime.backends.microvm import MicrovmBackend
@@ -242,6 +244,24 @@ def test_hung_guest_is_a_typed_error_in_bounded_time(node: Node) -> None:
         backend.agent_grace = 30.0
         s.kill()
     assert not _qemu_pids(str(_vm_dir(node, s.id)))
+
+
+def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
+    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)
+    vmdir = _vm_dir(node, s.id)
+    try:
+        os.kill(node._get(s.id)[1].state["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while s.id not in node.reap() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(SandboxNotFound):
+            s.exec("true")
+    finally:
+        try:
+            s.kill()
+        except SandboxNotFound:
+            pass
+    assert not _qemu_pids(str(vmdir)) and not vmdir.exists()
 
 
 def test_guest_panic_is_a_typed_error(node: Node) -> None:
