@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from support import processes_with
 
 from runtime import (
     BackendUnavailable,
@@ -76,16 +77,6 @@ def _backend(node: Node) -> MicrovmBackend:
 def _vm_dir(node: Node, sandbox_id: str) -> Path:
     return node.config.sandboxes / sandbox_id / "vm"
 
-
-def _qemu_pids(marker: str) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
 
 
 def test_capabilities_and_boot(sb: Sandbox, node: Node) -> None:
@@ -207,7 +198,7 @@ def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
     pid = h.state["pid"]
     figures = sb.pause()
     assert figures["snapshot_bytes"] > 0 and figures["vmm_pss_before"] > 0
-    assert not _qemu_pids(str(_vm_dir(node, sb.id)))  # the VMM exited
+    assert not processes_with(str(_vm_dir(node, sb.id)))  # the VMM exited
     assert node.get(sb.id).state == "paused"
     sb.resume()
     assert node._get(sb.id)[1].state["pid"] != pid
@@ -218,11 +209,11 @@ def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
 def test_kill_leaves_nothing_and_writes_stayed_in_their_vm(node: Node) -> None:
     s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
     vmdir = _vm_dir(node, s.id)
-    assert (vmdir / "agent.sock").exists() and _qemu_pids(str(vmdir))
+    assert (vmdir / "agent.sock").exists() and processes_with(str(vmdir))
     # another VM's writes (test_writes_land_in_the_upper) are not here
     assert s.exec("cat /etc/motd").stdout == b"hello from the image\n"
     s.kill()
-    assert not _qemu_pids(str(vmdir))
+    assert not processes_with(str(vmdir))
     assert not (node.config.sandboxes / s.id).exists()
 
 
@@ -243,7 +234,7 @@ def test_hung_guest_is_a_typed_error_in_bounded_time(node: Node) -> None:
     finally:
         backend.agent_grace = 30.0
         s.kill()
-    assert not _qemu_pids(str(_vm_dir(node, s.id)))
+    assert not processes_with(str(_vm_dir(node, s.id)))
 
 
 def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
@@ -261,7 +252,7 @@ def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
             s.kill()
         except SandboxNotFound:
             pass
-    assert not _qemu_pids(str(vmdir)) and not vmdir.exists()
+    assert not processes_with(str(vmdir)) and not vmdir.exists()
 
 
 def test_guest_panic_is_a_typed_error(node: Node) -> None:
@@ -280,7 +271,7 @@ def test_agent_that_never_comes_up(node: Node) -> None:
     backend.extra_append = ["lazyfs.test=noagent"]
     backend.boot_timeout = 10.0
     before = set(os.listdir(node.config.sandboxes))
-    vmms = set(_qemu_pids(str(node.config.sandboxes)))
+    vmms = set(processes_with(str(node.config.sandboxes)))
     try:
         t0 = time.monotonic()
         with pytest.raises(BackendUnavailable, match="did not come up"):
@@ -290,4 +281,4 @@ def test_agent_that_never_comes_up(node: Node) -> None:
         backend.extra_append = []
         backend.boot_timeout = 90.0
     assert set(os.listdir(node.config.sandboxes)) == before  # nothing left of it
-    assert set(_qemu_pids(str(node.config.sandboxes))) == vmms
+    assert set(processes_with(str(node.config.sandboxes))) == vmms

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from images import build_busybox_rootfs
 from sandboxes import IMAGE, node_for, runtime_missing
+from support import processes_with
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
@@ -83,16 +84,6 @@ def _backend(node: Node) -> VmBackend:
     assert isinstance(b, VmBackend)
     return b
 
-
-def _qemu_pids(marker: str) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
 
 
 def _sha(path: Path) -> str:
@@ -160,7 +151,7 @@ def test_pause_and_resume_keep_the_disk_and_memory(sb: Sandbox, node: Node) -> N
     sb.exec("echo in-memory > /dev/shm/x; echo on-disk > /root/y")
     figures = sb.pause()
     assert figures["snapshot_bytes"] > 0
-    assert not _qemu_pids(str(node.config.sandboxes / sb.id / "vm"))
+    assert not processes_with(str(node.config.sandboxes / sb.id / "vm"))
     sb.resume()
     assert sb.exec("cat /dev/shm/x /root/y").stdout == b"in-memory\non-disk\n"
 
@@ -172,10 +163,10 @@ def test_another_vm_sees_the_image_and_kill_leaves_nothing(sb: Sandbox, node: No
     try:
         assert s.exec("cat /etc/motd").stdout == b"hello from the image\n"
         assert s.exec("cat /root/mark").exit_code != 0
-        assert (vmdir / "disk.qcow2").is_file() and _qemu_pids(str(vmdir))
+        assert (vmdir / "disk.qcow2").is_file() and processes_with(str(vmdir))
     finally:
         s.kill()
-    assert not _qemu_pids(str(vmdir))
+    assert not processes_with(str(vmdir))
     assert not (node.config.sandboxes / s.id).exists()  # overlay, sockets, logs
     assert sb.exec("cat /root/mark").stdout == b"only-in-the-first\n"
 
