@@ -100,3 +100,13 @@ def remove_empty(sandbox_id: str, wait: float = 5.0) -> None:
             p.rmdir()
         except OSError:
             pass
+
+
+def remove_parent() -> None:
+    """rmdir the runtime's parent group in every controller once no sandbox
+    is left under it (runc creates it; a busy one stays)."""
+    for controller in os.listdir(CGROUP_ROOT):
+        try:
+            (CGROUP_ROOT / controller / PARENT).rmdir()
+        except OSError:
+            pass

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from . import cgroups
 from .backends import Backend, Handle, Sink, capabilities, make_backend
 from .config import RuntimeConfig
 from .errors import (
@@ -307,6 +308,8 @@ class Node:
                 b.close()
             self._backends.clear()
         self.images.close()
+        if not self._sandboxes:
+            cgroups.remove_parent()  # nothing of ours stays in the cgroup tree
         os.close(self._lockfile)
 
 

@@ -33,6 +33,17 @@ def runtime_missing() -> str | None:
     return None
 
 
+def vm_missing(*tools: tuple[str, str]) -> str | None:
+    """Why the VM tests cannot run here: QEMU (and `tools`, as (binary, Debian
+    package) pairs) missing, no busybox-static, or what runtime_missing says."""
+    for tool, pkg in (("qemu-system-x86_64", "qemu-system-x86"), *tools):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (apt-get install {pkg})"
+    if not os.path.exists("/bin/busybox"):
+        return "needs busybox-static"
+    return runtime_missing()
+
+
 def busybox_store(d: Path) -> Path:
     """A store holding IMAGE: busybox + a few files to read."""
     root = build_busybox_rootfs(d / "rootfs")

@@ -6,29 +6,18 @@ VM boot."""
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from sandboxes import IMAGE, busybox_store, node_for, vm_missing
 
 from runtime import Sandbox
 from runtime.backends.microvm import MicrovmBackend
 from runtime.node import Node
 
-
-def _missing() -> str | None:
-    if shutil.which("qemu-system-x86_64") is None:
-        return "needs qemu-system-x86_64 (apt-get install qemu-system-x86)"
-    if not os.path.exists("/bin/busybox"):
-        return "needs busybox-static"
-    return runtime_missing()
-
-
 pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+              pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing()))]
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from sandboxes import IMAGE, busybox_store, node_for, vm_missing
 from support import processes_with
 
 from runtime import (
@@ -34,17 +33,8 @@ from runtime.backends.microvm import MicrovmBackend
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
 
-
-def _missing() -> str | None:
-    if shutil.which("qemu-system-x86_64") is None:
-        return "needs qemu-system-x86_64 (apt-get install qemu-system-x86)"
-    if not os.path.exists("/bin/busybox"):
-        return "needs busybox-static"
-    return runtime_missing()
-
-
 pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+              pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing()))]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +66,6 @@ def _backend(node: Node) -> MicrovmBackend:
 
 def _vm_dir(node: Node, sandbox_id: str) -> Path:
     return node.config.sandboxes / sandbox_id / "vm"
-
 
 
 def test_capabilities_and_boot(sb: Sandbox, node: Node) -> None:

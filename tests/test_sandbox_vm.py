@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from images import build_busybox_rootfs
-from sandboxes import IMAGE, node_for, runtime_missing
+from sandboxes import IMAGE, node_for, vm_missing
 from support import processes_with
 
 from chunkstore import ChunkStore
@@ -32,18 +31,9 @@ INIT_IMAGE = "bbinit:1"
 INITTAB = b"::sysinit:/bin/sh -c 'echo ran-by-the-image-init > /var/init-ran'\n"
 
 
-def _missing() -> str | None:
-    for tool, pkg in (("qemu-system-x86_64", "qemu-system-x86"), ("qemu-img", "qemu-utils"),
-                      ("mkfs.ext4", "e2fsprogs")):
-        if shutil.which(tool) is None:
-            return f"needs {tool} (apt-get install {pkg})"
-    if not os.path.exists("/bin/busybox"):
-        return "needs busybox-static"
-    return runtime_missing()
-
-
+MISSING = vm_missing(("qemu-img", "qemu-utils"), ("mkfs.ext4", "e2fsprogs"))
 pytestmark = [pytest.mark.root, pytest.mark.slow,
-              pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+              pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +73,6 @@ def _backend(node: Node) -> VmBackend:
     b = node.backend("vm")
     assert isinstance(b, VmBackend)
     return b
-
 
 
 def _sha(path: Path) -> str:

@@ -12,6 +12,7 @@
                   virtio-pmem devices
     disk.py       an image as a whole ext4 disk (cached per image) and the
                   qcow2 overlay each full VM writes to
+    cachelock.py  the lock around those node-wide caches
 
 Used by the microvm backend (runtime/backends/microvm.py) and the full-VM
 backend (runtime/backends/vm.py), which share the kernel, the agent and its

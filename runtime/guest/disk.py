@@ -27,7 +27,6 @@ no VM can change what another one reads.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -36,8 +35,6 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +42,7 @@ from lazyfs.mounts import MountError, mount_image, unmount
 
 from ..errors import BackendUnavailable
 from ..images import Images
+from .cachelock import locked
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +72,6 @@ def tools_missing() -> str | None:
 def fingerprint() -> str:
     """Changes when this code does: a disk built another way is rebuilt."""
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-
-
-@contextmanager
-def _locked(cache: Path) -> Iterator[None]:
-    cache.mkdir(parents=True, exist_ok=True)
-    fd = os.open(cache / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -174,7 +161,7 @@ def base_disk(images: Images, name: str, cache: Path = DEFAULT_CACHE,
     found = _load(raw, meta)
     if found is not None:
         return found
-    with _locked(cache):
+    with locked(cache):
         found = _load(raw, meta)
         if found is not None:
             return found

@@ -17,18 +17,17 @@ may have no kmod), so dependencies are read from each module's `.modinfo`
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BackendUnavailable
+from .cachelock import locked
 
 METAPACKAGE = "linux-image-cloud-amd64"
 DEFAULT_CACHE = Path(os.environ.get("LAZYFS_GUEST_KERNEL_CACHE",
@@ -74,17 +73,6 @@ def cloud_kernel_package() -> tuple[str, str]:
     return m.group(1), m.group(2)
 
 
-@contextmanager
-def _locked(d: Path) -> Iterator[None]:
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _cached(cache: Path) -> GuestKernel | None:
     """The newest complete unpacked kernel in cache, without asking apt."""
     found = []
@@ -103,7 +91,7 @@ def guest_kernel(cache: Path = DEFAULT_CACHE, *, refresh: bool = False) -> Guest
     (a lock file in cache) and again after an interrupted download."""
     if not refresh and (k := _cached(cache)) is not None:
         return k
-    with _locked(cache):
+    with locked(cache):
         if not refresh and (k := _cached(cache)) is not None:
             return k
         package, version = cloud_kernel_package()

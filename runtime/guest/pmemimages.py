@@ -33,12 +33,10 @@ image's fixup directories, built as one more EROFS image.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +48,7 @@ from pmem.errors import PmemError
 
 from ..errors import BackendUnavailable
 from ..images import Images
+from .cachelock import locked
 
 ALIGN = 2 << 20  # virtio-pmem regions are mapped in 2 MiB units
 COPY = 1 << 20
@@ -79,17 +78,6 @@ def fingerprint() -> str:
 
 def padded(size: int) -> int:
     return max(ALIGN, (size + ALIGN - 1) // ALIGN * ALIGN)
-
-
-@contextmanager
-def _locked(cache: Path) -> Iterator[None]:
-    cache.mkdir(parents=True, exist_ok=True)
-    fd = os.open(cache / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _publish(dest: Path, write: Callable[[int], None]) -> None:
@@ -163,7 +151,7 @@ def pmem_layers(images: Images, name: str, cache: Path) -> list[PmemLayer]:
         stem = cache / f"{digest.replace(':', '-')}-{fp}"
         layer = PmemLayer(digest, stem.with_suffix(".meta.pmem"), stem.with_suffix(".blob.pmem"))
         if not (layer.meta.exists() and layer.blob.exists()):
-            with _locked(cache):
+            with locked(cache):
                 if not (layer.meta.exists() and layer.blob.exists()):
                     try:
                         built = build_image(manifest, layer=digest)
