@@ -51,6 +51,7 @@ from chunkstore.cluster import Cluster
 from chunkstore.objects import S3ObjectStore, open_object_store
 from composer.catalog import Catalog
 from composer.convert import convert
+from composer.push import push
 
 CACHE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 WORKLOAD = "dpkg -l | wc -l"
@@ -148,7 +149,7 @@ def main() -> None:
                     Catalog(store) as cat:
                 convert(store, cat, f"dir:{minbase}", "debian:12")
                 with Cluster(objects) as cluster:
-                    pushed = cluster.push(store, cat, "debian:12")
+                    pushed = push(cluster, store, cat, "debian:12")
                 image_bytes = cat.layer_info(cat.resolve("debian:12")[1].layers[0])["size"]
             shutil.rmtree(work / "staging")  # the node has no local copy
             print(f"pushed debian:12 ({image_bytes / 1e6:.0f} MB of files, "

@@ -1,5 +1,6 @@
 """The cluster chunk store: packs and per-layer location tables in a shared
-object store (SeaweedFS/S3, or a POSIX mount every node sees).
+object store (SeaweedFS/S3, or a POSIX mount every node sees), and ranged
+reads of chunks through them.
 
 Layout under the store's root (bucket/prefix or directory):
 
@@ -7,15 +8,17 @@ Layout under the store's root (bucket/prefix or directory):
                                header + self-describing records), named by
                                the BLAKE3 of their bytes, so packs from any
                                number of converters never collide
-    layers/<digest>.loc        a layer's location table: for every chunk the
+    layers/<digest key>.loc    a layer's location table: for every chunk the
                                layer needs (its manifest's chunks and its file
                                data), the pack and byte range holding it
-    images/<digest>.json       image records (layers + OCI config)
-    tags/<quoted name>         name:tag -> image digest
 
-Writers (`push`) upload packs first, then location tables, then image
-records, then tags, each as one atomic object put: a reader never sees a
-table pointing at bytes that are not there, nor a tag naming a partial image.
+The same store also holds the image catalog (image records and tags), which
+is the image model's and lives in `composer.remote`; this module knows layers
+only as digests with a list of chunks, never images or tags.
+
+Writers (`push_layer`) upload packs first, then the location table, each as
+one atomic object put: a reader never sees a table pointing at bytes that
+are not there. (The image record and tag follow, written by composer.)
 
 Readers never look a chunk up remotely: when a layer is mounted, its
 location table (~44 bytes per chunk, zstd-compressed; a 1 GB image at 256 KiB
@@ -32,32 +35,36 @@ Dedup across converters: a push loads the location tables already in the
 cluster and uploads only chunks none of them has; two converters pushing at
 the same moment may both upload a chunk new to both (stored twice, never
 wrong), which the next push of either no longer does.
+
+Garbage: `collect` deletes the tables of layers the caller no longer keeps
+and packs no kept table names (composer decides which layers are kept: those
+of tagged images).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import struct
 import threading
-import time
-import urllib.parse
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-import blake3
 import msgpack
 import zstandard
 
 from .codec import ChunkCodec, CodecError
-from .errors import ChunkCollision, ChunkCorrupt, ChunkNotFound
+from .digests import Digest, digest_key
+from .errors import BadDigest, ChunkCollision, ChunkCorrupt, ChunkNotFound
 from .ids import TRUSTED, ChunkId, TrustDomain, id_digest
 from .objects import ObjectNotFound, ObjectStore
 from .pack import MAX_CHUNK_SIZE, PACK_HEADER, RECORD_HEADER_SIZE, decode_record_header
+
+if TYPE_CHECKING:
+    from .store import ChunkStore
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +79,13 @@ COALESCE_MAX = 8 << 20
 
 
 def layer_key(digest: str) -> str:
-    return f"layers/{digest.replace(':', '-')}.loc"
+    """The object key of a layer's location table."""
+    return f"layers/{digest_key(digest)}.loc"
 
 
-def image_key(digest: str) -> str:
-    return f"images/{digest.replace(':', '-')}.json"
-
-
-def tag_key(name: str) -> str:
-    return "tags/" + urllib.parse.quote(name, safe="")
+def pack_key(name: str) -> str:
+    """The object key of a pack (`name` is `<blake3 hex>.pack`)."""
+    return f"packs/{name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +224,7 @@ class ClusterReader:
     def _read_run(self, pack: str, run: list[tuple[ChunkId, Loc]]) -> dict[ChunkId, bytes]:
         start = run[0][1].offset
         end = max(loc.offset + RECORD_HEADER_SIZE + loc.stored_len for _, loc in run)
-        buf = memoryview(self.objects.get_range(f"packs/{pack}", start, end - start))
+        buf = memoryview(self.objects.get_range(pack_key(pack), start, end - start))
         with self.stats.lock:
             self.stats.requests += 1
             self.stats.bytes_read += len(buf)
@@ -254,27 +259,30 @@ def decode_record(cid: ChunkId, raw: memoryview | bytes, loc: Loc, codec: ChunkC
 
 
 @dataclass
-class GcReport:
-    images: int = 0
+class TableGcReport:
+    """What `Cluster.collect` deleted."""
+
     tables: int = 0
     packs: int = 0
     bytes_freed: int = 0
 
 
 @dataclass
-class PushReport:
-    image: str
-    layers_pushed: int = 0
-    layers_skipped: int = 0
+class LayerPush:
+    """What pushing one layer's chunks and table did."""
+
     chunks_uploaded: int = 0
     chunks_deduped: int = 0
     bytes_uploaded: int = 0
     packs: int = 0
-    seconds: float = 0.0
+
+
+# (trust domain, chunk id bytes) -> where the cluster holds that chunk
+KnownLocations = dict[tuple[str, bytes], Loc]
 
 
 class Cluster:
-    """An image catalog and chunk data in an object store."""
+    """Chunk data and layer location tables in an object store."""
 
     def __init__(self, objects: ObjectStore) -> None:
         self.objects = objects
@@ -310,46 +318,23 @@ class Cluster:
     def list_layers(self) -> list[str]:
         out = []
         for key in self.objects.list("layers/"):
-            name = key[len("layers/"):]
-            if name.endswith(".loc"):
-                out.append(name[:-4].replace("-", ":", 1))
+            digest = _digest_in(key, "layers/", ".loc")
+            if digest is not None:
+                out.append(digest)
         return out
 
     def load_manifest_bytes(self, digest: str) -> tuple[bytes, TrustDomain]:
         t = self.table(digest)
         raw = b"".join(self.reader.get_many(t.manifest, t.domain))
-        if "blake3:" + blake3.blake3(raw).hexdigest() != digest:
+        if not Digest.parse(digest).matches(raw):
             raise ChunkCorrupt("-", layer_key(digest), "manifest does not match its digest")
         return raw, t.domain
 
-    def resolve(self, name: str) -> tuple[str, dict[str, Any]]:
-        """(image digest, image record) for a tag or an image digest."""
-        if name.startswith("blake3:"):
-            digest = name
-        else:
-            tag = name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
-            try:
-                digest = self.objects.get(tag_key(tag)).decode().strip()
-            except ObjectNotFound:
-                raise ChunkNotFound(name, "cluster catalog") from None
-        raw = self.objects.get(image_key(digest))
-        if "blake3:" + blake3.blake3(raw).hexdigest() != digest:
-            raise ChunkCorrupt("-", image_key(digest), "image record does not match its digest")
-        doc: dict[str, Any] = json.loads(raw)
-        return digest, doc
-
-    def list_tags(self) -> list[tuple[str, str]]:
-        out = []
-        for key in self.objects.list("tags/"):
-            out.append((urllib.parse.unquote(key[len("tags/"):]),
-                        self.objects.get(key).decode().strip()))
-        return out
-
     # -- writing (what a converter does after a local conversion) --------------
 
-    def known_locations(self) -> dict[tuple[str, bytes], Loc]:
+    def known_locations(self) -> KnownLocations:
         """Every chunk location the cluster's layers name (for dedup on push)."""
-        out: dict[tuple[str, bytes], Loc] = {}
+        out: KnownLocations = {}
         for digest in self.list_layers():
             try:
                 t = self.table(digest, register=False)  # push does not read through them
@@ -360,95 +345,74 @@ class Cluster:
                 out[(str(t.domain), bytes(cid))] = loc
         return out
 
-    def push(self, store: Any, catalog: Any, name: str, *,
-             progress: Callable[[int], None] | None = None) -> PushReport:
-        """Upload image `name` from a local store + catalog. Idempotent: layers
-        already in the cluster are skipped, chunks it already has are not
-        uploaded again."""
-        t0 = time.perf_counter()
-        digest, image = catalog.resolve(name)
-        report = PushReport(digest)
-        known = self.known_locations()
-        for layer in image.layers:
-            if self.objects.exists(layer_key(layer)):
-                # reused: its age restarts, so a concurrent gc keeps it (and its packs)
-                self.objects.touch(layer_key(layer))
-                for pack in sorted({loc.pack for loc in self.table(
-                        layer, register=False).locs.values()}):
-                    self.objects.touch(f"packs/{pack}")
-                report.layers_skipped += 1
-                continue
-            rec = catalog.layer_info(layer)
-            domain = TrustDomain(rec["domain"])
-            manifest_ids = [ChunkId.from_hex(h) for h in rec["chunks"]]
-            manifest = catalog.load_layer(layer)
-            ids = list(dict.fromkeys([*manifest_ids, *sorted(manifest.chunk_ids())]))
-            locs: dict[ChunkId, Loc] = {}
-            missing = []
-            strong = dict(zip(ids, store.strong_many(ids, domain), strict=True))
-            for cid in ids:
-                loc = known.get((str(domain), bytes(cid)))
-                if loc is not None and loc.strong != strong[cid]:
-                    # the cluster has another chunk under this id: never dedup on xxh3 alone
-                    raise ChunkCollision(cid, str(domain))
-                if loc is not None:
-                    locs[cid] = loc
-                    report.chunks_deduped += 1
-                else:
-                    missing.append(cid)
-            for pack_key, placed, nbytes in self._upload(store, missing, domain, strong):
-                locs.update(placed)
-                for cid, loc in placed.items():
-                    known[(str(domain), bytes(cid))] = loc
-                report.packs += 1
-                report.bytes_uploaded += nbytes
-                report.chunks_uploaded += len(placed)
-                if progress is not None:
-                    progress(nbytes)
-                log.info("pushed pack %s (%d chunks)", pack_key, len(placed))
-            fresh = set(missing)
-            for pack in sorted({loc.pack for cid, loc in locs.items() if cid not in fresh}):
-                self.objects.touch(f"packs/{pack}")  # reused packs: a concurrent gc keeps them
-            table = LocTable(domain, manifest_ids, locs)
-            self.objects.put(layer_key(layer), table.encode())
-            report.layers_pushed += 1
-        self.objects.put(image_key(digest), image.to_json())
-        if not name.startswith("blake3:"):
-            tag = name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
-            self.objects.put(tag_key(tag), digest.encode())
-        report.seconds = time.perf_counter() - t0
+    def reuse_layer(self, digest: str) -> bool:
+        """Whether the cluster has layer `digest`'s table; if so, touch it and
+        its packs, so a concurrent `collect` keeps them for the push reusing
+        them."""
+        if not self.objects.exists(layer_key(digest)):
+            return False
+        self.objects.touch(layer_key(digest))
+        for pack in sorted({loc.pack for loc in self.table(
+                digest, register=False).locs.values()}):
+            self.objects.touch(pack_key(pack))
+        return True
+
+    def push_layer(self, store: ChunkStore, digest: str, domain: TrustDomain,
+                   manifest_ids: Sequence[ChunkId], data_ids: Iterable[ChunkId],
+                   known: KnownLocations, *,
+                   progress: Callable[[int], None] | None = None) -> LayerPush:
+        """Make layer `digest` readable from the cluster: upload the stored
+        records (no recompression) of its chunks (`manifest_ids`, the chunks
+        of its serialized manifest, then `data_ids`) that `known` does not
+        hold, then its location table. `known` (from `known_locations`) is
+        updated with what was uploaded, so the next layer of the same push
+        dedups against it. Call `reuse_layer` first: this uploads a table
+        even if one is there."""
+        report = LayerPush()
+        ids = list(dict.fromkeys([*manifest_ids, *data_ids]))
+        locs: dict[ChunkId, Loc] = {}
+        missing = []
+        strong = dict(zip(ids, store.strong_many(ids, domain), strict=True))
+        for cid in ids:
+            loc = known.get((str(domain), bytes(cid)))
+            if loc is not None and loc.strong != strong[cid]:
+                # the cluster has another chunk under this id: never dedup on xxh3 alone
+                raise ChunkCollision(cid, str(domain))
+            if loc is not None:
+                locs[cid] = loc
+                report.chunks_deduped += 1
+            else:
+                missing.append(cid)
+        for key, placed, nbytes in self._upload(store, missing, domain, strong):
+            locs.update(placed)
+            for cid, loc in placed.items():
+                known[(str(domain), bytes(cid))] = loc
+            report.packs += 1
+            report.bytes_uploaded += nbytes
+            report.chunks_uploaded += len(placed)
+            if progress is not None:
+                progress(nbytes)
+            log.info("pushed pack %s (%d chunks)", key, len(placed))
+        fresh = set(missing)
+        for pack in sorted({loc.pack for cid, loc in locs.items() if cid not in fresh}):
+            self.objects.touch(pack_key(pack))  # reused packs: a concurrent gc keeps them
+        table = LocTable(domain, list(manifest_ids), locs)
+        self.objects.put(layer_key(digest), table.encode())
         return report
 
-    # -- tags and garbage collection ------------------------------------------
+    # -- garbage collection -----------------------------------------------------
 
-    def remove_tag(self, name: str) -> None:
-        tag = name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
-        if not self.objects.exists(tag_key(tag)):
-            raise ChunkNotFound(name, "cluster catalog")
-        self.objects.delete(tag_key(tag))
-
-    def gc(self, grace_seconds: float = 3600.0) -> GcReport:
-        """Delete what no tag reaches: untagged image records, location tables
-        no image names, packs no table names; only objects older than the grace
-        period, so a push in progress (packs, then tables, then image, then tag;
-        reused tables and packs touched first) is never collected under it.
-        Packs are deleted whole: a pack some kept table still uses stays."""
-        report = GcReport()
-        tagged = {self.objects.get(k).decode().strip() for k in self.objects.list("tags/")}
-        keep_layers: set[str] = set()
-        for key, age, _ in list(self.objects.list_ages("images/")):
-            digest = key[len("images/"):-len(".json")].replace("-", ":", 1)
-            if digest in tagged or age < grace_seconds:
-                try:
-                    keep_layers.update(json.loads(self.objects.get(key))["layers"])
-                except (ObjectNotFound, ValueError, KeyError, TypeError):
-                    continue
-            else:
-                self.objects.delete(key)
-                report.images += 1
+    def collect(self, keep_layers: Collection[str], grace_seconds: float = 3600.0
+                ) -> TableGcReport:
+        """Delete the location tables of layers not in `keep_layers` and packs
+        no kept table names; only objects older than the grace period, so a
+        push in progress (packs, then tables; reused tables and packs touched
+        first) is never collected under it. Packs are deleted whole: a pack
+        some kept table still uses stays."""
+        report = TableGcReport()
         keep_packs: set[str] = set()
         for key, age, _ in list(self.objects.list_ages("layers/")):
-            digest = key[len("layers/"):-len(".loc")].replace("-", ":", 1)
+            digest = _digest_in(key, "layers/", ".loc")
             if digest in keep_layers or age < grace_seconds:
                 try:
                     t = LocTable.decode(self.objects.get(key), key)
@@ -466,20 +430,20 @@ class Cluster:
             report.bytes_freed += size
         return report
 
-    def _upload(self, store: Any, ids: list[ChunkId], domain: TrustDomain,
+    def _upload(self, store: ChunkStore, ids: list[ChunkId], domain: TrustDomain,
                 strong: dict[ChunkId, bytes]) -> Iterator[tuple[str, dict[ChunkId, Loc], int]]:
         """Copy the stored records of `ids` (no recompression) into new packs
-        of about PACK_TARGET bytes and upload each; yields (key, locations, size)."""
+        of about PACK_TARGET bytes and upload each; yields (name, locations, size)."""
         parts: list[bytes] = [PACK_HEADER]
         size = len(PACK_HEADER)
         pending: dict[ChunkId, tuple[int, int, int, int]] = {}
 
         def flush() -> tuple[str, dict[ChunkId, Loc], int]:
             data = b"".join(parts)
-            key = blake3.blake3(data).hexdigest() + ".pack"
-            self.objects.put(f"packs/{key}", data)
-            return key, {cid: Loc(key, off, s, n, c, strong[cid]) for cid, (off, s, n, c) in
-                         pending.items()}, len(data)
+            name = Digest.of(data).hex + ".pack"
+            self.objects.put(pack_key(name), data)
+            return name, {cid: Loc(name, off, s, n, c, strong[cid]) for cid, (off, s, n, c) in
+                          pending.items()}, len(data)
 
         for batch_start in range(0, len(ids), 256):
             batch = ids[batch_start:batch_start + 256]
@@ -493,3 +457,15 @@ class Cluster:
                     parts, size, pending = [PACK_HEADER], len(PACK_HEADER), {}
         if pending:
             yield flush()
+
+
+def _digest_in(key: str, prefix: str, suffix: str) -> str | None:
+    """The digest an object key `<prefix><digest key><suffix>` names, or None
+    (a key this store did not write)."""
+    if not (key.startswith(prefix) and key.endswith(suffix)):
+        return None
+    try:
+        return Digest.from_key(key[len(prefix):len(key) - len(suffix)])
+    except BadDigest:
+        log.warning("cluster: object %s does not name a digest; ignored", key)
+        return None

@@ -7,6 +7,7 @@ Hierarchy::
      ├── ChunkCorrupt         stored bytes fail their check (hash, header, codec, truncation)
      ├── ChunkCollision       same xxh3 id, different BLAKE3 digest (a crafted collision)
      ├── ChunkTooLarge        a chunk larger than the format allows (also a ValueError)
+     ├── BadDigest            text that is not a `blake3:<64 hex>` digest (also a ValueError)
      ├── RootError            a root names chunks the store does not hold
      ├── StoreFormatError     the directory is not a chunk store, or a newer format
      ├── StoreReadOnly        a write to a store opened read-only or on a read-only filesystem
@@ -55,6 +56,13 @@ class ChunkCollision(ChunkStoreError):
 class ChunkTooLarge(ChunkStoreError, ValueError):
     def __init__(self, size: int, limit: int) -> None:
         super().__init__(f"chunk of {size} bytes exceeds the limit of {limit} bytes")
+
+
+class BadDigest(ChunkStoreError, ValueError):
+    def __init__(self, text: object) -> None:
+        self.text = text
+        shown = repr(text) if len(repr(text)) <= 90 else repr(text)[:87] + "..."
+        super().__init__(f"not a BLAKE3 digest (blake3:<64 hex digits>): {shown}")
 
 
 class RootError(ChunkStoreError):

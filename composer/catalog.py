@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import blake3
 import lmdb
 
 from chunkstore import ChunkId, ChunkStore, TrustDomain
+from chunkstore.digests import Digest
+from chunkstore.errors import BadDigest
 
 from .errors import ImageNotFound, ManifestError
 from .manifest import LayerManifest
+from .refs import ImageRef, normalize_tag
 
 _MANIFEST_CHUNK = 4 << 20
 
@@ -38,8 +40,8 @@ class Image:
                           separators=(",", ":")).encode()
 
     @property
-    def digest(self) -> str:
-        return "blake3:" + blake3.blake3(self.to_json()).hexdigest()
+    def digest(self) -> Digest:
+        return Digest.of(self.to_json())
 
     @classmethod
     def from_json(cls, raw: bytes) -> Image:
@@ -87,8 +89,13 @@ class ImageCatalog(Protocol):
     def list_tags(self) -> list[tuple[str, str]]: ...
 
 
-def normalize_tag(name: str) -> str:
-    return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
+def parse_ref(name: str) -> ImageRef:
+    """`ImageRef.parse`, a malformed digest reported as the image not found
+    (what a catalog lookup of it means to its callers)."""
+    try:
+        return ImageRef.parse(name)
+    except BadDigest as e:
+        raise ImageNotFound(name, str(e)) from None
 
 
 class Catalog:
@@ -117,7 +124,7 @@ class Catalog:
         """Store a manifest's serialization as chunks and root the layer (its
         manifest and data chunks). Returns (digest, manifest chunk ids)."""
         raw = manifest.serialize()
-        digest = "blake3:" + blake3.blake3(raw).hexdigest()
+        digest = Digest.of(raw)
         pieces = [raw[i:i + _MANIFEST_CHUNK] for i in range(0, len(raw), _MANIFEST_CHUNK)]
         ids = self.store.put_many(pieces, manifest.domain)
         self.store.set_root(f"layer:{digest}", [*ids, *manifest.chunk_ids()], manifest.domain)
@@ -139,7 +146,7 @@ class Catalog:
         doc = json.loads(rec)
         ids = [ChunkId.from_hex(h) for h in doc["chunks"]]
         raw = b"".join(self.store.get_many(ids, doc["domain"]))
-        if "blake3:" + blake3.blake3(raw).hexdigest() != digest:
+        if not Digest.parse(digest).matches(raw):
             raise ManifestError(f"layer {digest}: stored manifest does not match its digest")
         manifest = LayerManifest.deserialize(raw)
         manifest.stored_digest = digest
@@ -178,13 +185,14 @@ class Catalog:
         return image.digest
 
     def resolve(self, name: str) -> tuple[str, Image]:
+        ref = parse_ref(name)
         with self.env.begin() as txn:
-            digest = name if name.startswith("blake3:") else None
+            digest = ref.digest
             if digest is None:
-                raw = txn.get(normalize_tag(name).encode(), db=self.tags)
+                raw = txn.get(str(ref.tag).encode(), db=self.tags)
                 if raw is None:
                     raise ImageNotFound(name)
-                digest = raw.decode()
+                digest = Digest.parse(raw.decode())
             doc = txn.get(digest.encode(), db=self.images)
         if doc is None:
             raise ImageNotFound(name)

@@ -45,8 +45,8 @@ class ManifestError(ComposerError):
 
 
 class ImageNotFound(ComposerError, KeyError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"no image {name!r} in the catalog")
+    def __init__(self, name: str, why: str = "") -> None:
+        super().__init__(f"no image {name!r} in the catalog{': ' + why if why else ''}")
 
     def __str__(self) -> str:
         return str(self.args[0])

