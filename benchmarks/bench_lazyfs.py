@@ -85,6 +85,7 @@ for _p in (HERE, REPO):
 from bench_chunkstore import f1, f2, log, machine_info, table, write_json
 
 from chunkstore import ChunkStore
+from chunkstore.digests import digest_key
 from composer.catalog import Catalog
 from composer.compose import overlay_fixups
 from lazyfs.daemon import NodePaths, request
@@ -226,7 +227,7 @@ class Node:
         self.drop_node_cache()
         if image is not None:
             digest = image_layers(self.store, image)[0]
-            shutil.rmtree(self.paths.fixups / digest.replace(":", "-"), ignore_errors=True)
+            shutil.rmtree(self.paths.fixups / digest_key(digest), ignore_errors=True)
         drop_kernel_caches()
 
     def drop_node_cache(self) -> None:
@@ -269,7 +270,7 @@ class Node:
         with ChunkStore.open(self.store, readonly=True) as s, Catalog(s) as c:
             digest, img = c.resolve(name)
             entries = overlay_fixups([c.load_layer(d) for d in img.layers])
-        dest = self.paths.fixups / digest.replace(":", "-")
+        dest = self.paths.fixups / digest_key(digest)
         if (dest / ".complete").exists():
             return
         tmp = self.paths.fixups / f".bench-{os.getpid()}-{time.monotonic_ns()}"

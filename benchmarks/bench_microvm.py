@@ -55,6 +55,7 @@ from bench_chunkstore import add_run_options, apply_profile, machine_info
 from sandboxes import IMAGE, busybox_store, node_for
 
 from chunkstore import ChunkStore
+from chunkstore.digests import digest_key
 from composer.catalog import Catalog
 from composer.convert import convert
 from runtime import Sandbox
@@ -203,7 +204,7 @@ def density(node: Node, mode: str, n: int) -> dict[str, Any]:
         sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node, memory_mb=GUEST_MB))
         layers = node._get(sbs[0].id)[1].state["layers"]
         files = sorted(f for f in backend.pmem_cache.glob("*.pmem")
-                       if any(f.name.startswith(x.replace(":", "-")) for x in layers))
+                       if any(f.name.startswith(digest_key(x)) for x in layers))
         for _ in range(n - 1):
             sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
                                       memory_mb=GUEST_MB))

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from chunkstore.digests import digest_key
 from composer.catalog import Image, ImageCatalog
 from composer.compose import overlay_fixups
 from composer.manifest import Entry, LayerManifest
@@ -100,7 +101,7 @@ def write_fixups(dest: Path, entries: list[Entry]) -> None:
 
 
 def _fixup_layer(paths: NodePaths, image_digest: str, entries: list[Entry]) -> Path:
-    dest = paths.fixups / image_digest.replace(":", "-")
+    dest = paths.fixups / digest_key(image_digest)
     if (dest / ".complete").exists():
         return dest / "tree"
     tmp = paths.fixups / f".tmp-{os.getpid()}-{time.monotonic_ns()}"

@@ -23,10 +23,12 @@ from images import (
 from treediff import diff_trees
 
 from chunkstore import ChunkStore
+from chunkstore.digests import Digest
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.errors import BadLayer, BadLink, BadSource, ImageNotFound, UnsafePath
 from composer.export import export_tree
+from composer.refs import ImageRef, normalize_tag
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0,
@@ -257,3 +259,13 @@ def test_unknown_sources(store: ChunkStore, cat: Catalog, tmp_path: Path) -> Non
         convert(store, cat, f"tar:{tmp_path / 'absent.tar'}", "x")
     with pytest.raises(ImageNotFound):
         cat.resolve("never:made")
+    with pytest.raises(ImageNotFound, match="not a BLAKE3 digest"):
+        cat.resolve("blake3:nothex")
+
+
+def test_image_references_normalize_once() -> None:
+    assert normalize_tag("app") == "app:latest" and normalize_tag("app:1") == "app:1"
+    assert normalize_tag("host:5000/team/app") == "host:5000/team/app:latest"
+    assert ImageRef.parse("app") == ImageRef(tag="app:latest")
+    d = "blake3:" + "ab" * 32
+    assert ImageRef.parse(d) == ImageRef(digest=Digest(d)) and str(ImageRef.parse(d)) == d

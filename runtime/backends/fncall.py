@@ -23,6 +23,7 @@ from typing import Any
 
 import msgpack
 
+from chunkstore.digests import Digest
 from lazyfs import sysmount
 from lazyfs.daemon import NodePaths
 from lazyfs.mounts import MountError, mount_image, unmount
@@ -172,7 +173,7 @@ class Pool:
 
     def _worker(self, backend: FncallBackend) -> Worker:
         self._serial += 1
-        name = f"{backend.prefix}-{self.digest.split(':')[-1][:12]}-{self._serial}"
+        name = f"{backend.prefix}-{Digest.parse(self.digest).hex[:12]}-{self._serial}"
         return Worker(self.rootfs, backend.init(), SCRATCH_MB, self.dir / "workers.log", name)
 
     def _spawn(self, backend: FncallBackend) -> None:

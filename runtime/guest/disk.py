@@ -38,6 +38,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from chunkstore.digests import digest_key
 from lazyfs.mounts import MountError, mount_image, unmount
 
 from ..errors import BackendUnavailable
@@ -156,7 +157,7 @@ def base_disk(images: Images, name: str, cache: Path = DEFAULT_CACHE,
     """The cached base disk of image `name` (built now if missing; needs the
     node's lazyfs daemon then). Safe to call concurrently (a lock file)."""
     digest = images.resolve(name)
-    stem = cache / f"{digest.replace(':', '-')}-{fingerprint()}-{headroom_mb}"
+    stem = cache / f"{digest_key(digest)}-{fingerprint()}-{headroom_mb}"
     raw, meta = stem.with_name(stem.name + ".ext4"), stem.with_name(stem.name + ".json")
     found = _load(raw, meta)
     if found is not None:

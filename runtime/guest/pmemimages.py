@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from chunkstore.digests import digest_key
 from composer.compose import overlay_fixups
 from composer.manifest import LayerManifest
 from lazyfs.blob import blob_name
@@ -145,10 +146,11 @@ def pmem_layers(images: Images, name: str, cache: Path) -> list[PmemLayer]:
     out = []
     paths = None
     fixups = [dataclasses.replace(e, opaque=False) for e in overlay_fixups(manifests)]
-    wanted = list(zip(digests, manifests, strict=True))
-    wanted.append((f"fixups-{image_digest.replace(':', '-')}", LayerManifest(fixups)))
-    for digest, manifest in wanted:
-        stem = cache / f"{digest.replace(':', '-')}-{fp}"
+    wanted = [(d, digest_key(d), m) for d, m in zip(digests, manifests, strict=True)]
+    fixups_name = f"fixups-{digest_key(image_digest)}"
+    wanted.append((fixups_name, fixups_name, LayerManifest(fixups)))
+    for digest, key, manifest in wanted:
+        stem = cache / f"{key}-{fp}"
         layer = PmemLayer(digest, stem.with_suffix(".meta.pmem"), stem.with_suffix(".blob.pmem"))
         if not (layer.meta.exists() and layer.blob.exists()):
             with locked(cache):
