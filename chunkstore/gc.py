@@ -17,19 +17,23 @@ up an old location before the switch and find the pack gone look the chunk
 up again (ChunkStore._read_entries). Packs a writer still holds (flock) are
 skipped; so are packs of a writer that died, until its lock is gone, which is
 when its unreferenced tail becomes reclaimable.
+
+GC goes through public interfaces only: `ChunkStore.seal_writer` and
+`ChunkStore.check_record`, the index's GC methods (`root_keys`, `sweep_page`,
+`pack_usage`, `repoint`, `allocate_pack`) and the pack backend; the LMDB
+layout stays inside `chunkstore.index`.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import ChunkStoreError, StoreFull
+from .errors import ChunkCorrupt, ChunkStoreError, StoreFull
 from .ids import ChunkId, PackId
-from .index import Entry, Txn, now_ms
+from .index import Entry, now_ms
 from .pack import PACK_HEADER_SIZE, RECORD_HEADER_SIZE
 
 if TYPE_CHECKING:
@@ -70,11 +74,11 @@ def collect(store: ChunkStore, *, grace_seconds: float, repack_threshold: float,
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise GcBusy(f"another garbage collection is running on {store.root}") from None
-        store._seal_writer()
+        store.seal_writer()
         report = GcReport()
         report.bytes_before = sum(size for _, size in store.backend.iter_packs())
         cutoff = now_ms() - int(grace_seconds * 1000)
-        live = _mark(store)
+        live = store.index.root_keys()  # mark
         _sweep(store, live, cutoff, report)
         _repack(store, repack_threshold, report, progress)
         report.bytes_after = sum(size for _, size in store.backend.iter_packs())
@@ -83,55 +87,15 @@ def collect(store: ChunkStore, *, grace_seconds: float, repack_threshold: float,
         os.close(lock_fd)
 
 
-def _mark(store: ChunkStore) -> set[bytes]:
-    idx = store.index
-
-    def fn(txn: Txn) -> set[bytes]:
-        return set(txn.cursor(db=idx.roots).iternext(keys=False, values=True))
-    return idx.read(fn)
-
-
 def _sweep(store: ChunkStore, live: set[bytes], cutoff: int, report: GcReport) -> None:
-    idx = store.index
     after = b""
     while True:
-        def page(txn: Txn, after: bytes = after) -> tuple[bytes | None, int, int]:
-            cur = txn.cursor(db=idx.chunks)
-            seen = removed = 0
-            last = None
-            doomed = []
-            if cur.set_range(after):
-                for key, raw in cur:
-                    if key == after:
-                        continue
-                    seen += 1
-                    last = key
-                    if key not in live and Entry.decode(raw).touched < cutoff:
-                        doomed.append(key)
-                    if seen >= _SWEEP_PAGE:
-                        break
-            for key in doomed:
-                txn.delete(key, db=idx.chunks)
-                removed += 1
-            return last, seen, removed
-        last, seen, removed = idx.write(page)
+        last, seen, removed = store.index.sweep_page(after, live, cutoff, _SWEEP_PAGE)
         report.chunks_before += seen
         report.chunks_removed += removed
         if last is None:
             return
         after = last
-
-
-def _pack_usage(store: ChunkStore) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
-    """pack -> offset -> (chunk id, entry) of every live location."""
-    idx = store.index
-
-    def fn(txn: Txn) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
-        usage: dict[PackId, dict[int, tuple[ChunkId, Entry]]] = defaultdict(dict)
-        for key, entry in idx.iter_entries(txn):
-            usage[entry.pack].setdefault(entry.offset, (ChunkId(key[:16]), entry))
-        return usage
-    return idx.read(fn)
 
 
 def _repack(store: ChunkStore, threshold: float, report: GcReport,
@@ -146,7 +110,7 @@ def _repack(store: ChunkStore, threshold: float, report: GcReport,
             report.packs_in_use += 1
         else:
             sealed.append((pack, size))
-    usage = _pack_usage(store)
+    usage = store.index.pack_usage()
     sparse: list[tuple[float, PackId, int]] = []
     # First delete packs with nothing live: that frees space without needing
     # any, which matters most when the disk is full. A sealed pack with no
@@ -204,29 +168,21 @@ def _move_pack(store: ChunkStore, pack: PackId, locations: dict[int, tuple[Chunk
                for off, (_, e) in items])
     bad = False
     for (off, (cid, entry)), raw in zip(items, raws):
-        result = store._decode(cid, entry, raw)
-        if isinstance(result, Exception):
+        result = store.check_record(cid, entry, raw)
+        if isinstance(result, ChunkCorrupt):
             report.corrupt.append(str(result))
             bad = True
     if bad:
         return False  # keep the pack: its evidence stays for `verify`
-    moves: dict[int, int] = {}
+    moves: dict[int, tuple[ChunkId, int]] = {}
     for start in range(0, len(items), 256):
         group = items[start:start + 256]
         parts = raws[start:start + 256]
         offset = writer.append(parts)
-        for (off, (_, entry)), raw in zip(group, parts):
-            moves[off] = offset + RECORD_HEADER_SIZE
+        for (off, (cid, _)), raw in zip(group, parts):
+            moves[off] = (cid, offset + RECORD_HEADER_SIZE)
             offset += len(raw)
     writer.sync()
-    idx = store.index
-    new_pack = writer.pack
-
-    def repoint(txn: Txn) -> None:
-        for off, (cid, _) in items:
-            for key, entry in list(idx.same_id(txn, cid)):
-                if entry.location == (pack, off):
-                    txn.put(key, entry.moved(new_pack, moves[off]).encode(), db=idx.chunks)
-    idx.write(repoint)
+    store.index.repoint(pack, moves, writer.pack)
     store.backend.delete_pack(pack)
     return True

@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,6 +362,63 @@ class Index:
     def iter_entries(self, txn: Txn) -> Iterator[tuple[bytes, Entry]]:
         for key, raw in txn.cursor(db=self.chunks):
             yield key, Entry.decode(raw)
+
+    # -- what garbage collection needs (chunkstore.gc) -----------------------
+
+    def root_keys(self) -> set[bytes]:
+        """Every chunk key some root names: the live set GC marks."""
+        def fn(txn: Txn) -> set[bytes]:
+            return set(txn.cursor(db=self.roots).iternext(keys=False, values=True))
+        return self.read(fn)
+
+    def sweep_page(self, after: bytes, live: set[bytes], cutoff: int,
+                   limit: int) -> tuple[bytes | None, int, int]:
+        """In one write transaction, look at up to `limit` entries whose key
+        sorts after `after` and delete those not in `live` and not touched
+        since `cutoff` (ms). Returns (last key seen or None at the end, seen,
+        removed); call again with the last key to continue."""
+        def fn(txn: Txn) -> tuple[bytes | None, int, int]:
+            cur = txn.cursor(db=self.chunks)
+            seen = 0
+            last = None
+            doomed = []
+            if cur.set_range(after):
+                for key, raw in cur:
+                    if key == after:
+                        continue
+                    seen += 1
+                    last = key
+                    if key not in live and Entry.decode(raw).touched < cutoff:
+                        doomed.append(key)
+                    if seen >= limit:
+                        break
+            for key in doomed:
+                txn.delete(key, db=self.chunks)
+            return last, seen, len(doomed)
+        return self.write(fn)
+
+    def pack_usage(self) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
+        """pack -> record offset -> (chunk id, entry) of every location an
+        entry points at (one snapshot)."""
+        def fn(txn: Txn) -> dict[PackId, dict[int, tuple[ChunkId, Entry]]]:
+            usage: dict[PackId, dict[int, tuple[ChunkId, Entry]]] = defaultdict(dict)
+            for key, entry in self.iter_entries(txn):
+                usage[entry.pack].setdefault(entry.offset, (ChunkId(key[:16]), entry))
+            return usage
+        return self.read(fn)
+
+    def repoint(self, pack: PackId, moves: dict[int, tuple[ChunkId, int]],
+                new_pack: PackId) -> None:
+        """In one write transaction, point every entry at (pack, offset) in
+        `moves` to (new_pack, new offset). Scans each chunk id's entries (all
+        entries sharing a location have its id), so an entry added since the
+        caller planned the move is not missed."""
+        def fn(txn: Txn) -> None:
+            for off, (cid, new_off) in moves.items():
+                for key, entry in list(self.same_id(txn, cid)):
+                    if entry.location == (pack, off):
+                        txn.put(key, entry.moved(new_pack, new_off).encode(), db=self.chunks)
+        self.write(fn)
 
     def close(self) -> None:
         _open_indexes.discard(self)

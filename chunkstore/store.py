@@ -223,7 +223,7 @@ class ChunkStore:
         self._closed = True
         try:
             if os.getpid() == self._pid:
-                self._seal_writer()
+                self.seal_writer()
         finally:
             if os.getpid() == self._pid:
                 self.index.close()
@@ -431,7 +431,12 @@ class ChunkStore:
         for writer in retired:
             writer.close()
 
-    def _seal_writer(self) -> None:
+    def seal_writer(self) -> None:
+        """Close this store's open pack writer (synced if durable), so the
+        pack it was appending to is sealed and the next put starts a new one.
+        Garbage collection calls it first: a pack this process still appends
+        to is never a repack candidate, and sealing it lets its dead tail be
+        reclaimed."""
         with self._write_lock:
             if self._writer is not None:
                 writer, self._writer = self._writer, None
@@ -488,7 +493,7 @@ class ChunkStore:
                                           entry.stored_len + RECORD_HEADER_SIZE)
         except PackNotFound:
             return self.get_many([chunk_id], domain)[0]
-        result = self._decode(chunk_id, entry, raw)
+        result = self.check_record(chunk_id, entry, raw)
         if isinstance(result, Exception):
             return self.get_many([chunk_id], domain)[0]
         return result
@@ -545,7 +550,7 @@ class ChunkStore:
                     continue
                 raws.extend((cid, e, raw) for (cid, e), raw in zip(items, got))
             nbytes = sum(e.plain_len for _, e, _ in raws)
-            decoded = self._map(lambda r: self._decode(*r), raws, nbytes)
+            decoded = self._map(lambda r: self.check_record(*r), raws, nbytes)
             for (cid, _, _), result in zip(raws, decoded):
                 if isinstance(result, Exception):
                     failed[cid] = result
@@ -594,7 +599,7 @@ class ChunkStore:
                 pack, [(found[c].offset - RECORD_HEADER_SIZE,
                         found[c].stored_len + RECORD_HEADER_SIZE) for c in cids])
             for cid, raw in zip(cids, got, strict=True):
-                result = self._decode(cid, found[cid], raw)
+                result = self.check_record(cid, found[cid], raw)
                 if isinstance(result, Exception):
                     raise result
                 raws[cid] = raw
@@ -610,9 +615,12 @@ class ChunkStore:
                                  f"(plain {entry.plain_len}, stored {entry.stored_len})")
         return None
 
-    def _decode(self, cid: ChunkId, entry: Entry, raw: bytes) -> bytes | Exception:
-        """Check a record against its index entry and return the plain bytes,
-        or the ChunkCorrupt error describing what is wrong."""
+    def check_record(self, cid: ChunkId, entry: Entry, raw: bytes) -> bytes | ChunkCorrupt:
+        """Check a stored record (`raw`: its header and stored bytes, as read
+        from the pack at entry.offset - RECORD_HEADER_SIZE) against its index
+        entry and return the plain bytes, or the ChunkCorrupt error describing
+        what is wrong (returned, not raised: readers of many records, and GC
+        before it copies a record, collect them)."""
         if len(raw) < RECORD_HEADER_SIZE + entry.stored_len:
             return self._corrupt(cid, entry, f"truncated: pack ends "
                                  f"{RECORD_HEADER_SIZE + entry.stored_len - len(raw)} bytes "
@@ -760,7 +768,7 @@ class ChunkStore:
 
                 def check(args: tuple[tuple[ChunkId, int, Entry], bytes]) -> str | None:
                     (cid, _, e), raw = args
-                    result = self._decode(cid, e, raw)
+                    result = self.check_record(cid, e, raw)
                     if isinstance(result, Exception):
                         return getattr(result, "reason", str(result))
                     if strong_digest(result) != e.strong:
