@@ -1,5 +1,11 @@
 """Content-addressed chunk store: xxh3-128 ids, zstd, append-only packs, an
-LMDB index, pluggable pack backends, GC and verification.
+LMDB index, pluggable pack backends, GC and verification; BLAKE3 digests
+(`digests.py`); the cluster store's packs, per-layer location tables and
+ranged reads (`cluster.py`, over `objects.py`), and the node's chunk cache
+(`cache.py`).
+
+It knows layers only as digests naming lists of chunks; images, tags and
+manifests are the image model's (`composer`).
 
     with ChunkStore.open(path) as store:
         ids = store.put_many(chunks)
