@@ -1,13 +1,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 from chunkstore import ChunkStore, StoreConfig
 from composer.catalog import Catalog

@@ -16,9 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lazynode import LazyNode
-from sandboxes import IMAGE, busybox_store, runtime_missing
-from support import gone, parent_death_signal, terminate
 
 from runtime import (
     AsyncSandbox,
@@ -30,6 +27,9 @@ from runtime import (
     SandboxNotFound,
     Unsupported,
 )
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+from tests.helpers.support import gone, parent_death_signal, terminate
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]

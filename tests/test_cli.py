@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import flip_byte, pack_path
+
+from tests.helpers.support import flip_byte, pack_path
 
 # the console script installed next to the interpreter running the tests
 LAZYFS = shutil.which("lazyfs", path=os.path.dirname(sys.executable)) or "lazyfs"

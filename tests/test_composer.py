@@ -12,7 +12,13 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from images import (
+
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
+from composer.errors import BadLayer, BadLink, BadSource, ImageNotFound, UnsafePath
+from composer.export import export_tree
+from tests.helpers.images import (
     add_special_files,
     build_busybox_rootfs,
     chroot_run,
@@ -20,13 +26,7 @@ from images import (
     tar_of,
     whiteout_layer,
 )
-from treediff import diff_trees
-
-from chunkstore import ChunkStore
-from composer.catalog import Catalog
-from composer.convert import convert
-from composer.errors import BadLayer, BadLink, BadSource, ImageNotFound, UnsafePath
-from composer.export import export_tree
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0,

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support import pack_path, start_worker, stop
 
 from chunkstore import ChunkNotFound, ChunkStore, GcBusy, RootError, StoreConfig
+from tests.helpers.support import pack_path, start_worker, stop
 
 
 def test_unrooted_chunks_are_swept_and_space_reclaimed(store: ChunkStore,

@@ -17,7 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import (
+
+from chunkstore import TRUSTED, ChunkStore, StoreConfig
+from composer.catalog import Catalog, Image
+from composer.tarlayer import import_tar
+from lazyfs import sysmount
+from tests.helpers.images import (
     add_special_files,
     build_busybox_rootfs,
     chroot_run,
@@ -25,14 +30,9 @@ from images import (
     tar_of,
     whiteout_layer,
 )
-from lazynode import REPO, LazyNode, fuse_missing
-from support import flip_byte, pack_path
-from treediff import diff_trees
-
-from chunkstore import TRUSTED, ChunkStore, StoreConfig
-from composer.catalog import Catalog, Image
-from composer.tarlayer import import_tar
-from lazyfs import sysmount
+from tests.helpers.lazynode import REPO, LazyNode, fuse_missing
+from tests.helpers.support import flip_byte, pack_path
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))]

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
-from support import gone
 
 from lazyfs import sysmount
 from runtime import (
@@ -39,6 +37,8 @@ from runtime import (
 )
 from runtime.config import RuntimeConfig
 from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.support import gone
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]

@@ -9,11 +9,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
-from support import gone
 
 from runtime import ExecTimeout, OutOfMemory, OutputTruncated, Sandbox, Unsupported
 from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.support import gone
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]

@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandboxes import IMAGE, busybox_store, node_for, vm_missing
-from support import processes_with
 
 from runtime import (
     BackendUnavailable,
@@ -32,6 +30,8 @@ from runtime import (
 from runtime.backends.microvm import MicrovmBackend
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, vm_missing
+from tests.helpers.support import processes_with
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing()))]

@@ -1,5 +1,5 @@
 """The tree differ catches every kind of difference, and the image builders
-build what they claim (tests/treediff.py, tests/images.py).
+build what they claim (tests/helpers/treediff.py, tests/helpers/images.py).
 
 The 10,000-entry directory is built only with LAZYFS_BIG_IMAGES=1."""
 
@@ -15,9 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import images
 import pytest
-from images import (
+
+from tests.helpers import images
+from tests.helpers.images import (
     CAP_NET_RAW_EP,
     DIR_NS_MTIME,
     EPOCH_NS,
@@ -40,8 +41,8 @@ from images import (
     tar_of,
     whiteout_layer,
 )
-from support import IS_ROOT, root_only
-from treediff import data_extents, diff_trees, format_diffs, read_xattrs, tree_summary
+from tests.helpers.support import IS_ROOT, root_only
+from tests.helpers.treediff import data_extents, diff_trees, format_diffs, read_xattrs, tree_summary
 
 BIG = os.environ.get("LAZYFS_BIG_IMAGES") == "1"
 F = Callable[..., Any]

@@ -61,7 +61,8 @@ from typing import Any
 
 import docker
 import docker.errors
-from support import parent_death_signal, terminate
+
+from .support import parent_death_signal, terminate
 
 DOCKERD_CANDIDATES = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 REQUIRED_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc")

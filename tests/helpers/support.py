@@ -52,13 +52,15 @@ def mounted(*mount_args: str, target: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(target)], check=False)
 
 
-WORKERS = Path(__file__).with_name("workers.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def start_worker(*args: str) -> subprocess.Popen[str]:
+    """`python -m tests.helpers.workers ARGS` from the repository root (so the
+    worker imports this checkout's packages, as the test does)."""
     import sys
-    return subprocess.Popen([sys.executable, str(WORKERS), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.helpers.workers", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
 def terminate(proc: subprocess.Popen[Any] | None, grace: float) -> None:

@@ -76,7 +76,8 @@ import dxf
 import jwt
 import requests
 import zstandard
-from support import parent_death_signal, terminate
+
+from .support import parent_death_signal, terminate
 
 DOCKER_REGISTRY = "docker-registry"
 OPENSSL = "openssl"

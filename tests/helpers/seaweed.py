@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support import parent_death_signal
-
 from chunkstore import seaweed as _seaweed
 from chunkstore.seaweed import weed_binary
+
+from .support import parent_death_signal
 
 __all__ = ["SeaweedFS", "weed_binary"]
 

@@ -24,14 +24,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from support import parent_death_signal, terminate
-
 from composer.catalog import ImageCatalog
 from lazyfs import erofsmounts, sysmount
 from lazyfs.daemon import NodePaths, request, running
 from lazyfs.mounts import mount_image, unmount
 
-REPO = Path(__file__).resolve().parent.parent
+from .support import parent_death_signal, terminate
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fuse_missing() -> str | None:
