@@ -38,19 +38,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
 
-from bench_chunkstore import disk_written, machine_info
-from lazynode import LazyNode
-from seaweed import SeaweedFS
-
+from benchmarks.bench_chunkstore import disk_written, machine_info
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import S3ObjectStore, open_object_store
 from composer.catalog import Catalog
 from composer.convert import convert
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.seaweed import SeaweedFS
 
 CACHE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 WORKLOAD = "dpkg -l | wc -l"
@@ -67,13 +63,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 def burst(mode: str, n: int, url: str, node_root: str, work: Path) -> dict[str, Any]:
-    worker = ROOT / "benchmarks" / "burst_worker.py"
     drop_caches()
     written0 = disk_written(work)
     t0 = time.time()
-    procs = [subprocess.Popen([sys.executable, str(worker), mode, url, node_root, "debian:12",
-                               str(work / f"{mode}-{i}"), WORKLOAD],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.burst_worker", mode, url,
+                               node_root, "debian:12", str(work / f"{mode}-{i}"), WORKLOAD],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for i in range(n)]
     results = []
     for p in procs:

@@ -88,8 +88,6 @@ from typing import Any, TypeVar
 import zstandard
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # measure the checkout this file belongs to
 
 from chunkstore import ChunkId, ChunkStore, GcReport, StoreConfig, StoreStats
 
@@ -950,7 +948,8 @@ def int_list(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(
-        prog="bench_chunkstore.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m benchmarks.bench_chunkstore",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=doc.split("\nWhat is measured")[0],
         epilog="What is measured" + doc.split("\nWhat is measured", 1)[1] if
         "\nWhat is measured" in doc else None)

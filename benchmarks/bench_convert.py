@@ -16,7 +16,7 @@ dev       minbase + `apt-get install --no-install-recommends python3
 1. Convert throughput (minbase)
 -------------------------------
 Sources made once per run: an uncompressed layer tar and a gzip one
-(tests/images.tar_of: GNU tar, pax, sorted, numeric owners, xattrs), and the
+(tests/helpers/images.tar_of: GNU tar, pax, sorted, numeric owners, xattrs), and the
 directory itself. Store side: open a fresh store + catalog, convert(tar: /
 tar.gz via tar: / dir:) with the default chunk size, close. Baseline: what a
 registry pull does on the host once the blob is downloaded, GNU tar as root
@@ -115,11 +115,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for _p in (HERE, REPO, REPO / "tests"):  # this checkout; the sibling benchmark; tests/images
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
-from bench_chunkstore import (
+from benchmarks.bench_chunkstore import (
     add_run_options,
     apply_profile,
     busy_cpu_seconds,
@@ -134,13 +131,12 @@ from bench_chunkstore import (
     table,
     write_json,
 )
-from images import gnu_tar, tar_of
-
 from chunkstore import TRUSTED, ChunkId, ChunkStore, StoreStats
 from composer.builder import DEFAULT_CHUNK_SIZE
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.manifest import Kind, LayerManifest
+from tests.helpers.images import gnu_tar, tar_of
 
 MB = 1_000_000
 KiB = 1 << 10
@@ -1222,7 +1218,8 @@ def int_list(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(
-        prog="bench_convert.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m benchmarks.bench_convert",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=doc.split("\n\n", 1)[0],
         epilog=doc.split("\n\n", 1)[1] if "\n\n" in doc else None)
     p.add_argument("--minbase", type=Path, default=CACHE / "debian-minbase",

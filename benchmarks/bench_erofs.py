@@ -52,11 +52,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for _p in (HERE, REPO, REPO / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
-from bench_chunkstore import (
+from benchmarks.bench_chunkstore import (
     add_run_options,
     apply_profile,
     drop_caches,
@@ -66,7 +63,6 @@ from bench_chunkstore import (
     table,
     write_json,
 )
-
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert

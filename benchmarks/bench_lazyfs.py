@@ -78,12 +78,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for _p in (HERE, REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
-from bench_chunkstore import f1, f2, log, machine_info, table, write_json
-
+from benchmarks.bench_chunkstore import f1, f2, log, machine_info, table, write_json
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.compose import overlay_fixups

@@ -32,14 +32,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from lazynode import LazyNode
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
+from tests.helpers.lazynode import LazyNode
 
 MINBASE = Path("/var/cache/lazyfs-tests/debian-minbase")
 BIG = 256 << 20

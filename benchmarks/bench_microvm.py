@@ -42,18 +42,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_chunkstore import add_run_options, apply_profile, machine_info
-from sandboxes import IMAGE, busybox_store, node_for
-
+from benchmarks.bench_chunkstore import add_run_options, apply_profile, machine_info
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
@@ -61,6 +55,7 @@ from runtime import Sandbox
 from runtime.backends.microvm import MicrovmBackend, vmm_pss
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for
 
 BIG_IMAGE = "big:1"
 MINBASE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests")) / "debian-minbase"
@@ -119,7 +114,7 @@ def _pid(node: Node, sb: Sandbox) -> int:
 
 def synthetic_tree(root: Path, total: int = 200 << 20) -> Path:
     """~total bytes of incompressible files in a few directories, + busybox."""
-    from images import build_busybox_rootfs
+    from tests.helpers.images import build_busybox_rootfs
     build_busybox_rootfs(root)
     sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
     i = written = 0

@@ -34,17 +34,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
 
-from bench_chunkstore import disk_written
-from dockerd import DockerDaemon
-from images import tar_of
-from registry import Registry, push_image
-
+from benchmarks.bench_chunkstore import disk_written
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
+from tests.helpers.dockerd import DockerDaemon
+from tests.helpers.images import tar_of
+from tests.helpers.registry import Registry, push_image
 
 CACHE = Path("/var/cache/lazyfs-tests/debian-minbase")
 

@@ -1,14 +1,14 @@
 """Sandbox runtime benchmark: the embedded runtime (runtime.node.Node) against
 a Docker engine running the same busybox image, side by side in one run.
 
-Image: the tests' busybox rootfs (tests/sandboxes.py busybox_store: busybox,
+Image: the tests' busybox rootfs (tests/helpers/sandboxes.py busybox_store: busybox,
 /etc/motd, a 3 MiB /data/big.bin), converted into a temporary store for the
 runtime and `docker import`ed from a tar of the same tree for Docker.
 
 Runtime side: a Node on a temporary state directory, its lazyfs daemon
-started on a temporary node root (tests/lazynode.py: the `lazyfs daemon`
+started on a temporary node root (tests/helpers/lazynode.py: the `lazyfs daemon`
 command the runtime itself would start). Docker side: a private dockerd from
-Debian's docker.io (tests/dockerd.py: its own data root, exec root, socket
+Debian's docker.io (tests/helpers/dockerd.py: its own data root, exec root, socket
 and cgroup parent, --bridge=none), containers with --network none (the
 sandboxes' default is no network too).
 
@@ -75,11 +75,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
 
-from bench_chunkstore import (
+from benchmarks.bench_chunkstore import (
     add_run_options,
     apply_profile,
     int_list,
@@ -88,9 +85,6 @@ from bench_chunkstore import (
     table,
     write_json,
 )
-from lazynode import LazyNode
-from sandboxes import IMAGE, busybox_store, runtime_missing
-
 from runtime import cgroups, oci, procio
 from runtime.backends import container as container_backend
 from runtime.backends import fncall as fncall_backend
@@ -99,6 +93,8 @@ from runtime.config import RuntimeConfig
 from runtime.images import Images
 from runtime.node import Node
 from runtime.spec import ExecRequest, SandboxSpec
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -660,8 +656,8 @@ class DockerSide:
 
 
 def docker_side(bench: Bench, rootfs: Path, work: Path) -> None:
-    from dockerd import DockerDaemon, import_rootfs, tools_missing
-    from images import tar_of
+    from tests.helpers.dockerd import DockerDaemon, import_rootfs, tools_missing
+    from tests.helpers.images import tar_of
 
     why = tools_missing()
     if why:
