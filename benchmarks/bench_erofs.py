@@ -123,7 +123,7 @@ def dev_tree() -> Path:
     root = CACHE_ROOT / "debian-dev"
     if not (root / "usr/bin/gcc").exists():
         log(f"building {root} with debootstrap (several minutes, once)")
-        from test_lazyfs_debian import _debootstrap
+        from tests.test_lazyfs_debian import _debootstrap
         return _debootstrap("debian-dev", "python3,build-essential", "usr/bin/gcc")
     return root
 

@@ -66,10 +66,6 @@ def walk(root: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def best(fn: Any, repeats: int) -> float:
-    return min(fn() for _ in range(repeats))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -86,8 +82,8 @@ def main() -> None:
         work = Path(tmp)
         big_dir = work / "big"
         big_dir.mkdir()
-        with open(big_dir / "file.bin", "wb") as f:
-            f.writelines(os.urandom(1 << 20) for _ in range(BIG >> 20))
+        with open(big_dir / "file.bin", "wb") as out:
+            out.writelines(os.urandom(1 << 20) for _ in range(BIG >> 20))
         store_path = work / "store"
         with ChunkStore.open(store_path, create=True) as store, Catalog(store) as cat:
             convert(store, cat, f"dir:{big_dir}", "big:1")
@@ -104,7 +100,7 @@ def main() -> None:
                 f = n.layer_dir(big_layer) / "file.bin"
                 read_all(f)
                 read_all(f)
-                s = best(lambda f=f: read_all(f), args.repeats)
+                s = min(read_all(f) for _ in range(args.repeats))
                 rows.append({"option": "keep_cache", "setting": label, "workload":
                              "warm re-read of 256 MiB after reopen", "seconds": s,
                              "mb_per_s": BIG / s / 1e6})
@@ -113,7 +109,7 @@ def main() -> None:
             with node(label.replace(" ", "-"), extra) as n:
                 d = n.layer_dir(min_layer)
                 walk(d)
-                s = best(lambda d=d: walk(d)[0], args.repeats)
+                s = min(walk(d)[0] for _ in range(args.repeats))
                 rows.append({"option": "entry/attr timeout", "setting": label, "workload":
                              f"warm lstat walk of minbase ({walk(d)[1]:,} entries)",
                              "seconds": s})

@@ -55,6 +55,7 @@ from runtime import Sandbox
 from runtime.backends.microvm import MicrovmBackend, vmm_pss
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
+from runtime.spec import Backend
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for
 
 BIG_IMAGE = "big:1"
@@ -143,7 +144,7 @@ def add_big_image(store: Path, d: Path) -> str:
 
 # -- runs --------------------------------------------------------------------
 
-def timed_create(node: Node, backend: str) -> tuple[float, float, Sandbox]:
+def timed_create(node: Node, backend: Backend) -> tuple[float, float, Sandbox]:
     t0 = time.monotonic()
     sb = Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256)
     t1 = time.monotonic()
@@ -151,7 +152,7 @@ def timed_create(node: Node, backend: str) -> tuple[float, float, Sandbox]:
     return t1 - t0, time.monotonic() - t0, sb
 
 
-def latency(node: Node, backend: str, rounds: int) -> dict[str, Any]:
+def latency(node: Node, backend: Backend, rounds: int) -> dict[str, Any]:
     first_create, first_total, sb = timed_create(node, backend)
     idle = vmm_pss(_pid(node, sb)) if backend != "container" else None
     sb.kill()

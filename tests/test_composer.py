@@ -144,7 +144,8 @@ def test_multi_layer_whiteouts_match_reference_extraction(
         store: ChunkStore, cat: Catalog, rootfs: Path, tmp_path: Path, fmt: str) -> None:
     base = tar_of(rootfs, tmp_path / "base.tar.gz", compression="gzip")
     upper = _upper(tmp_path)
-    config = {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"], "WorkingDir": "/", "User": "0"}
+    config: dict[str, object] = {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"], "WorkingDir": "/",
+                                 "User": "0"}
     if fmt == "docker-archive":
         ref = f"docker-archive:{_docker_archive(tmp_path, [base, upper], config)}"
     else:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkstore import ChunkNotFound, ChunkStore, GcBusy, RootError, StoreConfig
+from chunkstore import ChunkId, ChunkNotFound, ChunkStore, GcBusy, RootError, StoreConfig
 from tests.helpers.support import pack_path, start_worker, stop
 
 
@@ -88,7 +88,7 @@ def test_gc_is_safe_for_live_readers(store_path: Path) -> None:
     cfg = StoreConfig(pack_size=1 << 20, threads=1)
     with ChunkStore.open(store_path, config=cfg) as store:
         live_data = [os.urandom(30_000) for _ in range(60)]
-        live: list = []
+        live: list[ChunkId] = []
         for k in range(6):  # live chunks interleaved with garbage in every pack
             batch = live_data[k * 10:(k + 1) * 10] + [os.urandom(30_000) for _ in range(25)]
             live += store.put_many(batch)[:10]

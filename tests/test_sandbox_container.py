@@ -301,9 +301,9 @@ class _Hello(BaseHTTPRequestHandler):
 
 def test_network_allowlist(node: Node) -> None:
     servers = [ThreadingHTTPServer(("0.0.0.0", 0), _Hello) for _ in range(2)]
-    for s in servers:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
-    allowed, denied = (s.server_address[1] for s in servers)
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    allowed, denied = (srv.server_address[1] for srv in servers)
     try:
         policy = NetworkPolicy.allow_only(f"10.203.0.0/16:{allowed}")
         with Sandbox.create(IMAGE, node=node, network=policy) as s:
@@ -330,6 +330,6 @@ def test_network_allowlist(node: Node) -> None:
         assert not [n for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
                     if n.startswith("lzsb-")]
     finally:
-        for s in servers:
-            s.shutdown()
-            s.server_close()
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()

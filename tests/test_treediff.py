@@ -62,7 +62,7 @@ def times_kept(*dirs: Path) -> Iterator[None]:
         os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
-def assert_same(a: Path, b: Path, **kw: bool) -> None:
+def assert_same(a: Path, b: Path, **kw: Any) -> None:
     diffs = diff_trees(a, b, **kw)
     assert diffs == [], (f"{a} {tree_summary(a)}\n{b} {tree_summary(b)}\n"
                          + format_diffs(diffs))
@@ -515,7 +515,7 @@ def test_tar_of_zstd_without_the_binary(monkeypatch: pytest.MonkeyPatch, tmp_pat
     (src / "d").mkdir(parents=True)
     (src / "d/f").write_bytes(b"hello " * 1000)
     real_which = shutil.which
-    monkeypatch.setattr(images.shutil, "which",
+    monkeypatch.setattr(shutil, "which",  # the module images uses
                         lambda name, *a, **k: None if name == "zstd" else real_which(name))
     tar = tar_of(src, tmp_path / "l.tar.zst", compression="zstd")
     assert tar.read_bytes()[:4] == images.ZSTD_MAGIC

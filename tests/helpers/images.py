@@ -489,7 +489,7 @@ def list_members(tar: Path) -> list[str]:
     seen: dict[str, None] = {}
     for line in p.stdout.split(b"\n"):
         if line:
-            raw = codecs.escape_decode(line)[0]  # type: ignore[attr-defined]
+            raw = codecs.escape_decode(line)[0]
             seen.setdefault(_normalize(os.fsdecode(raw)), None)
     return list(seen)
 

@@ -392,7 +392,7 @@ class Registry:
                       f"    certificate: {_q(self.cert_path)}",
                       f"    key: {_q(self.key_path)}"]
         if self.auth == "token":
-            assert self.token_server is not None
+            assert self.token_server is not None and self.cert_path is not None
             lines += ["auth:",
                       "  token:",
                       f"    realm: {_q(self.token_server.realm)}",

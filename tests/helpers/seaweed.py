@@ -17,3 +17,7 @@ __all__ = ["SeaweedFS", "weed_binary"]
 class SeaweedFS(_seaweed.SeaweedFS):
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir, preexec=parent_death_signal())
+
+    def __enter__(self) -> SeaweedFS:
+        super().__enter__()
+        return self
