@@ -29,7 +29,13 @@ from runtime import (
 )
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
-from tests.helpers.support import gone, parent_death_signal, terminate
+from tests.helpers.support import (
+    gone,
+    parent_death_signal,
+    processes_with,
+    terminate,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
@@ -201,7 +207,7 @@ def test_agent_killed_mid_exec_then_restarted(agent: Agent) -> None:
     import threading
     t = threading.Thread(target=long_exec)
     t.start()
-    time.sleep(0.5)
+    wait_until(lambda: processes_with(tag), 20, "the long call runs in the sandbox")
     agent.kill()
     t.join(10)
     assert not t.is_alive()

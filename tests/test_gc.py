@@ -62,7 +62,7 @@ def test_set_root_rejects_unknown_chunks(store: ChunkStore) -> None:
 def test_grace_period_keeps_fresh_and_recently_used_chunks(store: ChunkStore) -> None:
     old = store.put(os.urandom(1000))
     reused = store.put(os.urandom(2000))
-    time.sleep(1.2)
+    time.sleep(1.2)  # the test: `old` and `reused` outlive the 1 s grace period
     store.put(store.get(reused))  # a dedup hit refreshes it
     fresh = store.put(os.urandom(3000))
     report = store.gc(grace_seconds=1.0)

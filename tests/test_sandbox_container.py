@@ -38,7 +38,7 @@ from runtime import (
 from runtime.config import RuntimeConfig
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
-from tests.helpers.support import gone
+from tests.helpers.support import gone, processes_with, tcp_listening, wait_until
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
@@ -235,7 +235,7 @@ def test_timeouts_reap_sandboxes(node: Node) -> None:
     idle = Sandbox.create(IMAGE, node=node, idle_timeout=0.5)
     busy = Sandbox.create(IMAGE, node=node, idle_timeout=0.5)
     try:
-        time.sleep(0.7)
+        time.sleep(0.7)  # the test: the 0.5 s timeouts expire
         busy.exec("true")
         reaped = node.reap()
         assert short.id in reaped and idle.id in reaped and busy.id not in reaped
@@ -323,7 +323,9 @@ def test_network_allowlist(node: Node) -> None:
                 listener = threading.Thread(target=lambda: other.exec(
                     f"busybox nc -l -p {allowed} -w 3", timeout=10))
                 listener.start()
-                time.sleep(0.3)
+                wait_until(lambda: any(tcp_listening(pid, allowed) for pid in
+                                       processes_with(f"nc\0-l\0-p\0{allowed}\0")),
+                           20, "the neighbour's nc listening")
                 r = s.exec(f"echo hi | busybox nc -w 2 {other_ip} {allowed}")
                 assert r.exit_code != 0
                 listener.join()
