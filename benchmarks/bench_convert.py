@@ -113,21 +113,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-
-from benchmarks.bench_chunkstore import (
+from benchmarks.host import busy_cpu_seconds, fs_type, remove, syncfs
+from benchmarks.report import (
     add_run_options,
     apply_profile,
-    busy_cpu_seconds,
+    exit_on_sigterm,
     f1,
     f2,
-    fs_type,
     log,
     machine_info,
-    remove,
     rotate,
-    syncfs,
     table,
     write_json,
 )
@@ -137,6 +132,9 @@ from composer.catalog import Catalog
 from composer.convert import convert
 from composer.manifest import Kind, LayerManifest
 from tests.helpers.images import gnu_tar, tar_of
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 MB = 1_000_000
 KiB = 1 << 10
@@ -631,10 +629,6 @@ class Scratch:
                 "device": self.device_name, "note": self.note,
                 "create_us_workdir": self.probe_workdir_us,
                 "create_us_scratch": self.probe_scratch_us}
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 # -- the benchmark -------------------------------------------------------------------
@@ -1304,7 +1298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if free < need:
         log(f"WARNING: only {free / MB:.0f} MB free under {args.workdir}, about "
             f"{need / MB:.0f} MB needed")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the finally below unmounts
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # so the finally below unmounts
     tmp = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
     scratch = Scratch(tmp, args.scratch, max(MIN_SCRATCH_BYTES, 2 * need))
     try:

@@ -21,30 +21,24 @@ and /dev/fuse; uses the tests' cached Debian minbase tree.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
+from benchmarks.host import drop_caches
+from benchmarks.report import machine_info, write_json
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from tests.helpers.lazynode import LazyNode
 
+ROOT = Path(__file__).resolve().parent.parent
+
 MINBASE = Path("/var/cache/lazyfs-tests/debian-minbase")
 BIG = 256 << 20
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def read_all(path: Path) -> float:
@@ -124,7 +118,7 @@ def main() -> None:
                 times = []
                 for _ in range(args.repeats):
                     n.request({"op": "drop_cache"})
-                    drop_page_cache()
+                    drop_caches()
                     times.append(read_all(f))
                 s = min(times)
                 rows.append({"option": option, "setting": label, "workload":
@@ -145,12 +139,8 @@ def main() -> None:
     print("ratio = seconds / seconds of the default setting (first row of each option)")
     doc = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "duration_seconds": time.time() - started,
-           "machine": {"nproc": os.cpu_count(), "platform": platform.platform(),
-                       "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                                             capture_output=True, text=True, check=False).stdout.strip()},
-           "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2))
+           "machine": machine_info(args.workdir), "rows": rows}
+    write_json(args.json, doc)
     print(f"wrote {args.json}")
 
 

@@ -38,7 +38,6 @@ VMM) is part of each VMM's PSS; KVM would remove both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -47,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_chunkstore import add_run_options, apply_profile, machine_info
+from benchmarks.report import add_run_options, apply_profile, machine_info, write_json
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
@@ -278,8 +277,7 @@ def main() -> None:
         else:
             subprocess.run(["rm", "-rf", "--one-file-system", tmp], check=False)
     report(out)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
 
 
 def report(out: dict[str, Any]) -> None:

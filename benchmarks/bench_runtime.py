@@ -74,14 +74,17 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
-from benchmarks.bench_chunkstore import (
+from benchmarks.report import (
+    NO_PLOT,
     add_run_options,
     apply_profile,
+    exit_on_sigterm,
     int_list,
     log,
     machine_info,
+    pyplot,
+    save_figure,
+    summary,
     table,
     write_json,
 )
@@ -95,6 +98,8 @@ from runtime.node import Node
 from runtime.spec import ExecRequest, SandboxSpec
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -112,23 +117,6 @@ SETTLE_S = 3.0
 
 
 # -- figures -----------------------------------------------------------------------
-
-def quantile(xs: Sequence[float], q: float) -> float:
-    v = sorted(xs)
-    if not v:
-        return math.nan
-    pos = q * (len(v) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def summary(xs: Sequence[float]) -> dict[str, Any]:
-    return {"n": len(xs), "mean": sum(xs) / len(xs) if xs else math.nan,
-            "p50": quantile(xs, 0.5), "p90": quantile(xs, 0.9), "p99": quantile(xs, 0.99),
-            "min": min(xs, default=math.nan), "max": max(xs, default=math.nan),
-            "samples": list(xs)}
-
 
 def ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x * 1e3:.1f}"
@@ -890,12 +878,9 @@ class Bench:
         return f"{meminfo().get('MemTotal', 0) / (1 << 30):.0f}"
 
     def plot(self, path: Path) -> str | None:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return "matplotlib is not importable: no plot"
+        plt = pyplot()
+        if plt is None:
+            return NO_PLOT
         rt = self.results.get("runtime", {})
         dk = self.results.get("docker", {})
         curves = []
@@ -919,10 +904,7 @@ class Bench:
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title("Create-to-first-exec latency, busybox image, same run")
         ax.legend(fontsize=8, loc="lower right")
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(plt, fig, path, dpi=120)
         return None
 
 
@@ -957,10 +939,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def mounts_under(path: Path) -> list[str]:
     from lazyfs import sysmount
     base = str(path.resolve()) + "/"
@@ -987,7 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     why = runtime_missing()
     if why:
         sys.exit(f"bench_runtime.py {why}")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     started = time.perf_counter()
     machine = machine_info(args.workdir)
     machine["kernel"] = platform.release()
