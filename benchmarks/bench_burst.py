@@ -37,44 +37,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-
-from bench_chunkstore import disk_written, machine_info
-from lazynode import LazyNode
-from seaweed import SeaweedFS
-
+from benchmarks.host import disk_written, drop_caches
+from benchmarks.report import NO_PLOT, machine_info, pyplot, quantile, save_figure, write_json
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import S3ObjectStore, open_object_store
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.seaweed import SeaweedFS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CACHE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 WORKLOAD = "dpkg -l | wc -l"
 
 
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
-
-
 def burst(mode: str, n: int, url: str, node_root: str, work: Path) -> dict[str, Any]:
-    worker = ROOT / "benchmarks" / "burst_worker.py"
     drop_caches()
     written0 = disk_written(work)
     t0 = time.time()
-    procs = [subprocess.Popen([sys.executable, str(worker), mode, url, node_root, "debian:12",
-                               str(work / f"{mode}-{i}"), WORKLOAD],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.burst_worker", mode, url,
+                               node_root, "debian:12", str(work / f"{mode}-{i}"), WORKLOAD],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for i in range(n)]
     results = []
     for p in procs:
@@ -89,20 +75,17 @@ def burst(mode: str, n: int, url: str, node_root: str, work: Path) -> dict[str, 
     if bad:
         raise RuntimeError(f"{mode}: {len(bad)} workloads failed: {bad[0]}")
     latencies = [r["end"] - t0 for r in results]
-    return {"mode": mode, "n": n, "total_s": total, "p50_s": pct(latencies, 50),
-            "p99_s": pct(latencies, 99), "latencies": latencies,
+    return {"mode": mode, "n": n, "total_s": total, "p50_s": quantile(latencies, 0.5),
+            "p99_s": quantile(latencies, 0.99), "latencies": latencies,
             "worker_store_bytes": sum(int(r["store_bytes"]) for r in results),
             "disk_written": written, "output": results[0]["output"]}
 
 
 def plot(rows: list[dict[str, Any]], png: Path) -> None:
     """Start-latency CDF of every burst (log time axis: the sides differ by 10-30x)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: no plot")
+    plt = pyplot()
+    if plt is None:
+        print(NO_PLOT)
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
@@ -115,8 +98,7 @@ def plot(rows: list[dict[str, Any]], png: Path) -> None:
     ax.set_title("Burst start from SeaweedFS: lazy vs eager (one 2-core node)")
     ax.legend()
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    save_figure(plt, fig, png, dpi=120)
     print(f"wrote {png}")
 
 
@@ -200,8 +182,7 @@ def main() -> None:
     doc = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "duration_s": time.time() - started,
            "machine": machine_info(args.workdir), "image_bytes": image_bytes,
            "workload": WORKLOAD, "rows": rows, "ratios": ratios}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2))
+    write_json(args.json, doc)
     print(f"wrote {args.json}")
     plot(rows, args.json.with_name("burst_cdf.png"))
 

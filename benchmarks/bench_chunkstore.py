@@ -63,34 +63,41 @@ that every byte read back equals what was written and lists any mismatch under
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime as dt
 import functools
-import gc
-import importlib.metadata
-import json
 import os
-import platform
 import random
 import shutil
 import stat
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import zstandard
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # measure the checkout this file belongs to
-
+from benchmarks.host import can_drop_caches, disk_usage, drop_caches, fs_type, remove, syncfs
+from benchmarks.report import (
+    Run,
+    add_run_options,
+    apply_profile,
+    elapsed,
+    f1,
+    f2,
+    int_list,
+    log,
+    machine_info,
+    percentiles,
+    rotate,
+    table,
+    timed,
+    write_json,
+)
 from chunkstore import ChunkId, ChunkStore, GcReport, StoreConfig, StoreStats
 
 T = TypeVar("T")
@@ -101,151 +108,9 @@ MiB = 1 << 20
 GET_BATCH = 64
 FILES_PER_DIR = 1024
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "chunkstore.json"
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 QUICK = {"limit_mb": 100, "repeats": 3, "latency_samples": 5000, "sweep_mb": 50}
 FULL = {"limit_mb": 400, "repeats": 3, "latency_samples": 20_000, "sweep_mb": 200}
-
-_START = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _START:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-# -- system helpers ------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def syncfs(fd: int) -> None:
-    """Flush every dirty page and inode of the filesystem holding `fd`."""
-    fn = getattr(_libc, "syncfs", None)
-    if fn is None:  # pragma: no cover - non-glibc
-        os.sync()
-        return
-    if fn(fd) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def can_drop_caches() -> bool:
-    return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)
-
-
-def drop_caches() -> None:
-    os.sync()
-    DROP_CACHES.write_text("3\n")
-
-
-def fs_type(path: Path) -> str:
-    """Filesystem type of the mount holding `path` (longest matching mount point)."""
-    real = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        pass
-    return kind
-
-
-def disk_usage(root: Path) -> int:
-    """Bytes allocated on disk (st_blocks) under `root`."""
-    total = 0
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def add_run_options(p: argparse.ArgumentParser, default_json: Path,
-                    quick: dict[str, Any]) -> None:
-    """--json, --keep and --quick (a small profile; options given explicitly win)."""
-    p.add_argument("--json", type=Path, default=default_json,
-                   help="where to write results (default: %(default)s)")
-    p.add_argument("--keep", action="store_true", help="keep the temp dir (for inspection)")
-    p.add_argument("--quick", action="store_true",
-                   help="small run (about a minute): " + ", ".join(
-                       f"--{k.replace('_', '-')} {v}" for k, v in quick.items())
-                   + "; options given explicitly win")
-
-
-def apply_profile(args: argparse.Namespace, quick: dict[str, Any],
-                  full: dict[str, Any]) -> None:
-    """Fill the options left unset (None) from the --quick or the full profile."""
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-
-
-def disk_written(path: Path) -> int:
-    """Bytes written so far to the block device holding `path` (/proc/diskstats)."""
-    dev = os.stat(path).st_dev
-    major, minor = os.major(dev), os.minor(dev)
-    for line in Path("/proc/diskstats").read_text().splitlines():
-        f = line.split()
-        if int(f[0]) == major and int(f[1]) == minor:
-            return int(f[9]) * 512
-    return 0
-
-
-def machine_info(workdir: Path) -> dict[str, Any]:
-    def read(path: str) -> str:
-        try:
-            return Path(path).read_text()
-        except OSError:
-            return ""
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in read("/proc/cpuinfo").splitlines()
-                if ln.startswith("model name")), platform.processor())
-    mem_kib = next((int(ln.split()[1]) for ln in read("/proc/meminfo").splitlines()
-                    if ln.startswith("MemTotal:")), 0)
-    versions: dict[str, str | None] = {}
-    for pkg in ("zstandard", "lmdb", "xxhash", "blake3", "lazyfs"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            versions[pkg] = None
-    git: dict[str, Any] = {}
-    try:
-        git["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                                       capture_output=True, text=True, check=True
-                                       ).stdout.strip()
-        git["chunkstore_dirty"] = bool(subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "chunkstore"],
-            capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return {
-        "nproc": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "mem_gib": round(mem_kib / MiB, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "packages": versions,
-        "git": git,
-        "workdir": str(workdir),
-        "workdir_fs": fs_type(workdir),
-        "euid": os.geteuid(),
-        "loadavg_start": list(os.getloadavg()),
-    }
-
 
 # -- corpus ----------------------------------------------------------------------
 
@@ -336,33 +201,7 @@ def small_slices(chunks: Sequence[bytes], size: int, n: int, rng: random.Random)
     return [chunks[ci][off:off + size] for ci, off in picked]
 
 
-# -- timing ------------------------------------------------------------------------
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine spent busy (steal counts: the host took the CPU)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-            int, f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class Run:
-    seconds: float
-    cpu_seconds: float  # this process, all threads
-    other_cores: float  # average CPUs kept busy by anything else meanwhile (noise)
-
-
-def timed(fn: Callable[[], T]) -> tuple[T, Run]:
-    gc.collect()
-    b0, c0, t0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
-    out = fn()
-    t1, c1, b1 = time.perf_counter(), time.process_time(), busy_cpu_seconds()
-    wall, cpu = t1 - t0, c1 - c0
-    # /proc/stat counts in clock ticks (10 ms): clamp what that rounding does to short runs
-    other = min(float(os.cpu_count() or 1), max(0.0, (b1 - b0 - cpu) / wall))
-    return out, Run(wall, cpu, other)
-
+# -- throughput series -------------------------------------------------------------
 
 @dataclass
 class Series:
@@ -399,19 +238,6 @@ class Series:
                 "seconds": [r.seconds for r in self.runs],
                 "cpu_seconds": [r.cpu_seconds for r in self.runs],
                 "other_cores_per_run": [r.other_cores for r in self.runs], **self.extra}
-
-
-def rotate(items: Sequence[T], r: int) -> list[T]:
-    """Run order of repeat r: every variant goes first once, so drift hits all alike."""
-    k = r % len(items)
-    return [*items[k:], *items[:k]]
-
-
-def percentiles(ns: Sequence[int]) -> dict[str, float]:
-    us = sorted(x / 1000 for x in ns)
-    q = statistics.quantiles(us, n=1000, method="inclusive")
-    return {"samples": len(us), "p50_us": statistics.median(us), "p99_us": q[989],
-            "p999_us": q[998], "mean_us": statistics.fmean(us), "max_us": us[-1]}
 
 
 # -- the two sides -------------------------------------------------------------------
@@ -787,32 +613,6 @@ class Bench:
 
 # -- report ----------------------------------------------------------------------
 
-def table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
-          notes: Sequence[str] = (), left: int = 1) -> str:
-    """An aligned text table: the first `left` columns flush left, the others
-    right; a row of one cell is a group heading."""
-    cols = list(zip(header, *(r for r in rows if len(r) > 1), strict=True))
-    widths = [max(len(x) for x in col) for col in cols]
-
-    def line(cells: Sequence[str]) -> str:
-        if len(cells) == 1:
-            return f"[{cells[0]}]"
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-    rule = "-" * len(line(header))
-    out = [title, rule, line(header), rule, *(line(r) for r in rows), rule]
-    out += [f"  {n}" for n in notes]
-    return "\n".join(x.rstrip() for x in out) + "\n"
-
-
-def f1(x: float) -> str:
-    return f"{x:.1f}"
-
-
-def f2(x: float) -> str:
-    return f"{x:.2f}"
-
-
 THROUGHPUT_HEAD = ["variant", "MB/s", "median", "seconds", "cores", "others", "ratio",
                    "vs zstd"]
 
@@ -928,29 +728,13 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
 # -- command line --------------------------------------------------------------------
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"need positive integers: {text!r}")
-    return values
-
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(
-        prog="bench_chunkstore.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m benchmarks.bench_chunkstore",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=doc.split("\nWhat is measured")[0],
         epilog="What is measured" + doc.split("\nWhat is measured", 1)[1] if
         "\nWhat is measured" in doc else None)
@@ -1055,7 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argd = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     results: dict[str, Any] = {
         "timestamp": started.isoformat(timespec="seconds"),
-        "duration_seconds": time.perf_counter() - _START,
+        "duration_seconds": elapsed(),
         "machine": machine,
         "args": argd,
         "default_threads": default_threads,

@@ -16,7 +16,7 @@ dev       minbase + `apt-get install --no-install-recommends python3
 1. Convert throughput (minbase)
 -------------------------------
 Sources made once per run: an uncompressed layer tar and a gzip one
-(tests/images.tar_of: GNU tar, pax, sorted, numeric owners, xattrs), and the
+(tests/helpers/images.tar_of: GNU tar, pax, sorted, numeric owners, xattrs), and the
 directory itself. Store side: open a fresh store + catalog, convert(tar: /
 tar.gz via tar: / dir:) with the default chunk size, close. Baseline: what a
 registry pull does on the host once the blob is downloaded, GNU tar as root
@@ -113,34 +113,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for _p in (HERE, REPO, REPO / "tests"):  # this checkout; the sibling benchmark; tests/images
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from bench_chunkstore import (
+from benchmarks.host import busy_cpu_seconds, fs_type, remove, syncfs
+from benchmarks.report import (
     add_run_options,
     apply_profile,
-    busy_cpu_seconds,
+    exit_on_sigterm,
     f1,
     f2,
-    fs_type,
     log,
     machine_info,
-    remove,
     rotate,
-    syncfs,
     table,
     write_json,
 )
-from images import gnu_tar, tar_of
-
 from chunkstore import TRUSTED, ChunkId, ChunkStore, StoreStats
 from composer.builder import DEFAULT_CHUNK_SIZE
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.manifest import Kind, LayerManifest
+from tests.helpers.images import gnu_tar, tar_of
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 MB = 1_000_000
 KiB = 1 << 10
@@ -635,10 +629,6 @@ class Scratch:
                 "device": self.device_name, "note": self.note,
                 "create_us_workdir": self.probe_workdir_us,
                 "create_us_scratch": self.probe_scratch_us}
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 # -- the benchmark -------------------------------------------------------------------
@@ -1222,7 +1212,8 @@ def int_list(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(
-        prog="bench_convert.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m benchmarks.bench_convert",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=doc.split("\n\n", 1)[0],
         epilog=doc.split("\n\n", 1)[1] if "\n\n" in doc else None)
     p.add_argument("--minbase", type=Path, default=CACHE / "debian-minbase",
@@ -1307,7 +1298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if free < need:
         log(f"WARNING: only {free / MB:.0f} MB free under {args.workdir}, about "
             f"{need / MB:.0f} MB needed")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the finally below unmounts
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # so the finally below unmounts
     tmp = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.workdir))
     scratch = Scratch(tmp, args.scratch, max(MIN_SCRATCH_BYTES, 2 * need))
     try:

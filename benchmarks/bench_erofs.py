@@ -42,7 +42,6 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,23 +49,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for _p in (HERE, REPO, REPO / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from bench_chunkstore import (
+from benchmarks.host import chroot, drop_caches, run
+from benchmarks.report import (
+    NO_PLOT,
     add_run_options,
     apply_profile,
-    drop_caches,
+    exit_on_sigterm,
     f2,
     log,
     machine_info,
+    pyplot,
+    save_figure,
+    spread,
     table,
     write_json,
 )
-
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
@@ -75,12 +72,13 @@ from lazyfs.daemon import NodePaths, request
 from lazyfs.mounts import mount_image, unmount
 from pmem.erofs import build_image
 
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
 MB = 1_000_000
 MiB = 1 << 20
 CACHE_ROOT = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 LAZYFS = str(Path(sys.executable).with_name("lazyfs"))
-CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-              "HOME": "/root", "LC_ALL": "C", "TERM": "dumb"}
 VIEWS = ("kernel", "fuse", "ext4")
 WORKLOADS: dict[str, list[str]] = {
     "find / -xdev": ["find", "/", "-xdev"],
@@ -92,21 +90,6 @@ WORKLOADS: dict[str, list[str]] = {
 SEQ = "sequential read"
 QUICK = {"big_mb": 128, "cold_repeats": 1, "warm_repeats": 3}
 FULL = {"big_mb": 512, "cold_repeats": 3, "warm_repeats": 5}
-
-
-def run(argv: Sequence[str | Path], **kw: Any) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=False,
-                       **kw)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, argv))} exited {p.returncode}: "
-                           f"{(p.stderr or p.stdout).strip()[-2000:]}")
-    return p
-
-
-def chroot(root: Path, argv: Sequence[str]) -> tuple[float, str]:
-    t0 = time.perf_counter()
-    p = run(["chroot", root, *argv], env=CHROOT_ENV, cwd="/")
-    return time.perf_counter() - t0, p.stdout
 
 
 def read_file(path: Path) -> tuple[float, str]:
@@ -127,7 +110,7 @@ def dev_tree() -> Path:
     root = CACHE_ROOT / "debian-dev"
     if not (root / "usr/bin/gcc").exists():
         log(f"building {root} with debootstrap (several minutes, once)")
-        from test_lazyfs_debian import _debootstrap
+        from tests.test_lazyfs_debian import _debootstrap
         return _debootstrap("debian-dev", "python3,build-essential", "usr/bin/gcc")
     return root
 
@@ -262,8 +245,8 @@ class Bench:
                     outputs[view].add(out)
             if len({o for outs in outputs.values() for o in outs}) != 1:
                 self.problems.append(f"{work}: the views disagree: {outputs}")
-            self.results["cold"][work] = {v: _summary(cold[v]) for v in VIEWS}
-            self.results["warm"][work] = {v: _summary(warm[v]) for v in VIEWS}
+            self.results["cold"][work] = {v: spread(cold[v]) for v in VIEWS}
+            self.results["warm"][work] = {v: spread(warm[v]) for v in VIEWS}
             self.results["fetched_mb"][work] = {v: statistics.median(b) / MB
                                                 for v, b in fetched.items()}
             if work == SEQ:
@@ -304,12 +287,9 @@ class Bench:
         return "\n".join(out)
 
     def plot(self, path: Path) -> str | None:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as e:
-            return f"no plot: {e}"
+        plt = pyplot()
+        if plt is None:
+            return NO_PLOT
         works = list(self.results["warm"])
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
         width = 0.38
@@ -324,26 +304,14 @@ class Bench:
             ax.set_xticks(range(len(works)), works, rotation=20, ha="right")
             ax.set_title(f"{phase}: time vs ext4 (1 = native)")
             ax.legend()
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(plt, fig, path, dpi=110)
         return None
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "best": min(values), "max": max(values),
-            "n": len(values)}
 
 
 def _ms_or_rate(work: str, seconds: float, results: dict[str, Any]) -> str:
     if work == SEQ:
         return f"{results['seq_mb'] / seconds:,.0f} MB/s"
     return f"{seconds * 1e3:,.0f} ms"
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -362,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "drop_caches)")
     if not erofsmounts.available():
         sys.exit("this kernel has no EROFS")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-erofs-", dir=args.workdir))
     bench = Bench(args, work)

@@ -71,19 +71,24 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for _p in (HERE, REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-from bench_chunkstore import f1, f2, log, machine_info, table, write_json
-
+from benchmarks.host import chroot, drop_caches, run
+from benchmarks.report import (
+    NO_PLOT,
+    exit_on_sigterm,
+    f1,
+    f2,
+    log,
+    machine_info,
+    pyplot,
+    save_figure,
+    spread,
+    table,
+    write_json,
+)
 from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
 from composer.catalog import Catalog
@@ -91,12 +96,13 @@ from composer.compose import overlay_fixups
 from lazyfs.daemon import NodePaths, request
 from lazyfs.mounts import write_fixups
 
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
 MB = 1_000_000
 MiB = 1 << 20
 CACHE_ROOT = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 LAZYFS = str(Path(sys.executable).with_name("lazyfs"))
-CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-              "HOME": "/root", "LC_ALL": "C", "TERM": "dumb"}
 REFERENCE_TOUCHED = {"C++": 0.087, "Go": 0.133, "Python": 0.060}
 DIAG_READ_AHEAD_KB = 1024  # what lazyfs.daemon.READ_AHEAD_KB asks for
 
@@ -115,32 +121,10 @@ META_COMMANDS = {
 
 # -- system helpers -------------------------------------------------------------------
 
-def drop_kernel_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def is_mounted(path: Path) -> bool:
     target = str(path.absolute())
     with open("/proc/self/mounts") as f:
         return any(line.split()[1].replace("\\040", " ") == target for line in f)
-
-
-def run(argv: Sequence[str | Path], **kw: Any) -> subprocess.CompletedProcess[str]:
-    """Run argv; on failure raise with its stderr in the message."""
-    p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=False,
-                       **kw)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, argv))} exited {p.returncode}: "
-                           f"{(p.stderr or p.stdout).strip()[-2000:]}")
-    return p
-
-
-def chroot(root: Path, argv: Sequence[str]) -> tuple[float, str]:
-    """Run argv chrooted at root; seconds until it exited, and its stdout."""
-    t0 = time.perf_counter()
-    p = run(["chroot", root, *argv], env=CHROOT_ENV, cwd="/")
-    return time.perf_counter() - t0, p.stdout
 
 
 def sh(cmd: str) -> list[str]:
@@ -171,10 +155,6 @@ def image_layers(store: Path, name: str) -> tuple[str, list[str], int]:
         digest, img = c.resolve(name)
         size = sum(c.load_layer(d).data_size for d in img.layers)
         return digest, list(img.layers), size
-
-
-def stats_summary(values: list[float]) -> dict[str, float]:
-    return {"best": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 # -- the node ------------------------------------------------------------------------
@@ -228,7 +208,7 @@ class Node:
         if image is not None:
             digest = image_layers(self.store, image)[0]
             shutil.rmtree(self.paths.fixups / digest_key(digest), ignore_errors=True)
-        drop_kernel_caches()
+        drop_caches()
 
     def drop_node_cache(self) -> None:
         request(self.paths, {"op": "drop_cache"}, timeout=60)
@@ -555,7 +535,7 @@ class Bench:
                 lazy.append({"total_s": total, "mount_s": mount_s, "command_s": cmd_s, **touch})
 
                 shutil.rmtree(exp, ignore_errors=True)
-                drop_kernel_caches()
+                drop_caches()
                 t0 = time.perf_counter()
                 export_s = self.export(name, exp)
                 cmd_s, got = chroot(exp, sh(cmd))
@@ -567,19 +547,19 @@ class Bench:
                               "fetched_bytes": data_bytes})
                 log(f"  run {r}: lazy {lazy[-1]['total_s']:.2f} s, eager {total:.2f} s")
             shutil.rmtree(exp, ignore_errors=True)
-            lz = stats_summary([s["total_s"] for s in lazy])
-            eg = stats_summary([s["total_s"] for s in eager])
+            lz = spread([s["total_s"] for s in lazy])
+            eg = spread([s["total_s"] for s in eager])
             fetched = statistics.median(s["fetched_bytes"] for s in lazy)
             out[name] = {
                 "command": cmd, "output": expected.strip(), "image_bytes": data_bytes,
                 "layers": layers,
                 "lazy": {"samples": lazy, "total_s": lz,
-                         "mount_s": stats_summary([s["mount_s"] for s in lazy]),
-                         "command_s": stats_summary([s["command_s"] for s in lazy]),
+                         "mount_s": spread([s["mount_s"] for s in lazy]),
+                         "command_s": spread([s["command_s"] for s in lazy]),
                          "fetched_bytes_median": fetched},
                 "eager": {"samples": eager, "total_s": eg,
-                          "export_s": stats_summary([s["export_s"] for s in eager]),
-                          "command_s": stats_summary([s["command_s"] for s in eager]),
+                          "export_s": spread([s["export_s"] for s in eager]),
+                          "command_s": spread([s["command_s"] for s in eager]),
                           "fetched_bytes": data_bytes},
                 "speedup_best": eg["best"] / lz["best"],
                 "speedup_median": eg["median"] / lz["median"],
@@ -643,14 +623,14 @@ class Bench:
         def lazy_cold_rows(suffix: str) -> None:
             for _ in range(n):
                 self.node.drop_node_cache()
-                drop_kernel_caches()
+                drop_caches()
                 sample(f"lazyfs cold, node cache cold{suffix}", lazy_file)
             for _ in range(n):
-                drop_kernel_caches()  # the node cache now holds every chunk
+                drop_caches()  # the node cache now holds every chunk
                 sample(f"lazyfs cold, node cache warm{suffix}", lazy_file)
 
         for _ in range(n):
-            drop_kernel_caches()
+            drop_caches()
             sample("ext4 cold", native)
         lazy_cold_rows("")
         _, _, want = read_file(native, digest=True)
@@ -727,7 +707,7 @@ class Bench:
             for side, root in (("lazy", mnt), ("extracted", exp)):
                 first_s, text = chroot(root, argv)  # warms the page cache (and node cache)
                 secs = [chroot(root, argv)[0] for _ in range(n)]
-                sides[side] = {"first_s": first_s, "seconds": secs, **stats_summary(secs),
+                sides[side] = {"first_s": first_s, "seconds": secs, **spread(secs),
                                "lines": len(text.splitlines())}
             if sides["lazy"]["lines"] != sides["extracted"]["lines"]:
                 self.node.problems.append(
@@ -797,12 +777,9 @@ class Bench:
 
     # plot --------------------------------------------------------------------------
     def plot(self, path: Path) -> str | None:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return "matplotlib is not importable: no plot"
+        plt = pyplot()
+        if plt is None:
+            return NO_PLOT
         cs = self.results["cold_start"]
         names = list(cs)
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -832,15 +809,8 @@ class Bench:
         ax.set_ylabel("seconds to first output (median; dots = runs)")
         ax.set_title("Cold start: lazy mount vs eager export, same store")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(plt, fig, path, dpi=120)
         return None
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def main() -> None:
@@ -864,7 +834,7 @@ def main() -> None:
         if not (CACHE_ROOT / name / "usr/bin/dpkg").exists():
             sys.exit(f"{CACHE_ROOT / name} is missing: run the tests or "
                      "benchmarks/bench_convert.py once to build it")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-lazyfs-", dir=args.workdir))
     node = Node(work / "store", NodePaths(work / "node"), work / "cache")

@@ -21,33 +21,24 @@ and /dev/fuse; uses the tests' cached Debian minbase tree.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from lazynode import LazyNode
-
+from benchmarks.host import drop_caches
+from benchmarks.report import machine_info, write_json
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
+from tests.helpers.lazynode import LazyNode
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MINBASE = Path("/var/cache/lazyfs-tests/debian-minbase")
 BIG = 256 << 20
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def read_all(path: Path) -> float:
@@ -69,10 +60,6 @@ def walk(root: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def best(fn: Any, repeats: int) -> float:
-    return min(fn() for _ in range(repeats))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -89,8 +76,8 @@ def main() -> None:
         work = Path(tmp)
         big_dir = work / "big"
         big_dir.mkdir()
-        with open(big_dir / "file.bin", "wb") as f:
-            f.writelines(os.urandom(1 << 20) for _ in range(BIG >> 20))
+        with open(big_dir / "file.bin", "wb") as out:
+            out.writelines(os.urandom(1 << 20) for _ in range(BIG >> 20))
         store_path = work / "store"
         with ChunkStore.open(store_path, create=True) as store, Catalog(store) as cat:
             convert(store, cat, f"dir:{big_dir}", "big:1")
@@ -107,7 +94,7 @@ def main() -> None:
                 f = n.layer_dir(big_layer) / "file.bin"
                 read_all(f)
                 read_all(f)
-                s = best(lambda f=f: read_all(f), args.repeats)
+                s = min(read_all(f) for _ in range(args.repeats))
                 rows.append({"option": "keep_cache", "setting": label, "workload":
                              "warm re-read of 256 MiB after reopen", "seconds": s,
                              "mb_per_s": BIG / s / 1e6})
@@ -116,7 +103,7 @@ def main() -> None:
             with node(label.replace(" ", "-"), extra) as n:
                 d = n.layer_dir(min_layer)
                 walk(d)
-                s = best(lambda d=d: walk(d)[0], args.repeats)
+                s = min(walk(d)[0] for _ in range(args.repeats))
                 rows.append({"option": "entry/attr timeout", "setting": label, "workload":
                              f"warm lstat walk of minbase ({walk(d)[1]:,} entries)",
                              "seconds": s})
@@ -131,7 +118,7 @@ def main() -> None:
                 times = []
                 for _ in range(args.repeats):
                     n.request({"op": "drop_cache"})
-                    drop_page_cache()
+                    drop_caches()
                     times.append(read_all(f))
                 s = min(times)
                 rows.append({"option": option, "setting": label, "workload":
@@ -152,12 +139,8 @@ def main() -> None:
     print("ratio = seconds / seconds of the default setting (first row of each option)")
     doc = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "duration_seconds": time.time() - started,
-           "machine": {"nproc": os.cpu_count(), "platform": platform.platform(),
-                       "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                                             capture_output=True, text=True, check=False).stdout.strip()},
-           "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2))
+           "machine": machine_info(args.workdir), "rows": rows}
+    write_json(args.json, doc)
     print(f"wrote {args.json}")
 
 

@@ -38,22 +38,15 @@ VMM) is part of each VMM's PSS; KVM would remove both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_chunkstore import add_run_options, apply_profile, machine_info
-from sandboxes import IMAGE, busybox_store, node_for
-
+from benchmarks.report import add_run_options, apply_profile, machine_info, write_json
 from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
 from composer.catalog import Catalog
@@ -62,6 +55,8 @@ from runtime import Sandbox
 from runtime.backends.microvm import MicrovmBackend, vmm_pss
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
+from runtime.spec import Backend
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for
 
 BIG_IMAGE = "big:1"
 MINBASE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests")) / "debian-minbase"
@@ -120,7 +115,7 @@ def _pid(node: Node, sb: Sandbox) -> int:
 
 def synthetic_tree(root: Path, total: int = 200 << 20) -> Path:
     """~total bytes of incompressible files in a few directories, + busybox."""
-    from images import build_busybox_rootfs
+    from tests.helpers.images import build_busybox_rootfs
     build_busybox_rootfs(root)
     sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
     i = written = 0
@@ -149,7 +144,7 @@ def add_big_image(store: Path, d: Path) -> str:
 
 # -- runs --------------------------------------------------------------------
 
-def timed_create(node: Node, backend: str) -> tuple[float, float, Sandbox]:
+def timed_create(node: Node, backend: Backend) -> tuple[float, float, Sandbox]:
     t0 = time.monotonic()
     sb = Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256)
     t1 = time.monotonic()
@@ -157,7 +152,7 @@ def timed_create(node: Node, backend: str) -> tuple[float, float, Sandbox]:
     return t1 - t0, time.monotonic() - t0, sb
 
 
-def latency(node: Node, backend: str, rounds: int) -> dict[str, Any]:
+def latency(node: Node, backend: Backend, rounds: int) -> dict[str, Any]:
     first_create, first_total, sb = timed_create(node, backend)
     idle = vmm_pss(_pid(node, sb)) if backend != "container" else None
     sb.kill()
@@ -283,8 +278,7 @@ def main() -> None:
         else:
             subprocess.run(["rm", "-rf", "--one-file-system", tmp], check=False)
     report(out)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
 
 
 def report(out: dict[str, Any]) -> None:

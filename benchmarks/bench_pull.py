@@ -22,9 +22,7 @@ docker.io, docker-registry and debootstrap (install.sh installs them).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -33,18 +31,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from bench_chunkstore import disk_written
-from dockerd import DockerDaemon
-from images import tar_of
-from registry import Registry, push_image
-
+from benchmarks.host import disk_written
+from benchmarks.report import machine_info, write_json
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
+from tests.helpers.dockerd import DockerDaemon
+from tests.helpers.images import tar_of
+from tests.helpers.registry import Registry, push_image
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CACHE = Path("/var/cache/lazyfs-tests/debian-minbase")
 
@@ -130,11 +126,9 @@ def main() -> None:
                  f"kept on disk lazyfs/docker: {lz['stored'] / max(1, dk['stored']):.2f}")
     text = "\n".join(lines)
     print(text)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "benchmark": "pull", "timestamp": time.time(), "machine": {
-            "nproc": os.cpu_count(), "python": platform.python_version()},
-        "image_plain_bytes": plain_bytes, "rows": rows, "table": text}, indent=2) + "\n")
+    write_json(args.json, {
+        "benchmark": "pull", "timestamp": time.time(), "machine": machine_info(args.workdir),
+        "image_plain_bytes": plain_bytes, "rows": rows, "table": text})
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """Sandbox runtime benchmark: the embedded runtime (runtime.node.Node) against
 a Docker engine running the same busybox image, side by side in one run.
 
-Image: the tests' busybox rootfs (tests/sandboxes.py busybox_store: busybox,
+Image: the tests' busybox rootfs (tests/helpers/sandboxes.py busybox_store: busybox,
 /etc/motd, a 3 MiB /data/big.bin), converted into a temporary store for the
 runtime and `docker import`ed from a tar of the same tree for Docker.
 
 Runtime side: a Node on a temporary state directory, its lazyfs daemon
-started on a temporary node root (tests/lazynode.py: the `lazyfs daemon`
+started on a temporary node root (tests/helpers/lazynode.py: the `lazyfs daemon`
 command the runtime itself would start). Docker side: a private dockerd from
-Debian's docker.io (tests/dockerd.py: its own data root, exec root, socket
+Debian's docker.io (tests/helpers/dockerd.py: its own data root, exec root, socket
 and cgroup parent, --bridge=none), containers with --network none (the
 sandboxes' default is no network too).
 
@@ -74,23 +74,20 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-
-from bench_chunkstore import (
+from benchmarks.report import (
+    NO_PLOT,
     add_run_options,
     apply_profile,
+    exit_on_sigterm,
     int_list,
     log,
     machine_info,
+    pyplot,
+    save_figure,
+    summary,
     table,
     write_json,
 )
-from lazynode import LazyNode
-from sandboxes import IMAGE, busybox_store, runtime_missing
-
 from runtime import cgroups, oci, procio
 from runtime.backends import container as container_backend
 from runtime.backends import fncall as fncall_backend
@@ -99,6 +96,10 @@ from runtime.config import RuntimeConfig
 from runtime.images import Images
 from runtime.node import Node
 from runtime.spec import ExecRequest, SandboxSpec
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -116,23 +117,6 @@ SETTLE_S = 3.0
 
 
 # -- figures -----------------------------------------------------------------------
-
-def quantile(xs: Sequence[float], q: float) -> float:
-    v = sorted(xs)
-    if not v:
-        return math.nan
-    pos = q * (len(v) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def summary(xs: Sequence[float]) -> dict[str, Any]:
-    return {"n": len(xs), "mean": sum(xs) / len(xs) if xs else math.nan,
-            "p50": quantile(xs, 0.5), "p90": quantile(xs, 0.9), "p99": quantile(xs, 0.99),
-            "min": min(xs, default=math.nan), "max": max(xs, default=math.nan),
-            "samples": list(xs)}
-
 
 def ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x * 1e3:.1f}"
@@ -660,8 +644,8 @@ class DockerSide:
 
 
 def docker_side(bench: Bench, rootfs: Path, work: Path) -> None:
-    from dockerd import DockerDaemon, import_rootfs, tools_missing
-    from images import tar_of
+    from tests.helpers.dockerd import DockerDaemon, import_rootfs, tools_missing
+    from tests.helpers.images import tar_of
 
     why = tools_missing()
     if why:
@@ -894,12 +878,9 @@ class Bench:
         return f"{meminfo().get('MemTotal', 0) / (1 << 30):.0f}"
 
     def plot(self, path: Path) -> str | None:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return "matplotlib is not importable: no plot"
+        plt = pyplot()
+        if plt is None:
+            return NO_PLOT
         rt = self.results.get("runtime", {})
         dk = self.results.get("docker", {})
         curves = []
@@ -923,10 +904,7 @@ class Bench:
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title("Create-to-first-exec latency, busybox image, same run")
         ax.legend(fontsize=8, loc="lower right")
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(plt, fig, path, dpi=120)
         return None
 
 
@@ -961,10 +939,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def mounts_under(path: Path) -> list[str]:
     from lazyfs import sysmount
     base = str(path.resolve()) + "/"
@@ -991,7 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     why = runtime_missing()
     if why:
         sys.exit(f"bench_runtime.py {why}")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     started = time.perf_counter()
     machine = machine_info(args.workdir)
     machine["kernel"] = platform.release()

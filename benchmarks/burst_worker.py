@@ -1,7 +1,7 @@
 """One sandbox start of the burst benchmark (bench_burst.py runs N at once).
 
-    burst_worker.py lazy  CLUSTER_URL NODE_ROOT IMAGE WORKDIR CMD
-    burst_worker.py eager CLUSTER_URL -         IMAGE WORKDIR CMD
+    python -m benchmarks.burst_worker lazy  CLUSTER_URL NODE_ROOT IMAGE WORKDIR CMD
+    python -m benchmarks.burst_worker eager CLUSTER_URL -         IMAGE WORKDIR CMD
 
 lazy:  compose the image's root from the node daemon's lazy layers (overlayfs,
        a writable upper of its own), run CMD in it with chroot, unmount.
@@ -20,9 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store

@@ -16,9 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lazynode import LazyNode
-from sandboxes import IMAGE, busybox_store, runtime_missing
-from support import gone, parent_death_signal, terminate
 
 from runtime import (
     AsyncSandbox,
@@ -29,6 +26,15 @@ from runtime import (
     Sandbox,
     SandboxNotFound,
     Unsupported,
+)
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+from tests.helpers.support import (
+    gone,
+    parent_death_signal,
+    processes_with,
+    terminate,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.root,
@@ -201,7 +207,7 @@ def test_agent_killed_mid_exec_then_restarted(agent: Agent) -> None:
     import threading
     t = threading.Thread(target=long_exec)
     t.start()
-    time.sleep(0.5)
+    wait_until(lambda: processes_with(tag), 20, "the long call runs in the sandbox")
     agent.kill()
     t.join(10)
     assert not t.is_alive()

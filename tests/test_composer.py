@@ -12,15 +12,6 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from images import (
-    add_special_files,
-    build_busybox_rootfs,
-    chroot_run,
-    extract_layers,
-    tar_of,
-    whiteout_layer,
-)
-from treediff import diff_trees
 
 from chunkstore import ChunkStore
 from chunkstore.digests import Digest
@@ -29,6 +20,15 @@ from composer.convert import convert
 from composer.errors import BadLayer, BadLink, BadSource, ImageNotFound, UnsafePath
 from composer.export import export_tree
 from composer.refs import ImageRef, normalize_tag
+from tests.helpers.images import (
+    add_special_files,
+    build_busybox_rootfs,
+    chroot_run,
+    extract_layers,
+    tar_of,
+    whiteout_layer,
+)
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0,
@@ -146,7 +146,8 @@ def test_multi_layer_whiteouts_match_reference_extraction(
         store: ChunkStore, cat: Catalog, rootfs: Path, tmp_path: Path, fmt: str) -> None:
     base = tar_of(rootfs, tmp_path / "base.tar.gz", compression="gzip")
     upper = _upper(tmp_path)
-    config = {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"], "WorkingDir": "/", "User": "0"}
+    config: dict[str, object] = {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"], "WorkingDir": "/",
+                                 "User": "0"}
     if fmt == "docker-archive":
         ref = f"docker-archive:{_docker_archive(tmp_path, [base, upper], config)}"
     else:

@@ -8,10 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
-from support import start_worker, stop
-from workers import chunk_data
 
 from chunkstore import ChunkId, ChunkStore
+from tests.helpers.support import start_worker, stop
+from tests.helpers.workers import chunk_data
 
 pytestmark = pytest.mark.slow
 

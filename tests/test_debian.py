@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from images import chroot_run, tar_of
-from treediff import diff_trees
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.export import export_tree
+from tests.helpers.images import chroot_run, tar_of
+from tests.helpers.treediff import diff_trees
 
 CACHE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 

@@ -11,15 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dockerd import DockerDaemon, build_image, import_rootfs, tools_missing
-from images import build_busybox_rootfs, extract_layers, tar_of
-from treediff import diff_trees
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.errors import BadSource
 from composer.export import export_tree
+from tests.helpers.dockerd import DockerDaemon, build_image, import_rootfs, tools_missing
+from tests.helpers.images import build_busybox_rootfs, extract_layers, tar_of
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [
     pytest.mark.root, pytest.mark.slow,

@@ -1,4 +1,4 @@
-"""The private dockerd of tests/dockerd.py: images in, images out, clean shutdown.
+"""The private dockerd of tests/helpers/dockerd.py: images in, images out, clean shutdown.
 
 One daemon serves the module (starting takes well under a second); the
 shutdown tests start their own to check that nothing -- dockerd, containerd,
@@ -18,7 +18,7 @@ import pytest
 
 docker = pytest.importorskip("docker", reason="the docker SDK is not installed")
 
-from dockerd import (
+from tests.helpers.dockerd import (
     DockerDaemon,
     DockerDaemonError,
     build_image,
@@ -26,7 +26,7 @@ from dockerd import (
     mounts_under,
     tools_missing,
 )
-from images import ImageBuildError, build_busybox_rootfs, tar_of
+from tests.helpers.images import ImageBuildError, build_busybox_rootfs, tar_of
 
 pytestmark = pytest.mark.skipif(tools_missing() is not None,
                                 reason=tools_missing() or "dockerd usable")

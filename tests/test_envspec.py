@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from images import build_busybox_rootfs, chroot_run, tar_of
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
@@ -16,6 +15,7 @@ from composer.convert import convert
 from composer.envspec import SpecError, build, load_spec
 from composer.errors import BadSource
 from composer.export import export_tree
+from tests.helpers.images import build_busybox_rootfs, chroot_run, tar_of
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root: image owners")]

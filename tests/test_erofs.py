@@ -20,19 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from images import (
-    EPOCH_NS,
-    add_special_files,
-    build_busybox_rootfs,
-    chroot_run,
-    extract_layers,
-    tar_of,
-)
-from images import whiteout_layer as make_whiteout_layer
-from lazynode import LazyNode, fuse_missing
-from support import flip_byte, pack_path, root_only
-from test_lazyfs import make_image
-from treediff import data_extents, diff_trees
 
 from chunkstore import TRUSTED, ChunkStore
 from composer.bloblayout import BLOCK, BlobLayout, BlobPiece
@@ -43,6 +30,19 @@ from composer.tarlayer import import_tar
 from lazyfs import sysmount
 from pmem.erofs import build_image, materialize_blob, write_image
 from pmem.errors import UnrepresentableEntry
+from tests.helpers.images import (
+    EPOCH_NS,
+    add_special_files,
+    build_busybox_rootfs,
+    chroot_run,
+    extract_layers,
+    tar_of,
+)
+from tests.helpers.images import whiteout_layer as make_whiteout_layer
+from tests.helpers.lazynode import LazyNode, fuse_missing
+from tests.helpers.support import flip_byte, pack_path, root_only
+from tests.helpers.treediff import data_extents, diff_trees
+from tests.test_lazyfs import make_image
 
 MIB = 1 << 20
 CHUNK = 256 << 10  # the converter's default chunk size
@@ -421,7 +421,7 @@ def test_a_dead_daemon_gives_errors_not_hangs(store: ChunkStore, cat: Catalog,
 def minbase() -> Path:
     if shutil.which("debootstrap") is None:
         pytest.skip("debootstrap is not installed (install.sh installs it)")
-    from test_lazyfs_debian import _debootstrap
+    from tests.test_lazyfs_debian import _debootstrap
     return _debootstrap("debian-minbase", None, "usr/bin/dpkg")
 
 

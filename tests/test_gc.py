@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support import pack_path, start_worker, stop
 
-from chunkstore import ChunkNotFound, ChunkStore, GcBusy, RootError, StoreConfig
+from chunkstore import ChunkId, ChunkNotFound, ChunkStore, GcBusy, RootError, StoreConfig
+from tests.helpers.support import pack_path, start_worker, stop
 
 
 def test_unrooted_chunks_are_swept_and_space_reclaimed(store: ChunkStore,
@@ -62,7 +62,7 @@ def test_set_root_rejects_unknown_chunks(store: ChunkStore) -> None:
 def test_grace_period_keeps_fresh_and_recently_used_chunks(store: ChunkStore) -> None:
     old = store.put(os.urandom(1000))
     reused = store.put(os.urandom(2000))
-    time.sleep(1.2)
+    time.sleep(1.2)  # the test: `old` and `reused` outlive the 1 s grace period
     store.put(store.get(reused))  # a dedup hit refreshes it
     fresh = store.put(os.urandom(3000))
     report = store.gc(grace_seconds=1.0)
@@ -88,7 +88,7 @@ def test_gc_is_safe_for_live_readers(store_path: Path) -> None:
     cfg = StoreConfig(pack_size=1 << 20, threads=1)
     with ChunkStore.open(store_path, config=cfg) as store:
         live_data = [os.urandom(30_000) for _ in range(60)]
-        live: list = []
+        live: list[ChunkId] = []
         for k in range(6):  # live chunks interleaved with garbage in every pack
             batch = live_data[k * 10:(k + 1) * 10] + [os.urandom(30_000) for _ in range(25)]
             live += store.put_many(batch)[:10]

@@ -17,18 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import (
-    add_special_files,
-    build_busybox_rootfs,
-    chroot_run,
-    extract_layers,
-    tar_of,
-    whiteout_layer,
-)
-from lazynode import REPO, LazyNode, fuse_missing
-from support import flip_byte, pack_path
-from test_lazyfs import make_image
-from treediff import diff_trees
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
@@ -36,6 +24,18 @@ from composer.convert import convert
 from lazyfs import erofsmounts, sysmount
 from lazyfs.daemon import NodePaths
 from lazyfs.mounts import KERNEL_DEFAULT, MountError, mount_image, registered, unmount
+from tests.helpers.images import (
+    add_special_files,
+    build_busybox_rootfs,
+    chroot_run,
+    extract_layers,
+    tar_of,
+    whiteout_layer,
+)
+from tests.helpers.lazynode import REPO, LazyNode, fuse_missing
+from tests.helpers.support import flip_byte, pack_path
+from tests.helpers.treediff import diff_trees
+from tests.test_lazyfs import make_image
 
 MIB = 1 << 20
 
@@ -363,7 +363,7 @@ def test_explicit_kernel_path_errors_name_the_layer(node: LazyNode, cat: Catalog
 @pytest.mark.slow
 def test_debian_minbase_on_the_kernel_path(tmp_path: Path, store: ChunkStore, cat: Catalog
                                            ) -> None:
-    from test_lazyfs_debian import _debootstrap
+    from tests.test_lazyfs_debian import _debootstrap
     if not os.path.exists("/usr/sbin/debootstrap"):
         pytest.skip("debootstrap is not installed (install.sh installs it)")
     minbase = _debootstrap("debian-minbase", None, "usr/bin/dpkg")

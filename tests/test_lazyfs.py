@@ -17,7 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import (
+
+from chunkstore import TRUSTED, ChunkStore, StoreConfig
+from composer.catalog import Catalog, Image
+from composer.tarlayer import import_tar
+from lazyfs import sysmount
+from tests.helpers.images import (
     add_special_files,
     build_busybox_rootfs,
     chroot_run,
@@ -25,14 +30,9 @@ from images import (
     tar_of,
     whiteout_layer,
 )
-from lazynode import REPO, LazyNode, fuse_missing
-from support import flip_byte, pack_path
-from treediff import diff_trees
-
-from chunkstore import TRUSTED, ChunkStore, StoreConfig
-from composer.catalog import Catalog, Image
-from composer.tarlayer import import_tar
-from lazyfs import sysmount
+from tests.helpers.lazynode import REPO, LazyNode, fuse_missing
+from tests.helpers.support import flip_byte, pack_path, wait_until
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))]
@@ -166,10 +166,7 @@ def test_prefetch_replays_a_trace_into_the_node_cache(node: LazyNode, cat: Catal
     assert node.stats()["cache"]["chunks"] == 0
     before = node.stats()["cache"]["misses"]
     node.request({"op": "prefetch", "events": trace["events"]})
-    deadline = time.monotonic() + 20
-    while node.stats()["prefetch_runs"] < 1:
-        assert time.monotonic() < deadline, node.stats()
-        time.sleep(0.05)
+    wait_until(lambda: node.stats()["prefetch_runs"] >= 1, 20, "the prefetch run")
     st = node.stats()["cache"]
     assert st["chunks"] > 0
     # the same reads now hit the node cache: no new misses (page cache dropped first)
@@ -381,6 +378,7 @@ def test_the_daemon_survives_bad_control_requests(node: LazyNode, cat: Catalog,
            json.dumps({"op": "prefetch", "events": [{"layer": "blake3:" + "0" * 64,
                                                      "path": "x", "chunk": 0}]}).encode()
            + b"\n"]
+    runs = node.stats()["prefetch_runs"]
     for req in bad:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(10)
@@ -388,7 +386,9 @@ def test_the_daemon_survives_bad_control_requests(node: LazyNode, cat: Catalog,
             s.sendall(req)
             answer = json.loads(s.recv(1 << 16))
         assert isinstance(answer, dict), req[:40]
-    time.sleep(0.5)  # the background prefetch of the unknown layer has run
+        runs += "queued" in answer
+    # the background prefetches (one of an unknown layer) have run
+    wait_until(lambda: node.stats()["prefetch_runs"] >= runs, 20, "the queued prefetches")
     assert node.request({"op": "ping"})["ok"]
     assert node.proc is not None and node.proc.poll() is None
     assert (node.layer_dir(image[1]) / "etc" / "motd").read_text() == "hello\n"

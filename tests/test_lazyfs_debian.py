@@ -12,14 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import chroot_run
-from lazynode import LazyNode, fuse_missing
-from treediff import diff_trees
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.envspec import build, load_spec
+from tests.helpers.images import chroot_run
+from tests.helpers.lazynode import LazyNode, fuse_missing
+from tests.helpers.treediff import diff_trees
 
 CACHE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandboxes import IMAGE, busybox_store, node_for, vm_missing
 
 from runtime import Sandbox
 from runtime.backends.microvm import MicrovmBackend
 from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, vm_missing
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing()))]

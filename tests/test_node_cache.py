@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from support import flip_byte, pack_path
 
 from chunkstore import TRUSTED, ChunkCorrupt, ChunkId, ChunkNotFound, ChunkStore, TrustDomain
 from chunkstore.cache import CacheBusy, NodeCache
+from tests.helpers.support import flip_byte, pack_path
 
 
 class CountingSource:

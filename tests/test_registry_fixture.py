@@ -1,4 +1,4 @@
-"""The loopback registry helpers in tests/registry.py work against a real registry.
+"""The loopback registry helpers in tests/helpers/registry.py work against a real registry.
 
 Each registry runs as a child `docker-registry serve` and is stopped by its
 fixture's context manager, whatever the test outcome."""
@@ -20,7 +20,8 @@ import dxf.exceptions
 import pytest
 import requests
 import zstandard
-from registry import (
+
+from tests.helpers.registry import (
     DOCKER_CONFIG,
     DOCKER_LAYER,
     DOCKER_LAYER_GZIP,

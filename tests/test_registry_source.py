@@ -10,9 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import build_busybox_rootfs, extract_layers, tar_of, whiteout_layer
-from registry import Registry, push_image, push_index, tools_missing
-from treediff import diff_trees
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
@@ -20,6 +17,9 @@ from composer.convert import convert
 from composer.errors import BadLayer, BadSource
 from composer.export import export_tree
 from composer.registry import RegistryOptions, parse_reference
+from tests.helpers.images import build_busybox_rootfs, extract_layers, tar_of, whiteout_layer
+from tests.helpers.registry import Registry, push_image, push_index, tools_missing
+from tests.helpers.treediff import diff_trees
 
 pytestmark = [
     pytest.mark.root,

@@ -17,7 +17,16 @@ from runtime.backends.netpolicy import addresses, ruleset
 from runtime.errors import BackendUnavailable, FileError, InvalidSpec
 from runtime.files import SandboxFiles
 from runtime.seccomp import CLONE_NS_FLAGS, DENIED, oci_section
-from runtime.spec import ExecRequest, NetworkPolicy, SandboxSpec, build, command, parse, parse_rule
+from runtime.spec import (
+    ExecRequest,
+    NetworkPolicy,
+    Qos,
+    SandboxSpec,
+    build,
+    command,
+    parse,
+    parse_rule,
+)
 
 
 def test_spec_errors_name_the_field() -> None:
@@ -58,7 +67,7 @@ def test_exec_result_bytes_survive_json() -> None:
 
 def test_oci_config_confines_the_sandbox(tmp_path: Path) -> None:
     spec = SandboxSpec(image="x", cpu=0.5, memory_mb=256, pids=64, env={"A": "1"},
-                       qos="best_effort")
+                       qos=Qos.best_effort)
     c = oci.config("sb-1", spec, tmp_path / "rootfs", tmp_path / "init")
     ns = {n["type"] for n in c["linux"]["namespaces"]}
     assert ns == {"pid", "ipc", "uts", "mount", "cgroup", "network"}
@@ -157,8 +166,11 @@ def _popen(code: str) -> subprocess.Popen[bytes]:
 def test_procio_caps_output_and_stops_once() -> None:
     stops: list[int] = []
     p = _popen("import sys\nwhile True: sys.stdout.write('y' * 4096)")
-    out = procio.run(p, stdin=b"", timeout=30, max_output=10_000,
-                     stop=lambda: (stops.append(1), p.kill()))
+
+    def stop() -> None:
+        stops.append(1)
+        p.kill()
+    out = procio.run(p, stdin=b"", timeout=30, max_output=10_000, stop=stop)
     assert out.truncated and len(out.stdout) == 10_000 and stops == [1]
 
 

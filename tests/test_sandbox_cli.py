@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lazynode import LazyNode
-from sandboxes import IMAGE, busybox_store, runtime_missing
+
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]

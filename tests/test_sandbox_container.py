@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from sandboxes import IMAGE, busybox_store, node_for, runtime_missing
-from support import gone
 
 from lazyfs import sysmount
 from runtime import (
@@ -39,6 +37,8 @@ from runtime import (
 )
 from runtime.config import RuntimeConfig
 from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.support import gone, processes_with, tcp_listening, wait_until
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
@@ -235,7 +235,7 @@ def test_timeouts_reap_sandboxes(node: Node) -> None:
     idle = Sandbox.create(IMAGE, node=node, idle_timeout=0.5)
     busy = Sandbox.create(IMAGE, node=node, idle_timeout=0.5)
     try:
-        time.sleep(0.7)
+        time.sleep(0.7)  # the test: the 0.5 s timeouts expire
         busy.exec("true")
         reaped = node.reap()
         assert short.id in reaped and idle.id in reaped and busy.id not in reaped
@@ -301,9 +301,9 @@ class _Hello(BaseHTTPRequestHandler):
 
 def test_network_allowlist(node: Node) -> None:
     servers = [ThreadingHTTPServer(("0.0.0.0", 0), _Hello) for _ in range(2)]
-    for s in servers:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
-    allowed, denied = (s.server_address[1] for s in servers)
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    allowed, denied = (srv.server_address[1] for srv in servers)
     try:
         policy = NetworkPolicy.allow_only(f"10.203.0.0/16:{allowed}")
         with Sandbox.create(IMAGE, node=node, network=policy) as s:
@@ -323,13 +323,15 @@ def test_network_allowlist(node: Node) -> None:
                 listener = threading.Thread(target=lambda: other.exec(
                     f"busybox nc -l -p {allowed} -w 3", timeout=10))
                 listener.start()
-                time.sleep(0.3)
+                wait_until(lambda: any(tcp_listening(pid, allowed) for pid in
+                                       processes_with(f"nc\0-l\0-p\0{allowed}\0")),
+                           20, "the neighbour's nc listening")
                 r = s.exec(f"echo hi | busybox nc -w 2 {other_ip} {allowed}")
                 assert r.exit_code != 0
                 listener.join()
         assert not [n for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
                     if n.startswith("lzsb-")]
     finally:
-        for s in servers:
-            s.shutdown()
-            s.server_close()
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()

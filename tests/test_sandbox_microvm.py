@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandboxes import IMAGE, busybox_store, node_for, vm_missing
-from support import processes_with
 
 from runtime import (
     BackendUnavailable,
@@ -32,6 +30,8 @@ from runtime import (
 from runtime.backends.microvm import MicrovmBackend
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, vm_missing
+from tests.helpers.support import processes_with, wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing()))]
@@ -163,11 +163,12 @@ def test_commands_get_default_sigpipe(sb: Sandbox) -> None:
     assert (r.exit_code, r.stdout, r.stderr) == (0, b"y", b"")
 
 
-def test_pause_waits_for_no_running_call(sb: Sandbox) -> None:
+def test_pause_waits_for_no_running_call(node: Node, sb: Sandbox) -> None:
     import threading
     t = threading.Thread(target=lambda: sb.exec("sleep 4"))
     t.start()
-    time.sleep(1)
+    agent = _backend(node)._vm(node._get(sb.id)[1]).agent
+    wait_until(agent.lock.locked, 10, "the call running in the guest")
     with pytest.raises(SandboxStateError, match="running a command"):
         sb.pause()
     t.join()
@@ -231,9 +232,7 @@ def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
     vmdir = _vm_dir(node, s.id)
     try:
         os.kill(node._get(s.id)[1].state["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while s.id not in node.reap() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: s.id in node.reap(), 10, "the reaper finding the dead VMM")
         with pytest.raises(SandboxNotFound):
             s.exec("true")
     finally:

@@ -16,9 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from images import build_busybox_rootfs
-from sandboxes import IMAGE, node_for, vm_missing
-from support import processes_with
 
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
@@ -26,6 +23,9 @@ from composer.convert import convert
 from runtime import ExecTimeout, FileError, Sandbox
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
+from tests.helpers.images import build_busybox_rootfs
+from tests.helpers.sandboxes import IMAGE, node_for, vm_missing
+from tests.helpers.support import processes_with
 
 INIT_IMAGE = "bbinit:1"
 INITTAB = b"::sysinit:/bin/sh -c 'echo ran-by-the-image-init > /var/init-ran'\n"

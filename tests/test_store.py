@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,7 @@ def test_reused_caller_buffer_is_copied_on_arrival(store: ChunkStore) -> None:
     import array
     buf = bytearray(8)
 
-    def gen():  # type: ignore[no-untyped-def]
+    def gen() -> Iterator[memoryview]:
         for i in range(3):
             buf[:] = bytes([i]) * 8
             yield memoryview(buf)

@@ -1,5 +1,5 @@
 """The tree differ catches every kind of difference, and the image builders
-build what they claim (tests/treediff.py, tests/images.py).
+build what they claim (tests/helpers/treediff.py, tests/helpers/images.py).
 
 The 10,000-entry directory is built only with LAZYFS_BIG_IMAGES=1."""
 
@@ -15,9 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import images
 import pytest
-from images import (
+
+from tests.helpers import images
+from tests.helpers.images import (
     CAP_NET_RAW_EP,
     DIR_NS_MTIME,
     EPOCH_NS,
@@ -40,8 +41,8 @@ from images import (
     tar_of,
     whiteout_layer,
 )
-from support import IS_ROOT, root_only
-from treediff import data_extents, diff_trees, format_diffs, read_xattrs, tree_summary
+from tests.helpers.support import IS_ROOT, root_only
+from tests.helpers.treediff import data_extents, diff_trees, format_diffs, read_xattrs, tree_summary
 
 BIG = os.environ.get("LAZYFS_BIG_IMAGES") == "1"
 F = Callable[..., Any]
@@ -61,7 +62,7 @@ def times_kept(*dirs: Path) -> Iterator[None]:
         os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
-def assert_same(a: Path, b: Path, **kw: bool) -> None:
+def assert_same(a: Path, b: Path, **kw: Any) -> None:
     diffs = diff_trees(a, b, **kw)
     assert diffs == [], (f"{a} {tree_summary(a)}\n{b} {tree_summary(b)}\n"
                          + format_diffs(diffs))
@@ -514,7 +515,7 @@ def test_tar_of_zstd_without_the_binary(monkeypatch: pytest.MonkeyPatch, tmp_pat
     (src / "d").mkdir(parents=True)
     (src / "d/f").write_bytes(b"hello " * 1000)
     real_which = shutil.which
-    monkeypatch.setattr(images.shutil, "which",
+    monkeypatch.setattr(shutil, "which",  # the module images uses
                         lambda name, *a, **k: None if name == "zstd" else real_which(name))
     tar = tar_of(src, tmp_path / "l.tar.zst", compression="zstd")
     assert tar.read_bytes()[:4] == images.ZSTD_MAGIC

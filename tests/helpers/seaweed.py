@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support import parent_death_signal
-
 from chunkstore import seaweed as _seaweed
 from chunkstore.seaweed import weed_binary
+
+from .support import parent_death_signal
 
 __all__ = ["SeaweedFS", "weed_binary"]
 
@@ -17,3 +17,7 @@ __all__ = ["SeaweedFS", "weed_binary"]
 class SeaweedFS(_seaweed.SeaweedFS):
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir, preexec=parent_death_signal())
+
+    def __enter__(self) -> SeaweedFS:
+        super().__enter__()
+        return self

@@ -1,5 +1,6 @@
 """Subprocess workers for crash, concurrency and GC tests (real processes,
-real store). Run as: python tests/workers.py COMMAND ARGS…
+real store). Run from the repository root as:
+python -m tests.helpers.workers COMMAND ARGS…
 
 Each prints one JSON line per committed step and flushes, so the parent knows
 exactly what was committed before it kills or stops the worker."""

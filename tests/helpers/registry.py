@@ -76,7 +76,8 @@ import dxf
 import jwt
 import requests
 import zstandard
-from support import parent_death_signal, terminate
+
+from .process import ServerProcess
 
 DOCKER_REGISTRY = "docker-registry"
 OPENSSL = "openssl"
@@ -230,11 +231,15 @@ class TokenServer:
         req.wfile.write(data)
 
 
-class Registry:
+class Registry(ServerProcess):
     """`docker-registry serve` on 127.0.0.1 with storage under `workdir`.
 
     `auth`: False (anonymous), True or "basic" (htpasswd), "token" (bearer
-    tokens from a `TokenServer`; needs tls=True)."""
+    tokens from a `TokenServer`; needs tls=True). Ready when /v2/ answers
+    (401 with auth, else 200)."""
+
+    name = "docker-registry"
+    error = RegistryError
 
     def __init__(self, workdir: Path, *, auth: bool | Literal["basic", "token"] = False,
                  tls: bool = False, port: int | None = None,
@@ -243,23 +248,23 @@ class Registry:
         if auth == "token" and not tls:
             raise ValueError("token auth needs tls=True (clients fetch tokens over HTTPS)")
         self.workdir = Path(workdir)
+        super().__init__(self.workdir / "registry.stderr", startup_timeout=startup_timeout,
+                         stop_grace=STOP_GRACE)
         self.auth = auth
         self.public_repos = set(public_repos)
         self.token_server: TokenServer | None = None
         self.tls = tls
-        self.startup_timeout = startup_timeout
         self._fixed_port = port
         self.storage = self.workdir / "storage"
         self.config_path = self.workdir / "config.yml"
         self.stdout_path = self.workdir / "registry.stdout"
-        self.stderr_path = self.workdir / "registry.stderr"
+        self.stderr_path = self.log_path
         self.port = 0
         self.username: str | None = None
         self.password: str | None = None
         self.htpasswd_path: Path | None = None
         self.cert_path: Path | None = None
         self.key_path: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
 
     # -- addresses ---------------------------------------------------------
 
@@ -333,11 +338,7 @@ class Registry:
         self._stop_proc()
 
     def _stop_proc(self) -> None:
-        terminate(self.proc, STOP_GRACE)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        self.stop_process()
 
     def stderr(self) -> str:
         try:
@@ -391,7 +392,7 @@ class Registry:
                       f"    certificate: {_q(self.cert_path)}",
                       f"    key: {_q(self.key_path)}"]
         if self.auth == "token":
-            assert self.token_server is not None
+            assert self.token_server is not None and self.cert_path is not None
             lines += ["auth:",
                       "  token:",
                       f"    realm: {_q(self.token_server.realm)}",
@@ -407,48 +408,33 @@ class Registry:
         self.config_path.write_text("\n".join(lines) + "\n")
 
     def _spawn_and_wait(self) -> None:
-        # The child gets its own copies of the log descriptors; ours close at once.
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [DOCKER_REGISTRY, "serve", str(self.config_path)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=self.workdir,
-                preexec_fn=parent_death_signal())  # noqa: PLW1509 - only one prctl() call
-        self._wait_ready()
+        # Fresh logs per attempt: a retry decides on this attempt's words only.
+        for log in (self.stdout_path, self.stderr_path):
+            log.unlink(missing_ok=True)
+        self.spawn([DOCKER_REGISTRY, "serve", str(self.config_path)], cwd=self.workdir,
+                   stdout=self.stdout_path)
+        self.wait_ready()
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if not self.tls:
             return None
         return ssl.create_default_context(cafile=str(self.cert_path))
 
-    def _wait_ready(self) -> None:
-        assert self.proc is not None
+    def ready(self) -> bool:
         want = 401 if self.auth else 200
-        ctx = self._ssl_context()
-        deadline = time.monotonic() + self.startup_timeout
-        last = "no answer"
-        while True:
-            if self.proc.poll() is not None:
-                raise RegistryError(
-                    f"docker-registry exited with {self.proc.returncode} before it was ready "
-                    f"on {self.url}; stderr:\n{self.stderr()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v2/", timeout=2, context=ctx) as r:
-                    status = r.status
-            except urllib.error.HTTPError as e:
-                status = e.code
-                e.close()
-            except (OSError, ssl.SSLError) as e:
-                status = None
-                last = repr(e)
-            if status is not None:
-                if status == want:
-                    return
-                last = f"HTTP {status}"
-            if time.monotonic() > deadline:
-                raise RegistryError(
-                    f"docker-registry on {self.url} not ready after {self.startup_timeout:g}s "
-                    f"(expected HTTP {want} from /v2/, last: {last}); stderr:\n{self.stderr()}")
-            time.sleep(0.05)
+        status: int | None
+        try:
+            with urllib.request.urlopen(self.url + "/v2/", timeout=2,
+                                        context=self._ssl_context()) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+            e.close()
+        except (OSError, ssl.SSLError) as e:
+            self.last = repr(e)
+            return False
+        self.last = f"HTTP {status} (expected HTTP {want} from /v2/)"
+        return status == want
 
 
 # -- python-dxf ------------------------------------------------------------

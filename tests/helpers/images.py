@@ -15,7 +15,7 @@ Nothing here touches the network or a registry. The pieces:
 * extract_layers(tars, dest): THE REFERENCE the converter is checked against:
   the layers extracted in order by GNU tar with OCI whiteout semantics applied.
   A converted image, exported back to a directory, must equal its output per
-  tests/treediff.py.
+  tests/helpers/treediff.py.
 
 Everything the builders create gets the fixed mtime EPOCH_NS unless a file's
 time is part of the test, so that building twice gives identical trees and,
@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from treediff import data_extents, read_xattrs
+from .treediff import data_extents, read_xattrs
 
 EPOCH_NS = 1_700_000_000 * 1_000_000_000
 MIB = 1 << 20
@@ -489,7 +489,7 @@ def list_members(tar: Path) -> list[str]:
     seen: dict[str, None] = {}
     for line in p.stdout.split(b"\n"):
         if line:
-            raw = codecs.escape_decode(line)[0]  # type: ignore[attr-defined]
+            raw = codecs.escape_decode(line)[0]
             seen.setdefault(_normalize(os.fsdecode(raw)), None)
     return list(seen)
 

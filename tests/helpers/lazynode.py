@@ -17,21 +17,19 @@ the daemon if the test process itself dies.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-
-from support import parent_death_signal, terminate
 
 from composer.catalog import ImageCatalog
 from lazyfs import erofsmounts, sysmount
 from lazyfs.daemon import NodePaths, request, running
 from lazyfs.mounts import mount_image, unmount
 
-REPO = Path(__file__).resolve().parent.parent
+from .process import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fuse_missing() -> str | None:
@@ -42,16 +40,18 @@ def fuse_missing() -> str | None:
     return None
 
 
-class LazyNode:
+class LazyNode(ServerProcess):
+    name = "lazyfs daemon"  # ready when its control socket answers
+
     def __init__(self, root: Path, store: Path, *, cache_size: str = "1G",
                  extra: list[str] | None = None, cluster: str | None = None) -> None:
         self.paths = NodePaths(Path(root).absolute())
+        super().__init__(self.paths.logfile, startup_timeout=20, stop_grace=10)
         self.store = Path(store)
         self.cache = self.paths.root / "cache"
         self.cache_size = cache_size
         self.extra = extra or []
         self.cluster = cluster
-        self.proc: subprocess.Popen[bytes] | None = None
         self.mounted: list[Path] = []
 
     @property
@@ -76,21 +76,15 @@ class LazyNode:
                "daemon",
                "--root", str(self.paths.root), "--cache", str(self.cache),
                "--cache-size", self.cache_size, *self.extra]
-        log = open(self.paths.logfile, "ab")  # noqa: SIM115 - the child keeps its own copy
+        self.spawn(cmd, cwd=REPO)
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         cwd=REPO, preexec_fn=parent_death_signal())  # noqa: PLW1509
-        finally:
-            log.close()
-        deadline = time.monotonic() + 20
-        while not running(self.paths):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lazyfs daemon exited with {self.proc.returncode}:\n"
-                                   f"{self.log()}")
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"lazyfs daemon not ready after 20 s:\n{self.log()}")
-            time.sleep(0.05)
+            self.wait_ready()
+        except RuntimeError:
+            self.close()
+            raise
+
+    def ready(self) -> bool:
+        return running(self.paths)
 
     def log(self) -> str:
         try:
@@ -132,7 +126,7 @@ class LazyNode:
         self.mounted.clear()
         with erofsmounts.locked(self.paths):
             erofsmounts.release_unused(self.paths, everything=True)
-        terminate(self.proc, 10)
+        self.stop_process()
         while sysmount.find_mount(self.mnt) is not None:
             sysmount.umount(self.mnt, lazy=True)
 

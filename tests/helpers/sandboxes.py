@@ -11,14 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from images import build_busybox_rootfs
-from lazynode import LazyNode
-
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from runtime.config import RuntimeConfig
 from runtime.node import Node
+
+from .images import build_busybox_rootfs
+from .lazynode import LazyNode
 
 IMAGE = "bb:1"
 

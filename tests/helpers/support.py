@@ -1,12 +1,16 @@
-"""Deciding whether a test can run here, and small helpers shared by tests.
+"""Deciding whether a test can run here, and small helpers shared by tests:
+marks, waiting on something observable (wait_until; tests never sleep to let
+something happen), processes by command line, subprocess workers.
 
 Tests that need root (mounts) are marked `root` and skip elsewhere with the
-reason; in CI they run (CI is root)."""
+reason; in CI they run (CI is root). The servers tests start are in
+process.py (the base) and its subclasses."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +20,9 @@ import pytest
 
 IS_ROOT = os.geteuid() == 0
 F = TypeVar("F", bound=Any)
+T = TypeVar("T")
+
+POLL = 0.05  # seconds between two looks at what wait_until waits for
 
 needs_root = [pytest.mark.root,
               pytest.mark.skipif(not IS_ROOT, reason="needs root to mount filesystems")]
@@ -52,13 +59,15 @@ def mounted(*mount_args: str, target: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(target)], check=False)
 
 
-WORKERS = Path(__file__).with_name("workers.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def start_worker(*args: str) -> subprocess.Popen[str]:
+    """`python -m tests.helpers.workers ARGS` from the repository root (so the
+    worker imports this checkout's packages, as the test does)."""
     import sys
-    return subprocess.Popen([sys.executable, str(WORKERS), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.helpers.workers", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
 def terminate(proc: subprocess.Popen[Any] | None, grace: float) -> None:
@@ -116,9 +125,45 @@ def processes_with(tag: str) -> list[int]:
 
 
 def gone(tag: str, wait: float = 5.0) -> bool:
-    """True once no process with `tag` in its command line is left."""
-    import time
-    deadline = time.monotonic() + wait
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not processes_with(tag)
+    """True once no process with `tag` in its command line is left (False if
+    one still runs after `wait` seconds)."""
+    try:
+        wait_until(lambda: not processes_with(tag), wait, f"no process with {tag!r}")
+    except WaitTimeout:
+        return False
+    return True
+
+
+class WaitTimeout(AssertionError):
+    """What wait_until waited for did not happen in time (an assertion: the
+    test fails, naming what it waited for)."""
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll `predicate` until it returns something true and return that; after
+    `timeout` seconds raise WaitTimeout naming `what` and the last value. The
+    predicate is always called at least once, and once more at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last_look = time.monotonic() >= deadline
+        value = predicate()
+        if value:
+            return value
+        if last_look:
+            raise WaitTimeout(f"{what}: not after {timeout:g} s (last: {value!r})")
+        time.sleep(min(POLL, max(0.0, deadline - time.monotonic())))
+
+
+def tcp_listening(pid: int, port: int) -> bool:
+    """Does a TCP socket listen on `port` in the network namespace of `pid`?
+    (/proc/PID/net/tcp{,6}: local address as hex, state 0A = LISTEN)."""
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False

@@ -61,7 +61,8 @@ from typing import Any
 
 import docker
 import docker.errors
-from support import parent_death_signal, terminate
+
+from .process import ServerProcess
 
 DOCKERD_CANDIDATES = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 REQUIRED_TOOLS = ("containerd", "containerd-shim-runc-v2", "runc")
@@ -70,7 +71,6 @@ TOOL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTUP_TIMEOUT = 30.0
 STOP_GRACE = 15.0
 SHUTDOWN_TIMEOUT = 3   # dockerd --shutdown-timeout: SIGKILL containers after 3 s
-LOG_TAIL_LINES = 40
 
 SHIM_SOCKET_DIR = Path("/run/containerd/s")
 # Directories dockerd/containerd create outside their roots whatever the flags.
@@ -211,28 +211,30 @@ def _short_base() -> Path:
 # the daemon
 
 
-class DockerDaemon:
+class DockerDaemon(ServerProcess):
     """A private dockerd; use as a context manager or call start()/stop().
 
     After start(): `socket_url` ("unix:///run/lzd-.../docker.sock"), `client`
     (a docker.DockerClient on it), `storage_driver` ("overlay2", "vfs", ...),
-    `pid`, `data_root`, `exec_root`, `log_path`."""
+    `pid`, `data_root`, `exec_root`, `log_path`. Ready when its socket
+    accepts and it answers a ping."""
+
+    name = "dockerd"
+    error = DockerDaemonError
 
     def __init__(self, workdir: Path, *, storage_driver: str | None = None,
                  startup_timeout: float = STARTUP_TIMEOUT, stop_grace: float = STOP_GRACE,
                  extra_args: Iterable[str] = ()) -> None:
         self.workdir = Path(workdir).resolve()
+        super().__init__(self.workdir / "dockerd.log", startup_timeout=startup_timeout,
+                         stop_grace=stop_grace)
         self.requested_driver = storage_driver
-        self.startup_timeout = startup_timeout
-        self.stop_grace = stop_grace
         self.extra_args = list(extra_args)
         self.data_root = self.workdir / "data-root"
         self.pidfile = self.workdir / "dockerd.pid"
         self.config_path = self.workdir / "daemon.json"
-        self.log_path = self.workdir / "dockerd.log"
         self.cgroup_parent = f"/lazyfs-dockerd-{secrets.token_hex(4)}"
         self.short_dir: Path | None = None      # /run/lzd-XXXX: exec root + socket
-        self.proc: subprocess.Popen[bytes] | None = None
         self._client: docker.DockerClient | None = None
         self.storage_driver: str | None = None
         self._created_global_dirs: list[Path] = []
@@ -260,14 +262,6 @@ class DockerDaemon:
         if self._client is None:
             raise DockerDaemonError("daemon not running")
         return self._client
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -337,50 +331,26 @@ class DockerDaemon:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("DOCKER_", "CONTAINERD_")) and k != "NOTIFY_SOCKET"}
         env["PATH"] = TOOL_PATH
-        with open(self.log_path, "ab") as log:
-            log.write(f"--- {' '.join(cmd)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.workdir, env=env, start_new_session=True,
-                preexec_fn=parent_death_signal())  # noqa: PLW1509 - one prctl() call
-        self._wait_ready()
+        self.spawn(cmd, cwd=self.workdir, env=env, new_session=True, header=True)
+        self.wait_ready()
         self.storage_driver = str(self.client.info().get("Driver"))
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+    def ready(self) -> bool:
+        if not _accepts(self.socket_path):
+            self.last = f"no answer on {self.socket_url}"
+            return False
+        client: docker.DockerClient | None = None
         try:
-            text = self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def _wait_ready(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + self.startup_timeout
-        last = "no answer"
-        while True:
-            if self.proc.poll() is not None:
-                raise DockerDaemonError(
-                    f"dockerd exited with {self.proc.returncode} before it was ready on "
-                    f"{self.socket_url}; log tail:\n{self.log_tail()}")
-            if _accepts(self.socket_path):
-                client: docker.DockerClient | None = None
-                try:
-                    client = docker.DockerClient(base_url=self.socket_url, version="auto",
-                                                 timeout=10)
-                    if client.ping():
-                        self._client = client
-                        return
-                    last = "ping returned False"
-                except (docker.errors.DockerException, OSError) as e:
-                    last = repr(e)
-                if client is not None and self._client is not client:
-                    client.close()
-            if time.monotonic() > deadline:
-                raise DockerDaemonError(
-                    f"dockerd not ready on {self.socket_url} after {self.startup_timeout:g}s "
-                    f"(last: {last}); log tail:\n{self.log_tail()}")
-            time.sleep(0.05)
+            client = docker.DockerClient(base_url=self.socket_url, version="auto", timeout=10)
+            if client.ping():
+                self._client = client
+                return True
+            self.last = "ping returned False"
+        except (docker.errors.DockerException, OSError) as e:
+            self.last = repr(e)
+        if client is not None:
+            client.close()
+        return False
 
     def stop(self) -> None:
         """Stop dockerd and remove every trace of it but the data root. Idempotent.
@@ -398,7 +368,7 @@ class DockerDaemon:
                 self._client.close()
             self._client = None
         doomed = self.processes() if self.short_dir is not None else []
-        terminate(self.proc, self.stop_grace)
+        self.stop_process()
         problems = []
         if self.short_dir is not None:
             left = self._kill_leftovers(doomed)
