@@ -4,7 +4,7 @@ as `blobs/<digest>.data`.
 
 The blob holds no bytes of its own: composer.bloblayout.BlobLayout maps each
 blob range back to (file, offset), and the daemon reads those through the same
-node cache, tracer and fetch pool as reads of the layer's tree, so a kernel
+fetch engine (lazyfs/fetch.py) as reads of the layer's tree, so a kernel
 EROFS mount over this file fetches only the chunks behind what it reads and
 counts toward the layer's touched figures.
 """
@@ -48,7 +48,7 @@ class LayerBlob:
 
     @property
     def inode(self) -> int:
-        # the one inode number a layer's range leaves free (see fs.LazyFS.layer)
+        # the one inode number a layer's range leaves free (see layers.Layers.get)
         return self.tree.base + len(self.tree.entries) + 1
 
     def pieces(self, offset: int, size: int) -> list[BlobPiece]:

@@ -52,7 +52,10 @@ from composer.catalog import Catalog, ImageCatalog
 from composer.remote import ClusterCatalog
 
 from . import sysmount
-from .fs import LazyFS, Options
+from .fetch import FetchEngine
+from .fs import FIRST_BASE, LazyFS
+from .layers import Layers
+from .options import Options
 from .trace import Tracer, check_events
 
 log = logging.getLogger(__name__)
@@ -227,7 +230,10 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
         cache = stack.enter_context(NodeCache.open(cache_dir, capacity=cache_size,
                                                    source=source))
         tracer = Tracer()
-        fs = LazyFS(catalog, cache, tracer, options, Attribution(paths))
+        options = options or Options()
+        layers = Layers(catalog, tracer, FIRST_BASE)
+        fs = LazyFS(layers, FetchEngine(cache, tracer, layers, options), options,
+                    Attribution(paths))
         fs.source = cluster_url or str(Path(store_path or "").absolute())
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
                                                "allow_other"}
@@ -254,7 +260,7 @@ async def _keep_readahead(mnt: Path, kb: int) -> None:
 async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
                 on_ready: Callable[[], None] | None, read_ahead_kb: int) -> None:
     async with trio.open_nursery() as nursery:
-        fs.nursery = nursery
+        fs.fetch.nursery = nursery
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         paths.control.unlink(missing_ok=True)
         old_umask = os.umask(0o077)  # the socket is never reachable by others
@@ -268,7 +274,7 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
         nursery.start_soon(guarded, "readahead tuning", _keep_readahead, paths.mnt,
                            read_ahead_kb)
         if prefetch:
-            nursery.start_soon(guarded, "trace prefetch", fs.prefetch_trace, prefetch)
+            nursery.start_soon(guarded, "trace prefetch", fs.fetch.prefetch_trace, prefetch)
         paths.pidfile.write_text(f"{os.getpid()}\n")
         if on_ready is not None:
             on_ready()
@@ -343,31 +349,31 @@ async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
     if op == "ping":
         return {"ok": True, "pid": os.getpid(), "source": fs.source}
     if op == "stats":
-        snap = fs.tracer.snapshot()
-        st = fs.cache.stats
-        snap["cache"] = {"bytes": fs.cache.size, "capacity": fs.cache.capacity,
-                         "chunks": len(fs.cache), "hits": st.hits, "misses": st.misses,
+        snap = fs.fetch.tracer.snapshot()
+        st = fs.fetch.cache.stats
+        snap["cache"] = {"bytes": fs.fetch.cache.size, "capacity": fs.fetch.cache.capacity,
+                         "chunks": len(fs.fetch.cache), "hits": st.hits, "misses": st.misses,
                          "waits": st.waits, "fetched_bytes": st.fetched_bytes,
                          "evictions": st.evictions, "corrupt_dropped": st.corrupt_dropped,
                          "fetch_ms_p50": st.percentile(50) * 1e3,
                          "fetch_ms_p99": st.percentile(99) * 1e3}
         return {"ok": True, "stats": snap}
     if op == "trace":
-        return {"ok": True, "trace": fs.tracer.trace(req.get("mount"))}
+        return {"ok": True, "trace": fs.fetch.tracer.trace(req.get("mount"))}
     if op == "prefetch":
         try:
             events = check_events(req.get("events"), "prefetch")
         except ValueError as e:
             return {"ok": False, "error": str(e)}
-        assert fs.nursery is not None
-        fs.nursery.start_soon(guarded, "trace prefetch", fs.prefetch_trace, events)
+        assert fs.fetch.nursery is not None
+        fs.fetch.nursery.start_soon(guarded, "trace prefetch", fs.fetch.prefetch_trace, events)
         return {"ok": True, "queued": len(events)}
     if op == "forget_mount":
-        fs.tracer.forget_mount(str(req.get("mount")))
+        fs.fetch.tracer.forget_mount(str(req.get("mount")))
         return {"ok": True}
     if op == "drop_cache":
-        fs.drop_hot()
-        await trio.to_thread.run_sync(fs.cache.clear)
+        fs.fetch.drop_hot()
+        await trio.to_thread.run_sync(fs.fetch.cache.clear)
         return {"ok": True}
     return {"ok": False, "error": f"unknown op {op!r}"}
 

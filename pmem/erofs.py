@@ -4,10 +4,11 @@
     image.meta         -> the metadata image (`<digest>.meta.erofs`, local disk)
     image.layout       -> composer.bloblayout.BlobLayout: the layer's data as device 1
 
-The kernel mounts it from files, no loop device (PLATFORM.md): mount(2)
-with fstype "erofs", source = the meta image, MS_RDONLY and data
-"device=<blob>", where the blob is `lazyfs/blobs/<digest>.data` (or any file
-with the same bytes, see `materialize_blob`).
+The kernel mounts it straight from files, no loop device (EROFS takes a
+regular file as its source and as each device): mount(2) with fstype
+"erofs", source = the meta image, MS_RDONLY and data "device=<blob>", where
+the blob is the daemon's `blobs/<digest>.data` (lazyfs/blob.py) or any file
+with the same bytes (see `materialize_blob`).
 
 On-disk choices (format: linux fs/erofs/erofs_fs.h, erofs-utils):
 
@@ -255,17 +256,58 @@ def _choose_epoch(entries: list[Entry]) -> tuple[int, int]:
     return divmod(best, 1_000_000_000)
 
 
+@dataclass
+class _Tree:
+    """The directory tree of a manifest: who is whose parent and child."""
+
+    root: int  # entry index of the root directory
+    target: list[int]  # entry index each entry resolves to (hardlinks -> their target)
+    children: dict[int, list[tuple[bytes, int]]]  # dir -> (name, resolved entry), manifest order
+    parent_of: dict[int, int]  # dir -> its parent dir (the root is its own)
+
+
+@dataclass
+class _Inodes:
+    """The image's inodes, root first, and the epoch compact inodes count from."""
+
+    order: list[_Inode]
+    by_entry: dict[int, _Inode]
+    epoch_s: int
+    epoch_ns: int
+
+
 def build_image(manifest: LayerManifest, *, layer: str = "",
                 layout: BlobLayout | None = None) -> ErofsImage:
     """The EROFS metadata image of a layer, and its blob layout. The same
-    manifest always gives the same bytes."""
+    manifest always gives the same bytes.
+
+    Five phases, each its own function: the tree (`_collect_tree`), the
+    inodes and the room each takes (`_make_inodes`), the file data on the
+    blob (composer.bloblayout.BlobLayout, computed before: a file's chunk
+    indexes name its blob blocks), the places in the meta image
+    (`_place_metadata`), then the bytes (`_write_directories`,
+    `_write_inodes`, `_write_superblock`)."""
     layer = layer or manifest.stored_digest or "(unnamed layer)"
     entries = manifest.entries
     if layout is None:
         layout = BlobLayout.build(manifest)
     stats = ImageStats(blob_bytes=layout.size)
+    tree = _collect_tree(layer, entries)
+    inodes = _make_inodes(layer, entries, tree, layout, stats)
+    meta_blocks = _place_metadata(layer, inodes, inodes.by_entry[tree.root], layout, stats)
+    _write_directories(entries, tree, inodes)
+    img = bytearray(meta_blocks << BLOCK_BITS)
+    _write_inodes(img, entries, inodes, layout)
+    _write_superblock(img, layer, inodes, inodes.by_entry[tree.root], meta_blocks, layout)
+    stats.meta_bytes = len(img)
+    return ErofsImage(bytes(img), layout, stats)
 
-    # -- the tree: parents, children, hardlinks ---------------------------------
+
+def _collect_tree(layer: str, entries: list[Entry]) -> _Tree:
+    """Phase 1, the tree: each entry's parent directory and each directory's
+    children, hardlinks resolved to their targets. Owns the checks of the
+    tree's shape (a root, parents that exist and are directories, hardlinks
+    to files) and of names EROFS cannot hold (over 255 bytes)."""
     index = {e.path: i for i, e in enumerate(entries)}
     root = index.get("")
     if root is None or entries[root].kind != Kind.DIR:
@@ -295,19 +337,27 @@ def build_image(manifest: LayerManifest, *, layer: str = "",
         children.setdefault(up, []).append((raw, target[i]))
         if e.kind == Kind.DIR:
             parent_of[i] = up
+    return _Tree(root, target, children, parent_of)
 
-    # -- inodes: one per entry that is not a hardlink, the root first --------------
+
+def _make_inodes(layer: str, entries: list[Entry], tree: _Tree, layout: BlobLayout,
+                 stats: ImageStats) -> _Inodes:
+    """Phase 2, the inodes: one per entry that is not a hardlink, the root
+    first. Owns each inode's mode, nlink, size and xattr body, the choice
+    of a compact or an extended inode (against the layer's epoch), the data
+    layout (chunk indexes onto the blob for files, an inline tail or whole
+    blocks for directories and symlinks) and so the room its record takes."""
+    root = tree.root
     order = [root] + [i for i, e in enumerate(entries) if i != root and e.kind != Kind.HARDLINK]
     nlink = [1] * len(entries)
     for i, e in enumerate(entries):
         if e.kind == Kind.HARDLINK:
-            nlink[target[i]] += 1
+            nlink[tree.target[i]] += 1
         elif e.kind == Kind.DIR:
-            nlink[i] = 2 + sum(1 for _, c in children[i] if entries[c].kind == Kind.DIR)
+            nlink[i] = 2 + sum(1 for _, c in tree.children[i] if entries[c].kind == Kind.DIR)
     epoch_s, epoch_ns = _choose_epoch(entries)
     epoch = epoch_s * 1_000_000_000 + epoch_ns
-    inodes: list[_Inode] = []
-    by_entry: dict[int, _Inode] = {}
+    inodes = _Inodes([], {}, epoch_s, epoch_ns)
     for i in order:
         e = entries[i]
         mode = _TYPE_BITS[e.kind] | (0 if e.kind == Kind.WHITEOUT else e.mode & 0o7777)
@@ -323,53 +373,70 @@ def build_image(manifest: LayerManifest, *, layer: str = "",
         elif e.kind == Kind.SYMLINK:
             ino.size = len(ino.data)
         elif e.kind == Kind.DIR:
-            ino.size = _dir_size(sorted([n for n, _ in children[i]] + [b".", b".."]))
+            ino.size = _dir_size(sorted([n for n, _ in tree.children[i]] + [b".", b".."]))
         ino.extended = not (e.mtime_ns == epoch and e.uid <= 0xFFFF and e.gid <= 0xFFFF
                             and ino.nlink <= 0xFFFF and ino.size <= 0xFFFFFFFF)
-        isize = 64 if ino.extended else 32
-        head = isize + len(ino.xattrs)
-        if e.kind == Kind.FILE:
-            p = layout.placements[i]
-            if p.blocks:
-                ino.layout, ino.chunkbits = CHUNK_BASED, p.chunkbits
-                ino.record = _align(head, 8) + _CHUNK_INDEX.size * len(p.blocks)
-                stats.sparse_files += len(p.blocks) > 1
-            else:
-                ino.record = head
-        elif e.kind in (Kind.DIR, Kind.SYMLINK):
-            dsize = ino.size
-            tail = dsize & (BLOCK - 1)
-            if tail and head + tail <= BLOCK:
-                ino.layout = FLAT_INLINE
-                ino.full_blocks = dsize >> BLOCK_BITS
-                ino.record = head + tail
-                stats.inline_tails += 1
-            else:
-                ino.full_blocks = (dsize + BLOCK - 1) >> BLOCK_BITS
-                ino.record = head
-        else:
-            ino.record = head
-        inodes.append(ino)
-        by_entry[i] = ino
+        _lay_out_data(ino, e, layout, stats)
+        inodes.order.append(ino)
+        inodes.by_entry[i] = ino
         if ino.extended:
             stats.extended += 1
         else:
             stats.compact += 1
-    stats.inodes = len(inodes)
+    stats.inodes = len(inodes.order)
+    return inodes
 
-    # -- placement in the meta image --------------------------------------------
+
+def _lay_out_data(ino: _Inode, e: Entry, layout: BlobLayout, stats: ImageStats) -> None:
+    """An inode's data layout and record size: a file with data is
+    CHUNK_BASED, its chunk indexes after the inode naming its blob blocks
+    (one index per chunk of the layout's placement); a directory or symlink
+    keeps its last partial block inline when that fits in the inode's block
+    (FLAT_INLINE), else all of it in whole meta blocks (FLAT_PLAIN)."""
+    isize = 64 if ino.extended else 32
+    head = isize + len(ino.xattrs)
+    if e.kind == Kind.FILE:
+        p = layout.placements[ino.entry]
+        if p.blocks:
+            ino.layout, ino.chunkbits = CHUNK_BASED, p.chunkbits
+            ino.record = _align(head, 8) + _CHUNK_INDEX.size * len(p.blocks)
+            stats.sparse_files += len(p.blocks) > 1
+        else:
+            ino.record = head
+    elif e.kind in (Kind.DIR, Kind.SYMLINK):
+        dsize = ino.size
+        tail = dsize & (BLOCK - 1)
+        if tail and head + tail <= BLOCK:
+            ino.layout = FLAT_INLINE
+            ino.full_blocks = dsize >> BLOCK_BITS
+            ino.record = head + tail
+            stats.inline_tails += 1
+        else:
+            ino.full_blocks = (dsize + BLOCK - 1) >> BLOCK_BITS
+            ino.record = head
+    else:
+        ino.record = head
+
+
+def _place_metadata(layer: str, inodes: _Inodes, root: _Inode, layout: BlobLayout,
+                    stats: ImageStats) -> int:
+    """Phase 3, places in the meta image: each inode's nid (inodes packed
+    from INODES_START in 32-byte slots, an inode or its inline tail never
+    crossing a block), then the whole blocks of directories and symlinks
+    after the inodes. Returns the meta image's size in blocks; owns the
+    address-range checks (16-bit root nid, 32-bit block addresses)."""
     pos = INODES_START
-    for ino in inodes:
+    for ino in inodes.order:
         isize = 64 if ino.extended else 32
         room = BLOCK - (pos & (BLOCK - 1))
         if (ino.layout == FLAT_INLINE and ino.record > room) or isize > room:
             pos = _align(pos, BLOCK)  # inline data may not cross a block boundary
         ino.nid = pos // ISLOT
         pos = _align(pos + ino.record, ISLOT)
-    if by_entry[root].nid > 0xFFFF:
+    if root.nid > 0xFFFF:
         raise LayoutError(layer, "", "root inode beyond the 16-bit nid range")
     block = _align(pos, BLOCK) >> BLOCK_BITS
-    for ino in inodes:
+    for ino in inodes.order:
         if ino.full_blocks:
             ino.blkaddr = block
             block += ino.full_blocks
@@ -377,22 +444,31 @@ def build_image(manifest: LayerManifest, *, layer: str = "",
     meta_blocks = block
     if meta_blocks + layout.blocks >= NULL_ADDR:
         raise LayoutError(layer, None, "image larger than 16 TiB of 32-bit block addresses")
+    return meta_blocks
 
-    # -- directory contents (now that every nid is known) -------------------------
-    for ino in inodes:
+
+def _write_directories(entries: list[Entry], tree: _Tree, inodes: _Inodes) -> None:
+    """Phase 4a, directory contents, now that every nid is known: each
+    directory's dirents (its children, "." and "..") sorted by name, into
+    the inode's data."""
+    for ino in inodes.order:
         if entries[ino.entry].kind != Kind.DIR:
             continue
-        kids = [(name, by_entry[c].nid, _FTYPE[entries[c].kind])
-                for name, c in children[ino.entry]]
+        kids = [(name, inodes.by_entry[c].nid, _FTYPE[entries[c].kind])
+                for name, c in tree.children[ino.entry]]
         kids.append((b".", ino.nid, 2))
-        kids.append((b"..", by_entry[parent_of[ino.entry]].nid, 2))
+        kids.append((b"..", inodes.by_entry[tree.parent_of[ino.entry]].nid, 2))
         kids.sort()
         ino.data = _dir_blocks(kids)
         assert len(ino.data) == ino.size, (entries[ino.entry].path, len(ino.data), ino.size)
 
-    # -- serialize ----------------------------------------------------------------
-    img = bytearray(meta_blocks << BLOCK_BITS)
-    for ino in inodes:
+
+def _write_inodes(img: bytearray, entries: list[Entry], inodes: _Inodes,
+                  layout: BlobLayout) -> None:
+    """Phase 4b, the inode records into the image: the compact or extended
+    inode, its xattrs, then its chunk indexes (files) or inline tail, and
+    the whole data blocks of directories and symlinks at their blkaddr."""
+    for ino in inodes.order:
         e = entries[ino.entry]
         off = ino.nid * ISLOT
         size = ino.size
@@ -436,17 +512,22 @@ def build_image(manifest: LayerManifest, *, layer: str = "",
             start = ino.blkaddr << BLOCK_BITS
             img[start:start + len(body)] = body
 
+
+def _write_superblock(img: bytearray, layer: str, inodes: _Inodes, root: _Inode,
+                      meta_blocks: int, layout: BlobLayout) -> None:
+    """Phase 5, the superblock at SUPER_OFFSET (root nid, inode count, epoch,
+    size, a uuid derived from the layer name, the feature bits) and the one
+    device slot after it: the blob as device 1, mapped after the meta
+    blocks in the unified address space."""
     digest = hashlib.sha256(layer.encode()).digest()
     sb = _SUPER.pack(
-        MAGIC, 0, 0, BLOCK_BITS, 0, by_entry[root].nid, len(inodes), epoch_s, epoch_ns,
-        meta_blocks, 0, 0, digest[:16], b"lazyfs",
+        MAGIC, 0, 0, BLOCK_BITS, 0, root.nid, len(inodes.order), inodes.epoch_s,
+        inodes.epoch_ns, meta_blocks, 0, 0, digest[:16], b"lazyfs",
         INCOMPAT_DEVICE_TABLE | (INCOMPAT_CHUNKED_FILE),
         0, 1, DEVT_SLOTOFF, 0, 0, 0, 0, 0, 0, b"", 0, 0, 0)
     img[SUPER_OFFSET:SUPER_OFFSET + _SUPER.size] = sb
     slot = _DEVSLOT.pack(b"", layout.blocks, meta_blocks, 0, 0, b"")
     img[DEVT_SLOTOFF * DEVT_SLOT_SIZE:INODES_START] = slot
-    stats.meta_bytes = len(img)
-    return ErofsImage(bytes(img), layout, stats)
 
 
 def _ino_number(ino: _Inode) -> int:

@@ -1,15 +1,30 @@
 """lazyfs pieces that need no mount: how a layer tree presents entries to
-overlayfs, what a manifest from untrusted storage may not contain, and which
-layers a composed mount uses."""
+overlayfs, what a manifest from untrusted storage may not contain, which
+layers a composed mount uses, and the fetch engine under the FUSE adapter."""
 
 from __future__ import annotations
 
-import pytest
+import random
+from pathlib import Path
 
+import pytest
+import trio
+from support import flip_byte, pack_path
+
+from chunkstore import ChunkStore
+from chunkstore.cache import NodeCache
+from composer.bloblayout import BLOCK
+from composer.catalog import Catalog
 from composer.compose import overlay_fixups
+from composer.convert import convert
 from composer.errors import ManifestError
 from composer.manifest import Entry, Kind, LayerManifest
+from lazyfs.errors import FetchError
+from lazyfs.fetch import FetchEngine
+from lazyfs.layers import Layers
 from lazyfs.mounts import _effective_layers
+from lazyfs.options import Options
+from lazyfs.trace import Tracer
 from lazyfs.tree import OPAQUE_XATTR, LayerTree
 
 
@@ -81,3 +96,70 @@ def test_a_layer_blob_takes_the_inode_its_range_leaves_free() -> None:
     assert all(tree.inode(i) != blob.inode for i in range(len(tree.entries)))
     assert digest_of(blob_name("blake3:t").encode()) == "blake3:t"
     assert digest_of(b".data") is None and digest_of(b"blake3:t") is None
+
+
+def test_the_fetch_engine_serves_a_layer_without_a_mount(tmp_path: Path) -> None:
+    """The engine under the FUSE adapter, on its own: a real store, catalog
+    and node cache; file and blob reads give the layer's bytes, a recorded
+    trace replays into an empty cache, and a corrupt chunk is a FetchError
+    (which the adapter answers with EIO), never wrong bytes."""
+    rng = random.Random(3)
+    src = tmp_path / "src"
+    src.mkdir()
+    big = rng.randbytes(700 << 10)  # three 256 KiB chunks
+    (src / "big").write_bytes(big)
+    (src / "small").write_bytes(b"small\n")
+    with ChunkStore.open(tmp_path / "store") as store, Catalog(store) as cat:
+        convert(store, cat, f"dir:{src}", "t:1")
+        [digest] = cat.resolve("t:1")[1].layers
+        manifest = cat.load_layer(digest)
+
+        def engine(cache: NodeCache) -> FetchEngine:
+            tracer = Tracer()
+            return FetchEngine(cache, tracer, Layers(cat, tracer, 3), Options())
+
+        async def reads(fe: FetchEngine) -> None:
+            tree = await fe.layers.get(digest)
+            i = tree.path_index("big")
+            assert i is not None
+            f = fe.open_file(tree, i, "m")
+            assert bytes(await fe.read(f, 0, len(big) + 10)) == big
+            assert bytes(await fe.read(f, (256 << 10) - 5, 10)) == big[(256 << 10) - 5:][:10]
+            blob = await fe.layers.blob(digest)
+            b = fe.open_blob(blob, "m")
+            want = bytearray(blob.size)  # padding and holes read as zeros
+            (p,) = blob.layout.placements[i].blocks  # one run: no holes
+            want[p * BLOCK:p * BLOCK + len(big)] = big
+            got = bytearray()
+            for off in range(0, blob.size, 128 << 10):
+                got += await fe.read_blob(b, off, 128 << 10)
+            j = tree.path_index("small")
+            assert j is not None
+            (s,) = blob.layout.placements[j].blocks
+            want[s * BLOCK:s * BLOCK + 6] = b"small\n"
+            assert got == want
+            assert fe.tracer.layers[digest].chunks  # traced as reads of the files
+
+        with NodeCache.open(tmp_path / "cache1", source=store) as cache:
+            fe = engine(cache)
+            trio.run(reads, fe)
+            events = fe.tracer.trace()["events"]
+        with NodeCache.open(tmp_path / "cache2", source=store) as cache:
+            fetched = trio.run(engine(cache).prefetch_trace, events)
+            assert fetched == len({(e["path"], e["chunk"]) for e in events}) == 4
+
+        cid = next(e for e in manifest.entries if e.path == "big").chunks[1].id
+        assert cid is not None
+        info = store.stat(cid)
+        flip_byte(pack_path(Path(store.root), info.pack), info.offset + info.stored_len - 3)
+
+        async def corrupt(fe: FetchEngine) -> None:
+            tree = await fe.layers.get(digest)
+            i = tree.path_index("big")
+            assert i is not None
+            with pytest.raises(FetchError, match="big"):
+                await fe.read(fe.open_file(tree, i, "m"), 256 << 10, 4096)
+            assert fe.tracer.errors == 1
+
+        with NodeCache.open(tmp_path / "cache3", source=store) as cache:
+            trio.run(corrupt, engine(cache))

@@ -25,8 +25,8 @@ from composer.push import push as push_image
 from composer.remote import ClusterCatalog
 from lazyfs import daemon as lazyd
 from lazyfs import erofsmounts
-from lazyfs.fs import Options
 from lazyfs.mounts import MountError, mount_image, registered, unmount
+from lazyfs.options import Options
 from lazyfs.trace import load_trace
 
 from .config import Settings, _xdg

@@ -1,0 +1,33 @@
+"""The lazyfs daemon's serving options: one value, read by the FUSE adapter
+(lazyfs/fs.py: kernel cache timeouts, keep_cache, direct_io of blobs) and by
+the fetch engine (lazyfs/fetch.py: thread pools, timeout, hot set,
+readahead). Where the values come from (command line, config file) is the
+callers' business, not this module's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Options:
+    # -- the fetch engine (lazyfs/fetch.py) --
+    fetch_threads: int = 8
+    prefetch_threads: int = 2
+    fetch_timeout: float = 30.0
+    readahead_chunks: int = 2
+    hot_bytes: int = 32 << 20  # recently read chunks kept in memory (a 256 KiB chunk
+    # serves two 128 KiB FUSE reads; the second should not go to a thread)
+    # chunks fetched ahead of a sequential reader of a blob: EROFS asks for
+    # 128 KiB at a time, one request in flight, so the next chunks must be
+    # in memory before it asks (0: off)
+    blob_readahead_chunks: int = 8
+    # -- the FUSE adapter (lazyfs/fs.py) --
+    keep_cache: bool = True  # keep the page cache across opens (content is immutable)
+    cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)
+    # blob files bypass the FUSE page cache: the kernel EROFS mount over a blob
+    # caches file pages itself (one copy, not two), and FUSE readahead on the
+    # blob would fetch the neighbouring files' chunks. Off for users that must
+    # mmap a blob (FUSE refuses shared mmap of direct_io files).
+    blob_direct_io: bool = True
