@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from support import flip_byte, pack_path
 
 from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
@@ -26,6 +25,7 @@ from lazyfs.mounts import _effective_layers
 from lazyfs.options import Options
 from lazyfs.trace import Tracer
 from lazyfs.tree import OPAQUE_XATTR, LayerTree
+from tests.helpers.support import flip_byte, pack_path
 
 
 def _layer(*entries: Entry) -> LayerManifest:
