@@ -5,8 +5,9 @@
         rw = node.mount(cat, "img", tmp_path / "r2", writable=tmp_path / "rw")
         node.stats()                                             # the daemon's statistics
 
-The daemon is `python -m tools.cli daemon` in a child process (the same code
-path users run), with its own node root, node cache and log. On exit, every
+The daemon is started by lazyfs.node.start_daemon (`python -m lazyfs`, the
+code path `lazyfs daemon` and the runtime use), with its own node root, node
+cache and log. On exit, every
 composed mount the node made is unmounted (lazily if busy), the daemon gets
 SIGTERM (SIGKILL after 10 s), the shared EROFS layer mounts of the kernel
 path are taken down, and a FUSE mount a dead daemon left is detached:
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,10 +27,8 @@ from support import parent_death_signal, terminate
 
 from composer.catalog import ImageCatalog
 from lazyfs import erofsmounts, sysmount
-from lazyfs.daemon import NodePaths, request, running
 from lazyfs.mounts import mount_image, unmount
-
-REPO = Path(__file__).resolve().parent.parent
+from lazyfs.node import DaemonSpec, NodePaths, request, start_daemon
 
 
 def fuse_missing() -> str | None:
@@ -70,27 +67,9 @@ class LazyNode:
         self.close()
 
     def start(self) -> None:
-        self.paths.root.mkdir(parents=True, exist_ok=True)
-        cluster = ["--cluster", self.cluster] if self.cluster else []
-        cmd = [sys.executable, "-m", "tools.cli", "-v", "--store", str(self.store), *cluster,
-               "daemon",
-               "--root", str(self.paths.root), "--cache", str(self.cache),
-               "--cache-size", self.cache_size, *self.extra]
-        log = open(self.paths.logfile, "ab")  # noqa: SIM115 - the child keeps its own copy
-        try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         cwd=REPO, preexec_fn=parent_death_signal())  # noqa: PLW1509
-        finally:
-            log.close()
-        deadline = time.monotonic() + 20
-        while not running(self.paths):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lazyfs daemon exited with {self.proc.returncode}:\n"
-                                   f"{self.log()}")
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"lazyfs daemon not ready after 20 s:\n{self.log()}")
-            time.sleep(0.05)
+        spec = DaemonSpec(self.paths, None if self.cluster else self.store.absolute(),
+                          self.cluster, self.cache, self.cache_size, verbose=1)
+        self.proc = start_daemon(spec, extra=self.extra, preexec_fn=parent_death_signal())
 
     def log(self) -> str:
         try:

@@ -24,8 +24,8 @@ from typing import Any
 import msgpack
 
 from lazyfs import sysmount
-from lazyfs.daemon import NodePaths
 from lazyfs.mounts import MountError, mount_image, unmount
+from lazyfs.node import NodePaths
 
 from .. import cgroups
 from ..config import RuntimeConfig
