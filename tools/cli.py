@@ -43,7 +43,8 @@ class LazyfsGroup(click.Group):
 @click.option("--cluster", metavar="URL", default=None,
               help="Cluster store to push to and serve from: s3://BUCKET[/PREFIX]"
                    "[?endpoint=URL] or posix:///PATH [env LAZYFS_CLUSTER].")
-@click.option("-v", "--verbose", count=True, help="More log output: warnings and progress (-vv: debug).")
+@click.option("-v", "--verbose", count=True,
+              help="More log output: warnings and progress (-vv: debug).")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="lazyfs")
 @click.pass_context
