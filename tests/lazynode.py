@@ -30,6 +30,8 @@ from lazyfs import erofsmounts, sysmount
 from lazyfs.mounts import mount_image, unmount
 from lazyfs.node import DaemonSpec, NodePaths, request, start_daemon
 
+REPO = Path(__file__).resolve().parent.parent  # where tests run the CLI from
+
 
 def fuse_missing() -> str | None:
     if os.geteuid() != 0:
