@@ -294,7 +294,13 @@ def ensure_daemon(spec: DaemonSpec) -> int | None:
     with _start_lock:  # two threads of one process start one daemon
         source = serving(spec.paths)
         if source is None:
-            return start_daemon(spec).pid
+            proc = start_daemon(spec)
+            # it outlives this call (and maybe this process): a thread waits
+            # to reap it, instead of the garbage collector warning about a
+            # live child
+            threading.Thread(target=proc.wait, name=f"lazyfs-daemon-{proc.pid}",
+                             daemon=True).start()
+            return proc.pid
     if source and not _same_source(source, spec.source):
         raise DaemonError(f"the lazyfs daemon at {spec.paths.root} serves {source}, not "
                           f"{spec.source}: stop it (lazyfs umount {spec.paths.mnt}) or use "
