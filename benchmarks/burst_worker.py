@@ -28,8 +28,8 @@ from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store
 from composer.export import export_tree
 from composer.remote import ClusterCatalog
-from lazyfs.daemon import NodePaths
 from lazyfs.mounts import mount_image, unmount
+from lazyfs.node import NodePaths
 
 
 def main() -> None:

@@ -34,8 +34,8 @@ from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs import erofsmounts, sysmount
-from lazyfs.daemon import NodePaths
 from lazyfs.mounts import KERNEL_DEFAULT, MountError, mount_image, registered, unmount
+from lazyfs.node import NodePaths
 
 MIB = 1 << 20
 
