@@ -68,8 +68,8 @@ from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs import erofsmounts, sysmount
-from lazyfs.daemon import NodePaths, request
 from lazyfs.mounts import mount_image, unmount
+from lazyfs.node import NodePaths, request
 from pmem.erofs import build_image
 
 HERE = Path(__file__).resolve().parent

@@ -93,8 +93,8 @@ from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
 from composer.catalog import Catalog
 from composer.compose import overlay_fixups
-from lazyfs.daemon import NodePaths, request
 from lazyfs.mounts import write_fixups
+from lazyfs.node import NodePaths, request
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -104,7 +104,7 @@ MiB = 1 << 20
 CACHE_ROOT = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 LAZYFS = str(Path(sys.executable).with_name("lazyfs"))
 REFERENCE_TOUCHED = {"C++": 0.087, "Go": 0.133, "Python": 0.060}
-DIAG_READ_AHEAD_KB = 1024  # what lazyfs.daemon.READ_AHEAD_KB asks for
+DIAG_READ_AHEAD_KB = 1024  # what lazyfs.node.READ_AHEAD_KB asks for
 
 COLD_COMMANDS = {
     "minbase": "dpkg -l | wc -l",
@@ -646,7 +646,8 @@ class Bench:
         if ra_daemon < DIAG_READ_AHEAD_KB:
             self.node.problems.append(
                 f"FUSE bdi {ra_file} reads {ra_daemon} after the daemon started, although "
-                f"lazyfs.daemon asks for {DIAG_READ_AHEAD_KB} (likely cause: _tune_readahead "
+                f"lazyfs.node.READ_AHEAD_KB asks for {DIAG_READ_AHEAD_KB} (likely cause: "
+                "_tune_readahead "
                 "writes it right after pyfuse3.init, before the FUSE INIT reply is processed, "
                 "and the kernel then caps read-ahead to the negotiated max_readahead); "
                 "section 2 shows the cold rows again with the value written after start")

@@ -6,8 +6,8 @@ Image: the tests' busybox rootfs (tests/helpers/sandboxes.py busybox_store: busy
 runtime and `docker import`ed from a tar of the same tree for Docker.
 
 Runtime side: a Node on a temporary state directory, its lazyfs daemon
-started on a temporary node root (tests/helpers/lazynode.py: the `lazyfs daemon`
-command the runtime itself would start). Docker side: a private dockerd from
+started on a temporary node root (tests/helpers/lazynode.py: lazyfs.node.start_daemon,
+as the runtime itself would start it). Docker side: a private dockerd from
 Debian's docker.io (tests/helpers/dockerd.py: its own data root, exec root, socket
 and cgroup parent, --bridge=none), containers with --network none (the
 sandboxes' default is no network too).

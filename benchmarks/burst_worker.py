@@ -21,12 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from chunkstore.cluster import Cluster
-from chunkstore.objects import open_object_store
 from composer.export import export_tree
-from composer.remote import ClusterCatalog
-from lazyfs.daemon import NodePaths
 from lazyfs.mounts import mount_image, unmount
+from lazyfs.node import NodePaths, open_images
 
 
 def main() -> None:
@@ -35,8 +32,7 @@ def main() -> None:
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, object] = {"mode": mode, "start": t0}
-    with Cluster(open_object_store(url)) as cluster:
-        catalog = ClusterCatalog(cluster)
+    with open_images(None, url) as (catalog, reader):  # the cluster's, as a node reads it
         if mode == "lazy":
             paths = NodePaths(Path(node_root))
             mp = work / "root"
@@ -50,11 +46,11 @@ def main() -> None:
         else:
             _, img = catalog.resolve(image)
             tree = work / "tree"
-            export_tree(cluster.reader, [catalog.load_layer(d) for d in img.layers],  # type: ignore[arg-type]
+            export_tree(reader, [catalog.load_layer(d) for d in img.layers],  # type: ignore[arg-type]
                         tree)
             p = subprocess.run(["chroot", str(tree), "/bin/sh", "-c", cmd],
                                capture_output=True, text=True, timeout=600, check=False)
-        out["store_bytes"] = cluster.reader.stats.bytes_read
+        out["store_bytes"] = reader.stats.bytes_read  # type: ignore[attr-defined]
     out["end"] = time.time()
     out["rc"] = p.returncode
     out["output"] = p.stdout.strip()[-200:]

@@ -14,8 +14,8 @@ manifests are the image model's (`composer`).
 
 from __future__ import annotations
 
-from .codec import Codec
-from .config import StoreConfig
+from typing import TYPE_CHECKING
+
 from .errors import (
     BackendError,
     ChunkCollision,
@@ -23,15 +23,39 @@ from .errors import (
     ChunkNotFound,
     ChunkStoreError,
     ChunkTooLarge,
+    LazyfsError,
     PackNotFound,
     RootError,
     StoreFormatError,
     StoreFull,
     StoreReadOnly,
 )
-from .gc import GcBusy, GcReport
-from .ids import TRUSTED, ChunkId, PackId, TrustDomain
-from .store import BadChunk, ChunkInfo, ChunkStore, PutCounters, StoreStats, VerifyReport
+
+if TYPE_CHECKING:
+    from .codec import Codec
+    from .config import StoreConfig
+    from .gc import GcBusy, GcReport
+    from .ids import TRUSTED, ChunkId, PackId, TrustDomain
+    from .store import BadChunk, ChunkInfo, ChunkStore, PutCounters, StoreStats, VerifyReport
+
+# The rest loads on first use: `import chunkstore.errors` (which every
+# package's errors module does, for LazyfsError) must not pull in LMDB, zstd
+# and the hashes, in processes that only talk HTTP.
+_LAZY = {"Codec": "codec", "StoreConfig": "config", "GcBusy": "gc", "GcReport": "gc",
+         "TRUSTED": "ids", "ChunkId": "ids", "PackId": "ids", "TrustDomain": "ids",
+         "BadChunk": "store", "ChunkInfo": "store", "ChunkStore": "store",
+         "PutCounters": "store", "StoreStats": "store", "VerifyReport": "store"}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chunkstore' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "TRUSTED",
@@ -48,6 +72,7 @@ __all__ = [
     "Codec",
     "GcBusy",
     "GcReport",
+    "LazyfsError",
     "PackId",
     "PackNotFound",
     "PutCounters",

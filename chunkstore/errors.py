@@ -2,6 +2,7 @@
 
 Hierarchy::
 
+    LazyfsError               the root of every error of the project (below)
     ChunkStoreError
      ├── ChunkNotFound        no chunk with this id in this trust domain
      ├── ChunkCorrupt         stored bytes fail their check (hash, header, codec, truncation)
@@ -21,7 +22,16 @@ Every error names what failed: the chunk id, the pack, the path.
 from __future__ import annotations
 
 
-class ChunkStoreError(Exception):
+class LazyfsError(Exception):
+    """The root of every error the project raises on purpose; each package's
+    base class derives from it (ChunkStoreError, composer's ComposerError,
+    pmem's PmemError, lazyfs's NodeError, runtime's SandboxError, the CLI's
+    QuietError). It lives here, at the bottom of the packages, so every
+    package can import it; the message is one line naming what failed, and
+    the `lazyfs` command prints it as that line with an exit code."""
+
+
+class ChunkStoreError(LazyfsError):
     """Base class of every chunk store error."""
 
 

@@ -1,6 +1,6 @@
 """Errors raised while converting, composing and exporting images.
 
-Hierarchy::
+Hierarchy (under chunkstore.errors.LazyfsError)::
 
     ComposerError
      ├── BadLayer            a layer's archive or an entry in it is unacceptable
@@ -15,8 +15,10 @@ Each names the layer and, where there is one, the entry.
 
 from __future__ import annotations
 
+from chunkstore.errors import LazyfsError
 
-class ComposerError(Exception):
+
+class ComposerError(LazyfsError):
     pass
 
 

@@ -20,6 +20,10 @@ Control requests (one JSON object per line, one answer each):
     {"op": "drop_cache"}                 -> {"ok": true} (empties the node cache)
     {"op": "forget_mount", "mount": M}   -> {"ok": true} (drop an unmounted mount's counters)
 
+Starting one in the background, waiting for it, asking it things and
+stopping it is lazyfs.node's (which runs `python -m lazyfs`, i.e. main()
+here); NodePaths, request and running are re-exported from there.
+
 The daemon must survive anything a client sends: every request is answered
 (errors as {"ok": false, "error": ...}), background work runs guarded (a
 failure is logged, never taken down with the FUSE session), and the node
@@ -37,30 +41,39 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyfuse3
 import trio
 
-from chunkstore import ChunkStore
-from chunkstore.cache import ChunkSource, NodeCache
-from chunkstore.cluster import Cluster
-from chunkstore.objects import open_object_store
-from composer.catalog import Catalog, ImageCatalog
-from composer.remote import ClusterCatalog
+from chunkstore.cache import NodeCache
+from chunkstore.errors import LazyfsError
 
-from . import sysmount
+from . import erofsmounts, sysmount
+from .errors import ConfigError, DaemonError
 from .fetch import FetchEngine
 from .fs import FIRST_BASE, LazyFS
 from .layers import Layers
+from .node import (
+    READ_AHEAD_KB,
+    DaemonSpec,
+    NodePaths,
+    check_fuse,
+    default_root,
+    open_images,
+    request,
+    running,
+)
 from .options import Options
-from .trace import Tracer, check_events
+from .settings import parse_size
+from .trace import Tracer, check_events, load_trace
+
+__all__ = ["READ_AHEAD_KB", "NodePaths", "default_root", "main", "request", "run", "running",
+           "serve"]
 
 log = logging.getLogger(__name__)
 
-READ_AHEAD_KB = 1024  # FUSE's default 128 KiB halves cold sequential reads (PLATFORM.md)
 _MAX_REQUEST = 64 << 20
 MAX_TASKS = 512  # pyfuse3 workers: reads waiting for a fetch slot must not starve metadata
 
@@ -73,61 +86,6 @@ async def guarded(what: str, fn: Callable[..., Awaitable[object]], *args: object
         raise
     except Exception:
         log.exception("%s failed", what)
-
-
-@dataclass(frozen=True)
-class NodePaths:
-    root: Path
-
-    @property
-    def mnt(self) -> Path:
-        return self.root / "mnt"
-
-    @property
-    def layers(self) -> Path:
-        return self.mnt / "layers"
-
-    @property
-    def control(self) -> Path:
-        return self.root / "control.sock"
-
-    @property
-    def pidfile(self) -> Path:
-        return self.root / "daemon.pid"
-
-    @property
-    def logfile(self) -> Path:
-        return self.root / "daemon.log"
-
-    @property
-    def mounts(self) -> Path:
-        return self.root / "mounts"
-
-    @property
-    def fixups(self) -> Path:
-        return self.root / "fixups"
-
-    @property
-    def blobs(self) -> Path:
-        return self.mnt / "blobs"
-
-    @property
-    def erofs_images(self) -> Path:
-        return self.root / "erofs"
-
-    @property
-    def erofs_mounts(self) -> Path:
-        return self.root / "erofs-mnt"
-
-    @property
-    def erofs_lock(self) -> Path:
-        return self.root / "erofs.lock"
-
-
-def default_root() -> Path:
-    if os.geteuid() == 0:
-        return Path("/run/lazyfs")
-    return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/lazyfs-{os.getuid()}") / "lazyfs"
 
 
 class Attribution:
@@ -183,7 +141,7 @@ class Attribution:
 def _cleanup_stale(mnt: Path) -> None:
     if sysmount.find_mount(mnt) is not None:
         if not sysmount.is_stale(mnt):
-            raise RuntimeError(f"{mnt} is already mounted (another lazyfs daemon?)")
+            raise DaemonError(f"{mnt} is already mounted (another lazyfs daemon?)")
         log.warning("%s: stale mount of a dead daemon; detaching it", mnt)
         sysmount.umount(mnt, lazy=True)
 
@@ -217,16 +175,7 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
     _cleanup_stale(paths.mnt)
     paths.mnt.mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
-        catalog: ImageCatalog
-        source: ChunkSource
-        if cluster_url is not None:
-            cluster = stack.enter_context(Cluster(open_object_store(cluster_url)))
-            catalog, source = ClusterCatalog(cluster), cluster.reader
-        else:
-            assert store_path is not None
-            store = stack.enter_context(ChunkStore.open(store_path, readonly=True))
-            catalog = stack.enter_context(Catalog(store))
-            source = store
+        catalog, source = stack.enter_context(open_images(store_path, cluster_url))
         cache = stack.enter_context(NodeCache.open(cache_dir, capacity=cache_size,
                                                    source=source))
         tracer = Tracer()
@@ -244,6 +193,50 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
             pyfuse3.close(unmount=True)
             for p in (paths.control, paths.pidfile):
                 p.unlink(missing_ok=True)
+
+
+def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
+    """Run the daemon spec describes, in this process, until SIGINT/SIGTERM
+    (what `lazyfs daemon` and `python -m lazyfs` do)."""
+    check_fuse()
+    if running(spec.paths):
+        raise DaemonError(f"a lazyfs daemon already serves {spec.paths.mnt}")
+    events = None
+    if spec.prefetch is not None:
+        try:
+            events = load_trace(spec.prefetch)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"prefetch trace {spec.prefetch}: {e}") from e
+    if spec.cluster is None and not (spec.store and spec.store.is_dir()):
+        raise ConfigError(f"no chunk store at {spec.store} (convert an image first)")
+    try:
+        size = parse_size(spec.cache_size)
+    except ValueError as e:
+        raise ConfigError(f"cache size {e}") from None
+    opts = Options(fetch_threads=spec.fetch_threads, fetch_timeout=spec.fetch_timeout,
+                   readahead_chunks=spec.readahead_chunks, keep_cache=spec.keep_cache,
+                   cache_timeout=spec.cache_timeout)
+    with erofsmounts.locked(spec.paths):  # layer mounts a crashed daemon left, unused now
+        erofsmounts.release_unused(spec.paths)
+    run(spec.paths, spec.store, spec.cache_dir, size, cluster_url=spec.cluster, options=opts,
+        prefetch=events, read_ahead_kb=spec.read_ahead_kb, on_ready=on_ready)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lazyfs ARGS` (DaemonSpec.argv): serve in the foreground;
+    a failure is one line on stderr and exit code 1."""
+    import sys
+    spec = DaemonSpec.parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.DEBUG if spec.verbose > 1 else
+        logging.INFO if spec.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        serve(spec)
+    except LazyfsError as e:
+        print(f"lazyfs daemon: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 async def _keep_readahead(mnt: Path, kb: int) -> None:
@@ -376,29 +369,3 @@ async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
         await trio.to_thread.run_sync(fs.fetch.cache.clear)
         return {"ok": True}
     return {"ok": False, "error": f"unknown op {op!r}"}
-
-
-def request(paths: NodePaths, req: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-    """Send one control request to a running daemon (blocking client)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(paths.control))
-        s.sendall(json.dumps(req).encode() + b"\n")
-        buf = bytearray()
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                raise ConnectionError("lazyfs daemon closed the control connection")
-            buf += chunk
-    answer: dict[str, Any] = json.loads(buf)
-    if not answer.get("ok"):
-        raise RuntimeError(f"lazyfs daemon: {answer.get('error')}")
-    return answer
-
-
-def running(paths: NodePaths) -> bool:
-    try:
-        request(paths, {"op": "ping"}, timeout=2.0)
-    except (OSError, ConnectionError, ValueError, RuntimeError):
-        return False
-    return True

@@ -48,8 +48,8 @@ from pmem.erofs import cached_image, meta_name
 
 from . import sysmount
 from .blob import blob_name
-from .daemon import NodePaths
 from .errors import MountError
+from .node import NodePaths
 
 log = logging.getLogger(__name__)
 

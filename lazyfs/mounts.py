@@ -42,8 +42,8 @@ from composer.manifest import Entry, LayerManifest
 from pmem.errors import PmemError
 
 from . import erofsmounts, sysmount
-from .daemon import NodePaths, request
-from .errors import MountError
+from .errors import DaemonError, MountError
+from .node import NodePaths, request
 from .tree import is_overlay_xattr
 
 __all__ = ["KERNEL_DEFAULT", "ComposedMount", "MountError", "mount_image", "registered",
@@ -267,7 +267,7 @@ def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
         erofsmounts.release_unused(paths)
     try:  # its per-mount counters go with it (the per-layer ones stay)
         request(paths, {"op": "forget_mount", "mount": str(mountpoint)}, timeout=2.0)
-    except (OSError, ConnectionError, ValueError, RuntimeError):
+    except (OSError, DaemonError):
         pass
 
 

@@ -1,6 +1,6 @@
 """Errors raised while computing EROFS images from layer manifests.
 
-Hierarchy::
+Hierarchy (under chunkstore.errors.LazyfsError)::
 
     PmemError
      ├── LayoutError        a manifest that cannot be laid out (a hardlink to
@@ -13,8 +13,10 @@ Each names the layer and, where there is one, the entry.
 
 from __future__ import annotations
 
+from chunkstore.errors import LazyfsError
 
-class PmemError(Exception):
+
+class PmemError(LazyfsError):
     pass
 
 

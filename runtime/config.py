@@ -1,50 +1,49 @@
 """Where a node's runtime keeps its state and finds its images.
 
-Precedence: arguments > environment (LAZYFS_STORE, LAZYFS_CLUSTER,
-LAZYFS_RUNTIME_DIR, LAZYFS_NODE_ROOT) > defaults that work on one machine (the
-local store the `lazyfs` CLI uses, state under /run as root).
+Precedence: arguments > the machine's settings (lazyfs.settings: environment
+LAZYFS_STORE, LAZYFS_CLUSTER, LAZYFS_RUNTIME_DIR, LAZYFS_NODE_ROOT,
+LAZYFS_CACHE, LAZYFS_CACHE_SIZE, then the config file, then defaults that
+work on one machine). The `lazyfs` CLI reads the same settings, so an
+embedded node and `lazyfs mount` find the same store and the same daemon.
+
+Light to import (no pyfuse3, trio or LMDB): the SDK imports it.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from lazyfs.daemon import default_root
-
-
-def _xdg(var: str, fallback: str) -> Path:
-    return Path(os.environ.get(var) or Path.home() / fallback)
+from lazyfs.settings import Settings
 
 
-def default_store() -> Path:
-    env = os.environ.get("LAZYFS_STORE")
-    return Path(env) if env else _xdg("XDG_DATA_HOME", ".local/share") / "lazyfs" / "store"
-
-
-def default_state_dir() -> Path:
-    env = os.environ.get("LAZYFS_RUNTIME_DIR")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:  # on disk: sandboxes' writable layers live here
-        return Path("/var/lib/lazyfs-runtime")
-    return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/lazyfs-{os.getuid()}") / "runtime"
+def _settings() -> Settings:
+    return Settings.load()
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    store: Path = field(default_factory=default_store)
-    cluster: str | None = field(default_factory=lambda: os.environ.get("LAZYFS_CLUSTER"))
-    state_dir: Path = field(default_factory=default_state_dir)
+    store: Path = field(default_factory=lambda: _settings().store_path)
+    cluster: str | None = field(default_factory=lambda: _settings().cluster)
+    state_dir: Path = field(default_factory=lambda: _settings().state_dir)
     # the node's lazyfs daemon (started by the runtime when none answers there)
-    node_root: Path = field(default_factory=lambda: Path(
-        os.environ.get("LAZYFS_NODE_ROOT") or default_root()))
-    cache_dir: Path | None = None  # node chunk cache [default node_root/cache]
-    cache_size: str = "4G"
+    node_root: Path = field(default_factory=lambda: _settings().node_root)
+    # node chunk cache [default: as configured, else lazyfs.settings.default_cache_dir]
+    cache_dir: Path | None = field(default_factory=lambda: _settings().configured_cache_dir)
+    cache_size: str = field(default_factory=lambda: _settings().cache_size)
     max_sandboxes: int = 4096
     reap_interval: float = 1.0
     fncall_workers: int = 2
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw: Any) -> RuntimeConfig:
+        """The runtime of a machine with these settings (kw: other fields)."""
+        base: dict[str, Any] = {
+            "store": settings.store_path, "cluster": settings.cluster,
+            "state_dir": settings.state_dir, "node_root": settings.node_root,
+            "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size}
+        return cls(**{**base, **kw})
 
     @property
     def sandboxes(self) -> Path:

@@ -1,5 +1,5 @@
 """Errors of the sandbox runtime, the same in the embedded runtime, the node
-agent and the SDK (the agent sends the class name; the SDK raises the class).
+agent and the SDK (the agent sends the class name; the SDK raises the class). Under chunkstore.errors.LazyfsError:
 
     SandboxError
     ├── SandboxNotFound        no sandbox with that id (or it was killed)
@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from chunkstore.errors import LazyfsError
+
 if TYPE_CHECKING:
     from .spec import ExecResult
 
 
-class SandboxError(Exception):
-    """Base of every runtime error."""
+class SandboxError(LazyfsError):
+    """Base of every runtime error (a chunkstore.errors.LazyfsError)."""
 
     status = 500
 

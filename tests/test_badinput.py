@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,8 @@ from chunkstore import (
 )
 from chunkstore.index import Entry, Txn, chunk_key
 from tests.helpers.support import flip_byte, mounted, pack_path, root_only
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _three(store: ChunkStore) -> list[ChunkId]:
@@ -210,3 +214,91 @@ def test_impossible_index_entries_are_corruption(store: ChunkStore,
 def test_non_byte_input_is_refused(store: ChunkStore) -> None:
     with pytest.raises(TypeError, match="bytes-like"):
         store.put_many(["text is not bytes"])  # type: ignore[list-item]
+
+
+# -- the `lazyfs` command: every failure is one line on stderr and an exit code ----------
+
+def _lazyfs(*args: str, tmp: Path, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "LAZYFS_STORE": str(tmp / "store"), "LAZYFS_CONFIG": "/nonexistent",
+            "LAZYFS_CLUSTER": "", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def _one_line(p: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == code and len(lines) == 1, p.stderr
+    assert lines[0].startswith("lazyfs: error: "), p.stderr
+    for w in words:
+        assert w in lines[0], p.stderr
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--cluster", "bogus://x", "images"], ["option --cluster", "unknown cluster store URL"]),
+    (["--cluster", "s3://", "images"], ["option --cluster", "no bucket"]),
+    (["--cluster", "posix://relative/dir", "cluster", "images"], ["must be absolute"]),
+    (["--cluster", "posix:///nonexistent-cluster-dir", "cluster", "images"],
+     ["/nonexistent-cluster-dir"]),
+    (["--cluster", "s3://b?endpoint=http://127.0.0.1:9", "cluster", "images"],
+     ["127.0.0.1:9"]),  # nothing listens on the discard port: unreachable
+])
+def test_bad_cluster_url_is_one_line(tmp_path: Path, args: list[str], words: list[str]) -> None:
+    _one_line(_lazyfs(*args, tmp=tmp_path), 1, *words)
+    # the same URL from the environment names the environment
+    if args[-1] == "images" and args[-2] != "cluster":
+        p = _lazyfs("images", tmp=tmp_path, env={"LAZYFS_CLUSTER": args[1]})
+        _one_line(p, 1, "environment LAZYFS_CLUSTER")
+
+
+def test_bad_settings_are_one_line(tmp_path: Path) -> None:
+    _one_line(_lazyfs("--threads", "0", "store", "info", tmp=tmp_path), 1, "threads must be")
+    _one_line(_lazyfs("stats", tmp=tmp_path, env={"LAZYFS_CACHE_SIZE": "tiny"}), 1,
+              "environment LAZYFS_CACHE_SIZE", "'tiny'")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[node]\nroot = 3\n')
+    _one_line(_lazyfs("stats", tmp=tmp_path, env={"LAZYFS_CONFIG": str(cfg)}), 1,
+              "node.root", "must be a string")
+    cfg.write_text('[nodes]\nroot = "/x"\n')
+    _one_line(_lazyfs("stats", tmp=tmp_path, env={"LAZYFS_CONFIG": str(cfg)}), 1,
+              "unknown section", "nodes")
+
+
+def test_node_errors_are_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "node"
+    env = {"LAZYFS_NODE_ROOT": str(root)}
+    # the daemon's errors (lazyfs.errors.DaemonError): none runs at the root
+    _one_line(_lazyfs("umount", str(root / "mnt"), tmp=tmp_path, env=env), 1,
+              "no lazyfs daemon serves", str(root / "mnt"))
+    _one_line(_lazyfs("stats", tmp=tmp_path, env=env), 1, "no lazyfs daemon answers")
+    # composed mounts' (lazyfs.errors.MountError): nothing is mounted there
+    (tmp_path / "plain").mkdir()
+    p = _lazyfs("umount", str(tmp_path / "plain"), tmp=tmp_path, env=env)
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    dbg = _lazyfs("--debug", "umount", str(root / "mnt"), tmp=tmp_path, env=env)
+    assert "Traceback" in dbg.stderr and "DaemonError" in dbg.stderr
+
+
+def test_daemon_entry_point_errors_are_one_line(tmp_path: Path) -> None:
+    """`python -m lazyfs` (how lazyfs.node starts a daemon) fails in one line too."""
+    p = subprocess.run([sys.executable, "-m", "lazyfs", "--root", str(tmp_path / "node"),
+                        "--store", str(tmp_path / "no-store"), "--cache", str(tmp_path / "c")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("lazyfs daemon: error: ")
+    if os.geteuid() == 0 and os.path.exists("/dev/fuse"):
+        assert "no chunk store at" in lines[0]
+
+
+def test_every_package_error_is_a_lazyfs_error() -> None:
+    """The root the CLI maps to one line: each package's base derives from it."""
+    from chunkstore.errors import ChunkStoreError, LazyfsError
+    from composer.errors import ComposerError
+    from lazyfs.errors import ConfigError, DaemonError, MountError, NodeError
+    from pmem.errors import PmemError
+    from runtime.errors import SandboxError
+    from tools.errors import QuietError
+    for cls in (ChunkStoreError, ComposerError, PmemError, NodeError, ConfigError,
+                DaemonError, MountError, SandboxError, QuietError):
+        assert issubclass(cls, LazyfsError), cls

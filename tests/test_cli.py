@@ -206,6 +206,60 @@ def test_cluster_setting_sources(tmp_path: Path) -> None:
     cfg.write_text('[cluster]\nendpoint = "x"\n')
     p = run("push", "x:1", store=tmp_path / "s", ok=False,
             env={**env, "LAZYFS_CONFIG": str(cfg)})
-    assert "unknown key(s) in [cluster]" in p.stderr
+    assert "unknown key cluster.endpoint" in p.stderr
     p = run("mount", "--help", store=tmp_path / "s")
     assert "--allow-devices" in p.stdout and "SPEC" in p.stdout
+
+
+@pytest.mark.root
+def test_the_cli_and_the_runtime_read_one_configuration(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config file's [store] path is the embedded runtime's store too (the
+    image exists only there), and with LAZYFS_NODE_ROOT set the runtime and
+    `lazyfs mount` / `lazyfs umount` use one daemon at that root."""
+    from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+    why = runtime_missing()
+    if why:
+        pytest.skip(why)
+    from lazyfs.node import NodePaths, running, serving, stop_daemon
+    from runtime import Sandbox
+    from runtime.config import RuntimeConfig
+    from runtime.node import Node
+
+    store = busybox_store(tmp_path)
+    root = tmp_path / "node"
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[store]\npath = "{store}"\n\n'
+                   f'[runtime]\nstate_dir = "{tmp_path / "state"}"\n')
+    for k, v in {"LAZYFS_CONFIG": str(cfg), "LAZYFS_NODE_ROOT": str(root),
+                 "LAZYFS_CLUSTER": ""}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("LAZYFS_STORE", "LAZYFS_RUNTIME_DIR", "LAZYFS_CACHE"):
+        monkeypatch.delenv(k, raising=False)
+    cli_env = {k: v for k, v in os.environ.items() if k != "LAZYFS_STORE"}
+    paths = NodePaths(root)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    node = Node(RuntimeConfig())  # every setting from the environment and the file
+    try:
+        assert (node.config.store, node.config.node_root) == (store, root)
+        with Sandbox.create(IMAGE, node=node) as sb:  # the runtime starts the daemon
+            assert sb.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        pid = paths.pidfile.read_text()
+        assert serving(paths) == str(store)
+        # the CLI finds the same store and the same daemon: it starts none
+        p = subprocess.run([LAZYFS, "mount", IMAGE, str(mp)], env=cli_env, capture_output=True,
+                           text=True, check=False, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert "started lazyfs daemon" not in p.stderr
+        assert (mp / "etc" / "motd").read_text() == "hello from the image\n"
+        assert paths.pidfile.read_text() == pid
+        for target in (mp, paths.mnt):  # and stops it, at that root
+            p = subprocess.run([LAZYFS, "umount", str(target)], env=cli_env,
+                               capture_output=True, text=True, check=False, timeout=120)
+            assert p.returncode == 0, p.stderr
+        assert not running(paths)
+    finally:
+        node.close()
+        if running(paths):
+            stop_daemon(paths, lazy=True)

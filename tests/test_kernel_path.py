@@ -22,8 +22,8 @@ from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs import erofsmounts, sysmount
-from lazyfs.daemon import NodePaths
 from lazyfs.mounts import KERNEL_DEFAULT, MountError, mount_image, registered, unmount
+from lazyfs.node import NodePaths
 from tests.helpers.images import (
     add_special_files,
     build_busybox_rootfs,

@@ -9,26 +9,22 @@ from typing import Any
 
 import click
 
-from chunkstore import (
-    ChunkStoreError,
-    StoreFormatError,
-    StoreFull,
-    StoreReadOnly,
-)
-from composer.errors import ComposerError
-from runtime.errors import SandboxError
+from chunkstore.errors import LazyfsError, StoreFormatError, StoreFull, StoreReadOnly
+from lazyfs.settings import Settings
 
-from .config import Settings
 from .errors import EXIT_FAILED, EXIT_STORE, QuietError
 
 
 class LazyfsGroup(click.Group):
-    """Turns domain errors into one-line messages (tracebacks with --debug)."""
+    """Turns every LazyfsError (the root of the packages' errors) into a
+    one-line message and an exit code (tracebacks with --debug)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (ChunkStoreError, ComposerError, SandboxError) as e:
+        except QuietError:
+            raise
+        except LazyfsError as e:
             if ctx.meta.get("lazyfs.debug"):
                 raise
             code = EXIT_STORE if isinstance(e, StoreReadOnly | StoreFull | StoreFormatError) \
@@ -47,7 +43,8 @@ class LazyfsGroup(click.Group):
 @click.option("--cluster", metavar="URL", default=None,
               help="Cluster store to push to and serve from: s3://BUCKET[/PREFIX]"
                    "[?endpoint=URL] or posix:///PATH [env LAZYFS_CLUSTER].")
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option("-v", "--verbose", count=True,
+              help="More log output: warnings and progress (-vv: debug).")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="lazyfs")
 @click.pass_context
@@ -57,25 +54,29 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
 
     Images are stored as deduplicated, compressed chunks in a chunk store
     and loaded on demand. Settings come from options, then LAZYFS_*
-    environment variables, then ~/.config/lazyfs/config.toml, then defaults.
+    environment variables, then ~/.config/lazyfs/config.toml ($LAZYFS_CONFIG),
+    then defaults; the sandbox runtime reads the same (lazyfs/settings.py).
     """
+    # errors only by default: a failing command prints its one line, not the
+    # retries on the way there (a daemon in the foreground shows warnings)
     logging.basicConfig(
         level=logging.DEBUG if verbose > 1 or debug else
-        logging.INFO if verbose else logging.WARNING,
+        logging.INFO if verbose else logging.ERROR,
         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     ctx.meta["lazyfs.debug"] = debug
-    ctx.obj = Settings.load(path=store_path, zstd_level=zstd_level, threads=threads,
+    ctx.obj = Settings.load(store_path=store_path, zstd_level=zstd_level, threads=threads,
                             cluster=cluster)
 
 
 def _register() -> None:
-    from . import demo_cmd, image_cmd, mount_cmd, sandbox_cmd, store_cmd
+    from . import cluster_cmd, daemon_cmd, demo_cmd, image_cmd, mount_cmd, sandbox_cmd, store_cmd
     cli.add_command(demo_cmd.demo)
     cli.add_command(store_cmd.store)
     for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
-                image_cmd.rm, image_cmd.gc, image_cmd.build, mount_cmd.daemon,
-                mount_cmd.mount, mount_cmd.umount, mount_cmd.stats, mount_cmd.push,
-                mount_cmd.seaweed, mount_cmd.cluster, sandbox_cmd.agent, sandbox_cmd.sandbox):
+                image_cmd.rm, image_cmd.gc, image_cmd.build, daemon_cmd.daemon,
+                mount_cmd.mount, mount_cmd.umount, daemon_cmd.stats, cluster_cmd.push,
+                cluster_cmd.seaweed, cluster_cmd.cluster, sandbox_cmd.agent,
+                sandbox_cmd.sandbox):
         cli.add_command(cmd)
 
 

@@ -164,10 +164,8 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
 
     from composer.catalog import Catalog
     from composer.convert import convert
-    from lazyfs.daemon import NodePaths, request
     from lazyfs.mounts import mount_image, unmount
-
-    from .mount_cmd import _stop_daemon, start_detached
+    from lazyfs.node import DaemonSpec, NodePaths, request, start_daemon, stop_daemon
 
     busybox = _busybox()
     if busybox is None:
@@ -191,7 +189,8 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
             convert(store, catalog, f"dir:{rootfs}", "demo:busybox")
         paths = NodePaths(work / "node")
         try:
-            start_detached(settings, paths, work / "cache", "1G")
+            start_daemon(DaemonSpec(paths, settings.store_path.absolute(), None, work / "cache",
+                                    "1G"))
             mp = work / "mnt"
             mp.mkdir()
             with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
@@ -211,7 +210,7 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
                 unmount(paths, mp)
             sandboxes = _sandbox_demo(settings, paths, work)
         finally:
-            _stop_daemon(paths, lazy=True)
+            stop_daemon(paths, lazy=True)
         if out.returncode != 0:
             raise QuietError(f"command in the lazy image failed: {out.stderr.strip()}")
         for line in out.stdout.strip().splitlines():

@@ -1,6 +1,14 @@
 """How the CLI reports failures: one line on stderr and an exit code, no
 traceback unless --debug.
 
+Every error the project raises on purpose derives from
+chunkstore.errors.LazyfsError; the `lazyfs` group (tools/cli.py) turns any
+of them into a QuietError, itself one, so the whole tree prints as one line:
+
+    LazyfsError
+     ├── ChunkStoreError, ComposerError, PmemError, NodeError, SandboxError
+     └── QuietError          the CLI's own errors, and the others as printed
+
 Exit codes:
     0  success
     1  an operation failed (chunkstore or other domain error)
@@ -13,12 +21,14 @@ from __future__ import annotations
 
 import click
 
+from chunkstore.errors import LazyfsError
+
 EXIT_FAILED = 1
 EXIT_CORRUPT = 3
 EXIT_STORE = 4
 
 
-class QuietError(click.ClickException):
+class QuietError(LazyfsError, click.ClickException):
     """An error the user can act on; printed as one line."""
 
     def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:

@@ -1,15 +1,16 @@
-"""Option definitions shared by several subcommands, and opening the store."""
+"""Option definitions shared by several subcommands, and opening the store
+and the node from the settings."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 from chunkstore import ChunkId, ChunkStore, TrustDomain
-
-from .config import Settings
+from lazyfs.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -18,6 +19,22 @@ def domain_option(f: F) -> F:
     return click.option(
         "--domain", default="trusted", show_default=True, metavar="NAME",
         help="Trust domain of the chunks (image builds use 'trusted').")(f)
+
+
+def root_option(f: F) -> F:
+    return click.option("--root", "root", type=click.Path(file_okay=False, path_type=Path),
+                        default=None, help="Node directory of the daemon (mnt/, control.sock) "
+                        "[env LAZYFS_NODE_ROOT; default /run/lazyfs as root, else "
+                        "$XDG_RUNTIME_DIR/lazyfs].")(f)
+
+
+def cache_options(f: F) -> F:
+    f = click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=None, help="Node chunk cache directory [env LAZYFS_CACHE; "
+                     "default ~/.cache/lazyfs/chunks for the default root, else ROOT/cache].")(f)
+    return click.option("--cache-size", default=None,
+                        help="Node chunk cache bound, e.g. 512M, 4G "
+                             "[env LAZYFS_CACHE_SIZE; default 4G].")(f)
 
 
 def parse_chunk_id(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
@@ -31,8 +48,8 @@ def parse_chunk_id(ctx: click.Context, param: click.Parameter, value: Any) -> An
 
 def open_store(settings: Settings, *, readonly: bool = False,
                create: bool = False) -> ChunkStore:
-    return ChunkStore.open(settings.store_path, config=settings.store, readonly=readonly,
-                           create=create)
+    return ChunkStore.open(settings.store_path, config=settings.store_config(),
+                           readonly=readonly, create=create)
 
 
 def as_domain(name: str) -> TrustDomain:

@@ -25,8 +25,8 @@ import msgpack
 
 from chunkstore.digests import Digest
 from lazyfs import sysmount
-from lazyfs.daemon import NodePaths
 from lazyfs.mounts import MountError, mount_image, unmount
+from lazyfs.node import NodePaths
 
 from .. import cgroups
 from ..config import RuntimeConfig

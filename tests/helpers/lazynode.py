@@ -5,8 +5,9 @@
         rw = node.mount(cat, "img", tmp_path / "r2", writable=tmp_path / "rw")
         node.stats()                                             # the daemon's statistics
 
-The daemon is `python -m tools.cli daemon` in a child process (the same code
-path users run), with its own node root, node cache and log. On exit, every
+The daemon is started by lazyfs.node.start_daemon (`python -m lazyfs`, the
+code path `lazyfs daemon` and the runtime use), with its own node root, node
+cache and log. On exit, every
 composed mount the node made is unmounted (lazily if busy), the daemon gets
 SIGTERM (SIGKILL after 10 s), the shared EROFS layer mounts of the kernel
 path are taken down, and a FUSE mount a dead daemon left is detached:
@@ -17,19 +18,19 @@ the daemon if the test process itself dies.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from composer.catalog import ImageCatalog
 from lazyfs import erofsmounts, sysmount
-from lazyfs.daemon import NodePaths, request, running
 from lazyfs.mounts import mount_image, unmount
+from lazyfs.node import DaemonSpec, NodePaths, request, running, start_daemon
 
 from .process import ServerProcess
+from .support import parent_death_signal
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # where tests run the CLI from
 
 
 def fuse_missing() -> str | None:
@@ -71,17 +72,9 @@ class LazyNode(ServerProcess):
 
     def start(self) -> None:
         self.paths.root.mkdir(parents=True, exist_ok=True)
-        cluster = ["--cluster", self.cluster] if self.cluster else []
-        cmd = [sys.executable, "-m", "tools.cli", "-v", "--store", str(self.store), *cluster,
-               "daemon",
-               "--root", str(self.paths.root), "--cache", str(self.cache),
-               "--cache-size", self.cache_size, *self.extra]
-        self.spawn(cmd, cwd=REPO)
-        try:
-            self.wait_ready()
-        except RuntimeError:
-            self.close()
-            raise
+        spec = DaemonSpec(self.paths, None if self.cluster else self.store.absolute(),
+                          self.cluster, self.cache, self.cache_size, verbose=1)
+        self.proc = start_daemon(spec, extra=self.extra, preexec_fn=parent_death_signal())
 
     def ready(self) -> bool:
         return running(self.paths)

@@ -1,0 +1,418 @@
+"""The node API: where a node's lazyfs daemon lives, starting it, waiting
+until it answers, asking it things, stopping it, and opening the image
+catalog it serves (the local store's, or a cluster store's).
+
+    spec = DaemonSpec.from_settings(Settings.load())
+    ensure_daemon(spec)                 # started (python -m lazyfs) unless one answers
+    with open_catalog(spec.store, spec.cluster) as catalog:
+        mount_image(spec.paths, catalog, "debian:12", Path("/tmp/root"))
+    request(spec.paths, {"op": "stats"})
+    stop_daemon(spec.paths)
+
+The CLI (`lazyfs daemon / mount / umount / stats`), the sandbox runtime and
+the tests all go through here: one way to start a daemon, one timeout to wait
+for it. The daemon runs as `python -m lazyfs` (lazyfs/__main__.py), a library
+entry point, so an installed lazyfs needs no source tree.
+
+What it does not own: the daemon's serving loop (lazyfs/daemon.py), composed
+mounts (lazyfs/mounts.py), where settings come from (lazyfs/settings.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError, DaemonError
+from .settings import Settings, default_cache_dir, default_root, parse_size
+
+if TYPE_CHECKING:
+    from chunkstore import ChunkStore
+    from chunkstore.cache import ChunkSource
+    from composer.catalog import Catalog, ImageCatalog
+
+log = logging.getLogger(__name__)
+
+__all__ = ["READY_TIMEOUT", "DaemonSpec", "NodePaths", "check_fuse", "default_root",
+           "ensure_daemon", "open_catalog", "open_images", "request", "running", "serving",
+           "start_daemon", "stop_daemon", "wait_ready"]
+
+# How long a starting daemon may take to answer (it opens the store or the
+# cluster and mounts FUSE; under a loaded test machine several seconds).
+READY_TIMEOUT = 30.0
+# How long a stopping daemon may take to unmount and exit after SIGTERM.
+STOP_TIMEOUT = 10.0
+READ_AHEAD_KB = 1024  # FUSE's default 128 KiB halves cold sequential reads
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    root: Path
+
+    @property
+    def mnt(self) -> Path:
+        return self.root / "mnt"
+
+    @property
+    def layers(self) -> Path:
+        return self.mnt / "layers"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.root / "daemon.pid"
+
+    @property
+    def logfile(self) -> Path:
+        return self.root / "daemon.log"
+
+    @property
+    def mounts(self) -> Path:
+        return self.root / "mounts"
+
+    @property
+    def fixups(self) -> Path:
+        return self.root / "fixups"
+
+    @property
+    def blobs(self) -> Path:
+        return self.mnt / "blobs"
+
+    @property
+    def erofs_images(self) -> Path:
+        return self.root / "erofs"
+
+    @property
+    def erofs_mounts(self) -> Path:
+        return self.root / "erofs-mnt"
+
+    @property
+    def erofs_lock(self) -> Path:
+        return self.root / "erofs.lock"
+
+
+# -- talking to a running daemon ---------------------------------------------------------
+
+def request(paths: NodePaths, req: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    """Send one control request to a running daemon (blocking client).
+    OSError when none answers; DaemonError when it refuses the request."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(paths.control))
+        s.sendall(json.dumps(req).encode() + b"\n")
+        buf = bytearray()
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("lazyfs daemon closed the control connection")
+            buf += chunk
+    try:
+        answer: dict[str, Any] = json.loads(buf)
+    except ValueError as e:
+        raise DaemonError(f"lazyfs daemon at {paths.root}: bad answer: {e}") from e
+    if not answer.get("ok"):
+        raise DaemonError(f"lazyfs daemon: {answer.get('error')}")
+    return answer
+
+
+def serving(paths: NodePaths) -> str | None:
+    """What the daemon at paths serves (its store path or cluster URL), or
+    None when no daemon answers there."""
+    try:
+        return str(request(paths, {"op": "ping"}, timeout=2.0).get("source") or "")
+    except (OSError, DaemonError):
+        return None
+
+
+def running(paths: NodePaths) -> bool:
+    return serving(paths) is not None
+
+
+# -- starting and stopping ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DaemonSpec:
+    """What a node daemon serves and how: the arguments of `python -m lazyfs`."""
+
+    paths: NodePaths
+    store: Path | None  # the local store (None with a cluster)
+    cluster: str | None
+    cache_dir: Path
+    cache_size: str = "4G"
+    prefetch: Path | None = None  # an access trace replayed into the cache at start
+    fetch_timeout: float = 30.0
+    fetch_threads: int = 8
+    readahead_chunks: int = 2
+    read_ahead_kb: int = READ_AHEAD_KB
+    keep_cache: bool = True
+    cache_timeout: float = 24 * 3600.0
+    verbose: int = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw: Any) -> DaemonSpec:
+        return cls(NodePaths(settings.node_root.absolute()),
+                   None if settings.cluster else settings.store_path.absolute(),
+                   settings.cluster, settings.cache_dir.absolute(), settings.cache_size, **kw)
+
+    @classmethod
+    def for_node(cls, node_root: Path, store: Path, cluster: str | None,
+                 cache_dir: Path | None, cache_size: str, **kw: Any) -> DaemonSpec:
+        """The spec of a runtime's node (its cache defaults like the CLI's)."""
+        root = node_root.absolute()
+        return cls(NodePaths(root), None if cluster else store.absolute(), cluster,
+                   (cache_dir or default_cache_dir(root)).absolute(), cache_size, **kw)
+
+    @property
+    def source(self) -> str:
+        """What the daemon answers to a ping as what it serves."""
+        return self.cluster or str(Path(self.store or "").absolute())
+
+    def argv(self) -> list[str]:
+        args = ["--root", str(self.paths.root), "--cache", str(self.cache_dir),
+                "--cache-size", self.cache_size, "--fetch-timeout", repr(self.fetch_timeout),
+                "--fetch-threads", str(self.fetch_threads),
+                "--readahead-chunks", str(self.readahead_chunks),
+                "--read-ahead-kb", str(self.read_ahead_kb),
+                "--cache-timeout", repr(self.cache_timeout),
+                "--keep-cache" if self.keep_cache else "--no-keep-cache"]
+        args += ["--cluster", self.cluster] if self.cluster else ["--store", str(self.store)]
+        if self.prefetch is not None:
+            args += ["--prefetch", str(self.prefetch.absolute())]
+        return args + ["-v"] * self.verbose
+
+    @classmethod
+    def parse(cls, argv: Sequence[str]) -> DaemonSpec:
+        """The inverse of argv() (later flags win, so extra flags override)."""
+        p = argparse.ArgumentParser(prog="python -m lazyfs",
+                                    description="Run a node's lazyfs daemon (foreground).")
+        p.add_argument("--root", type=Path, required=True)
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--store", type=Path)
+        src.add_argument("--cluster")
+        p.add_argument("--cache", type=Path, required=True)
+        p.add_argument("--cache-size", default="4G")
+        p.add_argument("--prefetch", type=Path)
+        p.add_argument("--fetch-timeout", type=float, default=30.0)
+        p.add_argument("--fetch-threads", type=int, default=8)
+        p.add_argument("--readahead-chunks", type=int, default=2)
+        p.add_argument("--read-ahead-kb", type=int, default=READ_AHEAD_KB)
+        p.add_argument("--keep-cache", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--cache-timeout", type=float, default=24 * 3600.0)
+        p.add_argument("-v", "--verbose", action="count", default=0)
+        a = p.parse_args(list(argv))
+        return cls(NodePaths(a.root.absolute()), a.store and a.store.absolute(), a.cluster,
+                   a.cache.absolute(), a.cache_size, a.prefetch, a.fetch_timeout,
+                   a.fetch_threads, a.readahead_chunks, a.read_ahead_kb, a.keep_cache,
+                   a.cache_timeout, a.verbose)
+
+
+def check_fuse() -> None:
+    """DaemonError unless this process can run a daemon."""
+    if not os.path.exists("/dev/fuse"):
+        raise DaemonError("/dev/fuse is missing: load the fuse module (modprobe fuse)")
+    if os.geteuid() != 0:
+        raise DaemonError("the lazyfs daemon mounts FUSE with allow_other and overlayfs: "
+                          "run it as root")
+
+
+def start_daemon(spec: DaemonSpec, *, extra: Sequence[str] = (),
+                 preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
+    """Start `python -m lazyfs` for spec in the background (log in
+    ROOT/daemon.log) and wait until it answers; DaemonError if it exits or
+    does not answer within READY_TIMEOUT (then it is killed)."""
+    check_fuse()
+    try:
+        parse_size(spec.cache_size)
+    except ValueError as e:
+        raise ConfigError(f"cache size {e}") from None
+    spec.paths.root.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lazyfs", *spec.argv(), *extra]
+    with open(spec.paths.logfile, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                start_new_session=True, preexec_fn=preexec_fn)  # noqa: PLW1509
+    try:
+        wait_ready(spec.paths, proc)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    log.info("started lazyfs daemon %d at %s", proc.pid, spec.paths.mnt)
+    return proc
+
+
+def wait_ready(paths: NodePaths, proc: subprocess.Popen[bytes] | None = None,
+               timeout: float = READY_TIMEOUT) -> None:
+    """Until the daemon at paths answers; DaemonError (with the log's tail)
+    if proc exits first or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while not running(paths):
+        if proc is not None and proc.poll() is not None:
+            raise DaemonError(f"the lazyfs daemon exited with {proc.returncode}: "
+                              + " | ".join(_log_tail(paths)))
+        if time.monotonic() > deadline:
+            raise DaemonError(f"the lazyfs daemon did not answer within {timeout:g} s "
+                              f"(log: {paths.logfile})")
+        time.sleep(0.05)
+
+
+def _log_tail(paths: NodePaths, lines: int = 5) -> list[str]:
+    try:
+        return paths.logfile.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def _same_source(a: str, b: str) -> bool:
+    return a == b or ("://" not in a and "://" not in b
+                      and os.path.realpath(a) == os.path.realpath(b))
+
+
+_start_lock = threading.Lock()
+
+
+def ensure_daemon(spec: DaemonSpec) -> int | None:
+    """The daemon of spec's root: the running one (None) if it serves
+    spec's store or cluster, else a new one (its pid). DaemonError when the
+    running one serves something else."""
+    with _start_lock:  # two threads of one process start one daemon
+        source = serving(spec.paths)
+        if source is None:
+            proc = start_daemon(spec)
+            # it outlives this call (and maybe this process): a thread waits
+            # to reap it, instead of the garbage collector warning about a
+            # live child
+            threading.Thread(target=proc.wait, name=f"lazyfs-daemon-{proc.pid}",
+                             daemon=True).start()
+            return proc.pid
+    if source and not _same_source(source, spec.source):
+        raise DaemonError(f"the lazyfs daemon at {spec.paths.root} serves {source}, not "
+                          f"{spec.source}: stop it (lazyfs umount {spec.paths.mnt}) or use "
+                          "another node root")
+    return None
+
+
+def stop_daemon(paths: NodePaths, lazy: bool = False) -> None:
+    """Stop the daemon at paths: release the shared layer mounts, SIGTERM it
+    and wait for it to unmount; detach a FUSE mount a dead daemon left.
+    Without lazy, DaemonError while composed mounts still use it."""
+    from . import erofsmounts, sysmount
+    from .mounts import registered
+    busy = [m["mountpoint"] for m in registered(paths)
+            if sysmount.find_mount(str(m["mountpoint"])) is not None]
+    if busy and not lazy:
+        raise DaemonError(f"composed mounts still use the daemon: {', '.join(map(str, busy))} "
+                          "(unmount them first, or --lazy)")
+    # the shared EROFS layer mounts hold the daemon's blobs open; with lazy,
+    # also those under live composed roots (which keep their own clones and
+    # get EIO on data not yet read)
+    with erofsmounts.locked(paths):
+        erofsmounts.release_unused(paths, everything=lazy)
+    pid = None
+    try:
+        pid = int(paths.pidfile.read_text())
+    except (OSError, ValueError):
+        pass
+    alive = running(paths)
+    if not alive and sysmount.find_mount(paths.mnt) is None:
+        raise DaemonError(f"no lazyfs daemon serves {paths.mnt}")
+    if pid is not None and alive:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while time.monotonic() < deadline and paths.pidfile.exists():
+            time.sleep(0.05)
+        if paths.pidfile.exists() and running(paths):
+            raise DaemonError(f"the lazyfs daemon (pid {pid}) did not stop within "
+                              f"{STOP_TIMEOUT:g} s")
+    if sysmount.find_mount(paths.mnt) is not None:  # dead daemon, stale mount
+        sysmount.umount(paths.mnt, lazy=True)
+
+
+# -- the image catalog -------------------------------------------------------------------
+
+# LMDB allows one open environment per store per process: every read-only
+# opening of a local store in one process (an embedded node, a test's second
+# node, a CLI command) shares one, counted.
+_local: dict[Path, tuple[ChunkStore, Catalog, int]] = {}
+_local_lock = threading.Lock()
+
+
+def _acquire_local(store_path: Path) -> tuple[ChunkStore, Catalog]:
+    from chunkstore import ChunkStore
+    from composer.catalog import Catalog
+    key = store_path.resolve()
+    with _local_lock:
+        if key in _local:
+            store, cat, n = _local[key]
+            _local[key] = (store, cat, n + 1)
+            return store, cat
+        store = ChunkStore.open(key, readonly=True)
+        try:
+            cat = Catalog(store)
+        except BaseException:
+            store.close()
+            raise
+        _local[key] = (store, cat, 1)
+        return store, cat
+
+
+def _release_local(store_path: Path) -> None:
+    key = store_path.resolve()
+    with _local_lock:
+        store, cat, n = _local[key]
+        if n > 1:
+            _local[key] = (store, cat, n - 1)
+            return
+        del _local[key]
+    cat.close()
+    store.close()
+
+
+@contextlib.contextmanager
+def open_images(store: Path | None, cluster: str | None
+                ) -> Iterator[tuple[ImageCatalog, ChunkSource]]:
+    """The catalog of the images served and where their chunks come from:
+    the cluster store's (chunks by ranged reads) when cluster is set, else
+    the local store's, read-only (shared within the process). A malformed
+    cluster URL is a ConfigError; store errors are the chunk store's."""
+    if cluster:
+        from chunkstore.cluster import Cluster
+        from chunkstore.objects import open_object_store
+        from composer.remote import ClusterCatalog
+        try:
+            objects = open_object_store(cluster)
+        except ValueError as e:
+            raise ConfigError(f"cluster store: {e}") from None
+        with Cluster(objects) as c:
+            yield ClusterCatalog(c), c.reader
+        return
+    if store is None:
+        raise ConfigError("no image store: neither a local store path nor a cluster URL")
+    local, catalog = _acquire_local(store)
+    try:
+        yield catalog, local
+    finally:
+        _release_local(store)
+
+
+@contextlib.contextmanager
+def open_catalog(store: Path | None, cluster: str | None) -> Iterator[ImageCatalog]:
+    """The catalog images are served from (see open_images)."""
+    with open_images(store, cluster) as (catalog, _):
+        yield catalog

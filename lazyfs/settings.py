@@ -1,0 +1,285 @@
+"""The settings of a lazyfs machine, read in one place by the `lazyfs` CLI
+and the sandbox runtime (embedded or agent), so both find the same store and
+the same node daemon.
+
+Precedence, for every setting: options (the CLI's flags, or the arguments a
+program passes) > environment > config file > defaults.
+
+Config file: $LAZYFS_CONFIG, else $XDG_CONFIG_HOME/lazyfs/config.toml
+(~/.config/lazyfs/config.toml). TOML; every section and key is optional;
+unknown sections or keys are errors, as are values of the wrong type:
+
+    [store]                     # the local chunk store
+    path = "/var/lib/lazyfs/store"   # env LAZYFS_STORE   [~/.local/share/lazyfs/store]
+    zstd_level = 3                   # env LAZYFS_ZSTD_LEVEL (1-22)
+    pack_size_mib = 64               # env LAZYFS_PACK_SIZE_MIB
+    threads = 2                      # env LAZYFS_THREADS
+
+    [cluster]                   # serve images from a cluster store instead
+    url = "s3://lazyfs/images?endpoint=http://seaweed:8333"   # env LAZYFS_CLUSTER
+                                     # (or posix:///PATH)
+
+    [node]                      # the node's lazyfs daemon
+    root = "/run/lazyfs"             # env LAZYFS_NODE_ROOT [/run/lazyfs as root,
+                                     #   else $XDG_RUNTIME_DIR/lazyfs]
+    cache = "/var/cache/lazyfs"      # env LAZYFS_CACHE  [~/.cache/lazyfs/chunks for
+                                     #   the default root, else ROOT/cache]
+    cache_size = "4G"                # env LAZYFS_CACHE_SIZE
+
+    [mount]
+    lowers = "kernel"                # env LAZYFS_LOWERS: "kernel" (EROFS) or "fuse"
+
+    [runtime]                   # the sandbox runtime
+    state_dir = "/var/lib/lazyfs-runtime"   # env LAZYFS_RUNTIME_DIR [as root; else
+                                            #   $XDG_RUNTIME_DIR/lazyfs/runtime]
+
+What it does not do: open anything (stores, daemons) — lazyfs.node does,
+from these values. Importing it is light (no pyfuse3, trio or LMDB): the
+SDK's runtime configuration imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import urllib.parse
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from chunkstore.config import StoreConfig
+
+from .errors import ConfigError
+
+DEFAULT_CACHE_SIZE = "4G"
+
+
+@dataclass(frozen=True)
+class _Key:
+    section: str
+    key: str
+    env: str
+    kind: type
+    option: str  # how the CLI spells it, for messages
+
+
+# attribute name -> where it is read from; the one table of settings
+_KEYS: dict[str, _Key] = {
+    "store_path": _Key("store", "path", "LAZYFS_STORE", Path, "--store"),
+    "zstd_level": _Key("store", "zstd_level", "LAZYFS_ZSTD_LEVEL", int, "--zstd-level"),
+    "pack_size_mib": _Key("store", "pack_size_mib", "LAZYFS_PACK_SIZE_MIB", int,
+                          "--pack-size-mib"),
+    "threads": _Key("store", "threads", "LAZYFS_THREADS", int, "--threads"),
+    "cluster": _Key("cluster", "url", "LAZYFS_CLUSTER", str, "--cluster"),
+    "node_root": _Key("node", "root", "LAZYFS_NODE_ROOT", Path, "--root"),
+    "cache_dir": _Key("node", "cache", "LAZYFS_CACHE", Path, "--cache"),
+    "cache_size": _Key("node", "cache_size", "LAZYFS_CACHE_SIZE", str, "--cache-size"),
+    "lowers": _Key("mount", "lowers", "LAZYFS_LOWERS", str, "--kernel/--fuse"),
+    "state_dir": _Key("runtime", "state_dir", "LAZYFS_RUNTIME_DIR", Path, "--state"),
+}
+_SECTIONS = sorted({k.section for k in _KEYS.values()})
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    return Path(os.environ.get(var) or Path.home() / fallback)
+
+
+def _user_runtime_dir() -> Path:
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/lazyfs-{os.getuid()}")
+
+
+def config_file_path() -> Path:
+    env = os.environ.get("LAZYFS_CONFIG")
+    return Path(env) if env else _xdg("XDG_CONFIG_HOME", ".config") / "lazyfs" / "config.toml"
+
+
+def default_store_path() -> Path:
+    return _xdg("XDG_DATA_HOME", ".local/share") / "lazyfs" / "store"
+
+
+def default_root() -> Path:
+    """The node root of the machine's one lazyfs daemon."""
+    if os.geteuid() == 0:
+        return Path("/run/lazyfs")
+    return _user_runtime_dir() / "lazyfs"
+
+
+def default_cache_dir(node_root: Path) -> Path:
+    """The default root's node cache lives on disk (it outlives a reboot's
+    /run); any other root keeps its own cache inside it (two daemons never
+    share one)."""
+    if node_root.absolute() == default_root():
+        return _xdg("XDG_CACHE_HOME", ".cache") / "lazyfs" / "chunks"
+    return node_root / "cache"
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:  # on disk: sandboxes' writable layers live here
+        return Path("/var/lib/lazyfs-runtime")
+    return _user_runtime_dir() / "runtime"
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size like 512M or 4G (at least 1 MiB); ValueError if not one."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
+    size = int(float(m[1]) * 1024 ** "_kmgt".index(m[2] or "_")) if m else 0
+    if size < 1 << 20:
+        raise ValueError(f"{text!r}: expected a size of at least 1M, like 512M or 4G")
+    return size
+
+
+def check_cluster_url(url: str) -> None:
+    """A cheap check of a cluster store URL's form (opening it is
+    chunkstore.objects'); ValueError says what is expected."""
+    parsed = urllib.parse.urlsplit(url)
+    expected = "expected s3://BUCKET[/PREFIX][?endpoint=URL] or posix:///PATH"
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"{url!r}: no bucket ({expected})")
+    elif parsed.scheme in ("posix", "file"):
+        if parsed.netloc or not parsed.path.startswith("/"):
+            raise ValueError(f"{url!r}: a POSIX cluster path must be absolute: "
+                             f"posix:///{parsed.netloc}{parsed.path}")
+    else:
+        raise ValueError(f"unknown cluster store URL {url!r} ({expected})")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, resolved: defaults applied, values checked."""
+
+    store_path: Path
+    node_root: Path
+    cache_dir: Path
+    cache_size: str
+    state_dir: Path
+    # the cluster store images are served from; None: the local store
+    cluster: str | None = None
+    # composed mounts' lowers, "kernel" or "fuse"; None: lazyfs.mounts' default
+    lowers: str | None = None
+    zstd_level: int | None = None
+    pack_size_mib: int | None = None
+    threads: int | None = None
+    # the options this was loaded with (None values dropped), for override()
+    options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # where each setting not left at its default came from ("environment
+    # LAZYFS_STORE", ...), by attribute name
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def load(cls, **options: Any) -> Settings:
+        """Resolve every setting: options (those not None) > environment >
+        config file > defaults. ConfigError names the offending source."""
+        unknown = set(options) - set(_KEYS)
+        if unknown:
+            raise TypeError(f"unknown settings {sorted(unknown)} (known: {sorted(_KEYS)})")
+        given = {k: v for k, v in options.items() if v is not None}
+        raw: dict[str, tuple[Any, str]] = {}  # attribute -> (value, where from)
+        raw.update(_read_file(config_file_path()))
+        for attr, key in _KEYS.items():
+            if os.environ.get(key.env):
+                raw[attr] = (os.environ[key.env], f"environment {key.env}")
+        for attr, value in given.items():
+            raw[attr] = (value, f"option {_KEYS[attr].option}")
+        values = {attr: _convert(attr, value, src) for attr, (value, src) in raw.items()}
+
+        def where(attr: str) -> str:
+            return raw[attr][1] if attr in raw else "default"
+
+        if values.get("lowers") not in (None, "kernel", "fuse"):
+            raise ConfigError(f"{where('lowers')}: lowers: expected \"kernel\" or \"fuse\", "
+                              f"got {values['lowers']!r}")
+        if "cluster" in values:
+            try:
+                check_cluster_url(values["cluster"])
+            except ValueError as e:
+                raise ConfigError(f"{where('cluster')}: {e}") from None
+        cache_size = values.get("cache_size", DEFAULT_CACHE_SIZE)
+        try:
+            parse_size(cache_size)
+        except ValueError as e:
+            raise ConfigError(f"{where('cache_size')}: cache size {e}") from None
+        node_root = Path(values.get("node_root") or default_root()).expanduser()
+        settings = cls(
+            store_path=Path(values.get("store_path") or default_store_path()).expanduser(),
+            node_root=node_root,
+            cache_dir=Path(values.get("cache_dir") or default_cache_dir(node_root)).expanduser(),
+            cache_size=cache_size,
+            state_dir=Path(values.get("state_dir") or default_state_dir()).expanduser(),
+            cluster=values.get("cluster") or None,
+            lowers=values.get("lowers"),
+            zstd_level=values.get("zstd_level"),
+            pack_size_mib=values.get("pack_size_mib"),
+            threads=values.get("threads"),
+            options=given,
+            sources={attr: src for attr, (_, src) in raw.items()})
+        settings.store_config()  # checks the store's values now, naming them
+        return settings
+
+    def override(self, **options: Any) -> Settings:
+        """These settings with more options (those not None) on top, through
+        the same precedence (a new --root also moves the default cache)."""
+        return Settings.load(**{**self.options, **options})
+
+    @property
+    def configured_cache_dir(self) -> Path | None:
+        """The node cache if one was configured, None when it is the
+        default (which follows the node root)."""
+        return self.cache_dir if "cache_dir" in self.sources else None
+
+    @property
+    def cache_bytes(self) -> int:
+        return parse_size(self.cache_size)
+
+    def store_config(self) -> StoreConfig:
+        """The local chunk store's tuning."""
+        config = StoreConfig()
+        try:
+            if self.zstd_level is not None:
+                config = replace(config, zstd_level=self.zstd_level)
+            if self.pack_size_mib is not None:
+                config = replace(config, pack_size=self.pack_size_mib << 20)
+            if self.threads is not None:
+                config = replace(config, threads=self.threads)
+        except ValueError as e:
+            raise ConfigError(f"invalid store setting: {e}") from e
+        return config
+
+
+def _read_file(path: Path) -> dict[str, tuple[Any, str]]:
+    if not path.exists():
+        return {}
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from e
+    unknown = set(doc) - set(_SECTIONS)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown section(s) {sorted(unknown)} "
+                          f"(known: {', '.join(_SECTIONS)})")
+    out: dict[str, tuple[Any, str]] = {}
+    for section, table in doc.items():
+        keys = {k.key: attr for attr, k in _KEYS.items() if k.section == section}
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {path}: [{section}] must be a table")
+        for key, value in table.items():
+            if key not in keys:
+                raise ConfigError(f"config file {path}: unknown key {section}.{key} "
+                                  f"(known: {', '.join(keys)})")
+            out[keys[key]] = (value, f"config file {path}: {section}.{key}")
+    return out
+
+
+def _convert(attr: str, value: Any, where: str) -> Any:
+    kind = _KEYS[attr].kind
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(f"{where}: {attr} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where}: {attr} must be an integer, got {value!r}") from None
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigError(f"{where}: {attr} must be a string, got {value!r}")
+    return Path(value) if kind is Path else str(value)

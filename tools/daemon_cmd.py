@@ -1,0 +1,177 @@
+"""Node daemon commands: `lazyfs daemon` (run the node's lazyfs daemon, in
+the foreground or detached) and `lazyfs stats` (what it has served).
+Starting, waiting for and talking to the daemon is lazyfs.node's."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import click
+
+from lazyfs.daemon import serve
+from lazyfs.mounts import registered
+from lazyfs.node import (
+    READ_AHEAD_KB,
+    DaemonSpec,
+    NodePaths,
+    open_catalog,
+    request,
+    running,
+    start_daemon,
+)
+from lazyfs.settings import Settings
+
+from .errors import QuietError
+from .options import cache_options, root_option
+
+
+@click.command()
+@root_option
+@cache_options
+@click.option("--detach", is_flag=True, help="Run in the background (log in ROOT/daemon.log).")
+@click.option("--prefetch", "prefetch", type=click.Path(exists=True, dir_okay=False,
+                                                        path_type=Path),
+              help="Replay this access trace into the node cache at start.")
+@click.option("--fetch-timeout", default=30.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0.1),
+              help="A read whose chunks take longer fails with EIO.")
+@click.option("--fetch-threads", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Concurrent chunk fetches for reads.")
+@click.option("--readahead-chunks", default=2, show_default=True,
+              type=click.IntRange(0, 64),
+              help="Chunks fetched ahead of a sequential reader (0: off).")
+@click.option("--read-ahead-kb", default=READ_AHEAD_KB, show_default=True,
+              type=click.IntRange(4, 1 << 16),
+              help="Kernel readahead of the FUSE mount (the kernel's default is 128).")
+@click.option("--keep-cache/--no-keep-cache", default=True, show_default=True,
+              help="Keep file pages cached across opens (for measurements).")
+@click.option("--cache-timeout", default=24 * 3600.0, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(min=0),
+              help="Kernel entry/attribute cache timeout (for measurements).")
+@click.pass_obj
+def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
+           cache_size: str | None, detach: bool, prefetch: Path | None, fetch_timeout: float,
+           fetch_threads: int, readahead_chunks: int, read_ahead_kb: int, keep_cache: bool,
+           cache_timeout: float) -> None:
+    """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
+
+    One per node, shared by every mount and sandbox. Foreground until Ctrl-C
+    or SIGTERM, which unmount it; `lazyfs umount ROOT/mnt` stops it too.
+    """
+    node = settings.override(node_root=root, cache_dir=cache_dir, cache_size=cache_size)
+    spec = DaemonSpec.from_settings(
+        node, prefetch=prefetch, fetch_timeout=fetch_timeout, fetch_threads=fetch_threads,
+        readahead_chunks=readahead_chunks, read_ahead_kb=read_ahead_kb,
+        keep_cache=keep_cache, cache_timeout=cache_timeout,
+        verbose=click.get_current_context().find_root().params.get("verbose") or 0)
+    if running(spec.paths):
+        raise QuietError(f"a lazyfs daemon already serves {spec.paths.mnt}")
+    if detach:
+        proc = start_daemon(spec)
+        click.echo(f"lazyfs daemon {proc.pid} serving {spec.paths.mnt}")
+        return
+    root_logger = logging.getLogger()
+    root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
+    serve(spec, on_ready=lambda: click.echo(f"lazyfs serving {spec.paths.mnt} (Ctrl-C to stop)",
+                                            err=True))
+
+
+@click.command()
+@root_option
+@click.option("--json", "as_json", is_flag=True, help="Print the raw statistics as JSON.")
+@click.option("--save-trace", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the access trace (first reads, in order) to this file.")
+@click.option("--mount", "mount_filter", type=click.Path(path_type=Path),
+              help="Only this composed mount's trace.")
+@click.pass_obj
+def stats(settings: Settings, root: Path | None, as_json: bool, save_trace: Path | None,
+          mount_filter: Path | None) -> None:
+    """What the daemon has served: per image and per mount, bytes touched vs
+    image size, files touched, cache hits/misses, fetch latency."""
+    paths = NodePaths(settings.override(node_root=root).node_root.absolute())
+    if not running(paths):
+        raise QuietError(f"no lazyfs daemon answers at {paths.control}")
+    snap = request(paths, {"op": "stats"})["stats"]
+    if save_trace is not None:
+        mf = str(mount_filter.absolute()) if mount_filter else None
+        trace = request(paths, {"op": "trace", "mount": mf}, timeout=60)["trace"]
+        save_trace.write_text(json.dumps(trace))
+        click.echo(f"saved {len(trace['events']):,} trace events to {save_trace}", err=True)
+    if as_json:
+        click.echo(json.dumps(snap, indent=2))
+        return
+    names = _image_names(settings)
+    mounts = {str(m["mountpoint"]): m for m in registered(paths)}
+    c = snap["cache"]
+    click.echo(f"node cache  {c['bytes'] / 1e6:,.1f} / {c['capacity'] / 1e6:,.0f} MB, "
+               f"{c['chunks']:,} chunks; hits {c['hits']:,} misses {c['misses']:,} "
+               f"(shared waits {c['waits']:,}); fetched {c['fetched_bytes'] / 1e6:,.1f} MB; "
+               f"fetch p50 {c['fetch_ms_p50']:.2f} ms p99 {c['fetch_ms_p99']:.2f} ms")
+    click.echo(f"errors {snap['errors']}  prefetched chunks {snap['prefetched_chunks']:,}")
+    per_image = _group(snap["layers"], names)
+    click.echo("\nper image (all mounts)")
+    for label, s in sorted(per_image.items()):
+        click.echo("  " + _line(label, s))
+    click.echo("\nper mount")
+    by_mount: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in snap["mounts"]:
+        by_mount.setdefault(row["mount"], {})[row["layer"]] = row
+    for mp, layers in sorted(by_mount.items()):
+        reg = mounts.get(mp)
+        label = f"{mp or '(not under a registered mount)'}"
+        if reg:
+            label += f" [{reg['name']}]"
+        total = _sum(list(layers.values()),
+                     image_bytes=_image_bytes(snap, reg["layers"]) if reg else None)
+        click.echo("  " + _line(label, total))
+
+
+def _image_names(settings: Settings) -> dict[str, list[str]]:
+    """layer digest -> names of the tagged images holding it."""
+    out: dict[str, list[str]] = {}
+    try:
+        with open_catalog(settings.store_path, settings.cluster) as catalog:
+            for tag, _digest in catalog.list_tags():
+                _, img = catalog.resolve(tag)
+                for d in img.layers:
+                    out.setdefault(d, []).append(tag)
+    except Exception:  # noqa: BLE001 - names are a nicety; stats must still print
+        return {}
+    return out
+
+
+def _image_bytes(snap: dict[str, Any], layers: Any) -> int:
+    return sum(snap["layers"].get(d, {}).get("image_bytes", 0) for d in layers)
+
+
+def _sum(rows: list[dict[str, Any]], image_bytes: int | None = None) -> dict[str, Any]:
+    keys = ("files_touched", "chunks_touched", "touched_bytes", "image_bytes",
+            "served_bytes", "cache_hits", "cache_misses")
+    s = {k: sum(r.get(k, 0) for r in rows) for k in keys}
+    if image_bytes is not None:
+        s["image_bytes"] = image_bytes
+    s["fetch_ms_p50"] = max((r["fetch_ms_p50"] for r in rows), default=0.0)
+    s["fetch_ms_p99"] = max((r["fetch_ms_p99"] for r in rows), default=0.0)
+    return s
+
+
+def _group(layers: dict[str, dict[str, Any]], names: dict[str, list[str]]
+           ) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for digest, row in layers.items():
+        for name in names.get(digest, [digest[:19]]):
+            groups.setdefault(name, []).append(row)
+    return {k: _sum(v) for k, v in groups.items()}
+
+
+def _line(label: str, s: dict[str, Any]) -> str:
+    frac = s["touched_bytes"] / s["image_bytes"] if s["image_bytes"] else 0.0
+    return (f"{label}: touched {s['touched_bytes'] / 1e6:,.1f} of {s['image_bytes'] / 1e6:,.1f}"
+            f" MB ({frac:.1%}), {s['files_touched']:,} files, {s['chunks_touched']:,} chunks; "
+            f"hits {s['cache_hits']:,} misses {s['cache_misses']:,}; fetch p50 "
+            f"{s['fetch_ms_p50']:.2f} ms p99 {s['fetch_ms_p99']:.2f} ms")
+
+
