@@ -29,6 +29,7 @@ from lazyfs.daemon import NodePaths, running
 
 from .config import RuntimeConfig
 from .errors import BackendUnavailable, ImageNotFound
+from .spec import ResolvedImage
 
 READY_TIMEOUT = 30.0
 REPO = Path(__file__).resolve().parent.parent
@@ -95,12 +96,17 @@ class Images:
 
     def resolve(self, name: str) -> str:
         """The image's digest; ImageNotFound names what was asked."""
+        return self.resolve_image(name).digest
+
+    def resolve_image(self, name: str) -> ResolvedImage:
+        """What `name` names now: its content digest and layers, in one catalog
+        read. The node calls this once per sandbox, at create."""
         try:
-            digest, _ = self.catalog().resolve(name)
+            digest, image = self.catalog().resolve(name)
         except CatalogImageNotFound:
             raise ImageNotFound(f"no image {name!r} in {self.config.cluster or self.config.store}"
                                 " (lazyfs images lists them)") from None
-        return digest
+        return ResolvedImage(name=name, digest=digest, layers=tuple(image.layers))
 
     def ensure_daemon(self) -> NodePaths:
         with self._lock:

@@ -72,7 +72,7 @@ def test_capabilities_and_boot(sb: Sandbox, node: Node) -> None:
     caps = Sandbox.capabilities("microvm")
     assert "exec" in caps and "files" in caps and "pause" in caps
     h = node._get(sb.id)[1]
-    assert h.state["accel"] in ("tcg", "kvm") and h.state["boot_s"] > 0
+    assert h.state.accel in ("tcg", "kvm") and (h.state.boot_s or 0) > 0
     assert sb.exec("hostname").stdout.strip() == sb.id.encode()
 
 
@@ -124,7 +124,7 @@ def test_files_round_trip_and_stay_inside(sb: Sandbox, tmp_path: Path) -> None:
 
 
 def test_writes_land_in_the_upper(sb: Sandbox, node: Node) -> None:
-    layers = node._get(sb.id)[1].state["layers"]
+    layers = node._get(sb.id)[1].state.layers
     cache = _backend(node).pmem_cache
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in cache.glob("*.pmem")}
     assert sb.exec("echo mine > /etc/motd && rm /data/big.bin").exit_code == 0
@@ -184,15 +184,15 @@ def test_output_cap(sb: Sandbox) -> None:
 def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
     sb.exec("echo kept-in-guest-memory > /tmp/state")
     h = node._get(sb.id)[1]
-    pid = h.state["pid"]
+    pid = h.state.pid
     figures = sb.pause()
     assert figures["snapshot_bytes"] > 0 and figures["vmm_pss_before"] > 0
     assert not processes_with(str(_vm_dir(node, sb.id)))  # the VMM exited
     assert node.get(sb.id).state == "paused"
     sb.resume()
-    assert node._get(sb.id)[1].state["pid"] != pid
+    assert node._get(sb.id)[1].state.pid != pid
     assert sb.exec("cat /tmp/state").stdout == b"kept-in-guest-memory\n"
-    assert "snapshot" not in node._get(sb.id)[1].state
+    assert node._get(sb.id)[1].state.snapshot is None
 
 
 def test_kill_leaves_nothing_and_writes_stayed_in_their_vm(node: Node) -> None:
@@ -230,7 +230,7 @@ def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
     s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)
     vmdir = _vm_dir(node, s.id)
     try:
-        os.kill(node._get(s.id)[1].state["pid"], signal.SIGKILL)
+        os.kill(node._get(s.id)[1].state.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while s.id not in node.reap() and time.monotonic() < deadline:
             time.sleep(0.1)
