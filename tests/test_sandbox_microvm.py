@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandboxes import IMAGE, busybox_store, node_for, vm_missing
+from sandboxes import IMAGE, SECOND, add_second_image, busybox_store, node_for, retag, vm_missing
 from support import processes_with
 
 from runtime import (
@@ -40,7 +40,9 @@ pytestmark = [pytest.mark.root, pytest.mark.slow,
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("vm")
-    return busybox_store(d), d
+    store = busybox_store(d)
+    add_second_image(store, d)
+    return store, d
 
 
 @pytest.fixture(scope="module")
@@ -184,12 +186,20 @@ def test_output_cap(sb: Sandbox) -> None:
 def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
     sb.exec("echo kept-in-guest-memory > /tmp/state")
     h = node._get(sb.id)[1]
-    pid = h.state.pid
+    pid, layers = h.state.pid, list(h.state.layers)
+    first = node.images.resolve(IMAGE)
+    assert sb.info.image_digest == first
     figures = sb.pause()
     assert figures["snapshot_bytes"] > 0 and figures["vmm_pss_before"] > 0
     assert not processes_with(str(_vm_dir(node, sb.id)))  # the VMM exited
     assert node.get(sb.id).state == "paused"
-    sb.resume()
+    retag(node.config.store, IMAGE, SECOND)  # resume maps the layers of the digest, not the tag
+    try:
+        sb.resume()
+    finally:
+        retag(node.config.store, IMAGE, first)
+    assert node._get(sb.id)[1].state.layers == layers
+    assert sb.exec("cat /etc/motd").stdout == b"hello from the image\n"
     assert node._get(sb.id)[1].state.pid != pid
     assert sb.exec("cat /tmp/state").stdout == b"kept-in-guest-memory\n"
     assert node._get(sb.id)[1].state.snapshot is None
