@@ -52,7 +52,8 @@ from chunkstore.digests import digest_key
 from composer.catalog import Catalog
 from composer.convert import convert
 from runtime import Sandbox
-from runtime.backends.microvm import MicrovmBackend, vmm_pss
+from runtime.backends.microvm import LayersOn, MicrovmBackend
+from runtime.backends.qemuproc import vmm_pss
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
 from runtime.spec import Backend
@@ -108,7 +109,7 @@ def vmm_memory(pid: int, files: set[str]) -> tuple[int, int]:
 
 
 def _pid(node: Node, sb: Sandbox) -> int:
-    return int(node._get(sb.id)[1].state["pid"])
+    return int(node._get(sb.id)[1].state.pid)
 
 
 # -- images ------------------------------------------------------------------
@@ -189,7 +190,7 @@ def vm_disk(node: Node) -> dict[str, Any]:
     return out
 
 
-def density(node: Node, mode: str, n: int) -> dict[str, Any]:
+def density(node: Node, mode: LayersOn, n: int) -> dict[str, Any]:
     backend = node.backend("microvm")
     assert isinstance(backend, MicrovmBackend)
     backend.layers_on = mode
@@ -197,7 +198,7 @@ def density(node: Node, mode: str, n: int) -> dict[str, Any]:
     try:
         t0 = time.monotonic()
         sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node, memory_mb=GUEST_MB))
-        layers = node._get(sbs[0].id)[1].state["layers"]
+        layers = node._get(sbs[0].id)[1].state.layers
         files = sorted(f for f in backend.pmem_cache.glob("*.pmem")
                        if any(f.name.startswith(digest_key(x)) for x in layers))
         for _ in range(n - 1):
@@ -255,7 +256,7 @@ def main() -> None:
                 if not args.no_container:
                     out["container"] = latency(node, "container", args.rounds)
                 sb = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)
-                out["accel"] = node._get(sb.id)[1].state["accel"]
+                out["accel"] = node._get(sb.id)[1].state.accel
                 out["pause"] = sb.pause()
                 t0 = time.monotonic()
                 sb.resume()

@@ -21,6 +21,7 @@ from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog
 
 from .config import RuntimeConfig
 from .errors import BackendUnavailable, ImageNotFound
+from .spec import ResolvedImage
 
 
 class Images:
@@ -46,12 +47,17 @@ class Images:
 
     def resolve(self, name: str) -> str:
         """The image's digest; ImageNotFound names what was asked."""
+        return self.resolve_image(name).digest
+
+    def resolve_image(self, name: str) -> ResolvedImage:
+        """What `name` names now: its content digest and layers, in one catalog
+        read. The node calls this once per sandbox, at create."""
         try:
-            digest, _ = self.catalog().resolve(name)
+            digest, image = self.catalog().resolve(name)
         except CatalogImageNotFound:
             raise ImageNotFound(f"no image {name!r} in {self.config.cluster or self.config.store}"
                                 " (lazyfs images lists them)") from None
-        return digest
+        return ResolvedImage(name=name, digest=digest, layers=tuple(image.layers))
 
     def ensure_daemon(self) -> NodePaths:
         try:  # (a daemon needs root and /dev/fuse: lazyfs.node.check_fuse says so)

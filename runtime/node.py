@@ -1,7 +1,10 @@
 """The node's runtime: every sandbox on this machine, whichever its backend.
 
-It hands out ids, keeps one JSON state file per sandbox (so a restarted node
-agent finds its sandboxes again: `recover()`), enforces the node's quota and
+It hands out ids, resolves each sandbox's image name once, at create (the
+sandbox runs that digest for its whole life, whatever the tag names later:
+SandboxInfo.image_digest), keeps one JSON state file per sandbox (its info,
+its resolved image and its backend's typed state, so a restarted node agent
+finds its sandboxes again: `recover()`), enforces the node's quota and
 each sandbox's timeout and idle timeout (`reap()`), refuses calls a backend
 cannot do (Unsupported) or that do not fit the state (exec while paused), and
 turns limit kills into typed errors carrying the partial result.
@@ -39,12 +42,15 @@ from .errors import (
 )
 from .files import FileInfo, SandboxFiles, remove_tree
 from .images import Images
-from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, parse
+from .spec import ExecRequest, ExecResult, ResolvedImage, SandboxInfo, SandboxSpec, parse
 
 log = logging.getLogger(__name__)
 
 
 WATCHED = ("microvm", "vm")  # backends whose status is a cheap process check
+# The image of a creation cut short, which the state file never recorded:
+# cleaning one up needs only its id and directory.
+_NO_IMAGE = ResolvedImage.model_construct(name="-", digest="-", layers=())
 
 
 def _matches(labels: Mapping[str, str], want: Mapping[str, str] | None) -> bool:
@@ -57,7 +63,7 @@ class Node:
         self.images = Images(self.config)
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
-        self._sandboxes: dict[str, tuple[SandboxInfo, Handle]] = {}
+        self._sandboxes: dict[str, tuple[SandboxInfo, Handle[Any]]] = {}
         self._busy: dict[str, int] = {}  # running execs per sandbox
         self.config.sandboxes.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.state_dir, 0o700)
@@ -76,13 +82,15 @@ class Node:
     def _state_file(self, sandbox_id: str) -> Path:
         return self.config.sandboxes / sandbox_id / "sandbox.json"
 
-    def _save(self, info: SandboxInfo, h: Handle) -> None:
+    def _save(self, info: SandboxInfo, h: Handle[Any]) -> None:
         f = self._state_file(info.id)
         tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"info": info.model_dump(mode="json"), "state": h.state}))
+        tmp.write_text(json.dumps({"info": info.model_dump(mode="json"),
+                                   "image": h.image.model_dump(mode="json"),
+                                   "state": h.state.model_dump(mode="json")}))
         os.replace(tmp, f)
 
-    def _get(self, sandbox_id: str) -> tuple[SandboxInfo, Handle]:
+    def _get(self, sandbox_id: str) -> tuple[SandboxInfo, Handle[Any]]:
         with self._lock:
             try:
                 return self._sandboxes[sandbox_id]
@@ -96,7 +104,7 @@ class Node:
                               f"(Sandbox.capabilities({info.spec.backend!r}))")
         return self.backend(info.spec.backend)
 
-    def _touch(self, info: SandboxInfo, h: Handle, **changes: Any) -> SandboxInfo:
+    def _touch(self, info: SandboxInfo, h: Handle[Any], **changes: Any) -> SandboxInfo:
         """Record activity (in memory: an exec must not cost a file write) and
         state changes (on disk too)."""
         new = info.model_copy(update={"last_active": time.time(), **changes})
@@ -116,18 +124,19 @@ class Node:
                                     f"{self.config.max_sandboxes} sandboxes")
             self._pending += 1
         try:
-            self.images.resolve(spec.image)
+            # the only time the name is looked up: backends get the digest
+            image = self.images.resolve_image(spec.image)
             sandbox_id = f"sb-{secrets.token_hex(8)}"
             d = self.config.sandboxes / sandbox_id
             d.mkdir(mode=0o700)
-            h = Handle(sandbox_id, spec, d, {})
+            h = Handle(sandbox_id, spec, image, d, backend.state_type())
             try:
                 backend.create(h)
             except BaseException:
                 _remove(d)
                 raise
-            info = SandboxInfo(id=sandbox_id, spec=spec, state="running",
-                               node=os.uname().nodename)
+            info = SandboxInfo(id=sandbox_id, spec=spec, image_digest=image.digest,
+                               state="running", node=os.uname().nodename)
             with self._lock:
                 self._sandboxes[sandbox_id] = (info, h)
                 self._sandbox_locks[sandbox_id] = threading.Lock()
@@ -135,7 +144,7 @@ class Node:
         finally:
             with self._lock:
                 self._pending -= 1
-        log.info("created %s (%s, %s)", sandbox_id, spec.backend, spec.image)
+        log.info("created %s (%s, %s = %s)", sandbox_id, spec.backend, spec.image, image.digest)
         return info
 
     def get(self, sandbox_id: str) -> SandboxInfo:
@@ -273,9 +282,10 @@ class Node:
                 log.exception("cannot recover %s; left for the next start", f.parent.name)
         for d in self.config.sandboxes.iterdir():  # creations cut short
             if not (d / "sandbox.json").exists() and d.name not in self._sandboxes:
-                h = Handle(d.name, SandboxSpec(image="-"), d, {})
+                backend = self.backend("container")
+                h = Handle(d.name, SandboxSpec(image="-"), _NO_IMAGE, d, backend.state_type())
                 try:
-                    self.backend("container").kill(h)
+                    backend.kill(h)
                 except Exception:
                     log.exception("cleaning up the cut-short creation %s", d.name)
                     _remove(d)
@@ -284,11 +294,15 @@ class Node:
         try:
             raw = json.loads(f.read_text())
             info = parse(SandboxInfo, json.dumps(raw["info"]))
-            h = Handle(info.id, info.spec, f.parent, dict(raw["state"]))
+            image = parse(ResolvedImage, json.dumps(raw["image"]))
+            backend = self.backend(info.spec.backend)
+            # the digest recorded at create, not the name again: a tag moved
+            # while the node was down does not change the sandbox
+            h = Handle(info.id, info.spec, image, f.parent,
+                       backend.state_type.model_validate(raw["state"]))
         except (OSError, ValueError, KeyError, SandboxError) as e:
             log.warning("ignoring unreadable sandbox state %s: %s", f, e)
             return
-        backend = self.backend(info.spec.backend)
         status = backend.status(h)
         if status == "stopped" or "persistent" not in capabilities(info.spec.backend):
             log.info("cleaning up %s: no longer running", info.id)

@@ -1,5 +1,6 @@
-"""What a sandbox is asked to be (SandboxSpec), what an exec is asked to do
-(ExecRequest) and what comes back (ExecResult, SandboxInfo).
+"""What a sandbox is asked to be (SandboxSpec), which image it runs
+(ResolvedImage), what an exec is asked to do (ExecRequest) and what comes
+back (ExecResult, SandboxInfo).
 
 Pydantic models: one definition validates SDK arguments, node-agent request
 bodies and the agent's state files, and gives the agent its OpenAPI schema.
@@ -28,6 +29,7 @@ DEFAULT_MAX_OUTPUT = 1 << 20  # per stream; an agent running `yes` stops here
 DEFAULT_EXEC_TIMEOUT = 600.0
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+DIGEST_PATTERN = r"^blake3:[0-9a-f]{64}$"  # an image's or a layer's content digest
 
 
 class _Model(BaseModel):
@@ -173,9 +175,24 @@ class ExecResult(_Model):
         return self.exit_code == 0
 
 
+class ResolvedImage(_Model):
+    """The image a sandbox runs, fixed when it is created.
+
+    The node resolves the spec's image name once, at create; from then on
+    the sandbox is this content digest and these layers (bottom first),
+    never the name: a tag moved later does not change a running sandbox,
+    and backends are given only this. `name` is what was asked, for
+    messages."""
+
+    name: str
+    digest: str = Field(pattern=DIGEST_PATTERN)
+    layers: tuple[str, ...]
+
+
 class SandboxInfo(_Model):
     id: str
     spec: SandboxSpec
+    image_digest: str = Field(pattern=DIGEST_PATTERN)  # what spec.image resolved to at create
     state: Literal["running", "paused", "stopped"]
     created: float = Field(default_factory=time.time)
     last_active: float = Field(default_factory=time.time)

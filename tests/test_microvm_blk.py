@@ -33,7 +33,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 def test_layers_on_virtio_blk(node: Node, tmp_path_factory: pytest.TempPathFactory) -> None:
     with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256) as sb:
-        assert node._get(sb.id)[1].state["layers_on"] == "blk"
+        assert node._get(sb.id)[1].state.layers_on == "blk"
         mounts = sb.exec("cat /proc/1/mounts").stdout.decode()
         erofs = [line.split() for line in mounts.splitlines() if " erofs " in line]
         assert erofs and all(m[0].startswith("/dev/vd") for m in erofs)

@@ -1,19 +1,25 @@
-"""Runtime pieces that need no root: specs and their errors, the OCI config,
+"""Runtime pieces that need no root: specs and their errors, resolved images
+and the backends' persisted state, the OCI config,
 the seccomp and nftables policies, openat2-confined file access, and output
 capture with caps and deadlines."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from runtime import landlock, oci, procio
 from runtime.backends import capabilities
+from runtime.backends.container import ContainerState
+from runtime.backends.microvm import MicrovmState
 from runtime.backends.netpolicy import addresses, ruleset
+from runtime.backends.vm import VmState
 from runtime.errors import BackendUnavailable, FileError, InvalidSpec
 from runtime.files import SandboxFiles
 from runtime.seccomp import CLONE_NS_FLAGS, DENIED, oci_section
@@ -21,12 +27,16 @@ from runtime.spec import (
     ExecRequest,
     NetworkPolicy,
     Qos,
+    ResolvedImage,
+    SandboxInfo,
     SandboxSpec,
     build,
     command,
     parse,
     parse_rule,
 )
+
+DIGEST = "blake3:" + "ab" * 32
 
 
 def test_spec_errors_name_the_field() -> None:
@@ -46,6 +56,32 @@ def test_spec_errors_name_the_field() -> None:
         build(ExecRequest, cmd=())
     with pytest.raises(InvalidSpec):
         parse(SandboxSpec, b'{"image": "x", "cpu": "lots"}')
+
+
+def test_a_sandbox_names_its_image_by_digest() -> None:
+    img = build(ResolvedImage, name="bb:1", digest=DIGEST, layers=("blake3:" + "cd" * 32,))
+    assert parse(ResolvedImage, img.model_dump_json()) == img
+    with pytest.raises(InvalidSpec, match="digest"):
+        build(ResolvedImage, name="bb:1", digest="bb:1", layers=())  # a name is not a digest
+    info = build(SandboxInfo, id="sb-1", spec=SandboxSpec(image="bb:1"), image_digest=DIGEST,
+                 state="running")
+    assert parse(SandboxInfo, info.model_dump_json()).image_digest == DIGEST
+    with pytest.raises(InvalidSpec, match="image_digest"):
+        build(SandboxInfo, id="sb-1", spec=SandboxSpec(image="bb:1"), state="running")
+
+
+def test_backend_state_round_trips_as_json(tmp_path: Path) -> None:
+    states = [ContainerState(rootfs=tmp_path / "rootfs", rw=tmp_path / "rw", rw_tmpfs=True,
+                             net_slot=3, init_pid=42),
+              MicrovmState(vm_dir=tmp_path / "vm", accel="tcg", pid=7, layers_on="blk",
+                           layers=["a", "b"], boot_s=1.5),
+              VmState(vm_dir=tmp_path / "vm", disk=tmp_path / "d.qcow2", init="/sbin/init",
+                      snapshot=tmp_path / "s.bin")]
+    for st in states:
+        raw = json.loads(json.dumps(st.model_dump(mode="json")))  # as the state file holds it
+        assert type(st).model_validate(raw) == st
+    with pytest.raises(pydantic.ValidationError):
+        ContainerState.model_validate({"rootfs": "/x", "layers": []})  # another backend's field
 
 
 def test_commands_and_rules() -> None:

@@ -37,7 +37,16 @@ from runtime import (
 )
 from runtime.config import RuntimeConfig
 from runtime.node import Node
-from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.sandboxes import (
+    IMAGE,
+    SECOND,
+    SECOND_MOTD,
+    add_second_image,
+    busybox_store,
+    node_for,
+    retag,
+    runtime_missing,
+)
 from tests.helpers.support import gone, processes_with, tcp_listening, wait_until
 
 pytestmark = [pytest.mark.root,
@@ -47,7 +56,9 @@ pytestmark = [pytest.mark.root,
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     d = tmp_path_factory.mktemp("rt")
-    with node_for(busybox_store(d), d) as n:
+    store = busybox_store(d)
+    add_second_image(store, d)
+    with node_for(store, d) as n:
         yield n
 
 
@@ -268,6 +279,43 @@ def test_a_new_node_finds_running_sandboxes(node: Node, tmp_path: Path) -> None:
         second.close()
 
 
+def test_a_moved_tag_does_not_change_a_sandbox(node: Node, tmp_path: Path) -> None:
+    """The image name is resolved once, at create: a tag re-pointed later
+    changes neither a running sandbox nor one a restarted node recovers; new
+    sandboxes get the new image."""
+    first, second = node.images.resolve(IMAGE), node.images.resolve(SECOND)
+    store = node.config.store
+    retag(store, "moving:1", IMAGE)
+    config = RuntimeConfig(store=store, cluster=None, state_dir=tmp_path / "state",
+                           node_root=node.config.node_root)
+    old = Node(config)
+    try:
+        s = Sandbox.create("moving:1", node=old)
+        assert s.info.image_digest == first and s.info.spec.image == "moving:1"
+        retag(store, "moving:1", SECOND)
+        assert s.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        assert Sandbox.connect(s.id, node=old).info.image_digest == first
+        with Sandbox.create("moving:1", node=old) as new:
+            assert new.info.image_digest == second
+            assert new.exec("cat /etc/motd").stdout == SECOND_MOTD
+    except BaseException:
+        old.kill_many(None)
+        raise
+    finally:
+        old.close()  # its sandbox stays, recorded with its digest
+    saved = (config.sandboxes / s.id / "sandbox.json").read_text()
+    assert first in saved and second not in saved
+    retag(store, "moving:1", None)  # the name is gone: recovery does not need it
+    restarted = Node(config)
+    try:
+        again = Sandbox.connect(s.id, node=restarted)
+        assert again.info.image_digest == first
+        assert again.exec("cat /etc/motd").stdout == b"hello from the image\n"
+    finally:
+        restarted.kill_many(None)
+        restarted.close()
+
+
 def test_async_sandbox_under_asyncio_and_trio(node: Node) -> None:
     async def rollout() -> bytes:
         async with await AsyncSandbox.create(IMAGE, node=node) as s:
@@ -307,7 +355,7 @@ def test_network_allowlist(node: Node) -> None:
     try:
         policy = NetworkPolicy.allow_only(f"10.203.0.0/16:{allowed}")
         with Sandbox.create(IMAGE, node=node, network=policy) as s:
-            host = node._sandboxes[s.id][1].state["node_address"]
+            host = node._sandboxes[s.id][1].state.node_address
             # (busybox 1.35's wget crashes with -q; its progress goes to stderr)
             r = s.exec(f"busybox wget -O - http://{host}:{allowed}/")
             assert r.stdout == b"mirror says hi", r
@@ -318,7 +366,7 @@ def test_network_allowlist(node: Node) -> None:
             with Sandbox.create(IMAGE, node=node, network=policy) as other:
                 # a sandbox listening on the allowed port is still unreachable
                 # for its neighbours: nothing may connect in
-                other_ip = node._sandboxes[other.id][1].state["node_address"]
+                other_ip = node._sandboxes[other.id][1].state.node_address
                 other_ip = other_ip[:-1] + str(int(other_ip[-1]) + 1)  # its side of the /30
                 listener = threading.Thread(target=lambda: other.exec(
                     f"busybox nc -l -p {allowed} -w 3", timeout=10))

@@ -12,7 +12,16 @@ import pytest
 
 from runtime import ExecTimeout, OutOfMemory, OutputTruncated, Sandbox, Unsupported
 from runtime.node import Node
-from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.sandboxes import (
+    IMAGE,
+    SECOND,
+    SECOND_MOTD,
+    add_second_image,
+    busybox_store,
+    node_for,
+    retag,
+    runtime_missing,
+)
 from tests.helpers.support import gone
 
 pytestmark = [pytest.mark.root,
@@ -22,7 +31,9 @@ pytestmark = [pytest.mark.root,
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     d = tmp_path_factory.mktemp("fncall")
-    with node_for(busybox_store(d), d) as n:
+    store = busybox_store(d)
+    add_second_image(store, d)
+    with node_for(store, d) as n:
         yield n
 
 
@@ -95,6 +106,25 @@ def test_limits_of_the_sandbox_hold_per_call(node: Node) -> None:
                       timeout=30)
         assert b"can't fork" in r.stderr
         assert other.exec("echo unaffected").stdout == b"unaffected\n"
+
+
+def test_a_moved_tag_does_not_switch_a_sandbox(node: Node) -> None:
+    """A fncall sandbox runs the digest its name resolved to at create: its
+    calls read no catalog (they work with the tag re-pointed, then removed)
+    and keep the first image; a new sandbox of the tag gets the new one."""
+    first, second = node.images.resolve(IMAGE), node.images.resolve(SECOND)
+    store = node.config.store
+    retag(store, "moving:fn", IMAGE)
+    with Sandbox.create("moving:fn", backend="fncall", node=node) as s:
+        assert s.info.image_digest == first
+        retag(store, "moving:fn", SECOND)
+        assert s.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        with Sandbox.create("moving:fn", backend="fncall", node=node) as new:
+            assert new.info.image_digest == second
+            assert new.exec("cat /etc/motd").stdout == SECOND_MOTD
+        retag(store, "moving:fn", None)
+        assert s.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        assert s.info.image_digest == Sandbox.connect(s.id, node=node).info.image_digest
 
 
 def test_stateful_calls_are_unsupported(fn: Sandbox) -> None:

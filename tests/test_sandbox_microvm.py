@@ -30,7 +30,15 @@ from runtime import (
 from runtime.backends.microvm import MicrovmBackend
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
-from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, vm_missing
+from tests.helpers.sandboxes import (
+    IMAGE,
+    SECOND,
+    add_second_image,
+    busybox_store,
+    node_for,
+    retag,
+    vm_missing,
+)
 from tests.helpers.support import processes_with, wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
@@ -40,7 +48,9 @@ pytestmark = [pytest.mark.root, pytest.mark.slow,
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("vm")
-    return busybox_store(d), d
+    store = busybox_store(d)
+    add_second_image(store, d)
+    return store, d
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +82,7 @@ def test_capabilities_and_boot(sb: Sandbox, node: Node) -> None:
     caps = Sandbox.capabilities("microvm")
     assert "exec" in caps and "files" in caps and "pause" in caps
     h = node._get(sb.id)[1]
-    assert h.state["accel"] in ("tcg", "kvm") and h.state["boot_s"] > 0
+    assert h.state.accel in ("tcg", "kvm") and (h.state.boot_s or 0) > 0
     assert sb.exec("hostname").stdout.strip() == sb.id.encode()
 
 
@@ -124,7 +134,7 @@ def test_files_round_trip_and_stay_inside(sb: Sandbox, tmp_path: Path) -> None:
 
 
 def test_writes_land_in_the_upper(sb: Sandbox, node: Node) -> None:
-    layers = node._get(sb.id)[1].state["layers"]
+    layers = node._get(sb.id)[1].state.layers
     cache = _backend(node).pmem_cache
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in cache.glob("*.pmem")}
     assert sb.exec("echo mine > /etc/motd && rm /data/big.bin").exit_code == 0
@@ -185,15 +195,24 @@ def test_output_cap(sb: Sandbox) -> None:
 def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
     sb.exec("echo kept-in-guest-memory > /tmp/state")
     h = node._get(sb.id)[1]
-    pid = h.state["pid"]
+    pid, layers = h.state.pid, list(h.state.layers)
+    first = node.images.resolve(IMAGE)
+    assert sb.info.image_digest == first
     figures = sb.pause()
     assert figures["snapshot_bytes"] > 0 and figures["vmm_pss_before"] > 0
     assert not processes_with(str(_vm_dir(node, sb.id)))  # the VMM exited
     assert node.get(sb.id).state == "paused"
-    sb.resume()
-    assert node._get(sb.id)[1].state["pid"] != pid
+    retag(node.config.store, IMAGE, SECOND)  # resume maps the layers of the digest, not the tag
+    try:
+        sb.resume()
+    finally:
+        retag(node.config.store, IMAGE, first)
+    assert node._get(sb.id)[1].state.layers == layers
+    # (an earlier test wrote /etc/motd in the upper: look at the layer itself)
+    assert sb.exec("cat /proc/1/root/layers/0/etc/motd").stdout == b"hello from the image\n"
+    assert node._get(sb.id)[1].state.pid != pid
     assert sb.exec("cat /tmp/state").stdout == b"kept-in-guest-memory\n"
-    assert "snapshot" not in node._get(sb.id)[1].state
+    assert node._get(sb.id)[1].state.snapshot is None
 
 
 def test_kill_leaves_nothing_and_writes_stayed_in_their_vm(node: Node) -> None:
@@ -231,7 +250,7 @@ def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
     s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)
     vmdir = _vm_dir(node, s.id)
     try:
-        os.kill(node._get(s.id)[1].state["pid"], signal.SIGKILL)
+        os.kill(node._get(s.id)[1].state.pid, signal.SIGKILL)
         wait_until(lambda: s.id in node.reap(), 10, "the reaper finding the dead VMM")
         with pytest.raises(SandboxNotFound):
             s.exec("true")

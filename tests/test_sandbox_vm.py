@@ -86,8 +86,8 @@ def _sha(path: Path) -> str:
 def test_boots_from_its_disk_with_the_agent_as_pid1(sb: Sandbox, node: Node) -> None:
     assert "exec" in Sandbox.capabilities("vm") and "files" in Sandbox.capabilities("vm")
     h = node._get(sb.id)[1]
-    assert h.state["init"] is None and h.state["boot_s"] > 0
-    assert Path(h.state["disk"]).is_file() and Path(h.state["base_disk"]).is_file()
+    assert h.state.init is None and (h.state.boot_s or 0) > 0
+    assert h.state.disk.is_file() and h.state.base_disk.is_file()
     assert sb.exec("hostname").stdout.strip() == sb.id.encode()
     mounts = sb.exec("cat /proc/mounts").stdout.decode()
     root = [line.split() for line in mounts.splitlines() if line.split()[1] == "/"]
@@ -124,8 +124,8 @@ def test_files_round_trip(sb: Sandbox, tmp_path: Path) -> None:
 
 def test_writes_persist_in_the_overlay_not_the_base(sb: Sandbox, node: Node) -> None:
     h = node._get(sb.id)[1]
-    base = Path(h.state["base_disk"])
-    overlay = Path(h.state["disk"])
+    base = h.state.base_disk
+    overlay = h.state.disk
     before, overlay_blocks = _sha(base), overlay.stat().st_blocks
     assert sb.exec("echo mine > /etc/motd && rm /data/big.bin && "
                    "head -c 2000000 /dev/urandom > /root/new && sync").exit_code == 0
@@ -162,7 +162,7 @@ def test_another_vm_sees_the_image_and_kill_leaves_nothing(sb: Sandbox, node: No
 
 def test_the_image_init_runs_as_pid1(node: Node) -> None:
     with Sandbox.create(INIT_IMAGE, backend="vm", node=node, memory_mb=256) as s:
-        assert node._get(s.id)[1].state["init"] == "/sbin/init"
+        assert node._get(s.id)[1].state.init == "/sbin/init"
         assert s.exec("cat /proc/1/comm").stdout == b"init\n"
         deadline = time.monotonic() + 30  # the agent answers before init's sysinit is done
         while (r := s.exec("cat /var/init-ran")).exit_code != 0 and time.monotonic() < deadline:

@@ -4,6 +4,14 @@
     container  runc over a lazily loaded composed root
     microvm    QEMU guests with the image layers as virtio-pmem + DAX (EROFS)
     vm         full QEMU VMs booting a whole disk built from the image
+
+microvm and vm are siblings over qemubase.py (the guest agent, exec, files,
+kill), which uses qemuproc.py (QEMU processes), snapshots.py (pause/resume)
+and guestfiles.py (files through the agent).
+
+Every backend is given the image as a digest the node resolved once, at
+create (Handle.image), and keeps its per-sandbox state in its own typed
+BackendState subclass (Handle.state), which the node persists as JSON.
 """
 
 from __future__ import annotations
@@ -11,9 +19,10 @@ from __future__ import annotations
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable
 from ..images import Images
-from .base import Backend, Capabilities, Handle, Sink
+from .base import Backend, BackendState, Capabilities, Handle, Sink
 
-__all__ = ["Backend", "Capabilities", "Handle", "Sink", "capabilities", "make_backend"]
+__all__ = ["Backend", "BackendState", "Capabilities", "Handle", "Sink", "capabilities",
+           "make_backend"]
 
 _PLANNED: dict[str, Capabilities] = {}
 

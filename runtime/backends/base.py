@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict
 
 from ..files import SandboxFiles
-from ..spec import ExecRequest, ExecResult, SandboxSpec
+from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxSpec
 
 Sink = Callable[[bytes], None]
 
@@ -36,27 +38,46 @@ class Capabilities:
                 **{op: op in self.supports for op in OPERATIONS}}
 
 
+class BackendState(BaseModel):
+    """What a backend keeps about one of its sandboxes (pids, paths, slots).
+
+    Each backend subclasses it with its own typed fields. The node writes it
+    into the sandbox's state file as JSON (model_dump) and reads it back on
+    recovery (model_validate), so a restarted node finds the sandbox's
+    processes and mounts; unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+S = TypeVar("S", bound=BackendState)
+
+
 @dataclass
-class Handle:
-    """A live sandbox as its backend sees it; `state` is persisted as JSON by
-    the node so a restarted agent finds its sandboxes again."""
+class Handle(Generic[S]):
+    """A live sandbox as its backend sees it: the image it was created from
+    (a digest, resolved once by the node; never a name) and the backend's
+    own state."""
 
     id: str
     spec: SandboxSpec
+    image: ResolvedImage
     dir: Path
-    state: dict[str, Any]
+    state: S
 
 
 class Backend(Protocol):
     name: str
     capabilities: Capabilities
 
-    def create(self, handle: Handle) -> None: ...
-    def exec(self, handle: Handle, req: ExecRequest, on_stdout: Sink | None,
+    @property
+    def state_type(self) -> type[BackendState]: ...  # its sandboxes' Handle.state
+
+    def create(self, handle: Handle[Any]) -> None: ...
+    def exec(self, handle: Handle[Any], req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult: ...
-    def files(self, handle: Handle) -> SandboxFiles: ...
-    def pause(self, handle: Handle) -> dict[str, Any]: ...
-    def resume(self, handle: Handle) -> None: ...
-    def kill(self, handle: Handle) -> None: ...
-    def status(self, handle: Handle) -> str: ...  # running, paused or stopped
+    def files(self, handle: Handle[Any]) -> SandboxFiles: ...
+    def pause(self, handle: Handle[Any]) -> dict[str, Any]: ...
+    def resume(self, handle: Handle[Any]) -> None: ...
+    def kill(self, handle: Handle[Any]) -> None: ...
+    def status(self, handle: Handle[Any]) -> str: ...  # running, paused or stopped
     def close(self) -> None: ...

@@ -1,8 +1,9 @@
 """Container sandboxes: runc over a lazily loaded, composed root.
 
 Per sandbox, under its directory:
-    rootfs/       overlayfs: the image's layers from the node's lazyfs daemon
-                  (shared by every sandbox on the node) + this sandbox's upper
+    rootfs/       overlayfs: the image's layers (by the digest the node resolved
+                  at create) from the node's lazyfs daemon (shared by every
+                  sandbox on the node) + this sandbox's upper
     rw/           upper/ and work/ (a size-limited tmpfs when disk_mb is set)
     config.json   the OCI config (runtime/oci.py)
 PID 1 is sandbox-init (it only reaps), so an idle sandbox costs one sleeping
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from lazyfs import sysmount
 from lazyfs.mounts import MountError, mount_image, unmount
 
@@ -38,15 +41,34 @@ from ..images import Images
 from ..native import sandbox_init
 from ..spec import ExecRequest, ExecResult
 from . import netpolicy
-from .base import Capabilities, Handle, Sink
+from .base import BackendState, Capabilities, Handle, Sink
 
 log = logging.getLogger(__name__)
 
 RUNC_TIMEOUT = 30.0
 
 
+class ContainerState(BackendState):
+    """What kill and a restarted node need to find a container sandbox's
+    pieces; each is set as soon as the piece exists, so a creation cut short
+    is undone as far as it got."""
+
+    rootfs: Path | None = None
+    rw: Path | None = None
+    rw_tmpfs: bool = False         # rw/ is a size-limited tmpfs (disk_mb)
+    mounted: bool = False          # rootfs/ holds the composed image
+    net_slot: int | None = Field(default=None, ge=0)  # network allowlist only
+    netns: Path | None = None
+    node_address: str | None = None  # the host's side of the sandbox's veth
+    init_pid: int | None = None
+
+
+Container = Handle[ContainerState]
+
+
 class ContainerBackend:
     name = "container"
+    state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
         {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent"}),
         "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim")
@@ -77,7 +99,7 @@ class ContainerBackend:
             raise SandboxError(f"runc {args[0]} failed: {p.stderr.strip()[-400:]}")
         return p
 
-    def _run_detached(self, h: Handle) -> None:
+    def _run_detached(self, h: Container) -> None:
         # the container's init inherits runc's stdio: not pipes we would wait on
         assert self.runc is not None
         errlog = h.dir / "runc.log"
@@ -92,40 +114,41 @@ class ContainerBackend:
             raise SandboxError(f"runc run failed: {msg[-400:]}")
 
     # -- lifecycle -----------------------------------------------------------
-    def create(self, h: Handle) -> None:
+    def create(self, h: Container) -> None:
         init = self._check()
         paths = self.images.ensure_daemon()
         rootfs, rw = h.dir / "rootfs", h.dir / "rw"
         rootfs.mkdir(parents=True)
         rw.mkdir()
-        h.state.update(rootfs=str(rootfs), rw=str(rw))
+        st = h.state
+        st.rootfs, st.rw = rootfs, rw
         try:
             if h.spec.disk_mb is not None:
                 sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
                                f"size={h.spec.disk_mb}m,mode=0700")
-                h.state["rw_tmpfs"] = True
-            try:
-                mount_image(paths, self.images.catalog(), h.spec.image, rootfs, writable=rw,
+                st.rw_tmpfs = True
+            try:  # by digest: content-addressed, whatever the tag names by now
+                mount_image(paths, self.images.catalog(), h.image.digest, rootfs, writable=rw,
                             allow_devices=True)
             except MountError as e:
-                raise BackendUnavailable(f"composing {h.spec.image}: {e}") from e
-            h.state["mounted"] = True
+                raise BackendUnavailable(f"composing {h.image.name} ({h.image.digest}): "
+                                         f"{e}") from e
+            st.mounted = True
             netns = None
             if h.spec.network.mode == "allowlist":
-                h.state["net_slot"] = netpolicy.allocate(h.id)
-                netns = netpolicy.create(h.state["net_slot"], h.spec.network)
-                h.state["netns"] = str(netns)
-                h.state["node_address"] = netpolicy.addresses(h.state["net_slot"])[0]
+                slot = st.net_slot = netpolicy.allocate(h.id)
+                netns = st.netns = netpolicy.create(slot, h.spec.network)
+                st.node_address = netpolicy.addresses(slot)[0]
             (h.dir / "config.json").write_text(json.dumps(
                 oci.config(h.id, h.spec, rootfs, init, netns)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self._run_detached(h)
-            h.state["init_pid"] = int((h.dir / "init.pid").read_text())
+            st.init_pid = int((h.dir / "init.pid").read_text())
         except BaseException:
             self.kill(h)
             raise
 
-    def kill(self, h: Handle) -> None:
+    def kill(self, h: Container) -> None:
         """Stop everything of the sandbox; safe on half-created ones and twice."""
         # `runc delete --force` sleeps 100 ms after its SIGKILL; killing init
         # ourselves (the whole PID namespace goes with it) and then deleting
@@ -134,27 +157,27 @@ class ContainerBackend:
                 "delete", h.id, check=False).returncode):
             self._runc("delete", "--force", h.id, check=False)
         cgroups.remove_empty(h.id)
-        rootfs = Path(h.state.get("rootfs", h.dir / "rootfs"))
+        rootfs = h.state.rootfs or h.dir / "rootfs"
         if sysmount.find_mount(rootfs) is not None:
             try:
                 unmount(self.images.paths, rootfs)
             except MountError:
                 unmount(self.images.paths, rootfs, lazy=True)
-        rw = Path(h.state.get("rw", h.dir / "rw"))
+        rw = h.state.rw or h.dir / "rw"
         if sysmount.find_mount(rw) is not None:
             sysmount.umount(rw, lazy=True)
         # the slot files name their sandbox: also finds a slot whose creation
         # was cut short before the state recorded it
-        for slot in {*netpolicy.slots_of(h.id), *([h.state["net_slot"]]
-                                                 if "net_slot" in h.state else [])}:
+        known = [] if h.state.net_slot is None else [h.state.net_slot]
+        for slot in {*netpolicy.slots_of(h.id), *known}:
             netpolicy.remove(slot)
         _remove(h.dir)
 
-    def _kill_init(self, h: Handle, wait: float = 5.0) -> bool:
+    def _kill_init(self, h: Container, wait: float = 5.0) -> bool:
         """SIGKILL the sandbox's init if it is still the process we started;
         True once it is gone."""
-        pid = h.state.get("init_pid")
-        if not isinstance(pid, int):
+        pid = h.state.init_pid
+        if pid is None:
             return False
         try:
             if f"/{cgroups.PARENT}/{h.id}\n" not in Path(f"/proc/{pid}/cgroup").read_text():
@@ -179,7 +202,7 @@ class ContainerBackend:
             time.sleep(0.001)
         return False
 
-    def status(self, h: Handle) -> str:
+    def status(self, h: Container) -> str:
         if self.runc is None:
             return "stopped"
         p = self._runc("state", h.id, check=False)
@@ -192,7 +215,7 @@ class ContainerBackend:
         pass
 
     # -- pause ---------------------------------------------------------------
-    def pause(self, h: Handle) -> dict[str, Any]:
+    def pause(self, h: Container) -> dict[str, Any]:
         before = cgroups.memory_figures(h.id)
         t0 = time.monotonic()
         self._runc("pause", h.id)
@@ -202,11 +225,11 @@ class ContainerBackend:
         return {"before": before, "after": after, "freeze_s": frozen - t0,
                 "reclaim_s": time.monotonic() - frozen}
 
-    def resume(self, h: Handle) -> None:
+    def resume(self, h: Container) -> None:
         self._runc("resume", h.id)
 
     # -- exec ----------------------------------------------------------------
-    def exec(self, h: Handle, req: ExecRequest, on_stdout: Sink | None,
+    def exec(self, h: Container, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
         assert self.runc is not None
         cwd = req.cwd or h.spec.workdir
@@ -234,7 +257,7 @@ class ContainerBackend:
                           duration=out.duration, truncated=out.truncated,
                           timed_out=out.timed_out, oom_killed=oom and code == 128 + signal.SIGKILL)
 
-    def _exec_failed(self, h: Handle, stderr: bytes, refused: bool) -> None:
+    def _exec_failed(self, h: Container, stderr: bytes, refused: bool) -> None:
         """runc could not start the command: say why in one line (runc's own
         output can be a Go panic dump when the sandbox cannot fork)."""
         msg = stderr.decode(errors="replace").rsplit('msg="', 1)[-1].rstrip().rstrip('"')
@@ -245,7 +268,7 @@ class ContainerBackend:
             raise SandboxStateError(f"{h.id} is paused: {msg}")
         raise SandboxError(f"runc could not start the command in {h.id}: {msg}")
 
-    def _kill_tree(self, h: Handle, pidf: Path, runc_pid: int) -> None:
+    def _kill_tree(self, h: Container, pidf: Path, runc_pid: int) -> None:
         """Kill the command started through pidf and everything it started
         (its descendants, its session, and whatever still holds its output
         pipes, such as a double-forked daemon): freeze the sandbox so nothing
@@ -271,8 +294,8 @@ class ContainerBackend:
             if not was_frozen:
                 freezer.write_text("THAWED")
 
-    def files(self, h: Handle) -> SandboxFiles:
-        return SandboxFiles(h.state["rootfs"])
+    def files(self, h: Container) -> SandboxFiles:
+        return SandboxFiles(h.state.rootfs or h.dir / "rootfs")
 
 
 def _fd_links(pid: int) -> list[str]:

@@ -6,6 +6,12 @@ a fresh process in its own PID namespace under Landlock, seccomp, rlimits and
 uid nobody, with a fresh tmpfs /tmp as its only writable place; nothing of a
 call survives into the next one. A "sandbox" here is a name for the pool plus
 its labels and timeouts: there is no state to pause, snapshot or browse.
+
+Pools are keyed by image digest: the one the node resolved when the sandbox
+was created. An exec finds its pool by that digest without reading the
+catalog, so a tag moved later never switches an existing sandbox to another
+image, and a call costs no catalog round trip (two object reads and a hash
+in cluster mode).
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from ..errors import BackendUnavailable, Unsupported
 from ..files import SandboxFiles
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import ExecRequest, ExecResult, SandboxSpec
-from .base import Capabilities, Handle, Sink
+from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxSpec
+from .base import BackendState, Capabilities, Handle, Sink
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +155,8 @@ class Worker:
 
 
 class Pool:
-    def __init__(self, backend: FncallBackend, image: str, digest: str) -> None:
+    def __init__(self, backend: FncallBackend, image: ResolvedImage) -> None:
+        digest = image.digest
         self.dir = backend.config.state_dir / "fncall" / digest
         self.rootfs = self.dir / "rootfs"
         self.rootfs.mkdir(parents=True, exist_ok=True)
@@ -157,7 +164,7 @@ class Pool:
         try:
             mount_image(paths, backend.images.catalog(), digest, self.rootfs)
         except MountError as e:
-            raise BackendUnavailable(f"mounting {image} for fncall: {e}") from e
+            raise BackendUnavailable(f"mounting {image.name} ({digest}) for fncall: {e}") from e
         self.paths = paths
         self.digest = digest
         self._serial = 0
@@ -239,8 +246,16 @@ def sweep(config: RuntimeConfig) -> None:
         _remove_cgroup(d.name)
 
 
+class FncallState(BackendState):
+    """Nothing: a fncall sandbox is its pool (found by Handle.image.digest)."""
+
+
+Fncall = Handle[FncallState]
+
+
 class FncallBackend:
     name = "fncall"
+    state_type = FncallState
     capabilities = Capabilities("fncall", frozenset({"exec", "stream"}),
                                 "stateless calls: fresh restricted process per exec, "
                                 "read-only image, fresh /tmp, no network")
@@ -258,35 +273,36 @@ class FncallBackend:
             self._init = sandbox_init(self.config.bin_dir)
         return self._init
 
-    def _pool(self, image: str) -> Pool:
-        digest = self.images.resolve(image)
+    def _pool(self, image: ResolvedImage) -> Pool:
+        """The pool of the image's digest; made (mounting by digest) the
+        first time a sandbox of it is created."""
         with self._lock:
-            if digest not in self._pools:
+            if image.digest not in self._pools:
                 if os.geteuid() != 0:
                     raise BackendUnavailable("fncall workers need root (namespaces, chroot)")
-                self._pools[digest] = Pool(self, image, digest)
-            return self._pools[digest]
+                self._pools[image.digest] = Pool(self, image)
+            return self._pools[image.digest]
 
-    def create(self, h: Handle) -> None:
-        self._pool(h.spec.image)
+    def create(self, h: Fncall) -> None:
+        self._pool(h.image)
 
-    def exec(self, h: Handle, req: ExecRequest, on_stdout: Sink | None,
+    def exec(self, h: Fncall, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
-        return self._pool(h.spec.image).call(req, h.spec, on_stdout, on_stderr)
+        return self._pool(h.image).call(req, h.spec, on_stdout, on_stderr)
 
-    def files(self, h: Handle) -> SandboxFiles:
+    def files(self, h: Fncall) -> SandboxFiles:
         raise Unsupported("fncall sandboxes are stateless: pass data through stdin/stdout")
 
-    def pause(self, h: Handle) -> dict[str, Any]:
+    def pause(self, h: Fncall) -> dict[str, Any]:
         raise Unsupported("fncall sandboxes cannot pause")
 
-    def resume(self, h: Handle) -> None:
+    def resume(self, h: Fncall) -> None:
         raise Unsupported("fncall sandboxes cannot resume")
 
-    def kill(self, h: Handle) -> None:
+    def kill(self, h: Fncall) -> None:
         pass  # nothing of a call outlives it; the pool stays warm for others
 
-    def status(self, h: Handle) -> str:
+    def status(self, h: Fncall) -> str:
         return "running" if self._pools else "stopped"
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 the image, for workloads that need an OS of their own (its init and
 services, a writable root file system with ordinary semantics).
 
-Per sandbox, under its directory (the rest as in microvm.py):
+Per sandbox, under its directory (the rest as in qemubase.py):
     vm/disk.qcow2     the sandbox's writes: a qcow2 overlay over the image's
                       cached base disk (runtime/guest/disk.py), removed by kill
 
@@ -11,8 +11,10 @@ initramfs.py), which mounts the virtio-blk disk as ext4 and either hands
 PID 1 to the image's own init (switch_root; the agent runs chrooted next to
 it) or, for images without one, runs the guest agent as PID 1. The agent,
 its protocol, exec, files, kill and pause (snapshot to disk and exit the
-VMM; the overlay stays where it is) are the microVM backend's: this class
-only says which disk, initramfs and kernel parameters a guest gets.
+VMM; the overlay stays where it is) are the shared VM backend's
+(runtime/backends/qemubase.py), as for microvm, its sibling: this class only
+says which disk, initramfs and kernel parameters a guest gets. The base disk
+is the one of the digest the node resolved when the sandbox was created.
 
 What is not lazy: the base disk is made by reading the whole image once per
 node (`mkfs.ext4 -d` over the lazy mount); every later VM of the image only
@@ -22,23 +24,27 @@ block device).
 
 from __future__ import annotations
 
-import math
-import os
 from pathlib import Path
 
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable
-from ..guest import qemu
-from ..guest.disk import DEFAULT_CACHE, HEADROOM_MB, base_disk, make_overlay, tools_missing
-from ..guest.initramfs import initramfs
-from ..guest.kernel import guest_kernel
+from ..guest import disk, initramfs, qemu
 from ..images import Images
 from .base import Capabilities, Handle
-from .microvm import MIN_GUEST_MB, MicrovmBackend
+from .qemubase import QemuBackend, QemuState
 
 
-class VmBackend(MicrovmBackend):
+class VmState(QemuState):
+    base_disk: Path | None = None  # the image's cached ext4 base, read-only
+    disk: Path | None = None       # this sandbox's qcow2 overlay over it
+    init: str | None = None        # the image's own init, if it has one
+
+
+class VmBackend(QemuBackend[VmState]):
     name = "vm"
+    state_type = VmState
+    boot_timeout_env = "LAZYFS_VM_BOOT_TIMEOUT"
+    boot_timeout_default = 120.0
     capabilities = Capabilities("vm", frozenset(
         {"exec", "stream", "files", "pause", "resume"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel from "
@@ -49,39 +55,27 @@ class VmBackend(MicrovmBackend):
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         super().__init__(config, images)
-        self.boot_timeout = float(os.environ.get("LAZYFS_VM_BOOT_TIMEOUT", "120"))
-        self.disk_cache = DEFAULT_CACHE
-        self.disk_headroom_mb = HEADROOM_MB  # free space of a new VM's root file system
+        self.disk_cache = disk.DEFAULT_CACHE
+        self.disk_headroom_mb = disk.HEADROOM_MB  # free space of a new VM's root file system
 
-    def _check(self) -> tuple[str, Path]:
-        missing = tools_missing()
-        if missing is not None:
-            raise BackendUnavailable(f"the vm backend needs {missing}")
-        return super()._check()
+    def _tools_missing(self) -> str | None:
+        return disk.tools_missing() or super()._tools_missing()
 
-    def _prepare(self, h: Handle, vmdir: Path) -> None:
-        base = base_disk(self.images, h.spec.image, self.disk_cache, self.disk_headroom_mb)
+    def _prepare(self, h: Handle[VmState], vmdir: Path) -> None:
+        base = disk.base_disk(self.images, h.image, self.disk_cache, self.disk_headroom_mb)
         overlay = vmdir / "disk.qcow2"
-        make_overlay(base.path, overlay)
-        h.state.update(base_disk=str(base.path), init=base.init, disk=str(overlay))
+        disk.make_overlay(base.path, overlay)
+        h.state.base_disk, h.state.init, h.state.disk = base.path, base.init, overlay
 
-    def _config(self, h: Handle, vmdir: Path, incoming: str | None = None) -> qemu.VmConfig:
-        binary = qemu.qemu_binary()
-        kernel = guest_kernel(self.kernel_cache)
-        disk = Path(str(h.state.get("disk", vmdir / "disk.qcow2")))
-        if not disk.is_file():
-            raise BackendUnavailable(f"{h.id}: its disk overlay {disk} is gone")
-        init = h.state.get("init")
-        accel = (str(h.state.get("accel", "tcg")) if incoming is not None
-                 else qemu.accelerator(binary, kernel.vmlinuz))
-        return qemu.VmConfig(
-            qemu=binary, accel=accel, vmlinuz=kernel.vmlinuz,
-            initrd=initramfs(kernel, self.config.bin_dir, "vm"),
-            memory_mb=max(h.spec.memory_mb, MIN_GUEST_MB),
-            cpus=max(1, min(math.ceil(h.spec.cpu), os.cpu_count() or 1)),
-            pmem=[], drives=[qemu.Drive(disk, "lazyfs-root", "qcow2", readonly=False)],
-            agent_socket=vmdir / "agent.sock", console_socket=vmdir / "console.sock",
-            qmp_socket=vmdir / "qmp.sock",
-            append=[f"lazyfs.hostname={h.id}", *([f"lazyfs.init={init}"] if init else []),
-                    *self.extra_append],
-            incoming=incoming)
+    def _config(self, h: Handle[VmState], vmdir: Path, incoming: str | None = None
+                ) -> qemu.VmConfig:
+        kernel = self._kernel()
+        overlay = h.state.disk or vmdir / "disk.qcow2"
+        if not overlay.is_file():
+            raise BackendUnavailable(f"{h.id}: its disk overlay {overlay} is gone")
+        init = h.state.init
+        return self._vm_config(
+            h, vmdir, incoming, kernel=kernel,
+            initrd=initramfs.initramfs(kernel, self.config.bin_dir, "vm"),
+            pmem=[], drives=[qemu.Drive(overlay, "lazyfs-root", "qcow2", readonly=False)],
+            append=[f"lazyfs.init={init}"] if init else [])

@@ -14,7 +14,9 @@
                   qcow2 overlay each full VM writes to
     cachelock.py  the lock around those node-wide caches
 
-Used by the microvm backend (runtime/backends/microvm.py) and the full-VM
-backend (runtime/backends/vm.py), which share the kernel, the agent and its
+Used by the VM backends (runtime/backends/qemubase.py and its two
+subclasses, microvm.py and vm.py), which share the kernel, the agent and its
 protocol and differ in the initramfs flavour and how the image is attached.
+Images reach this package resolved (runtime.spec.ResolvedImage: a digest
+and its layers), never as a name.
 """

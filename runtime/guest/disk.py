@@ -1,10 +1,12 @@
 """An image as a whole disk, for full VMs: an ext4 file system built from the
 composed image, cached per image, and a copy-on-write overlay per sandbox.
 
-    base = base_disk(images, "bb:1", cache)   # BaseDisk(path, init, size); built once
+    base = base_disk(images, image, cache)   # BaseDisk(path, init, size); built once
     make_overlay(base.path, vmdir / "disk.qcow2")
 
-The base is a raw ext4 image made with `mkfs.ext4 -d` from the image mounted
+`image` is a ResolvedImage (the digest the node resolved once, at create):
+the disk is found and built by digest, never by name. The base is a raw
+ext4 image made with `mkfs.ext4 -d` from the image mounted
 read-only through the node's lazyfs daemon (lazyfs.mounts.mount_image), so
 it works from a local store or a cluster alike. Building it reads every file
 of the image once per node: the disk is not lazy (a VM's kernel wants a
@@ -43,6 +45,7 @@ from lazyfs.mounts import MountError, mount_image, unmount
 
 from ..errors import BackendUnavailable
 from ..images import Images
+from ..spec import ResolvedImage
 from .cachelock import locked
 
 log = logging.getLogger(__name__)
@@ -152,11 +155,11 @@ def _tree_size(root: Path) -> tuple[int, int]:
     return total, entries
 
 
-def base_disk(images: Images, name: str, cache: Path = DEFAULT_CACHE,
+def base_disk(images: Images, image: ResolvedImage, cache: Path = DEFAULT_CACHE,
               headroom_mb: int = HEADROOM_MB) -> BaseDisk:
-    """The cached base disk of image `name` (built now if missing; needs the
+    """The cached base disk of the image (built now if missing; needs the
     node's lazyfs daemon then). Safe to call concurrently (a lock file)."""
-    digest = images.resolve(name)
+    name, digest = image.name, image.digest
     stem = cache / f"{digest_key(digest)}-{fingerprint()}-{headroom_mb}"
     raw, meta = stem.with_name(stem.name + ".ext4"), stem.with_name(stem.name + ".json")
     found = _load(raw, meta)
@@ -166,7 +169,7 @@ def base_disk(images: Images, name: str, cache: Path = DEFAULT_CACHE,
         found = _load(raw, meta)
         if found is not None:
             return found
-        init, size = _build(images, name, raw, headroom_mb)
+        init, size = _build(images, image, raw, headroom_mb)
         tmp = meta.with_name(f".{meta.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"image": digest, "init": init}))
         os.replace(tmp, meta)
@@ -184,13 +187,15 @@ def _load(raw: Path, meta: Path) -> BaseDisk | None:
     return BaseDisk(raw, init if isinstance(init, str) else None, size)
 
 
-def _build(images: Images, name: str, raw: Path, headroom_mb: int) -> tuple[str | None, int]:
+def _build(images: Images, image: ResolvedImage, raw: Path, headroom_mb: int
+           ) -> tuple[str | None, int]:
+    name = image.name
     paths = images.ensure_daemon()
     mnt = Path(tempfile.mkdtemp(dir=raw.parent, prefix=".mnt-"))
     fd, tmp = tempfile.mkstemp(dir=raw.parent, prefix=f".{raw.name}.")
     try:
         try:
-            mount_image(paths, images.catalog(), name, mnt)
+            mount_image(paths, images.catalog(), image.digest, mnt)
         except MountError as e:
             raise BackendUnavailable(f"cannot mount {name} to build its VM disk: {e}") from e
         try:

@@ -1,7 +1,12 @@
 """An image's layers as files QEMU maps into guests as virtio-pmem devices.
 
-    layers = pmem_layers(images, "bb:1", cache)   # bottom first, then the fixup layer
+    image = images.resolve_image("bb:1")          # done once, by the node, at create
+    layers = pmem_layers(images, image, cache)    # bottom first, then the fixup layer
     for layer in layers: layer.meta, layer.blob   # each a multiple of 2 MiB
+
+The image is given by digest and layer list (a ResolvedImage), never by
+name: only the layers' manifests are read from the catalog, by their
+content digests.
 
 Each layer is two devices: its EROFS metadata image (pmem/erofs.py) and its
 blob (the layer's file data, device 1 of the image), mounted in the guest
@@ -49,6 +54,7 @@ from pmem.errors import PmemError
 
 from ..errors import BackendUnavailable
 from ..images import Images
+from ..spec import ResolvedImage
 from .cachelock import locked
 
 ALIGN = 2 << 20  # virtio-pmem regions are mapped in 2 MiB units
@@ -135,11 +141,11 @@ def _effective(manifests: list[LayerManifest], digests: list[str]
     return manifests[start:], digests[start:]
 
 
-def pmem_layers(images: Images, name: str, cache: Path) -> list[PmemLayer]:
-    """The pmem files of image `name`, bottom layer first, the fixup layer
+def pmem_layers(images: Images, image: ResolvedImage, cache: Path) -> list[PmemLayer]:
+    """The pmem files of the image, bottom layer first, the fixup layer
     last; made where missing (needs the node's lazyfs daemon for blobs)."""
     catalog = images.catalog()
-    image_digest, image = catalog.resolve(name)
+    name, image_digest = image.name, image.digest
     manifests, digests = _effective([catalog.load_layer(d) for d in image.layers],
                                     list(image.layers))
     fp = fingerprint()

@@ -2,9 +2,10 @@
 a small q35 guest with virtio-pmem layers and/or virtio-blk disks (found in
 the guest by their serial), and a minimal QMP client.
 
-Why q35 and not `-M microvm`: virtio-pmem on `-M microvm` maps the device at
-address 0 and nd_pmem cannot reserve the region (PLATFORM.md); q35 carries
-pmem. The configuration is trimmed to what a sandbox needs: -nodefaults (no
+Why q35 and not `-M microvm`: with `-M microvm` (QEMU 7.2, Debian 12), the
+virtio-pmem device's region is mapped at guest physical address 0, so the
+guest's nd_pmem driver cannot reserve it and no /dev/pmem appears; on q35
+the region sits above guest RAM and works. The configuration is trimmed to what a sandbox needs: -nodefaults (no
 VGA, no NIC, no default serial/parallel/monitor), no network unless asked,
 one virtio-serial port for the agent, the 8250 console on a socket that the
 host reads only while booting (later output is dropped by QEMU, so a guest

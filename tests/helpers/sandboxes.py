@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +23,8 @@ from .images import build_busybox_rootfs
 from .lazynode import LazyNode
 
 IMAGE = "bb:1"
+SECOND = "bb:2"  # IMAGE with another /etc/motd (add_second_image)
+SECOND_MOTD = b"hello from the second image\n"
 
 
 def runtime_missing() -> str | None:
@@ -68,3 +72,32 @@ def node_for(store: Path, d: Path, **kw: object) -> Iterator[Node]:
             for info in node.sandboxes():
                 node.kill(info.id)
             node.close()  # conftest's session check finds any cgroup or mount left
+
+
+def add_second_image(store_path: Path, d: Path) -> None:
+    """SECOND into a store made by busybox_store (before a node opens it)."""
+    root = build_busybox_rootfs(d / "rootfs2")
+    (root / "etc" / "motd").write_bytes(SECOND_MOTD)
+    with ChunkStore.open(store_path) as store, Catalog(store) as cat:
+        convert(store, cat, f"dir:{root}", SECOND)
+
+
+_RETAG = """
+import sys
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+store, tag, target = sys.argv[1:]
+with ChunkStore.open(store) as s, Catalog(s) as cat:
+    if target == "-":
+        cat.remove_tag(tag)
+    else:
+        cat.commit_image(tag, cat.resolve(target)[1], {})
+"""
+
+
+def retag(store_path: Path, tag: str, target: str | None) -> None:
+    """Point `tag` at the image `target` names (None: remove the tag), in
+    another process: a node of this process holds the store's catalog open,
+    and LMDB allows one environment per store per process."""
+    subprocess.run([sys.executable, "-c", _RETAG, str(store_path), tag, target or "-"],
+                   check=True, timeout=60)

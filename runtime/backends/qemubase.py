@@ -1,0 +1,290 @@
+"""What the two VM backends share: a QEMU guest per sandbox, reached through
+the guest agent (runtime/guest/protocol.py) over virtio-serial.
+
+Per sandbox, under its directory:
+    vm/agent.sock     the guest agent's virtio-serial port (QEMU's chardev socket)
+    vm/qmp.sock       QMP, for pause (snapshot-and-exit) and for the tests
+    vm/console.sock   the serial console, read only while booting
+    vm/console.log    what the console said while booting (at most 64 KiB)
+    vm/qemu.log       QEMU's own stderr
+    vm/snapshot.bin   while paused: the VM's memory and device state
+
+QemuBackend owns the life of a sandbox VM: create (the subclass prepares
+the host side and names the devices, kernel parameters and initramfs; this
+class boots it and waits for the agent's READY), exec and files through the
+agent, pause and resume (runtime/backends/snapshots.py), kill and status.
+The QEMU processes themselves are runtime/backends/qemuproc.py's. The
+microvm and vm backends are siblings over it, differing only in how the
+image reaches the guest.
+
+Every call after boot goes through the agent with a deadline; an agent
+that stops answering or a VMM that exits makes the call raise
+BackendUnavailable and the sandbox unusable until killed. Calls into one VM
+are serialized (one agent connection). VMs die with the node process
+(qemuproc.py says why), so they are not "persistent" across node restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+from ..config import RuntimeConfig
+from ..errors import BackendUnavailable, SandboxStateError
+from ..files import SandboxFiles
+from ..guest import qemu
+from ..guest.initramfs import tools_missing
+from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
+from ..guest.protocol import EXEC_GRACE, AgentError
+from ..images import Images
+from ..native import sandbox_init
+from ..spec import ExecRequest, ExecResult
+from . import qemuproc, snapshots
+from .base import BackendState, Handle, Sink
+from .guestfiles import GuestFiles
+from .qemuproc import Vm
+
+log = logging.getLogger(__name__)
+
+PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Guest RAM floor: the cloud kernel with pmem devices ran out of memory while
+# booting in 128 MiB. QEMU allocates guest RAM as the guest touches it, so a
+# larger -m costs host memory only when used.
+MIN_GUEST_MB = 256
+PAUSE_WAIT = 2.0  # how long pause waits for a call in the guest to end
+
+
+class QemuState(BackendState):
+    """A VM sandbox's pieces on the host, for kill, status and resume."""
+
+    vm_dir: Path | None = None
+    accel: Literal["kvm", "tcg"] | None = None  # chosen at the first boot, kept for resume
+    pid: int | None = None            # the VMM, while one runs
+    snapshot: Path | None = None      # while paused
+    boot_s: float | None = None       # how long the first boot took
+
+
+Q = TypeVar("Q", bound=QemuState)
+
+
+class QemuBackend(Generic[Q]):
+    """The shared part of the microvm and vm backends (see the module
+    docstring); subclasses set name, capabilities, state_type and implement
+    _prepare and _config."""
+
+    name: str
+    state_type: type[Q]
+    boot_timeout_env = "LAZYFS_MICROVM_BOOT_TIMEOUT"
+    boot_timeout_default = 90.0
+
+    def __init__(self, config: RuntimeConfig, images: Images) -> None:
+        self.config = config
+        self.images = images
+        self.boot_timeout = float(os.environ.get(self.boot_timeout_env,
+                                                 str(self.boot_timeout_default)))
+        self.kernel_cache = DEFAULT_CACHE
+        self.agent_grace = EXEC_GRACE  # past an exec's timeout, before the agent counts as hung
+        self.extra_append: list[str] = []  # kernel parameters added to every boot (tests)
+        self._vms: dict[str, Vm] = {}
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}  # every VMM we started, until killed
+        self._lock = threading.Lock()
+
+    # -- what a subclass says ------------------------------------------------
+    def _tools_missing(self) -> str | None:
+        """A host tool this backend needs and does not find, as an install hint."""
+        return tools_missing()
+
+    def _prepare(self, h: Handle[Q], vmdir: Path) -> None:
+        """What a new sandbox needs on the host before its first boot."""
+        raise NotImplementedError
+
+    def _config(self, h: Handle[Q], vmdir: Path, incoming: str | None = None
+                ) -> qemu.VmConfig:
+        """The VMM of this sandbox: for its first boot, or (incoming) to
+        restore it from a snapshot, with the same devices."""
+        raise NotImplementedError
+
+    def _vm_config(self, h: Handle[Q], vmdir: Path, incoming: str | None, *,
+                   kernel: GuestKernel, initrd: Path, pmem: list[Path],
+                   drives: list[qemu.Drive], append: list[str]) -> qemu.VmConfig:
+        """A VmConfig with what every sandbox VM has: the accelerator (kept
+        from the first boot on resume), memory, vCPUs and the sockets."""
+        binary = qemu.qemu_binary()
+        accel = (h.state.accel or "tcg") if incoming is not None else \
+            qemu.accelerator(binary, kernel.vmlinuz)
+        return qemu.VmConfig(
+            qemu=binary, accel=accel, vmlinuz=kernel.vmlinuz, initrd=initrd,
+            memory_mb=max(h.spec.memory_mb, MIN_GUEST_MB),
+            cpus=max(1, min(math.ceil(h.spec.cpu), os.cpu_count() or 1)),
+            pmem=pmem, drives=drives, agent_socket=vmdir / "agent.sock",
+            console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
+            append=[*append, f"lazyfs.hostname={h.id}", *self.extra_append],
+            incoming=incoming)
+
+    def _kernel(self) -> GuestKernel:
+        return guest_kernel(self.kernel_cache)
+
+    # -- helpers -------------------------------------------------------------
+    def _check(self) -> Path:
+        qemu.qemu_binary()
+        missing = self._tools_missing()
+        if missing is not None:
+            raise BackendUnavailable(f"the {self.name} backend needs {missing}")
+        return sandbox_init(self.config.bin_dir)
+
+    def _vm(self, h: Handle[Q]) -> Vm:
+        with self._lock:
+            vm = self._vms.get(h.id)
+        if vm is None:
+            raise SandboxStateError(f"{h.id} has no running VM (paused or stopped)")
+        if not vm.alive():
+            raise BackendUnavailable(f"{h.id}: the VM exited ({qemuproc.exit_text(vm.proc)}); "
+                                     "kill the sandbox")
+        return vm
+
+    def _unavailable(self, h: Handle[Q], vm: Vm, e: Exception) -> BackendUnavailable:
+        if not vm.alive():
+            return BackendUnavailable(f"{h.id}: the VM exited ({qemuproc.exit_text(vm.proc)}): "
+                                      f"{e}")
+        return BackendUnavailable(f"{h.id}: {e}; the VM is unusable, kill the sandbox")
+
+    def _vmdir(self, h: Handle[Q]) -> Path:
+        return h.state.vm_dir or h.dir / "vm"
+
+    def _start(self, h: Handle[Q], cfg: qemu.VmConfig, init: Path) -> subprocess.Popen[bytes]:
+        proc = qemuproc.start(cfg, init)
+        h.state.pid = proc.pid
+        with self._lock:
+            self._procs[h.id] = proc
+        return proc
+
+    # -- lifecycle -----------------------------------------------------------
+    def create(self, h: Handle[Q]) -> None:
+        init = self._check()
+        vmdir = h.dir / "vm"
+        vmdir.mkdir(mode=0o700)
+        agent_sock = vmdir / "agent.sock"
+        try:
+            if len(os.fsencode(agent_sock)) > 100:
+                raise BackendUnavailable(f"socket path {agent_sock} is too long for a Unix "
+                                         "socket; use a shorter runtime state directory")
+            h.state.vm_dir = vmdir
+            self._prepare(h, vmdir)
+            cfg = self._config(h, vmdir)
+            h.state.accel = "kvm" if cfg.accel == "kvm" else "tcg"
+            self._boot(h, cfg, init)
+        except BaseException:
+            self.kill(h)
+            raise
+
+    def _boot(self, h: Handle[Q], cfg: qemu.VmConfig, init: Path) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.boot_timeout
+        proc = self._start(h, cfg, init)
+        qemuproc.wait_sockets(proc, cfg, deadline)
+        agent = qemuproc.wait_ready(h.id, proc, cfg, deadline, self.boot_timeout)
+        h.state.boot_s = time.monotonic() - t0
+        with self._lock:
+            self._vms[h.id] = Vm(proc, agent, cfg)
+        log.info("%s booted in %.2fs (%s, %s)", h.id, h.state.boot_s, cfg.accel, agent.version)
+
+    def kill(self, h: Handle[Q]) -> None:
+        """Stop the VMM and remove its sockets, logs and snapshot; safe on
+        half-created sandboxes and twice."""
+        with self._lock:
+            vm = self._vms.pop(h.id, None)
+            proc = self._procs.pop(h.id, None)
+        if vm is not None:
+            vm.agent.close()
+        vmdir = self._vmdir(h)
+        if proc is not None:  # ours: kill and reap it
+            qemuproc.stop(h.id, proc)
+        elif h.state.pid is not None:  # a previous node's, if it still is that VMM
+            qemuproc.stop_foreign(h.state.pid, vmdir)
+        snapshots.remove(h.id, h.state.snapshot)
+        shutil.rmtree(vmdir, ignore_errors=True)
+
+    def status(self, h: Handle[Q]) -> str:
+        if h.state.snapshot is not None and h.state.snapshot.exists():
+            return "paused"
+        pid = h.state.pid
+        return "running" if pid is not None and qemuproc.is_vmm(pid, self._vmdir(h)) \
+            else "stopped"
+
+    def close(self) -> None:
+        pass
+
+    # -- pause: snapshot and exit --------------------------------------------
+    def pause(self, h: Handle[Q]) -> dict[str, Any]:
+        """Refused while a call runs in the guest: a snapshot taken mid-call
+        would resume with the agent answering a call the new connection
+        never made."""
+        agent = self._vm(h).agent
+        if not agent.lock.acquire(timeout=PAUSE_WAIT):
+            raise SandboxStateError(f"{h.id} is running a command or a file call; "
+                                    "pause it once that ends")
+        try:
+            snap = snapshots.snapshot_path(self.config.state_dir, h.id, self._vmdir(h))
+            figures = snapshots.save(h.id, self._vm(h), snap)
+        finally:
+            agent.lock.release()
+        with self._lock:
+            self._vms.pop(h.id, None)
+            self._procs.pop(h.id, None)
+        h.state.snapshot = snap
+        h.state.pid = None
+        return figures
+
+    def resume(self, h: Handle[Q]) -> None:
+        snap = h.state.snapshot
+        if snap is None or not snap.is_file():
+            raise SandboxStateError(f"{h.id} has no snapshot to resume from")
+        init = self._check()
+        cfg = self._config(h, self._vmdir(h), incoming="defer")
+        deadline = time.monotonic() + self.boot_timeout
+        proc = self._start(h, cfg, init)
+        try:
+            qemuproc.wait_sockets(proc, cfg, deadline)
+            agent = snapshots.restore(h.id, proc, cfg, snap, deadline)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            with self._lock:
+                self._procs.pop(h.id, None)
+            h.state.pid = None
+            raise
+        with self._lock:
+            self._vms[h.id] = Vm(proc, agent, cfg)
+        snap.unlink(missing_ok=True)
+        h.state.snapshot = None
+
+    # -- exec and files --------------------------------------------------------
+    def exec(self, h: Handle[Q], req: ExecRequest, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
+        vm = self._vm(h)
+        env = {"PATH": PATH_ENV, "HOME": "/root", "TERM": "xterm", **h.spec.env, **req.env}
+        t0 = time.monotonic()
+        try:
+            st, out, err = vm.agent.exec(req.cmd, env=env, cwd=req.cwd or h.spec.workdir,
+                                         stdin=req.stdin, timeout=req.timeout,
+                                         max_output=req.max_output_bytes, on_stdout=on_stdout,
+                                         on_stderr=on_stderr, grace=self.agent_grace)
+        except AgentError as e:
+            raise self._unavailable(h, vm, e) from e
+        if st.code == 127 and b"lazyfs-agent: cannot run" in err:
+            # as the container backend words it
+            err = bytearray(bytes(err).replace(b"lazyfs-agent: cannot run ", b""))
+        return ExecResult(exit_code=st.code, stdout=bytes(out), stderr=bytes(err),
+                          duration=time.monotonic() - t0, truncated=st.truncated,
+                          timed_out=st.timed_out)
+
+    def files(self, h: Handle[Q]) -> SandboxFiles:
+        return GuestFiles(h.dir, lambda: self._vm(h),
+                          lambda vm, e: self._unavailable(h, vm, e))
