@@ -75,7 +75,7 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
               help="The node's lazyfs daemon root [default /run/lazyfs as root].")
 @click.option("--stop", is_flag=True,
               help="Stop the agent serving the socket instead (e.g. the one `lazyfs sandbox "
-                   "create` started); its sandboxes stay.")
+                   "create` started); container sandboxes stay, VMs end with it.")
 @click.pass_obj
 def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
           token_file: Path | None, state: Path | None, node_root: Path | None,

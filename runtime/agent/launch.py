@@ -135,8 +135,8 @@ def start(config: RuntimeConfig, timeout: float = START_TIMEOUT) -> Path:
 
 
 def stop(sock: Path, timeout: float = STOP_TIMEOUT) -> int | None:
-    """Stop the agent serving `sock` (SIGTERM; it closes its node, sandboxes
-    stay) and wait until its process is gone. Returns its pid, or None when
+    """Stop the agent serving `sock` (SIGTERM; it closes its node; container
+    sandboxes stay, VMs end with it) and wait until its process is gone. Returns its pid, or None when
     no agent answered there."""
     pf = pid_file(sock)
     if not answers(sock):
