@@ -1,7 +1,13 @@
 """Sandboxes: the SDK (`Sandbox`, `AsyncSandbox`), the node's runtime
 (`runtime.node.Node`), the node agent (`runtime.agent`), and the backends
-(fncall, container; microvm and vm to come) with their resources and
-security (cgroups, seccomp, Landlock, network allowlists)."""
+(fncall, container, microvm, vm) with their resources and security
+(cgroups, seccomp, Landlock, network allowlists).
+
+Importing this package loads the SDK, its errors and value types only (httpx,
+pydantic); the node (FUSE, LMDB, trio, the chunk store) is imported when a
+node runs in this process (runtime.transport)."""
+
+from __future__ import annotations
 
 from .errors import (
                      BackendUnavailable,

@@ -10,9 +10,12 @@
     finally:
         await sb.kill()
 
-The same calls reach the embedded runtime (default on one machine) or a node
-agent (`node="unix:///var/lib/lazyfs-runtime/agent.sock"` or "http://host:port",
-or $LAZYFS_NODE). Errors are runtime.errors classes: ImageNotFound,
+The same calls reach a node agent (`node="unix:///var/lib/lazyfs-runtime/agent.sock"`
+or "http://host:port" with `token=` or $LAZYFS_NODE_TOKEN, or $LAZYFS_NODE)
+or, naming none, this machine's node: its agent when one serves the state
+directory, else the runtime embedded in this process (runtime.transport.local).
+Importing the SDK loads no node code; an embedded node is loaded when used.
+Errors are runtime.errors classes: ImageNotFound,
 SandboxNotFound, ExecTimeout / OutputTruncated / OutOfMemory (with `.result`),
 Unsupported (a backend that cannot do a call says so), BackendUnavailable,
 QuotaExceeded, InvalidSpec.
@@ -26,14 +29,12 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from .backends.base import Sink
 from .files import FileInfo
-from .node import Node
 from .spec import (
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_MAX_OUTPUT,
@@ -48,7 +49,12 @@ from .spec import (
 )
 from .transport import Transport, resolve
 
-NodeRef = str | Node | Transport | None
+if TYPE_CHECKING:
+    from .backends.base import Sink
+    from .node import Node
+
+# a string: Node is only a name here (importing it would load the node)
+NodeRef: TypeAlias = "str | Node | Transport | None"
 T = TypeVar("T")
 
 
@@ -115,38 +121,43 @@ class Sandbox:
                pids: int | None = None, timeout: float | None = None, idle_timeout: float | None = None,
                network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
                labels: Mapping[str, str] | None = None, qos: str | None = None,
-               workdir: str | None = None, node: NodeRef = None) -> Sandbox:
+               workdir: str | None = None, node: NodeRef = None,
+               token: str | None = None) -> Sandbox:
+        """A new sandbox from `image` on `node` (see the module docstring);
+        `token` is the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
         spec = _spec(image, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, network=network,
                      env=dict(env) if env else None, labels=dict(labels) if labels else None,
                      qos=qos, workdir=workdir)
-        t = resolve(node)
+        t = resolve(node, token)
         return cls(t.create(spec), t)
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, node: NodeRef = None) -> Sandbox:
-        t = resolve(node)
+    def connect(cls, sandbox_id: str, *, node: NodeRef = None,
+                token: str | None = None) -> Sandbox:
+        t = resolve(node, token)
         return cls(t.get(sandbox_id), t)
 
     @classmethod
-    def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None
-             ) -> builtins.list[Sandbox]:
-        t = resolve(node)
+    def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+             token: str | None = None) -> builtins.list[Sandbox]:
+        t = resolve(node, token)
         return [cls(i, t) for i in t.list_sandboxes(labels)]
 
     @staticmethod
-    def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
-                   ) -> builtins.list[str]:
-        return resolve(node).pause_many(labels)
+    def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                   token: str | None = None) -> builtins.list[str]:
+        return resolve(node, token).pause_many(labels)
 
     @staticmethod
-    def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
-                  ) -> builtins.list[str]:
-        return resolve(node).kill_many(labels)
+    def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                  token: str | None = None) -> builtins.list[str]:
+        return resolve(node, token).kill_many(labels)
 
     @staticmethod
-    def capabilities(backend: str, *, node: NodeRef = None) -> dict[str, Any]:
-        return resolve(node).capabilities(backend)
+    def capabilities(backend: str, *, node: NodeRef = None,
+                     token: str | None = None) -> dict[str, Any]:
+        return resolve(node, token).capabilities(backend)
 
     def exec(self, cmd: str | Sequence[str], *, cwd: str | None = None,
              env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
@@ -236,24 +247,27 @@ class AsyncSandbox:
         return cls(await _thread(Sandbox.create, image, **kw))
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *, node: NodeRef = None) -> AsyncSandbox:
-        return cls(await _thread(Sandbox.connect, sandbox_id, node=node))
+    async def connect(cls, sandbox_id: str, *, node: NodeRef = None,
+                      token: str | None = None) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.connect, sandbox_id, node=node, token=token))
 
     @classmethod
-    async def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None
-                   ) -> builtins.list[AsyncSandbox]:
-        return [cls(s) for s in await _thread(Sandbox.list, labels, node=node)]
+    async def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                   token: str | None = None) -> builtins.list[AsyncSandbox]:
+        return [cls(s) for s in await _thread(Sandbox.list, labels, node=node, token=token)]
 
     @staticmethod
-    async def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
-                         ) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, node=node)
+    async def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                         token: str | None = None) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, node=node,
+                                                token=token)
         return out
 
     @staticmethod
-    async def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None
-                        ) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.kill_many, labels, node=node)
+    async def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                        token: str | None = None) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.kill_many, labels, node=node,
+                                                token=token)
         return out
 
     async def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:

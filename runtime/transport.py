@@ -1,9 +1,21 @@
-"""How the SDK reaches a node: in-process (embedded Node) or the node agent
-over HTTP (Unix socket or TCP + bearer token). Both answer the same calls
-with the same types and raise the same runtime.errors classes.
+"""How the SDK and the CLI reach a node: in-process (embedded Node) or the
+node agent over HTTP (Unix socket or TCP + bearer token). Both answer the
+same calls with the same types and raise the same runtime.errors classes.
 
-Where: `node=` argument > $LAZYFS_NODE > embedded. Forms: "unix:///path",
-"http://host:port" (token from $LAZYFS_NODE_TOKEN or `token=`), or a Node.
+Which node (`resolve`): the `node=` argument > $LAZYFS_NODE > `local()`.
+Forms: "unix:///PATH", "http://HOST:PORT" (token: `token=` > $LAZYFS_NODE_TOKEN),
+a Node, or a Transport.
+
+`local()` is the one rule for a caller that names no node, the SDK's and the
+CLI's alike: if an agent serves the state directory (STATE/agent.sock
+answers), talk to it; else run the node embedded in this process, unless
+what is created must outlive the process (`lazyfs sandbox create`,
+`detached=True`): then start that state directory's agent in the background
+(runtime.agent.launch) and talk to it.
+
+Light to import: nothing here loads the node (pyfuse3, trio, LMDB, the
+chunk store) until a node runs embedded, so a client of a remote agent
+needs only httpx and pydantic.
 """
 
 from __future__ import annotations
@@ -13,16 +25,19 @@ import base64
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from .backends.base import Sink
 from .errors import ERRORS, BackendUnavailable, ExecError, SandboxError
 from .files import FileInfo
-from .node import Node
 from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+
+if TYPE_CHECKING:
+    from .backends.base import Sink
+    from .config import RuntimeConfig
+    from .node import Node
 
 # exec streams stay open as long as their command runs; waiting for a pooled
 # connection must not time out either (a rollout may run thousands at once)
@@ -239,24 +254,68 @@ class Http:
         return out
 
 
-_default: Node | None = None
-_default_lock = threading.Lock()
+_lock = threading.Lock()
+_embedded: dict[RuntimeConfig | None, Node] = {}
 
 
-def embedded_node() -> Node:
-    """The process-wide embedded Node (RuntimeConfig defaults and env)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Node()
-        return _default
+def embedded_node(config: RuntimeConfig | None = None) -> Node:
+    """The process-wide embedded Node for `config` (None: RuntimeConfig's
+    defaults and environment), made on first use."""
+    with _lock:
+        if config not in _embedded:
+            from .node import Node
+            _embedded[config] = Node(config)
+        return _embedded[config]
+
+
+def close_embedded() -> None:
+    """Close the embedded nodes of this process (their worker pools go;
+    sandboxes stay for the next node on their state directory)."""
+    with _lock:
+        nodes = list(_embedded.values())
+        _embedded.clear()
+    for n in nodes:
+        n.close()
+
+
+def local(config: RuntimeConfig | None = None, *, detached: bool = False) -> Transport:
+    """The node of this machine's state directory (`config`, default
+    RuntimeConfig()), by the rule in this module's docstring: its agent when
+    one answers, else embedded, or with `detached` a started agent."""
+    with _lock:
+        node = _embedded.get(config)
+    if node is not None:  # this process owns the state: no agent can serve it
+        return Embedded(node)
+    from .agent.launch import agent_socket, answers, start
+    if config is None:
+        from .config import RuntimeConfig
+        state = RuntimeConfig().state_dir
+    else:
+        state = config.state_dir
+    sock = agent_socket(state)
+    if answers(sock):
+        return _client(f"unix://{sock}", None)
+    if detached:
+        from .config import RuntimeConfig
+        return _client(f"unix://{start(config or RuntimeConfig())}", None)
+    return Embedded(embedded_node(config))
 
 
 _clients: dict[tuple[str, str | None], Http] = {}
 
 
+def _client(url: str, token: str | None) -> Http:
+    """One HTTP client (connection pool) per agent and token in this
+    process, shared by every Sandbox and thread."""
+    key = (url, token or os.environ.get("LAZYFS_NODE_TOKEN"))
+    with _lock:
+        if key not in _clients:
+            _clients[key] = Http(url, key[1])
+        return _clients[key]
+
+
 def _close_clients() -> None:
-    with _default_lock:
+    with _lock:
         for c in _clients.values():
             c.client.close()
         _clients.clear()
@@ -266,21 +325,17 @@ atexit.register(_close_clients)
 
 
 def resolve(node: str | Node | Transport | None, token: str | None = None) -> Transport:
-    """The transport for `node`; one HTTP client (connection pool) per agent
-    and token in this process, shared by every Sandbox and thread."""
+    """The transport for `node` (see the module docstring)."""
     if node is None:
         node = os.environ.get("LAZYFS_NODE") or None
     if node is None:
-        return Embedded(embedded_node())
+        return local()
+    if isinstance(node, str):
+        return _client(node, token)
+    if isinstance(node, Http | Embedded):
+        return node
+    from .node import Node  # loaded already: the caller made one
     if isinstance(node, Node):
         return Embedded(node)
-    if isinstance(node, str):
-        key = (node, token or os.environ.get("LAZYFS_NODE_TOKEN"))
-        with _default_lock:
-            if key not in _clients:
-                _clients[key] = Http(node, key[1])
-            return _clients[key]
     return node
 
-
-Factory = Callable[[], Transport]

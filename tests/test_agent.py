@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,98 +23,22 @@ from runtime import (
     SandboxNotFound,
     Unsupported,
 )
-from tests.helpers.lazynode import LazyNode
-from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+from tests.helpers.agents import Agent, running_agent
+from tests.helpers.sandboxes import IMAGE, runtime_missing
 from tests.helpers.support import (
     gone,
-    parent_death_signal,
     processes_with,
-    terminate,
     wait_until,
 )
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Agent:
-    def __init__(self, d: Path, store: Path, node_root: Path) -> None:
-        self.d, self.store, self.node_root = d, store, node_root
-        self.sock = d / "agent.sock"
-        self.port = _free_port()
-        self.token_file = d / "token"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def unix(self) -> str:
-        return f"unix://{self.sock}"
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def token(self) -> str:
-        return self.token_file.read_text().strip()
-
-    def start(self) -> None:
-        self.sock.unlink(missing_ok=True)
-        log = open(self.d / "agent.log", "ab")  # noqa: SIM115 - the child keeps its copy
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.cli", "--store", str(self.store), "agent",
-             "--socket", str(self.sock), "--state", str(self.d / "state"),
-             "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
-             "--token-file", str(self.token_file)],
-            stdout=log, stderr=log, cwd=REPO, preexec_fn=parent_death_signal())  # noqa: PLW1509
-        log.close()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.d / "agent.log").read_text()
-            if self.sock.exists():
-                with socket.socket(socket.AF_UNIX) as s:
-                    if s.connect_ex(str(self.sock)) == 0:
-                        return
-            time.sleep(0.05)
-        raise RuntimeError("agent not ready: " + (self.d / "agent.log").read_text())
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        terminate(self.proc, 10)
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    d = tmp_path_factory.mktemp("agent")
-    store = busybox_store(d)
-    with LazyNode(d / "lazynode", store) as lazy:
-        a = Agent(d, store, lazy.paths.root)
-        a.start()
-        try:
-            yield a
-        finally:
-            try:
-                Sandbox.kill_many(node=a.unix)
-            except BackendUnavailable:
-                pass
-            a.stop()
-            from runtime.config import RuntimeConfig
-            from runtime.node import Node
-            # whatever a killed agent left, a node on the same state cleans up
-            n = Node(RuntimeConfig(store=store, cluster=None, state_dir=d / "state",
-                                   node_root=lazy.paths.root))
-            n.kill_many(None)
-            n.close()
+    with running_agent(tmp_path_factory.mktemp("agent")) as a:
+        yield a
 
 
 def test_sdk_over_the_unix_socket(agent: Agent) -> None:
@@ -168,6 +88,12 @@ def test_tcp_needs_the_token(agent: Agent) -> None:
             assert sb.exec("cat /etc/motd").stdout == b"hello from the image\n"
     finally:
         del os.environ["LAZYFS_NODE_TOKEN"]
+    # or as an argument (it wins over the environment)
+    with pytest.raises(BackendUnavailable, match="token"):
+        Sandbox.list(node=agent.http, token="wrong")
+    with Sandbox.create(IMAGE, node=agent.http, token=agent.token) as sb:
+        assert Sandbox.connect(sb.id, node=agent.http, token=agent.token).exec(
+            "echo via-arg").stdout == b"via-arg\n"
     assert (agent.sock.stat().st_mode & 0o777) == 0o600
 
 

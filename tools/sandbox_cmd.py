@@ -1,12 +1,17 @@
 """Sandbox commands: `lazyfs agent` (the node agent) and `lazyfs sandbox …`
-(create, run, exec, ls, pause, resume, kill) through the SDK, against a node
-agent (--node / LAZYFS_NODE) or the embedded runtime."""
+(create, run, exec, ls, pause, resume, kill) through the SDK.
+
+Which node: --node / LAZYFS_NODE, else the SDK's rule (runtime.transport.local):
+the agent of the state directory when one answers, else the runtime embedded
+in this command. `sandbox create` and `sandbox run --keep` leave a sandbox
+that must outlive the command, so without an agent they start one in the
+background (logging to STATE/agent.log; `lazyfs agent --stop` stops it).
+"""
 
 from __future__ import annotations
 
 import json
 import secrets
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,8 +20,8 @@ import click
 
 from runtime import Sandbox
 from runtime.config import RuntimeConfig
-from runtime.node import Node
 from runtime.spec import BACKENDS, NetworkPolicy, parse_rule
+from runtime.transport import Transport, close_embedded, local, resolve
 
 from .config import Settings
 from .errors import QuietError
@@ -34,7 +39,8 @@ def _config(settings: Settings, state: Path | None, node_root: Path | None) -> R
 def _node_option(f: Any) -> Any:
     return click.option("--node", "node", metavar="URL", envvar="LAZYFS_NODE", default=None,
                         help="Node agent: unix:///PATH or http://HOST:PORT [env LAZYFS_NODE; "
-                             "default: run sandboxes in this process].")(f)
+                             "default: the state directory's agent if one answers, else "
+                             "this process]. A TCP agent's token: env LAZYFS_NODE_TOKEN.")(f)
 
 
 def _labels(items: tuple[str, ...]) -> dict[str, str]:
@@ -47,20 +53,13 @@ def _labels(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def _target(settings: Settings, node: str | None) -> str | Node:
-    """--node, else the agent of the default state directory when one runs
-    (a second node process on its state would be refused), else embedded."""
+def _target(settings: Settings, node: str | None, *, detached: bool = False) -> Transport:
+    """--node, else the state directory's node by the SDK's rule; `detached`:
+    what is created must outlive this command (an agent is started)."""
     if node:
-        return node
-    config = _config(settings, None, None)
-    sock = config.state_dir / "agent.sock"
-    if sock.is_socket():
-        with socket.socket(socket.AF_UNIX) as s:
-            if s.connect_ex(str(sock)) == 0:
-                return f"unix://{sock}"
-    embedded = Node(config)
-    click.get_current_context().call_on_close(embedded.close)  # fncall pools go with us
-    return embedded
+        return resolve(node)
+    click.get_current_context().call_on_close(close_embedded)  # fncall pools go with us
+    return local(_config(settings, None, None), detached=detached)
 
 
 @click.command()
@@ -74,13 +73,27 @@ def _target(settings: Settings, node: str | None) -> str | Node:
               help="Runtime state directory [default /var/lib/lazyfs-runtime as root].")
 @click.option("--node-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The node's lazyfs daemon root [default /run/lazyfs as root].")
+@click.option("--stop", is_flag=True,
+              help="Stop the agent serving the socket instead (e.g. the one `lazyfs sandbox "
+                   "create` started); container sandboxes stay, VMs end with it.")
 @click.pass_obj
 def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
-          token_file: Path | None, state: Path | None, node_root: Path | None) -> None:
+          token_file: Path | None, state: Path | None, node_root: Path | None,
+          stop: bool) -> None:
     """Run the node agent: the HTTP API that creates and drives this node's
     sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
-    a restarted agent finds them again."""
-    from runtime.agent.server import serve
+    a restarted agent finds them again. SDK and CLI calls that name no node
+    use the agent of their state directory when one answers."""
+    from runtime.agent import launch
+
+    config = _config(settings, state, node_root)
+    sock = socket or launch.agent_socket(config.state_dir)
+    if stop:
+        pid = launch.stop(sock)
+        click.echo(f"stopped the agent on {sock} (pid {pid})" if pid is not None
+                   else f"no agent answers on {sock}", err=True)
+        return
+    from runtime.agent.server import run_agent
 
     token = None
     if listen:
@@ -90,15 +103,9 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
             token_file.write_text(secrets.token_urlsafe(32) + "\n")
             token_file.chmod(0o600)
         token = token_file.read_text().strip()
-    config = _config(settings, state, node_root)
-    node = Node(config)
-    sock = socket or config.state_dir / "agent.sock"
-    try:
-        serve(node, socket=sock, listen=list(listen), token=token,
+    run_agent(config, socket=sock, listen=list(listen), token=token,
               on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
                                           + "".join(f" http://{a}" for a in listen), err=True))
-    finally:
-        node.close()
 
 
 @click.group()
@@ -125,9 +132,10 @@ def _create_options(f: Any) -> Any:
     return f
 
 
-def _create(settings: Settings, node: str | None, image: str, backend: str, cpu: float | None,
-            memory_mb: int | None, disk_mb: int | None, lifetime: float | None,
-            allow: tuple[str, ...], labels: tuple[str, ...], env: tuple[str, ...]) -> Sandbox:
+def _create(settings: Settings, node: str | None, detached: bool, image: str, backend: str,
+            cpu: float | None, memory_mb: int | None, disk_mb: int | None,
+            lifetime: float | None, allow: tuple[str, ...], labels: tuple[str, ...],
+            env: tuple[str, ...]) -> Sandbox:
     try:
         network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
     except ValueError as e:
@@ -135,7 +143,7 @@ def _create(settings: Settings, node: str | None, image: str, backend: str, cpu:
     return Sandbox.create(image, backend=backend, cpu=cpu, memory_mb=memory_mb,  # type: ignore[arg-type]
                           disk_mb=disk_mb, timeout=lifetime, network=network,
                           labels=_labels(labels), env=_labels(env),
-                          node=_target(settings, node))
+                          node=_target(settings, node, detached=detached))
 
 
 def _stream(sb: Sandbox, cmd: tuple[str, ...], timeout: float) -> int:
@@ -162,8 +170,10 @@ def _stream(sb: Sandbox, cmd: tuple[str, ...], timeout: float) -> int:
 def run(settings: Settings, /, node: str | None, image: str, cmd: tuple[str, ...], keep: bool,
         exec_timeout: float, **create: Any) -> None:
     """Create a sandbox from IMAGE, run CMD in it (output streamed), kill it.
-    Exits with CMD's exit code.   lazyfs sandbox run demo:busybox -- ls /"""
-    sb = _create(settings, node, image, **create)
+    Exits with CMD's exit code.   lazyfs sandbox run demo:busybox -- ls /
+    Without an agent the sandbox lives in this command (with --keep an agent
+    is started, as for `sandbox create`)."""
+    sb = _create(settings, node, keep, image, **create)
     try:
         code = _stream(sb, cmd, exec_timeout)
     finally:
@@ -180,8 +190,10 @@ def run(settings: Settings, /, node: str | None, image: str, cmd: tuple[str, ...
 @click.argument("image")
 @click.pass_obj
 def create(settings: Settings, /, node: str | None, image: str, **create: Any) -> None:
-    """Create a sandbox and print its id."""
-    click.echo(_create(settings, node, image, **create).id)
+    """Create a sandbox and print its id. It outlives this command: without
+    an agent for the state directory one is started in the background
+    (log STATE/agent.log; stop it with `lazyfs agent --stop`)."""
+    click.echo(_create(settings, node, True, image, **create).id)
 
 
 @sandbox.command("exec", context_settings={"ignore_unknown_options": True})

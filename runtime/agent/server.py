@@ -1,7 +1,10 @@
 """Serving the node agent: hypercorn on trio, a Unix socket by default (mode
 0600: only its owner may call), TCP listeners only with a bearer token, and a
-reaper task that kills sandboxes past their timeouts.
+reaper task that kills sandboxes past their timeouts. `run_agent` is the whole
+agent process (node, pid file, serve, close), for `lazyfs agent` and for
+`python -m runtime.agent` (what launch.start runs in the background).
 
+    run_agent(RuntimeConfig(...))                      # STATE/agent.sock
     serve(node, socket=Path("/var/lib/lazyfs-runtime/agent.sock"))
     serve(node, listen=["127.0.0.1:7070"], token="…")
 """
@@ -19,8 +22,10 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from ..config import RuntimeConfig
 from ..node import Node
 from .app import make_app
+from .launch import agent_socket, pid_file
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +92,23 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def run_agent(config: RuntimeConfig, *, socket: Path | None = None,
+              listen: list[str] | None = None, token: str | None = None,
+              on_ready: Callable[[], None] | None = None) -> None:
+    """The agent of `config.state_dir` until SIGINT/SIGTERM: its node (which
+    refuses when another node process owns the state), a pid file next to
+    the socket (launch.stop reads it), serve, then close the node."""
+    sock = socket or agent_socket(config.state_dir)
+    node = Node(config)
+    pid = pid_file(sock)
+    try:
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        pid.write_text(f"{os.getpid()}\n")
+        serve(node, socket=sock, listen=listen, token=token, on_ready=on_ready)
+    finally:
+        try:
+            node.close()
+        finally:
+            pid.unlink(missing_ok=True)

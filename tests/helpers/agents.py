@@ -1,0 +1,95 @@
+"""A node agent as users run it (`lazyfs agent`, a separate process) on its
+own state directory, Unix socket and TCP port with a token, for the tests
+that talk to one."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from runtime import BackendUnavailable, Sandbox
+
+from .lazynode import LazyNode
+from .process import ServerProcess
+from .sandboxes import busybox_store
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Agent(ServerProcess):
+    name = "lazyfs agent"  # ready when its Unix socket accepts a connection
+
+    def __init__(self, d: Path, store: Path, node_root: Path) -> None:
+        super().__init__(d / "agent.log", startup_timeout=20, stop_grace=10)
+        self.d, self.store, self.node_root = d, store, node_root
+        self.sock = d / "agent.sock"
+        self.port = _free_port()
+        self.token_file = d / "token"
+
+    @property
+    def unix(self) -> str:
+        return f"unix://{self.sock}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def start(self) -> None:
+        self.sock.unlink(missing_ok=True)
+        self.spawn([sys.executable, "-m", "tools.cli", "--store", str(self.store), "agent",
+                    "--socket", str(self.sock), "--state", str(self.d / "state"),
+                    "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
+                    "--token-file", str(self.token_file)], cwd=REPO)
+        self.wait_ready()
+
+    def ready(self) -> bool:
+        if not self.sock.exists():
+            return False
+        with socket.socket(socket.AF_UNIX) as s:
+            return s.connect_ex(str(self.sock)) == 0
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        self.stop_process()
+
+
+@contextmanager
+def running_agent(d: Path) -> Iterator[Agent]:
+    """An agent over the busybox store in `d` (its own lazyfs node daemon);
+    afterwards its sandboxes are killed, whatever a killed agent left too."""
+    store = busybox_store(d)
+    with LazyNode(d / "lazynode", store) as lazy:
+        a = Agent(d, store, lazy.paths.root)
+        a.start()
+        try:
+            yield a
+        finally:
+            try:
+                Sandbox.kill_many(node=a.unix)
+            except BackendUnavailable:
+                pass
+            a.stop()
+            from runtime.config import RuntimeConfig
+            from runtime.node import Node
+            # whatever a killed agent left, a node on the same state cleans up
+            n = Node(RuntimeConfig(store=store, cluster=None, state_dir=d / "state",
+                                   node_root=lazy.paths.root))
+            n.kill_many(None)
+            n.close()
