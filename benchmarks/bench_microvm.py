@@ -200,7 +200,8 @@ def density(node: Node, mode: LayersOn, n: int) -> dict[str, Any]:
         sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node, memory_mb=GUEST_MB))
         layers = node._get(sbs[0].id)[1].state.layers
         files = sorted(f for f in backend.pmem_cache.glob("*.pmem")
-                       if any(f.name.startswith(digest_key(x)) for x in layers))
+                       if any(f.name.startswith(x if x.startswith("fixups-") else digest_key(x))
+                              for x in layers))
         for _ in range(n - 1):
             sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
                                       memory_mb=GUEST_MB))
