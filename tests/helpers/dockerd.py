@@ -56,7 +56,6 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import docker
@@ -264,14 +263,6 @@ class DockerDaemon(ServerProcess):
         return self._client
 
     # -- lifecycle ---------------------------------------------------------
-
-    def __enter__(self) -> DockerDaemon:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Start dockerd and wait (startup_timeout) until it answers a ping.

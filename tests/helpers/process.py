@@ -17,6 +17,8 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 from .support import parent_death_signal, terminate
 
@@ -59,6 +61,22 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the server and wait until it is ready (the subclass's)."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop the server and remove what it left (at least the process)."""
+        self.stop_process()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
 
     def spawn(self, cmd: Sequence[str], *, cwd: Path, env: Mapping[str, str] | None = None,
               stdout: Path | None = None, new_session: bool = False,

@@ -69,7 +69,6 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Literal, cast
 
 import dxf
@@ -281,14 +280,6 @@ class Registry(ServerProcess):
         return f"{self.scheme}://{self.host}"
 
     # -- lifecycle ---------------------------------------------------------
-
-    def __enter__(self) -> Registry:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     def start(self) -> None:
         if self.proc is not None:
