@@ -7,6 +7,7 @@ from chunkstore import TRUSTED, ChunkId, ChunkStore, TrustDomain
 from .builder import DEFAULT_CHUNK_SIZE, ProgressFn
 from .catalog import Catalog, Image
 from .manifest import LayerManifest
+from .refs import normalize_tag
 from .registry import RegistryOptions
 from .sources import open_source
 
@@ -17,6 +18,7 @@ def convert(store: ChunkStore, catalog: Catalog, ref: str, tag: str, *,
             registry: RegistryOptions | None = None) -> str:
     """Convert `ref` and tag it; returns the image digest. On any failure
     nothing is added to the catalog."""
+    normalize_tag(tag)  # a bad name fails now, not after the conversion
     def known(blob: str) -> LayerManifest | None:
         digest = catalog.find_blob(blob, str(domain), chunk_size)
         return catalog.load_layer(digest) if digest else None
