@@ -96,6 +96,15 @@ class DedupReport:
         return self.logical / self.unique_stored if self.unique_stored else 1.0
 
 
+@dataclass(frozen=True)
+class ImageSize:
+    """An image's size as its layer records give it (no manifest is read)."""
+
+    layers: int
+    entries: int
+    data_bytes: int
+
+
 class ImageCatalog(Protocol):
     """What serving images needs from a catalog: the local LMDB `Catalog`, or
     `composer.remote.ClusterCatalog` over the cluster store."""
@@ -231,6 +240,11 @@ class Catalog:
             raise ImageNotFound(digest)
         info: dict[str, Any] = json.loads(rec)
         return info
+
+    def image_size(self, image: Image) -> ImageSize:
+        infos = [self.layer_info(d) for d in image.layers]
+        return ImageSize(len(infos), sum(int(i["entries"]) for i in infos),
+                         sum(int(i["size"]) for i in infos))
 
     def dedup(self, image_digest: str) -> DedupReport:
         """Dedup figures for one image against every other tagged image.
