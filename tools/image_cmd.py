@@ -97,13 +97,14 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
                    f"({secs:.1f} s)")
         return
     known = f" ({done.layers_known} already converted)" if done.layers_known else ""
-    # dedup: file data this run read per byte it had to store (all of it
-    # may have been in the store already: then there is no ratio to give)
-    dedup = (f"dedup {counters.plain_bytes / counters.new_bytes:.2f}x" if counters.new_bytes
-             else "all of it already stored")
+    # dedup as the share of the bytes put that the store had already (a
+    # ratio explodes when nearly all of it was there: a manifest's bytes only)
+    saved = 1 - counters.new_bytes / counters.plain_bytes if counters.plain_bytes else 1.0
     click.echo(f"{what}{known}; read {total / 1e6:,.1f} MB in {secs:.1f} s "
                f"({total / 1e6 / max(secs, 1e-9):,.0f} MB/s); {counters.chunks:,} chunks, "
-               f"{new_chunks:,} new ({dedup}), {written:,.1f} MB written to the store")
+               f"{new_chunks:,} new ({counters.new_bytes / 1e6:,.1f} of "
+               f"{counters.plain_bytes / 1e6:,.1f} MB; dedup saved {saved:.0%}), "
+               f"{written:,.1f} MB written to the store")
 
 
 @click.command()
