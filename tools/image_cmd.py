@@ -219,7 +219,7 @@ def gc(settings: Settings, grace: float) -> None:
 def build(settings: Settings, spec: Path, refresh: bool, progress: bool | None) -> None:
     """Build an environment image from SPEC (base / workspace / toolkits).
 
-    SPEC is a TOML file (see composer/envspec.py): name = "env:1", base =
+    SPEC is a TOML file (docs/envspec.md): name = "env:1", base =
     an image or source, workspace = a source (placed at /workspace),
     toolkits = [sources or images]. Built components are pinned in
     SPEC.lock.json and reused: a new combination writes no new chunks.
