@@ -263,3 +263,23 @@ def test_the_cli_and_the_runtime_read_one_configuration(tmp_path: Path,
         node.close()
         if running(paths):
             stop_daemon(paths, lazy=True)
+
+
+def test_rm_then_gc_says_what_the_grace_period_kept(tmp_path: Path) -> None:
+    """`lazyfs rm` + `lazyfs gc` frees nothing within the grace period: gc
+    says what it kept, why, and the command that reclaims it now, which does."""
+    store = tmp_path / "store"
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "blob").write_bytes(os.urandom(3_000_000))
+    run("convert", f"dir:{tree}", "--tag", "t:1", store=store)
+    run("rm", "t:1", store=store)
+    out = run("gc", store=store).stdout
+    kept = re.search(r"^kept ([\d,]+) unreferenced chunks \(([\d.]+) MB in 1 pack\) written or "
+                     r"used within the 3,600 s grace period \(all past it in (60|59) min\); "
+                     r"`lazyfs gc --grace 0` reclaims them now", out, re.MULTILINE)
+    assert kept and 3.0 <= float(kept[2]) < 3.1, out
+    assert "kept" in run("store", "gc", store=store).stdout  # the same line, its own command
+    now = run("gc", "--grace", "0", store=store).stdout
+    assert "reclaimed 3.0 MB" in now and "kept" not in now, now
+    assert "chunks      0" in run("store", "info", store=store).stdout
