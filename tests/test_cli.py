@@ -283,3 +283,45 @@ def test_rm_then_gc_says_what_the_grace_period_kept(tmp_path: Path) -> None:
     now = run("gc", "--grace", "0", store=store).stdout
     assert "reclaimed 3.0 MB" in now and "kept" not in now, now
     assert "chunks      0" in run("store", "info", store=store).stdout
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="needs root and /dev/fuse: mounts an image")
+def test_mount_refuses_a_non_empty_mountpoint_in_one_line(tmp_path: Path) -> None:
+    """Mounting over files would hide them: `lazyfs mount` refuses, in one
+    line and before starting a daemon, unless --nonempty; a missing mount
+    point is one line too."""
+    from lazyfs import sysmount
+    from lazyfs.node import NodePaths, running, stop_daemon
+    from tests.helpers.sandboxes import IMAGE, busybox_store
+    store = busybox_store(tmp_path)
+    paths = NodePaths(tmp_path / "node")
+    env = {"LAZYFS_NODE_ROOT": str(paths.root), "LAZYFS_CACHE": str(tmp_path / "cache")}
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    (mp / "notes.txt").write_text("mine\n")
+    try:
+        p = run("mount", IMAGE, str(mp), store=store, env=env, ok=False)
+        assert p.returncode == 1 and p.stdout == ""
+        assert p.stderr.splitlines() == [
+            (f"lazyfs: error: mount point {mp} is not empty (1 entry): the mount would hide "
+             "them; use an empty directory, or --nonempty to mount over them")]
+        assert not running(paths)  # refused before anything started
+        p = run("mount", IMAGE, str(tmp_path / "nowhere"), store=store, env=env, ok=False)
+        assert p.returncode == 1 and p.stderr.splitlines() == [
+            (f"lazyfs: error: mount point {tmp_path / 'nowhere'} does not exist "
+             f"(create it with mkdir -p {tmp_path / 'nowhere'})")]
+        run("mount", IMAGE, str(mp), "--nonempty", store=store, env=env)
+        assert (mp / "etc" / "motd").read_text() == "hello from the image\n"
+        assert not (mp / "notes.txt").exists()
+        p = run("mount", IMAGE, str(mp), "--nonempty", store=store, env=env, ok=False)
+        assert p.returncode == 1 and p.stderr.splitlines() == [
+            f"lazyfs: error: {mp} is already a mount point"]
+        run("umount", str(mp), store=store, env=env)
+        assert (mp / "notes.txt").read_text() == "mine\n"
+    finally:
+        if sysmount.find_mount(mp) is not None:
+            sysmount.umount(mp, lazy=True)
+        if running(paths):
+            stop_daemon(paths, lazy=True)
