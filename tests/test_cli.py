@@ -325,3 +325,39 @@ def test_mount_refuses_a_non_empty_mountpoint_in_one_line(tmp_path: Path) -> Non
             sysmount.umount(mp, lazy=True)
         if running(paths):
             stop_daemon(paths, lazy=True)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="needs root and /dev/fuse: the demo mounts an image lazily")
+def test_demo_leaves_no_image_or_root_in_the_store(tmp_path: Path) -> None:
+    """`lazyfs demo` removes its GC root and its image at the end and says how
+    to free the chunks it wrote (which `lazyfs gc --grace 0` then does);
+    --keep keeps both and says how to remove them."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.bin").write_bytes(os.urandom(2_000_000))
+    store = tmp_path / "store"
+    out = run("demo", str(tree), "--lazy", store=store).stdout
+    assert "hello from a lazily loaded image" in out
+    cleaned = re.search(rf"^cleaned up   removed GC root demo:{tree} and image demo:busybox; "
+                        r"the ([\d.]+) MB this run wrote are freed by `lazyfs gc --grace 0`",
+                        out, re.MULTILINE)
+    assert cleaned and float(cleaned[1]) > 2.0, out
+    assert run("store", "roots", store=store).stdout == ""
+    assert run("images", store=store).stdout == ""
+    assert "kept" not in run("gc", "--grace", "0", store=store).stdout
+    assert "chunks      0" in run("store", "info", store=store).stdout
+
+    out = run("demo", str(tree), "--lazy", "--keep", store=store).stdout
+    assert (f"kept         GC root demo:{tree} and image demo:busybox; remove with "
+            f"`lazyfs store rm-root demo:{tree}` and `lazyfs rm demo:busybox`") in out
+    assert run("store", "roots", store=store).stdout.split()[0] == f"demo:{tree}"
+    assert run("images", store=store).stdout.startswith("demo:busybox")
+    run("store", "rm-root", f"demo:{tree}", store=store)
+    run("rm", "demo:busybox", store=store)
+    run("gc", "--grace", "0", store=store)
+    assert "chunks      0" in run("store", "info", store=store).stdout
+    p = run("store", "rm-root", "nope", store=store, ok=False)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        "lazyfs: error: no GC root named 'nope' (`lazyfs store roots` lists them)"]

@@ -188,3 +188,19 @@ def roots(settings: Settings) -> None:
     with open_store(settings, readonly=True) as s:
         for name in s.roots():
             click.echo(f"{name}  {len(s.root_ids(name))}")
+
+
+@store.command(name="rm-root")
+@click.argument("names", nargs=-1, required=True)
+@click.pass_obj
+def rm_root(settings: Settings, names: tuple[str, ...]) -> None:
+    """Remove GC roots NAMES (their chunks go at a later gc). Image layers'
+    roots (layer:…) belong to the catalog: remove the image with `lazyfs rm`."""
+    with open_store(settings) as s:
+        for name in names:
+            if name.startswith("layer:"):
+                raise QuietError(f"{name} is an image layer's root: remove the image with "
+                                 "`lazyfs rm IMAGE`, then `lazyfs gc`")
+            if not s.remove_root(name):
+                raise QuietError(f"no GC root named {name!r} (`lazyfs store roots` lists them)")
+            click.echo(f"removed root {name}")
