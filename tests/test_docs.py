@@ -278,16 +278,18 @@ def _fixtures(blocks: list[Block], work: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.root
-@pytest.mark.slow
-@pytest.mark.parametrize("doc", [d for d in doc_files() if d not in NOT_YET])
-def test_doc_blocks_run_as_written(doc: str) -> None:
-    why = _missing()
-    if why:
-        pytest.skip(why)
-    blocks = shell_blocks(doc)
-    if not any(not b.skip or b.setup for b in blocks):
-        pytest.skip(f"{doc} has no shell block to run")
+@dataclass(frozen=True)
+class Session:
+    code: int | None  # bash's exit code; None: timed out
+    where: str  # the block running when it ended ("### done": all ran)
+    output: str  # from the banner of that block on
+    stray: list[str]  # processes still in the namespace after bash ended (killed)
+
+
+def run_session(blocks: list[Block], timeout: float = TIMEOUT) -> Session:
+    """Run `blocks` in one bash session in a private mount namespace on a
+    temporary store and node (module docstring); everything it started is
+    gone when this returns, whatever happened."""
     work = Path(tempfile.mkdtemp(prefix="lazyfs-docs-", dir="/var/tmp"))
     try:
         for d in ("cwd", "mnt", "tmp", "node", "bin", "home"):
@@ -317,24 +319,65 @@ def test_doc_blocks_run_as_written(doc: str) -> None:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                 cwd=work / "cwd", start_new_session=True)
             try:
-                code: int | None = proc.wait(timeout=TIMEOUT)
+                code: int | None = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 code = None
         stray = _kill_namespace(work / "ns")
         where = (work / "block").read_text().strip() if (work / "block").exists() else "?"
-        if code != 0:
-            block = next((b for b in blocks if b.where == where), None)
-            lines = log.read_text(errors="replace").splitlines()
-            banner = f"### {where}"
-            start = max((i for i, s in enumerate(lines) if s == banner), default=0)
-            tail = "\n".join(lines[start:][-80:])
-            status = f"timed out after {TIMEOUT} s" if code is None else f"exit code {code}"
-            raise AssertionError(f"{doc}: the block at {where} failed ({status}):\n"
-                                 f"{block.code if block else ''}\n--- output ---\n{tail}")
-        assert where == "### done", where
-        assert not stray, f"{doc}: left running after its session: {stray}"
+        lines = log.read_text(errors="replace").splitlines()
+        first = max((i for i, s in enumerate(lines) if s == f"### {where}"), default=0)
+        return Session(code, where, "\n".join(lines[first:]), stray)
     finally:
         _kill_namespace(work / "ns")
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", [d for d in doc_files() if d not in NOT_YET])
+def test_doc_blocks_run_as_written(doc: str) -> None:
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    blocks = shell_blocks(doc)
+    if not any(not b.skip or b.setup for b in blocks):
+        pytest.skip(f"{doc} has no shell block to run")
+    s = run_session(blocks)
+    if s.code != 0:
+        block = next((b for b in blocks if b.where == s.where), None)
+        tail = "\n".join(s.output.splitlines()[-80:])
+        status = f"timed out after {TIMEOUT} s" if s.code is None else f"exit code {s.code}"
+        raise AssertionError(f"{doc}: the block at {s.where} failed ({status}):\n"
+                             f"{block.code if block else ''}\n--- output ---\n{tail}")
+    assert s.where == "### done", s.where
+    assert not s.stray, f"{doc}: left running after its session: {s.stray}"
+
+
+@pytest.mark.root
+def test_a_failing_or_hanging_session_leaves_nothing_behind() -> None:
+    """A block that fails after leaving a mount and a detached process, and
+    one that hangs: the session reports where, and nothing it started is
+    left (the process is killed, the mount went with the namespace)."""
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    marker = f"lazyfs-docs-probe-{os.getpid()}"
+    leave = Block("x.md", 1, f"mkdir /mnt/m && mount -t tmpfs {marker} /mnt/m\n"
+                             f"setsid sh -c 'sleep 300; true' {marker} >/dev/null 2>&1 < /dev/null &\n"
+                             "echo placed")
+    fail = Block("x.md", 9, "false")
+    s = run_session([leave, fail])
+    assert (s.code, s.where) == (1, "x.md:9"), s
+    assert any(marker in p for p in s.stray), s.stray
+    hang = Block("x.md", 20, "sleep 120")
+    s = run_session([leave, hang], timeout=3)
+    assert (s.code, s.where) == (None, "x.md:20"), s
+    host = Path("/proc/self/mountinfo").read_text()
+    assert marker not in host
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            assert marker.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
