@@ -18,6 +18,7 @@ from composer.registry import RegistryOptions
 
 from .config import Settings
 from .options import open_store
+from .store_cmd import gc_kept_line
 
 
 def _catalog(store: ChunkStore) -> Catalog:
@@ -207,6 +208,9 @@ def gc(settings: Settings, grace: float) -> None:
         r = store.gc(grace_seconds=grace)
     click.echo(f"dropped {layers} unused layers; removed {r.chunks_removed:,} chunks, "
                f"reclaimed {r.bytes_reclaimed / 1e6:,.1f} MB")
+    kept = gc_kept_line(r, "lazyfs gc")
+    if kept:
+        click.echo(kept)
 
 
 @click.command()
