@@ -136,7 +136,8 @@ class Node:
                 _remove(d)
                 raise
             info = SandboxInfo(id=sandbox_id, spec=spec, image_digest=image.digest,
-                               state="running", node=os.uname().nodename)
+                               state="running", host_address=h.state.host_address(),
+                               node=os.uname().nodename)
             with self._lock:
                 self._sandboxes[sandbox_id] = (info, h)
                 self._sandbox_locks[sandbox_id] = threading.Lock()
@@ -190,6 +191,14 @@ class Node:
         for info in self.sandboxes(labels):
             if info.state == "running":
                 self.pause(info.id)
+                done.append(info.id)
+        return done
+
+    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        done = []
+        for info in self.sandboxes(labels):
+            if info.state == "paused":
+                self.resume(info.id)
                 done.append(info.id)
         return done
 
