@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything lazyfs needs on Debian 12: the system packages that are
-# missing (through apt) and a virtualenv at .venv holding the project and its
-# test dependencies. Safe to run again; it only installs what is missing.
+# missing (through apt) and a virtualenv at .venv holding the project, its
+# test dependencies and the benchmarks' plotting (the test and bench extras).
+# Safe to run again; it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -42,8 +43,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -c 'import chunkstore, tools.cli' || { echo "install.sh: install failed" >&2; exit 1; }
+.venv/bin/python -m pip install -q -e '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -c 'import chunkstore, tools.cli, matplotlib' || { echo "install.sh: install failed" >&2; exit 1; }
 # The microVM guest kernel (Debian's cloud kernel, unpacked into /var/cache/lazyfs/guest-kernel);
 # the backend fetches it on first use too, this only saves the first sandbox the wait.
 if [ "$(id -u)" -eq 0 ]; then

@@ -18,6 +18,11 @@ up again (ChunkStore._read_entries). Packs a writer still holds (flock) are
 skipped; so are packs of a writer that died, until its lock is gone, which is
 when its unreferenced tail becomes reclaimable.
 
+The report says what was kept and why as well as what was freed: besides
+the chunks roots name, the unreferenced chunks the grace period protects
+(how many, the bytes and packs they hold, and when the last of them ages
+out), so a caller can tell a user why `rm` then `gc` freed nothing yet.
+
 GC goes through public interfaces only: `ChunkStore.seal_writer` and
 `ChunkStore.check_record`, the index's GC methods (`root_keys`, `sweep_page`,
 `pack_usage`, `repoint`, `allocate_pack`) and the pack backend; the LMDB
@@ -33,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ChunkCorrupt, ChunkStoreError, StoreFull
 from .ids import ChunkId, PackId
-from .index import Entry, now_ms
+from .index import Entry, Txn, now_ms
 from .pack import PACK_HEADER_SIZE, RECORD_HEADER_SIZE
 
 if TYPE_CHECKING:
@@ -41,6 +46,17 @@ if TYPE_CHECKING:
     from .store import ChunkStore, ProgressFn
 
 _SWEEP_PAGE = 20_000
+
+
+@dataclass(slots=True)
+class KeptYoung:
+    """Unreferenced chunks a GC kept because they were written or used within
+    its grace period."""
+
+    chunks: int = 0
+    stored_bytes: int = 0  # their records in packs (headers included), counted once per location
+    packs: int = 0  # packs holding at least one of them
+    seconds_left: float = 0.0  # until the youngest is past the grace period
 
 
 @dataclass(slots=True)
@@ -54,6 +70,12 @@ class GcReport:
     bytes_after: int = 0
     corrupt: list[str] = field(default_factory=list)
     stopped: str = ""  # why repacking stopped early (e.g. disk full), if it did
+    grace_seconds: float = 0.0
+    # Kept: chunks a root names, and unreferenced ones younger than the grace
+    # period (the latter with the bytes and packs they hold: what a GC with
+    # no grace would sweep, and when the last of them ages out on its own).
+    chunks_rooted: int = 0
+    young: KeptYoung = field(default_factory=KeptYoung)
 
     @property
     def bytes_reclaimed(self) -> int:
@@ -78,8 +100,10 @@ def collect(store: ChunkStore, *, grace_seconds: float, repack_threshold: float,
         report = GcReport()
         report.bytes_before = sum(size for _, size in store.backend.iter_packs())
         cutoff = now_ms() - int(grace_seconds * 1000)
+        report.grace_seconds = grace_seconds
         live = store.index.root_keys()  # mark
         _sweep(store, live, cutoff, report)
+        _count_kept(store, live, report)
         _repack(store, repack_threshold, report, progress)
         report.bytes_after = sum(size for _, size in store.backend.iter_packs())
         return report
@@ -96,6 +120,31 @@ def _sweep(store: ChunkStore, live: set[bytes], cutoff: int, report: GcReport) -
         if last is None:
             return
         after = last
+
+
+def _count_kept(store: ChunkStore, live: set[bytes], report: GcReport) -> None:
+    """What the sweep left: entries a root names, and unreferenced entries
+    it kept for their age (touched since the cutoff, or by a writer since)."""
+    def fn(txn: Txn) -> tuple[int, int, dict[tuple[PackId, int], int], int]:
+        rooted = unreferenced = newest = 0
+        records: dict[tuple[PackId, int], int] = {}  # entries sharing a record count once
+        for key, entry in store.index.iter_entries(txn):
+            if key in live:
+                rooted += 1
+                continue
+            unreferenced += 1
+            records[entry.location] = RECORD_HEADER_SIZE + entry.stored_len
+            newest = max(newest, entry.touched)
+        return rooted, unreferenced, records, newest
+
+    rooted, unreferenced, records, newest = store.index.read(fn)
+    report.chunks_rooted = rooted
+    young = report.young
+    young.chunks = unreferenced
+    young.stored_bytes = sum(records.values())
+    young.packs = len({pack for pack, _ in records})
+    if unreferenced:
+        young.seconds_left = max(0.0, (newest - now_ms()) / 1000 + report.grace_seconds)
 
 
 def _repack(store: ChunkStore, threshold: float, report: GcReport,

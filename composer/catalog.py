@@ -21,7 +21,7 @@ from chunkstore import ChunkId, ChunkStore, TrustDomain
 from chunkstore.digests import Digest
 from chunkstore.errors import BadDigest
 
-from .errors import ImageNotFound, ManifestError
+from .errors import BadImageName, ImageNotFound, ManifestError
 from .manifest import LayerManifest
 from .refs import ImageRef, normalize_tag
 
@@ -30,6 +30,17 @@ _MANIFEST_CHUNK = 4 << 20
 
 @dataclass(frozen=True)
 class Image:
+    """An image: what a sandbox sees (its layers and config) and, for
+    humans, where it was last made from.
+
+    The digest is BLAKE3 of the canonical JSON of the layers and the config
+    only: two builds that give a sandbox the same view (same layer contents,
+    with their mount points inside them, in the same order, and the same
+    config) have the same digest, whatever the source's file name or path.
+    `source` is kept in the record (`to_json`) but is not part of the digest;
+    the record of a digest made again from elsewhere names the later source.
+    """
+
     layers: list[str]  # layer digests, lowest first
     config: dict[str, Any] = field(default_factory=dict)  # Env, Entrypoint, Cmd, WorkingDir, User
     source: str = ""
@@ -39,9 +50,20 @@ class Image:
                            "source": self.source}, sort_keys=True,
                           separators=(",", ":")).encode()
 
+    def view_json(self) -> bytes:
+        """The canonical form the digest is taken of."""
+        return json.dumps({"layers": self.layers, "config": self.config}, sort_keys=True,
+                          separators=(",", ":"), ensure_ascii=True).encode()
+
     @property
     def digest(self) -> Digest:
-        return Digest.of(self.to_json())
+        return Digest.of(self.view_json())
+
+    def matches(self, digest: Digest, raw: bytes) -> bool:
+        """Whether `raw` (this image's record) is the record of `digest`: by
+        its view, or (records written before the digest left the source
+        out) by the whole record."""
+        return self.digest == digest or digest.matches(raw)
 
     @classmethod
     def from_json(cls, raw: bytes) -> Image:
@@ -74,6 +96,15 @@ class DedupReport:
         return self.logical / self.unique_stored if self.unique_stored else 1.0
 
 
+@dataclass(frozen=True)
+class ImageSize:
+    """An image's size as its layer records give it (no manifest is read)."""
+
+    layers: int
+    entries: int
+    data_bytes: int
+
+
 class ImageCatalog(Protocol):
     """What serving images needs from a catalog: the local LMDB `Catalog`, or
     `composer.remote.ClusterCatalog` over the cluster store."""
@@ -90,11 +121,11 @@ class ImageCatalog(Protocol):
 
 
 def parse_ref(name: str) -> ImageRef:
-    """`ImageRef.parse`, a malformed digest reported as the image not found
-    (what a catalog lookup of it means to its callers)."""
+    """`ImageRef.parse`, a malformed digest or name reported as the image not
+    found (what a catalog lookup of it means to its callers)."""
     try:
         return ImageRef.parse(name)
-    except BadDigest as e:
+    except (BadDigest, BadImageName) as e:
         raise ImageNotFound(name, str(e)) from None
 
 
@@ -129,6 +160,10 @@ class Catalog:
         ids = self.store.put_many(pieces, manifest.domain)
         self.store.set_root(f"layer:{digest}", [*ids, *manifest.chunk_ids()], manifest.domain)
         return digest, ids
+
+    def has_image(self, digest: str) -> bool:
+        with self.env.begin(db=self.images) as txn:
+            return txn.get(digest.encode()) is not None
 
     def list_layers(self) -> list[str]:
         with self.env.begin(db=self.layers) as txn:
@@ -205,6 +240,11 @@ class Catalog:
             raise ImageNotFound(digest)
         info: dict[str, Any] = json.loads(rec)
         return info
+
+    def image_size(self, image: Image) -> ImageSize:
+        infos = [self.layer_info(d) for d in image.layers]
+        return ImageSize(len(infos), sum(int(i["entries"]) for i in infos),
+                         sum(int(i["size"]) for i in infos))
 
     def dedup(self, image_digest: str) -> DedupReport:
         """Dedup figures for one image against every other tagged image.

@@ -1,15 +1,16 @@
 """Environments from independent layers: base image -> workspace -> toolkits
-(-> the sandbox's writable layer, added at run time).
+(-> the sandbox's writable layer, added at run time, not part of the image).
 
-A spec is a small TOML file:
+A spec is a small TOML file (docs/envspec.md has a complete example):
 
     name = "swe-task-42:1"
     base = "debian:bookworm"                  # an image in the catalog, or a source ref
-    workspace = "dir:/src/task-42"            # a source ref; lands at /workspace
+    workspace = "git:task-42#main"            # a source ref; lands at /workspace
     toolkits = ["dir:/opt/py-tools", { source = "tar:/x/node.tar", path = "/opt/node" }]
 
 Each component is a catalog image name or a source reference (tar:, dir:, git:,
-docker-archive:, oci:, registry://, docker://). Tree sources (tar:, dir:, git:)
+docker-archive:, oci:, registry://, docker://). A relative local path in a
+source is relative to the spec's directory. Tree sources (tar:, dir:, git:)
 can be placed under a path
 (`{ source = ..., path = ... }`; the workspace defaults to /workspace).
 `lazyfs build` converts each source component once and pins it by layer
@@ -17,6 +18,11 @@ digest in `SPEC.lock.json` beside the spec; later builds, and new
 combinations of already built components, reuse the pinned layers: they
 write an image record and no chunks. Layers are stacked base first, then the
 workspace, then toolkits in order (later ones win, as in composition).
+
+The image's digest (`composer.catalog.Image.digest`) is taken of its layer
+digests in order (a placed component's path is inside its layer) and the
+base's config, nothing else: not the spec's name, file name or location, nor
+the image's tag. Two specs that build the same view build the same digest.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from chunkstore import ChunkId, ChunkStore, TrustDomain
 
 from .builder import DEFAULT_CHUNK_SIZE, ProgressFn
 from .catalog import Catalog, Image
-from .errors import BadSource, ComposerError, ImageNotFound
+from .errors import BadImageName, BadSource, ComposerError, ImageNotFound
 from .manifest import Entry, Kind, LayerManifest
+from .refs import normalize_tag
 from .registry import RegistryOptions
 from .sources import open_source
 
@@ -102,6 +109,10 @@ def load_spec(path: Path) -> EnvSpec:
             raise SpecError(f"spec {path}: '{key}' is required")
     if not isinstance(doc["name"], str) or not doc["name"]:
         raise SpecError(f"spec {path}: 'name' must be a non-empty string")
+    try:
+        normalize_tag(doc["name"])
+    except BadImageName as e:
+        raise SpecError(f"spec {path}: name: {e}") from None
     toolkits = doc.get("toolkits", [])
     if not isinstance(toolkits, list):
         raise SpecError(f"spec {path}: 'toolkits' must be a list")
@@ -115,6 +126,19 @@ def load_spec(path: Path) -> EnvSpec:
             raise SpecError(f"spec {path}: {c.source}: only tar:, dir: and git: sources can be "
                             "placed under a path")
     return spec
+
+
+def anchored(source: str, spec_dir: Path) -> str:
+    """`source` with a relative local path made relative to `spec_dir` (so a
+    spec builds the same from any working directory)."""
+    transport, sep, location = source.partition(":")
+    if transport not in ("tar", "dir", "git", "docker-archive", "oci") or not sep:
+        return source
+    if transport == "git" and ("://" in location or location.startswith("git@")):
+        return source
+    if not location or location.startswith(("/", "~")):
+        return source
+    return f"{transport}:{spec_dir / location}"
 
 
 def relocate(manifest: LayerManifest, prefix: str) -> LayerManifest:
@@ -164,7 +188,8 @@ def build(store: ChunkStore, catalog: Catalog, spec: EnvSpec, *, refresh: bool =
         elif pinned and all(catalog.has_layer(d) for d in pinned["layers"]):
             layers, cfg = pinned["layers"], pinned.get("config", {})
         else:
-            src = open_source(c.source, store, domain=domain or TrustDomain("trusted"),
+            ref = anchored(c.source, spec.path.absolute().parent) if spec.path else c.source
+            src = open_source(ref, store, domain=domain or TrustDomain("trusted"),
                               chunk_size=chunk_size, progress=progress, registry=registry)
             layers, cfg = [], src.config
             for manifest in src.layers:

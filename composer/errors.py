@@ -7,6 +7,7 @@ Hierarchy (under chunkstore.errors.LazyfsError)::
      │    ├── UnsafePath     '..', absolute names, paths through symlinks
      │    └── BadLink        hardlink to a missing target or out of the layer
      ├── BadSource           an image reference or source that cannot be read
+     ├── BadImageName        a tag that breaks the reference grammar (refs.py)
      ├── ManifestError       a stored manifest that cannot be parsed
      └── ImageNotFound       no image by this name or digest in the catalog
 
@@ -39,6 +40,10 @@ class BadLink(BadLayer):
 
 
 class BadSource(ComposerError):
+    pass
+
+
+class BadImageName(ComposerError, ValueError):
     pass
 
 

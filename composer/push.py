@@ -62,7 +62,9 @@ def push(cluster: Cluster, store: ChunkStore, catalog: Catalog, name: str, *,
         report.bytes_uploaded += done.bytes_uploaded
         report.packs += done.packs
     remote = ClusterCatalog(cluster)
-    remote.put_image(image)
+    # (an image recorded before its digest left out the source is keyed
+    # by its view's digest in the cluster)
+    digest = report.image = remote.put_image(image)
     ref = parse_ref(name)
     if ref.tag is not None:
         remote.set_tag(ref.tag, digest)

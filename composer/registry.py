@@ -19,6 +19,8 @@ import io
 import ipaddress
 import json
 import os
+import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +94,48 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _causes(e: BaseException) -> list[BaseException]:
+    """`e` and what lies under it: requests wraps urllib3's MaxRetryError,
+    whose `reason` wraps the socket's error."""
+    seen: list[BaseException] = []
+    todo: list[object] = [e]
+    while todo:
+        x = todo.pop(0)
+        if not isinstance(x, BaseException) or any(x is s for s in seen):
+            continue
+        seen.append(x)
+        todo.extend([getattr(x, "reason", None), x.__cause__, x.__context__, *x.args[:1]])
+    return seen
+
+
+def _unreachable_reason(e: BaseException, timeout: float) -> str:
+    """Why a connection failed, in words (not urllib3's repr of its pool)."""
+    causes = _causes(e)
+    for c in causes:
+        if isinstance(c, socket.gaierror):
+            return "host name not resolved"
+        if isinstance(c, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(c, ConnectionResetError):
+            return "connection reset"
+    if isinstance(e, requests.Timeout) or any(isinstance(c, TimeoutError)
+                                              for c in causes):
+        return f"timed out after {timeout:g} s"
+    for c in causes:
+        if isinstance(c, OSError) and c.strerror:
+            return c.strerror[0].lower() + c.strerror[1:]
+    return "connection failed"
+
+
+def _tls_reason(e: BaseException) -> str:
+    for c in _causes(e):
+        if isinstance(c, ssl.SSLCertVerificationError):
+            return f"certificate not trusted ({c.verify_message})"
+        if isinstance(c, ssl.SSLError):
+            return c.reason or c.strerror or "handshake failed"
+    return "handshake failed"
+
+
 class RegistrySource:
     def __init__(self, ref: str, options: RegistryOptions) -> None:
         self.ref = ref
@@ -125,9 +169,11 @@ class RegistrySource:
                 raise BadSource(f"{self.name}: not found while {what}") from e
             raise BadSource(f"{self.name}: {what}: {e}") from e
         except requests.exceptions.SSLError as e:
-            raise BadSource(f"{self.name}: TLS error while {what}: {e}") from e
+            raise BadSource(f"{self.name}: TLS error while {what}: {_tls_reason(e)}") from e
         except (requests.ConnectionError, requests.Timeout) as e:
-            raise BadSource(f"{self.name}: registry unreachable while {what}: {e}") from e
+            raise BadSource(f"{self.name}: registry unreachable "
+                            f"({_unreachable_reason(e, self.options.timeout)}) "
+                            f"while {what}") from e
         except requests.HTTPError as e:
             status = e.response.status_code if e.response is not None else None
             if status == 401:

@@ -85,11 +85,15 @@ class ClusterCatalog:
             raw = objects.get(image_key(digest))
         except ObjectNotFound:
             raise ImageNotFound(name) from None
-        if not digest.matches(raw):
+        try:
+            doc = json.loads(raw)
+            image = Image(list(doc["layers"]), dict(doc.get("config") or {}),
+                          str(doc.get("source", "")))
+        except (ValueError, KeyError, TypeError):
+            image = None
+        if image is None or not image.matches(digest, raw):
             raise ChunkCorrupt("-", image_key(digest), "image record does not match its digest")
-        doc = json.loads(raw)
-        return digest, Image(list(doc["layers"]), dict(doc.get("config") or {}),
-                             str(doc.get("source", "")))
+        return digest, image
 
     def has_layer(self, digest: str) -> bool:
         return self.cluster.has_layer(digest)

@@ -69,12 +69,21 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
                         "(tar:, dir:, git:, docker-archive:, oci:, registry://, docker://)")
     if transport == "tar":
         path = _existing(rest, ref)
-        return SourceImage({}, _one(lambda: _tar_layer(store, path, f"tar:{path}", domain,
-                                                       chunk_size, progress)))
+        if path.is_dir():
+            raise BadSource(f"{ref!r}: {path} is a directory: use dir:{path}")
+        _refuse_image_archive(ref, path, _plain_tar_names(path), archive=True)
+
+        def tar_layer() -> LayerManifest:
+            # (a compressed archive is only seen once imported: check its names now)
+            m = _tar_layer(store, path, f"tar:{path}", domain, chunk_size, progress)
+            _refuse_image_archive(ref, path, [e.path for e in m.entries], archive=True)
+            return m
+        return SourceImage({}, _one(tar_layer))
     if transport == "dir":
         path = _existing(rest, ref)
         if not path.is_dir():
             raise BadSource(f"{ref!r}: not a directory")
+        _refuse_image_archive(ref, path, os.listdir(path), archive=False)
         return SourceImage({}, _one(lambda: import_dir(store, path, domain=domain,
                                                        chunk_size=chunk_size,
                                                        progress=progress)))
@@ -120,6 +129,41 @@ def _existing(text: str, ref: str) -> Path:
     if not path.exists():
         raise BadSource(f"{ref!r}: {path} does not exist")
     return path
+
+
+def _plain_tar_names(path: Path) -> list[str]:
+    """The member names of an uncompressed tar (headers only: `docker save`
+    writes plain tars, and seeking over their members costs nothing); [] for
+    anything else, which `tar:` checks after importing it."""
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            return tar.getnames()
+    except (tarfile.TarError, OSError):
+        return []
+
+
+def _refuse_image_archive(ref: str, path: Path, names: list[str], *, archive: bool) -> None:
+    """An image (layers and their manifests) given where a root file system
+    is expected: converting it would make an image of its manifest files, so
+    name the source type that reads it instead."""
+    clean = {n.removeprefix("./").rstrip("/") for n in names}
+    top = {n for n in clean if n and "/" not in n}
+    docker = "manifest.json" in top and (
+        "repositories" in top or "oci-layout" in top
+        or any(n.count("/") == 1 and n.endswith("/layer.tar") for n in clean))
+    oci = "oci-layout" in top and "index.json" in top
+    if archive and docker:
+        raise BadSource(f"{ref!r}: {path} is a `docker save` image archive, not a root file "
+                        f"system: use docker-archive:{path}")
+    if archive and oci:
+        raise BadSource(f"{ref!r}: {path} is an OCI image layout archive, not a root file "
+                        f"system: extract it and use oci:DIR")
+    if oci:
+        raise BadSource(f"{ref!r}: {path} is an OCI image layout, not a root file system: "
+                        f"use oci:{path}")
+    if docker:
+        raise BadSource(f"{ref!r}: {path} is an extracted `docker save` archive, not a root "
+                        f"file system: give the archive file as docker-archive:FILE")
 
 
 def _one(make: Callable[[], LayerManifest]) -> Iterator[LayerManifest]:

@@ -10,7 +10,9 @@ cannot do (Unsupported) or that do not fit the state (exec while paused), and
 turns limit kills into typed errors carrying the partial result.
 
 Synchronous and thread-safe: the node agent and AsyncSandbox call it from
-worker threads; the embedded SDK calls it directly.
+worker threads; the embedded SDK calls it directly. A node left open is
+closed when the interpreter exits; what a killed one left (fncall workers'
+cgroups and mounts) the next node start sweeps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -70,6 +73,11 @@ class Node:
         self._lockfile = _lock_state(self.config.state_dir)
         self._pending = 0  # creations under way, counted against the quota
         self._sandbox_locks: dict[str, threading.Lock] = {}
+        # A script that never closes its node (the embedded SDK's, typically)
+        # must not leave fncall workers, their cgroups and root mounts
+        # behind: close at interpreter exit if still open. (Killed, it
+        # cannot; the next node start sweeps: fncall.sweep in recover().)
+        self._at_exit = weakref.finalize(self, _close_at_exit, weakref.ref(self))
         self.recover()
 
     # -- plumbing ------------------------------------------------------------
@@ -136,7 +144,8 @@ class Node:
                 _remove(d)
                 raise
             info = SandboxInfo(id=sandbox_id, spec=spec, image_digest=image.digest,
-                               state="running", node=os.uname().nodename)
+                               state="running", host_address=h.state.host_address(),
+                               node=os.uname().nodename)
             with self._lock:
                 self._sandboxes[sandbox_id] = (info, h)
                 self._sandbox_locks[sandbox_id] = threading.Lock()
@@ -190,6 +199,14 @@ class Node:
         for info in self.sandboxes(labels):
             if info.state == "running":
                 self.pause(info.id)
+                done.append(info.id)
+        return done
+
+    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        done = []
+        for info in self.sandboxes(labels):
+            if info.state == "paused":
+                self.resume(info.id)
                 done.append(info.id)
         return done
 
@@ -317,6 +334,7 @@ class Node:
         """Stop the node's worker pools. Container sandboxes stay (a new
         Node on the same state directory finds them); kill them first if
         they should go."""
+        self._at_exit.detach()
         with self._lock:
             for b in self._backends.values():
                 b.close()
@@ -325,6 +343,15 @@ class Node:
         if not self._sandboxes:
             cgroups.remove_parent()  # nothing of ours stays in the cgroup tree
         os.close(self._lockfile)
+
+
+def _close_at_exit(ref: weakref.ref[Node]) -> None:
+    node = ref()
+    if node is not None:
+        try:
+            node.close()
+        except Exception:  # exiting anyway: say what stayed, do not mask the exit
+            log.exception("closing the node of %s at exit", node.config.state_dir)
 
 
 def _remove(d: Path) -> None:

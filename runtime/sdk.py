@@ -150,6 +150,12 @@ class Sandbox:
         return resolve(node, token).pause_many(labels)
 
     @staticmethod
+    def resume_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                    token: str | None = None) -> builtins.list[str]:
+        """Resume the paused sandboxes with these labels; returns their ids."""
+        return resolve(node, token).resume_many(labels)
+
+    @staticmethod
     def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
                   token: str | None = None) -> builtins.list[str]:
         return resolve(node, token).kill_many(labels)
@@ -260,6 +266,13 @@ class AsyncSandbox:
     async def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
                          token: str | None = None) -> builtins.list[str]:
         out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, node=node,
+                                                token=token)
+        return out
+
+    @staticmethod
+    async def resume_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                          token: str | None = None) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.resume_many, labels, node=node,
                                                 token=token)
         return out
 

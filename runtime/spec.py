@@ -19,7 +19,8 @@ from enum import Enum
 from typing import Any, Literal, TypeVar
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .errors import InvalidSpec
 
@@ -30,6 +31,12 @@ DEFAULT_EXEC_TIMEOUT = 600.0
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DIGEST_PATTERN = r"^blake3:[0-9a-f]{64}$"  # an image's or a layer's content digest
+# Guest RAM floor of the QEMU backends (microvm, vm): the cloud kernel with
+# pmem devices ran out of memory while booting in 128 MiB. A smaller
+# memory_mb is refused at validation, before any VM starts, rather than
+# silently raised.
+MIN_GUEST_MB = 256
+VM_BACKENDS = ("microvm", "vm")
 
 
 class _Model(BaseModel):
@@ -38,9 +45,13 @@ class _Model(BaseModel):
                               val_json_bytes="base64")
 
 
+NODE = "node"  # in a rule: the node's own side of the sandbox's network
+
+
 class Rule(_Model):
-    """One allowed destination: an address or network, a port (None = any) and
-    a protocol."""
+    """One allowed destination: an address or network, or NODE (the node's
+    side of this sandbox's network, SandboxInfo.host_address, known only once
+    the sandbox exists), a port (None = any) and a protocol."""
 
     cidr: str
     port: int | None = Field(default=None, ge=1, le=65535)
@@ -49,10 +60,12 @@ class Rule(_Model):
     @field_validator("cidr")
     @classmethod
     def _cidr(cls, v: str) -> str:
+        if v == NODE:
+            return v
         try:
             return str(ipaddress.ip_network(v, strict=False))
         except ValueError as e:
-            raise ValueError(f"not an address or network: {v!r}") from e
+            raise ValueError(f"{v!r} is not an address or network") from e
 
 
 class NetworkPolicy(_Model):
@@ -67,19 +80,32 @@ class NetworkPolicy(_Model):
 
     @classmethod
     def allow_only(cls, *rules: str | Rule) -> NetworkPolicy:
-        """`allow_only("10.0.0.5:3128", "192.168.1.0/24:443/tcp")`."""
+        """`allow_only("10.0.0.5:3128", "192.168.1.0/24:443/tcp", "node:8000")`;
+        `node` is the node's side of the sandbox's own network (a server on
+        the node, reached at SandboxInfo.host_address)."""
         return cls(mode="allowlist", allow=tuple(
             r if isinstance(r, Rule) else parse_rule(r) for r in rules))
 
 
 def parse_rule(text: str) -> Rule:
-    proto = "tcp"
-    if text.endswith(("/tcp", "/udp")):
-        text, proto = text[:-4], text[-3:]
-    host, sep, port = text.rpartition(":")
-    if not sep or "/" in port:
-        host, port = text, ""
-    return Rule(cidr=host, port=int(port) if port else None, protocol=proto)  # type: ignore[arg-type]
+    """`ADDR[/PREFIX][:PORT][/tcp|/udp]` (ADDR may be `node`) as a Rule; a
+    bad one raises InvalidSpec in one line naming it."""
+    rest, proto = text, "tcp"
+    if rest.endswith(("/tcp", "/udp")):
+        rest, proto = rest[:-4], rest[-3:]
+    host, sep, port = rest.rpartition(":")
+    if not sep or "/" in port or ":" in host:  # no port, or an IPv6 address
+        host, port = rest, ""
+    if port and not port.isdigit():
+        raise InvalidSpec(f"network rule {text!r}: port {port!r} is not a number")
+    try:
+        return Rule(cidr=host, port=int(port) if port else None,
+                    protocol=proto)  # type: ignore[arg-type]
+    except pydantic.ValidationError as e:
+        raise InvalidSpec(f"network rule {text!r}: {_describe(e).removeprefix('cidr: ')} "
+                          "(expected ADDR[/PREFIX][:PORT][/tcp|/udp], ADDR an IP address or `node`, "
+                          "e.g. 10.0.0.5:3128 or node:8000)"
+                          ) from None
 
 
 class Qos(str, Enum):
@@ -122,6 +148,15 @@ class SandboxSpec(_Model):
         if not v.startswith("/") or "\0" in v:
             raise ValueError(f"workdir must be an absolute path, not {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _guest_memory(self) -> SandboxSpec:
+        if self.backend in VM_BACKENDS and self.memory_mb < MIN_GUEST_MB:
+            raise PydanticCustomError(
+                "guest_memory", "memory_mb: {got} MB is below the {backend} backend's minimum "
+                "of {min} MB (its guest kernel does not boot in less)",
+                {"got": self.memory_mb, "backend": self.backend, "min": MIN_GUEST_MB})
+        return self
 
 
 def check_env(v: Mapping[str, str]) -> dict[str, str]:
@@ -194,6 +229,9 @@ class SandboxInfo(_Model):
     spec: SandboxSpec
     image_digest: str = Field(pattern=DIGEST_PATTERN)  # what spec.image resolved to at create
     state: Literal["running", "paused", "stopped"]
+    # the node's own end of the sandbox's network: where a sandbox reaches a
+    # server on the node (allowed as `node:PORT`); None without a network
+    host_address: str | None = None
     created: float = Field(default_factory=time.time)
     last_active: float = Field(default_factory=time.time)
     node: str = ""
@@ -219,10 +257,14 @@ def parse(model: type[M], raw: bytes | str) -> M:
 
 
 def _describe(e: pydantic.ValidationError) -> str:
+    """One line: `field: what was wrong` per error (pydantic's own rendering
+    spans lines and ends with a documentation URL)."""
     parts = []
     for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "value"
-        parts.append(f"{where}: {err['msg']}")
+        where = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ").replace("\n", " ")
+        # a model-level check names its field itself
+        parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts)
 
 

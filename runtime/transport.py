@@ -53,6 +53,7 @@ class Transport(Protocol):
     def pause(self, sandbox_id: str) -> dict[str, Any]: ...
     def resume(self, sandbox_id: str) -> None: ...
     def pause_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
+    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
     def kill_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
     def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult: ...
@@ -89,6 +90,9 @@ class Embedded:
 
     def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
         return self.node.pause_many(labels)
+
+    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self.node.resume_many(labels)
 
     def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
         return self.node.kill_many(labels)
@@ -214,6 +218,10 @@ class Http:
 
     def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
         return list(self._call("POST", "/v1/bulk/pause", json={"labels": dict(labels or {})}
+                               ).json())
+
+    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return list(self._call("POST", "/v1/bulk/resume", json={"labels": dict(labels or {})}
                                ).json())
 
     def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:

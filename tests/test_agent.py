@@ -55,6 +55,13 @@ def test_sdk_over_the_unix_socket(agent: Agent) -> None:
         figures = sb.pause()
         assert "before" in figures and "after" in figures
         sb.resume()
+        # in bulk: POST /v1/bulk/pause, /v1/bulk/resume
+        assert Sandbox.pause_many({"via": "unix"}, node=agent.unix) == [sb.id]
+        assert sb.refresh().state == "paused"
+        assert Sandbox.resume_many({"via": "unix"}, node=agent.unix) == [sb.id]
+        assert Sandbox.resume_many({"via": "unix"}, node=agent.unix) == []
+        assert sb.refresh().state == "running"
+        assert sb.info.host_address is None  # no network asked for
         assert [s.id for s in Sandbox.list({"via": "unix"}, node=agent.unix)] == [sb.id]
         assert Sandbox.connect(sb.id, node=agent.unix).exec("echo again").stdout == b"again\n"
     with pytest.raises(SandboxNotFound):

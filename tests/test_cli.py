@@ -263,3 +263,101 @@ def test_the_cli_and_the_runtime_read_one_configuration(tmp_path: Path,
         node.close()
         if running(paths):
             stop_daemon(paths, lazy=True)
+
+
+def test_rm_then_gc_says_what_the_grace_period_kept(tmp_path: Path) -> None:
+    """`lazyfs rm` + `lazyfs gc` frees nothing within the grace period: gc
+    says what it kept, why, and the command that reclaims it now, which does."""
+    store = tmp_path / "store"
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "blob").write_bytes(os.urandom(3_000_000))
+    run("convert", f"dir:{tree}", "--tag", "t:1", store=store)
+    run("rm", "t:1", store=store)
+    out = run("gc", store=store).stdout
+    kept = re.search(r"^kept ([\d,]+) unreferenced chunks \(([\d.]+) MB in 1 pack\) written or "
+                     r"used within the 3,600 s grace period \(all past it in (60|59) min\); "
+                     r"`lazyfs gc --grace 0` reclaims them now", out, re.MULTILINE)
+    assert kept and 3.0 <= float(kept[2]) < 3.1, out
+    assert "kept" in run("store", "gc", store=store).stdout  # the same line, its own command
+    now = run("gc", "--grace", "0", store=store).stdout
+    assert "reclaimed 3.0 MB" in now and "kept" not in now, now
+    assert "chunks      0" in run("store", "info", store=store).stdout
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="needs root and /dev/fuse: mounts an image")
+def test_mount_refuses_a_non_empty_mountpoint_in_one_line(tmp_path: Path) -> None:
+    """Mounting over files would hide them: `lazyfs mount` refuses, in one
+    line and before starting a daemon, unless --nonempty; a missing mount
+    point is one line too."""
+    from lazyfs import sysmount
+    from lazyfs.node import NodePaths, running, stop_daemon
+    from tests.helpers.sandboxes import IMAGE, busybox_store
+    store = busybox_store(tmp_path)
+    paths = NodePaths(tmp_path / "node")
+    env = {"LAZYFS_NODE_ROOT": str(paths.root), "LAZYFS_CACHE": str(tmp_path / "cache")}
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    (mp / "notes.txt").write_text("mine\n")
+    try:
+        p = run("mount", IMAGE, str(mp), store=store, env=env, ok=False)
+        assert p.returncode == 1 and p.stdout == ""
+        assert p.stderr.splitlines() == [
+            (f"lazyfs: error: mount point {mp} is not empty (1 entry): the mount would hide "
+             "them; use an empty directory, or --nonempty to mount over them")]
+        assert not running(paths)  # refused before anything started
+        p = run("mount", IMAGE, str(tmp_path / "nowhere"), store=store, env=env, ok=False)
+        assert p.returncode == 1 and p.stderr.splitlines() == [
+            (f"lazyfs: error: mount point {tmp_path / 'nowhere'} does not exist "
+             f"(create it with mkdir -p {tmp_path / 'nowhere'})")]
+        run("mount", IMAGE, str(mp), "--nonempty", store=store, env=env)
+        assert (mp / "etc" / "motd").read_text() == "hello from the image\n"
+        assert not (mp / "notes.txt").exists()
+        p = run("mount", IMAGE, str(mp), "--nonempty", store=store, env=env, ok=False)
+        assert p.returncode == 1 and p.stderr.splitlines() == [
+            f"lazyfs: error: {mp} is already a mount point"]
+        run("umount", str(mp), store=store, env=env)
+        assert (mp / "notes.txt").read_text() == "mine\n"
+    finally:
+        if sysmount.find_mount(mp) is not None:
+            sysmount.umount(mp, lazy=True)
+        if running(paths):
+            stop_daemon(paths, lazy=True)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="needs root and /dev/fuse: the demo mounts an image lazily")
+def test_demo_leaves_no_image_or_root_in_the_store(tmp_path: Path) -> None:
+    """`lazyfs demo` removes its GC root and its image at the end and says how
+    to free the chunks it wrote (which `lazyfs gc --grace 0` then does);
+    --keep keeps both and says how to remove them."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.bin").write_bytes(os.urandom(2_000_000))
+    store = tmp_path / "store"
+    out = run("demo", str(tree), "--lazy", store=store).stdout
+    assert "hello from a lazily loaded image" in out
+    cleaned = re.search(rf"^cleaned up   removed GC root demo:{tree} and image demo:busybox; "
+                        r"the ([\d.]+) MB this run wrote are freed by `lazyfs gc --grace 0`",
+                        out, re.MULTILINE)
+    assert cleaned and float(cleaned[1]) > 2.0, out
+    assert run("store", "roots", store=store).stdout == ""
+    assert run("images", store=store).stdout == ""
+    assert "kept" not in run("gc", "--grace", "0", store=store).stdout
+    assert "chunks      0" in run("store", "info", store=store).stdout
+
+    out = run("demo", str(tree), "--lazy", "--keep", store=store).stdout
+    assert (f"kept         GC root demo:{tree} and image demo:busybox; remove with "
+            f"`lazyfs store rm-root demo:{tree}` and `lazyfs rm demo:busybox`") in out
+    assert run("store", "roots", store=store).stdout.split()[0] == f"demo:{tree}"
+    assert run("images", store=store).stdout.startswith("demo:busybox")
+    run("store", "rm-root", f"demo:{tree}", store=store)
+    run("rm", "demo:busybox", store=store)
+    run("gc", "--grace", "0", store=store)
+    assert "chunks      0" in run("store", "info", store=store).stdout
+    p = run("store", "rm-root", "nope", store=store, ok=False)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        "lazyfs: error: no GC root named 'nope' (`lazyfs store roots` lists them)"]

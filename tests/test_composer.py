@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -17,7 +18,14 @@ from chunkstore import ChunkStore
 from chunkstore.digests import Digest
 from composer.catalog import Catalog
 from composer.convert import convert
-from composer.errors import BadLayer, BadLink, BadSource, ImageNotFound, UnsafePath
+from composer.errors import (
+    BadImageName,
+    BadLayer,
+    BadLink,
+    BadSource,
+    ImageNotFound,
+    UnsafePath,
+)
 from composer.export import export_tree
 from composer.refs import ImageRef, normalize_tag
 from tests.helpers.images import (
@@ -267,6 +275,15 @@ def test_unknown_sources(store: ChunkStore, cat: Catalog, tmp_path: Path) -> Non
 def test_image_references_normalize_once() -> None:
     assert normalize_tag("app") == "app:latest" and normalize_tag("app:1") == "app:1"
     assert normalize_tag("host:5000/team/app") == "host:5000/team/app:latest"
+    for good in ("demo:busybox", "img", "private:latest", "registry.local:5000/team/app:2",
+                 "localhost/app", "swe-task-42:1", "a__b.c-d:V1_x.y-z", "env:" + "t" * 128):
+        assert normalize_tag(good).startswith(good)
+    for bad, why in (("Bad Name!", "lowercase"), ("App:1", "lowercase"), ("app:", "tag ''"),
+                     ("app:.x", "tag '.x'"), ("app:" + "t" * 129, "tag"), (":1", "repository"),
+                     ("team//app", "empty path"), ("app/", "empty path"),
+                     ("bad_host.x:port/app", "HOST[:PORT]"), ("", "empty name")):
+        with pytest.raises(BadImageName, match=re.escape(why)):
+            normalize_tag(bad)
     assert ImageRef.parse("app") == ImageRef(tag="app:latest")
     d = "blake3:" + "ab" * 32
     assert ImageRef.parse(d) == ImageRef(digest=Digest(d)) and str(ImageRef.parse(d)) == d

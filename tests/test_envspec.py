@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +139,105 @@ def test_git_workspace_is_pinned_to_a_commit(store: ChunkStore, cat: Catalog,
         convert(store, cat, f"git:{repo}#nope", "x")
     with pytest.raises(BadSource, match="does not exist"):
         convert(store, cat, f"git:{tmp_path / 'missing'}", "x")
+
+
+# -- the digest is what the sandbox sees -------------------------------------------------
+
+def test_digest_depends_only_on_the_view(store: ChunkStore, cat: Catalog,
+                                         tmp_path: Path) -> None:
+    """The same spec under two file names (and two tags) builds one digest; a
+    changed layer, mount point or order is another digest."""
+    base = build_busybox_rootfs(tmp_path / "base")
+    convert(store, cat, f"tar:{tar_of(base, tmp_path / 'base.tar')}", "busybox:1")
+    ws = _tree(tmp_path / "ws", {"task.txt": b"task\n"})
+    tk = _tree(tmp_path / "tk", {"bin/a": b"a\n"})
+    tk2 = _tree(tmp_path / "tk2", {"bin/b": b"b\n"})
+    text = (f'name = "env:1"\nbase = "busybox:1"\nworkspace = "dir:{ws}"\n'
+            f'toolkits = [{{ source = "dir:{tk}", path = "/opt/a" }}, "dir:{tk2}"]\n')
+
+    def digest_of(name: str, body: str) -> str:
+        spec = tmp_path / "specs" / name
+        spec.parent.mkdir(exist_ok=True)
+        spec.write_text(body)
+        return build(store, cat, load_spec(spec))[0]
+    first = digest_of("env.toml", text)
+    assert digest_of("env-copy.toml", text) == first
+    assert digest_of("other.toml", text.replace('"env:1"', '"other:7"')) == first
+    assert cat.resolve("other:7")[0] == cat.resolve("env:1")[0] == first
+    # the same tree from another place is the same layer, hence the same image
+    shutil.copytree(tk2, tmp_path / "tk2-copy", copy_function=shutil.copy2)
+    os.utime(tmp_path / "tk2-copy", ns=(0, os.stat(tk2).st_mtime_ns))
+    assert digest_of("moved.toml", text.replace(f"dir:{tk2}", f"dir:{tmp_path}/tk2-copy")) \
+        == first
+    # what the sandbox sees changes: so does the digest
+    changed = {
+        digest_of("mount.toml", text.replace('path = "/opt/a"', 'path = "/opt/b"')),
+        digest_of("order.toml", text.replace(
+            f'toolkits = [{{ source = "dir:{tk}", path = "/opt/a" }}, "dir:{tk2}"]',
+            f'toolkits = ["dir:{tk2}", {{ source = "dir:{tk}", path = "/opt/a" }}]')),
+        digest_of("nows.toml", text.replace(f'workspace = "dir:{ws}"\n', "")),
+    }
+    (tk2 / "bin" / "b").write_bytes(b"b, changed\n")
+    changed.add(digest_of("layer.toml", text))
+    assert first not in changed and len(changed) == 4
+
+
+# -- docs/envspec.md: the example runs as written ------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_docs_example_builds_as_written(tmp_path: Path) -> None:
+    doc = (REPO / "docs" / "envspec.md").read_text()
+    spec_text = _blocks(doc, "toml")[0]
+    commands = [shlex.split(line, comments=True)
+                for line in _blocks(doc, "sh")[0].splitlines() if line.strip()]
+    assert [c[:2] for c in commands] == [["lazyfs", "convert"], ["lazyfs", "build"],
+                                         ["lazyfs", "build"], ["lazyfs", "export"]]
+    # the directory the example describes
+    env_dir = tmp_path / "myenv"
+    build_busybox_rootfs(env_dir / "rootfs")
+    repo = _tree(env_dir / "task-42", {"run.sh": b"#!/bin/sh\necho task 42\n"})
+    (repo / "run.sh").chmod(0o755)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "task")
+    py = _tree(env_dir / "tools" / "py", {"bin/py-tool": b"#!/bin/sh\necho py tool\n"})
+    (py / "bin" / "py-tool").chmod(0o755)
+    node = _tree(tmp_path / "node", {"bin/node": b"#!/bin/sh\necho node\n"})
+    (node / "bin" / "node").chmod(0o755)
+    tar_of(node, env_dir / "node.tar.gz", compression="gzip")
+    (env_dir / "env.toml").write_text(spec_text)
+    env = {**os.environ, "LAZYFS_STORE": str(tmp_path / "store"), "LAZYFS_CONFIG": "/nonexistent",
+           "LAZYFS_CLUSTER": "", "PYTHONPATH": str(REPO)}
+    outs = []
+    for argv in commands:
+        p = subprocess.run([sys.executable, "-m", "tools.cli", *argv[1:]], cwd=env_dir, env=env,
+                           capture_output=True, text=True, timeout=300, check=False)
+        assert p.returncode == 0, (argv, p.stderr)
+        outs.append(p.stdout)
+    digest = outs[1].split()[1]
+    assert outs[1].startswith("task-42:1 blake3:") and outs[2].split()[1] == digest
+    assert "0 layers converted now, 0 new chunks" in outs[2]
+    lock = json.loads((env_dir / "env.toml.lock.json").read_text())
+    assert sorted(lock) == ["busybox:1 -> /", "dir:tools/py -> /",
+                            "git:task-42#main -> /workspace", "tar:node.tar.gz -> /opt/node"]
+    out = env_dir / "out"
+    assert chroot_run(out, "/workspace/run.sh").stdout == "task 42\n"
+    assert chroot_run(out, "/bin/py-tool").stdout == "py tool\n"
+    assert chroot_run(out, "/opt/node/bin/node").stdout == "node\n"
+    # built from elsewhere, under another file name: the same digest
+    copy = tmp_path / "elsewhere" / "env-copy.toml"
+    copy.parent.mkdir()
+    copy.write_text(spec_text.replace('"git:task-42#main"', f'"git:{env_dir}/task-42#main"')
+                    .replace('"dir:tools/py"', f'"dir:{env_dir}/tools/py"')
+                    .replace('"tar:node.tar.gz"', f'"tar:{env_dir}/node.tar.gz"'))
+    p = subprocess.run([sys.executable, "-m", "tools.cli", "build", str(copy)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[1] == digest

@@ -132,3 +132,19 @@ def test_gc_leaves_packs_of_live_writers_alone(store_path: Path) -> None:
     with ChunkStore.open(store_path) as store:
         report = store.gc(grace_seconds=0)
         assert report.packs_deleted == 1 and not pack.exists()
+
+
+def test_report_says_what_the_grace_period_kept(store: ChunkStore) -> None:
+    """An unreferenced chunk younger than the grace period is kept and
+    reported as such (count, bytes, packs, time left); with no grace it goes
+    and the report names nothing kept."""
+    ids = store.put_many([os.urandom(40_000) for _ in range(3)])
+    store.set_root("keep", ids[:1])
+    r = store.gc(grace_seconds=3600)
+    assert (r.chunks_removed, r.chunks_rooted, r.grace_seconds) == (0, 1, 3600)
+    assert (r.young.chunks, r.young.packs) == (2, 1)
+    assert 80_000 < r.young.stored_bytes < 81_000  # two incompressible records
+    assert 3500 < r.young.seconds_left <= 3600
+    r = store.gc(grace_seconds=0)
+    assert (r.chunks_removed, r.chunks_rooted, r.young.chunks, r.young.stored_bytes) == \
+        (2, 1, 0, 0)

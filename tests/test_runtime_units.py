@@ -93,6 +93,36 @@ def test_commands_and_rules() -> None:
     assert parse_rule("10.1.2.3").port is None
     with pytest.raises(ValueError, match="not an address"):
         parse_rule("mirror.example:80")
+    assert (parse_rule("node:8000").cidr, parse_rule("node:8000").port) == ("node", 8000)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("notanip", ["'notanip' is not an address or network", "node:8000"]),
+    ("10.0.0.1:http", ["port 'http' is not a number"]),
+    ("10.0.0.1:70000", ["network rule '10.0.0.1:70000'", "65535"]),
+])
+def test_a_bad_network_rule_is_one_line_invalid_spec(text: str, words: list[str]) -> None:
+    """The SDK's InvalidSpec, one line naming the rule: no pydantic dump, no URL."""
+    for call in (lambda: parse_rule(text), lambda: NetworkPolicy.allow_only(text)):
+        with pytest.raises(InvalidSpec) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and "https://" not in msg and text in msg, msg
+        assert all(w in msg for w in words), msg
+
+
+def test_vm_backends_refuse_memory_below_their_floor() -> None:
+    """Refused at validation (no VM starts), naming the field and the minimum;
+    the container backend takes the same value."""
+    from runtime.sdk import _spec
+    from runtime.spec import MIN_GUEST_MB
+    for backend in ("microvm", "vm"):
+        with pytest.raises(InvalidSpec) as e:
+            _spec("img:1", backend, memory_mb=64)
+        assert str(e.value) == (f"memory_mb: 64 MB is below the {backend} backend's minimum "
+                                f"of {MIN_GUEST_MB} MB (its guest kernel does not boot in less)")
+        assert _spec("img:1", backend, memory_mb=MIN_GUEST_MB).memory_mb == MIN_GUEST_MB
+    assert _spec("img:1", "container", memory_mb=64).memory_mb == 64
 
 
 def test_exec_result_bytes_survive_json() -> None:
@@ -134,12 +164,17 @@ def test_seccomp_denies_namespace_flags_one_rule_each() -> None:
 
 
 def test_nft_ruleset_allows_only_listed_destinations() -> None:
-    text = ruleset(NetworkPolicy.allow_only("10.0.0.5:3128", "192.168.0.0/16:53/udp"))
+    text = ruleset(NetworkPolicy.allow_only("10.0.0.5:3128", "192.168.0.0/16:53/udp"),
+                   "10.203.0.5")
     assert "policy drop" in text and 'oifname "lo" accept' in text
     assert "hook input priority 0; policy drop" in text  # nothing may connect in
     assert "ip daddr 10.0.0.5/32 tcp dport 3128 accept" in text
     assert "ip daddr 192.168.0.0/16 udp dport 53 accept" in text
     assert text.rstrip().endswith("}")
+    # `node` is this sandbox's own node side, and only that
+    text = ruleset(NetworkPolicy.allow_only("node:8000"), "10.203.0.5")
+    assert "ip daddr 10.203.0.5/32 tcp dport 8000 accept" in text
+    assert "10.203.0.0" not in text
     host, sb = addresses(1)
     assert (host, sb) == ("10.203.0.5", "10.203.0.6")
 
@@ -222,3 +257,14 @@ def test_procio_deadline_and_stdin() -> None:
 
 def test_landlock_is_available_here() -> None:
     assert landlock.abi() >= 1
+
+
+def test_the_readmes_sandbox_and_allowlist_blocks_are_run() -> None:
+    """tests/test_docs.py runs them: the SDK job with its allowlist to a
+    server on the node, and the CLI's lifecycle commands."""
+    from tests.test_docs import NOT_YET, shell_blocks
+    run = [b.code for b in shell_blocks("README.md") if not b.skip]
+    assert any('NetworkPolicy.allow_only(f"node:{port}")' in c and "sb.info.host_address" in c
+               for c in run)
+    assert any("lazyfs sandbox resume --label" in c and "--qos" in c for c in run)
+    assert not {"docs/runtime.md", "docs/envspec.md", "docs/cluster.md"} & set(NOT_YET)

@@ -7,11 +7,13 @@ SDK (naming no node) talk to that agent."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,6 +132,80 @@ def test_lifecycle_commands(cli: Cli) -> None:
     assert cli("sandbox", "exec", sid, "--", "cat", "/tmp/x").stdout == "hi\n"
     assert cli("sandbox", "kill", sid).returncode == 0
     assert cli("sandbox", "ls").stdout == ""
+
+
+def test_pause_and_resume_say_what_they_did_by_id_and_by_label(cli: Cli) -> None:
+    ids = [cli("sandbox", "create", "--label", "cli=test", "--label", "grp=pr", IMAGE
+               ).stdout.strip() for _ in range(2)]
+    p = cli("sandbox", "pause", ids[0])
+    assert p.returncode == 0 and p.stdout.startswith(f"paused {ids[0]}: rss "), p
+    p = cli("sandbox", "resume", ids[0])
+    assert (p.returncode, p.stdout, p.stderr) == (0, f"resumed {ids[0]}\n", ""), p
+    p = cli("sandbox", "pause", "--label", "grp=pr")
+    assert p.returncode == 0 and sorted(p.stdout.splitlines()) == sorted(
+        f"paused {i}" for i in ids), p
+    assert all(b["state"] == "paused" for b in _ls_json(cli, "grp=pr"))
+    p = cli("sandbox", "resume", "--label", "grp=pr")
+    assert p.returncode == 0 and sorted(p.stdout.splitlines()) == sorted(
+        f"resumed {i}" for i in ids), p
+    assert all(b["state"] == "running" for b in _ls_json(cli, "grp=pr"))
+    # nothing paused any more: resuming by label resumes nothing, says nothing
+    assert cli("sandbox", "resume", "--label", "grp=pr").stdout == ""
+    p = cli("sandbox", "kill", "--label", "grp=pr")
+    assert sorted(p.stdout.splitlines()) == sorted(f"killed {i}" for i in ids), p
+
+
+def _ls_json(cli: Cli, label: str) -> list[dict[str, Any]]:
+    p = cli("sandbox", "ls", "--json", "--label", label)
+    assert p.returncode == 0, p.stderr
+    out: list[dict[str, Any]] = json.loads(p.stdout)
+    return out
+
+
+def test_qos_option(cli: Cli) -> None:
+    p = cli("sandbox", "run", "--qos", "best_effort", IMAGE, "--", "cat", "/proc/self/stat")
+    assert p.returncode == 0, p.stderr
+    # field 41 of /proc/PID/stat is the scheduling policy: 5 = SCHED_IDLE
+    assert p.stdout.rsplit(")", 1)[1].split()[38] == "5", p.stdout
+    p = cli("sandbox", "create", "--label", "cli=test", "--label", "grp=qos", "--qos",
+            "best_effort", IMAGE)
+    assert p.returncode == 0, p.stderr
+    assert [b["spec"]["qos"] for b in _ls_json(cli, "grp=qos")] == ["best_effort"]
+    assert cli("sandbox", "kill", "--label", "grp=qos").returncode == 0
+
+
+def test_node_help_states_the_rule(cli: Cli) -> None:
+    for cmd in ("run", "create", "exec", "ls", "pause", "resume", "kill"):
+        text = " ".join(cli("sandbox", cmd, "--help").stdout.split())
+        assert "this process" not in text
+        assert ("the agent of the state directory (STATE/agent.sock) if one answers, else the "
+                "node runs in this command; `sandbox create` and `run --keep` start an agent "
+                "instead") in text, (cmd, text)
+    text = " ".join(cli("sandbox", "create", "--help").stdout.split())
+    assert "--qos [latency|best_effort]" in text and "host_address" in text
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (("run", "--allow", "notanip", IMAGE, "--", "true"), 1,
+     ["network rule 'notanip'", "'notanip' is not an address or network"]),
+    (("create", "--allow", "10.0.0.1:http", IMAGE), 1, ["port 'http' is not a number"]),
+    (("run", "--backend", "microvm", "--memory-mb", "64", IMAGE, "--", "true"), 1,
+     ["memory_mb: 64 MB is below the microvm backend's minimum of 256 MB"]),
+    (("create", "--backend", "vm", "--memory-mb", "128", IMAGE), 1,
+     ["memory_mb: 128 MB is below the vm backend's minimum of 256 MB"]),
+    (("pause", "--label", "nokey"), 2, ["--label 'nokey': expected KEY=VALUE"]),
+    (("resume",), 2, ["name the sandboxes to resume"]),
+    (("kill",), 2, ["name the sandboxes to kill"]),
+    (("resume", "sb-nope"), 1, ["no sandbox 'sb-nope'"]),
+])
+def test_mistakes_get_one_line(cli: Cli, args: tuple[str, ...], code: int,
+                               words: list[str]) -> None:
+    p = cli("sandbox", *args)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == code and len(lines) == 1, (args, p.returncode, p.stderr)
+    assert lines[0].startswith("lazyfs: error: ") and "https://" not in lines[0], lines
+    assert all(w in lines[0] for w in words), (args, lines)
+    assert p.stdout == ""
 
 
 def test_bad_input_is_one_line(cli: Cli) -> None:

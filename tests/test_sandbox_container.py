@@ -109,6 +109,7 @@ def test_sandbox_sees_nothing_of_the_host(sb: Sandbox) -> None:
         b"/dev/.sandbox-init init")
     links = sb.exec("busybox ip -o link").stdout
     assert b"lo:" in links and b"eth" not in links  # no network by default
+    assert sb.info.host_address is None  # and so no node side to reach
     assert sb.exec("busybox mount -t tmpfs x /tmp").exit_code != 0
     assert sb.exec("cat /proc/kcore | wc -c").stdout.strip() == b"0"  # masked
     assert b"Read-only" in sb.exec("echo 1 > /proc/sys/kernel/domainname").stderr
@@ -227,6 +228,13 @@ def test_labels_bulk_pause_and_kill(node: Node) -> None:
             b.id for b in boxes)
         assert {s.info.state for s in Sandbox.list({"job": "bulk"}, node=node)} == {"paused"}
         assert other.refresh().state == "running"
+        assert Sandbox.resume_many({"job": "other"}, node=node) == []  # it was not paused
+        assert sorted(Sandbox.resume_many({"job": "bulk"}, node=node)) == sorted(
+            b.id for b in boxes)
+        assert {s.info.state for s in Sandbox.list({"job": "bulk"}, node=node)} == {"running"}
+        assert boxes[0].exec("echo thawed").stdout == b"thawed\n"
+        assert Sandbox.pause_many({"i": "1"}, node=node) == [boxes[1].id]
+        assert asyncio.run(AsyncSandbox.resume_many({"i": "1"}, node=node)) == [boxes[1].id]
         assert len(Sandbox.kill_many({"job": "bulk"}, node=node)) == 3
         assert Sandbox.list({"job": "bulk"}, node=node) == []
     finally:
@@ -353,9 +361,11 @@ def test_network_allowlist(node: Node) -> None:
         threading.Thread(target=srv.serve_forever, daemon=True).start()
     allowed, denied = (srv.server_address[1] for srv in servers)
     try:
-        policy = NetworkPolicy.allow_only(f"10.203.0.0/16:{allowed}")
+        policy = NetworkPolicy.allow_only(f"node:{allowed}")
         with Sandbox.create(IMAGE, node=node, network=policy) as s:
-            host = node._sandboxes[s.id][1].state.node_address
+            host = s.info.host_address  # the node's side of this sandbox's network
+            assert host is not None and host != "10.203.0.1"  # slot 0 is never handed out
+            assert Sandbox.connect(s.id, node=node).info.host_address == host
             # (busybox 1.35's wget crashes with -q; its progress goes to stderr)
             r = s.exec(f"busybox wget -O - http://{host}:{allowed}/")
             assert r.stdout == b"mirror says hi", r
@@ -366,7 +376,12 @@ def test_network_allowlist(node: Node) -> None:
             with Sandbox.create(IMAGE, node=node, network=policy) as other:
                 # a sandbox listening on the allowed port is still unreachable
                 # for its neighbours: nothing may connect in
-                other_ip = node._sandboxes[other.id][1].state.node_address
+                other_ip = other.info.host_address
+                assert other_ip is not None and other_ip != host
+                # `node` allowed only this sandbox's own node side: the
+                # neighbour's node side is another address, refused at once
+                r = s.exec(f"busybox wget -O - http://{other_ip}:{allowed}/")
+                assert r.exit_code != 0 and b"mirror" not in r.stdout
                 other_ip = other_ip[:-1] + str(int(other_ip[-1]) + 1)  # its side of the /30
                 listener = threading.Thread(target=lambda: other.exec(
                     f"busybox nc -l -p {allowed} -w 3", timeout=10))

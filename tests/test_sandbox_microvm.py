@@ -216,7 +216,7 @@ def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
 
 
 def test_kill_leaves_nothing_and_writes_stayed_in_their_vm(node: Node) -> None:
-    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)  # spec.MIN_GUEST_MB
     vmdir = _vm_dir(node, s.id)
     assert (vmdir / "agent.sock").exists() and processes_with(str(vmdir))
     # another VM's writes (test_writes_land_in_the_upper) are not here
@@ -228,7 +228,7 @@ def test_kill_leaves_nothing_and_writes_stayed_in_their_vm(node: Node) -> None:
 
 def test_hung_guest_is_a_typed_error_in_bounded_time(node: Node) -> None:
     backend = _backend(node)
-    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)  # spec.MIN_GUEST_MB
     try:
         q = Qmp(_vm_dir(node, s.id) / "qmp.sock")
         q.execute("stop")  # every vCPU frozen: the agent never answers
@@ -263,7 +263,7 @@ def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
 
 
 def test_guest_panic_is_a_typed_error(node: Node) -> None:
-    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+    s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)  # spec.MIN_GUEST_MB
     try:
         t0 = time.monotonic()
         with pytest.raises(BackendUnavailable, match="VM exited"):
@@ -282,7 +282,7 @@ def test_agent_that_never_comes_up(node: Node) -> None:
     try:
         t0 = time.monotonic()
         with pytest.raises(BackendUnavailable, match="did not come up"):
-            Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=128)  # raised to the 256 MiB floor
+            Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)  # spec.MIN_GUEST_MB
         assert time.monotonic() - t0 < 25
     finally:
         backend.extra_append = []

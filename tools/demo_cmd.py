@@ -8,10 +8,16 @@
    private lazyfs daemon, mount the image, run a command in it with chroot,
    and print how little of the image was fetched. Everything it mounts or
    starts is taken down before it returns.
+3. Clean-up: the GC root of the round trip and the image are removed again
+   (unless --keep), so the demo leaves no names in the user's store; the
+   chunks it wrote stay until a `lazyfs gc` past the grace period (kept so a
+   second run shows dedup, and so a GC never races a user's own writers),
+   and the demo says so and how to free them now.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -26,6 +32,10 @@ from chunkstore import ChunkId
 from .config import Settings
 from .errors import EXIT_CORRUPT, QuietError
 from .options import open_store
+
+log = logging.getLogger(__name__)
+
+IMAGE = "demo:busybox"  # the lazy part's image; removed again at the end
 
 
 def scan_tree(root: Path, limit: int) -> list[tuple[Path, int]]:
@@ -65,17 +75,22 @@ def split(data: bytes, size: int) -> list[bytes]:
 @click.option("--lazy/--no-lazy", default=None,
               help="Also mount a small image lazily and run a command in it "
                    "[default: when root with /dev/fuse and busybox-static].")
+@click.option("--keep", is_flag=True,
+              help=f"Keep the GC root demo:TREE and the image {IMAGE} in the store "
+                   "(default: remove them at the end).")
 @click.pass_obj
 def demo(settings: Settings, tree: Path, limit_mb: int, chunk_size_kib: int,
-         progress: bool | None, lazy: bool | None) -> None:
+         progress: bool | None, lazy: bool | None, keep: bool) -> None:
     """Round-trip TREE through the store, then mount an image of it lazily.
 
     Stores every regular file of TREE (default /usr, first --limit-mb MB) in
     the chunk store, reads it all back, checks it byte for byte, and records
-    the chunks as GC root 'demo:TREE'. Run it twice: the second run writes
-    nothing new. Then (as root, --lazy) builds a busybox image with the same
-    files under /data, mounts it through a private lazyfs daemon, runs a
-    command in it and reports how much of the image was fetched.
+    the chunks as GC root 'demo:TREE'. Then (as root, --lazy) builds a
+    busybox image with the same files under /data, mounts it through a
+    private lazyfs daemon, runs a command in it and reports how much of the
+    image was fetched. At the end the root and the image are removed again
+    (--keep keeps them); the chunks stay until `lazyfs gc` collects them
+    (now with --grace 0), so a second run within the hour writes nothing new.
     """
     chunk_size = chunk_size_kib << 10
     if not 4 <= chunk_size_kib <= 65536:
@@ -87,7 +102,63 @@ def demo(settings: Settings, tree: Path, limit_mb: int, chunk_size_kib: int,
     total = sum(size for _, size in files)
     click.echo(f"tree {tree}: {len(files):,} files, {total / 1e6:,.1f} MB; "
                f"store {settings.store_path}")
+    root_name = f"demo:{tree.resolve()}"
+    with open_store(settings, create=True) as store:
+        packed_before = store.stats().pack_bytes
+    if lazy is None:
+        lazy = os.geteuid() == 0 and os.path.exists("/dev/fuse") and _busybox() is not None
+    try:
+        _round_trip(settings, files, chunk_size, root_name, disable)
+        if lazy:
+            _lazy_demo(settings, files, progress)
+    except BaseException:
+        if not keep:  # the error is what the user needs to see; clean up quietly
+            try:
+                _remove_names(settings, root_name)
+            except Exception:  # never mask the demo's own error
+                log.exception("demo: clean-up after a failure failed")
+        raise
+    if keep:
+        click.echo(f"\nkept         GC root {root_name}" + (f" and image {IMAGE}" if lazy else "")
+                   + f"; remove with `lazyfs store rm-root {root_name}`"
+                   + (f" and `lazyfs rm {IMAGE}`" if lazy else ""))
+        return
+    removed = _remove_names(settings, root_name)
+    with open_store(settings, readonly=True) as store:
+        written = store.stats().pack_bytes - packed_before
+    click.echo("\ncleaned up   removed " + " and ".join(removed or ["nothing"]) + "; "
+               + (f"the {written / 1e6:,.1f} MB this run wrote are freed by `lazyfs gc "
+                  "--grace 0` (or by any `lazyfs gc` an hour from now)" if written > 0
+                  else "this run wrote nothing new to the store")
+               + "; --keep keeps them")
 
+
+def _remove_names(settings: Settings, root_name: str) -> list[str]:
+    """Remove the demo's GC root and image (and the image's layers from the
+    catalog, with their roots, when no other image uses them). Returns what
+    was removed, as words for the user."""
+    from composer.catalog import Catalog
+    from composer.errors import ImageNotFound
+
+    removed = []
+    with open_store(settings) as store:
+        if store.remove_root(root_name):
+            removed.append(f"GC root {root_name}")
+        with Catalog(store) as catalog:
+            try:
+                catalog.remove_tag(IMAGE)
+            except ImageNotFound:
+                pass
+            else:
+                removed.append(f"image {IMAGE}")
+                catalog.gc()
+    return removed
+
+
+def _round_trip(settings: Settings, files: list[tuple[Path, int]], chunk_size: int,
+                root_name: str, disable: bool | None) -> None:
+    """Put every file as chunks, read them back, compare; root the chunks."""
+    total = sum(size for _, size in files)
     with open_store(settings, create=True) as store:
         before = store.stats()
         per_file: list[list[ChunkId]] = []
@@ -125,7 +196,7 @@ def demo(settings: Settings, tree: Path, limit_mb: int, chunk_size_kib: int,
                 if data != path.read_bytes():
                     mismatched.append(path)
         get_s = time.perf_counter() - t0
-        store.set_root(f"demo:{tree.resolve()}", ids)
+        store.set_root(root_name, ids)
 
     unique = len(set(ids))
     new_plain = after.plain_bytes - before.plain_bytes
@@ -144,10 +215,6 @@ def demo(settings: Settings, tree: Path, limit_mb: int, chunk_size_kib: int,
             click.echo(f"MISMATCH {p}", err=True)
         raise QuietError(f"{len(mismatched)} files read back differently", EXIT_CORRUPT)
     click.echo("round trip   OK: every file read back identical")
-    if lazy is None:
-        lazy = os.geteuid() == 0 and os.path.exists("/dev/fuse") and _busybox() is not None
-    if lazy:
-        _lazy_demo(settings, files, progress)
 
 
 def _busybox() -> Path | None:
@@ -186,7 +253,7 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
                 continue
         click.echo(f"\nlazy image   busybox + {len(files):,} files under /data")
         with open_store(settings, create=True) as store, Catalog(store) as catalog:
-            convert(store, catalog, f"dir:{rootfs}", "demo:busybox")
+            convert(store, catalog, f"dir:{rootfs}", IMAGE)
         paths = NodePaths(work / "node")
         try:
             start_daemon(DaemonSpec(paths, settings.store_path.absolute(), None, work / "cache",
@@ -195,7 +262,7 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
             mp.mkdir()
             with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
                 t0 = time.perf_counter()
-                mount_image(paths, catalog, "demo:busybox", mp)
+                mount_image(paths, catalog, IMAGE, mp)
                 mount_s = time.perf_counter() - t0
             try:
                 t0 = time.perf_counter()
@@ -242,7 +309,7 @@ def _sandbox_demo(settings: Settings, paths: Any, work: Path) -> list[str]:
     try:
         for backend in ("container", "fncall"):
             t0 = time.perf_counter()
-            with Sandbox.create("demo:busybox", backend=backend, node=node,
+            with Sandbox.create(IMAGE, backend=backend, node=node,
                                 memory_mb=128) as sb:
                 created = time.perf_counter() - t0
                 r = sb.exec("cat /etc/motd; id")

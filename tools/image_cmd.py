@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from chunkstore import ChunkStore, TrustDomain
 from composer.catalog import Catalog
-from composer.convert import convert as convert_image
+from composer.convert import convert_image
 from composer.envspec import build as build_env
 from composer.envspec import load_spec
 from composer.export import export_tree
@@ -18,6 +18,7 @@ from composer.registry import RegistryOptions
 
 from .config import Settings
 from .options import open_store
+from .store_cmd import gc_kept_line
 
 
 def _catalog(store: ChunkStore) -> Catalog:
@@ -78,30 +79,68 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
                             dedup=f"{c.dedup_ratio:.2f}x" if c.new_bytes else "all",
                             refresh=False)
 
-        digest = convert_image(store, catalog, source, tag, domain=TrustDomain(domain),
-                               chunk_size=chunk_size_kib << 10, progress=report,
-                               registry=registry)
+        done = convert_image(store, catalog, source, tag, domain=TrustDomain(domain),
+                             chunk_size=chunk_size_kib << 10, progress=report,
+                             registry=registry)
         after = store.stats()
         counters = store.counters
+        size = catalog.image_size(catalog.resolve(done.digest)[1])
     secs = time.perf_counter() - start
-    click.echo(f"{tag} {digest}")
-    click.echo(f"{files:,} entries, {total / 1e6:,.1f} MB of file data in {secs:.1f} s "
+    new_chunks = after.chunks - before.chunks
+    written = (after.pack_bytes - before.pack_bytes) / 1e6
+    # the image's own size, from the catalog: what this run read can be
+    # nothing at all (registry blobs converted before are not fetched again)
+    what = (f"{size.entries:,} entries, {size.data_bytes / 1e6:,.1f} MB of file data in "
+            f"{size.layers} layer{'s' if size.layers != 1 else ''}")
+    click.echo(f"{tag} {done.digest}")
+    if done.image_known and new_chunks == 0:
+        click.echo(f"already converted: {what}; nothing new written to the store "
+                   f"({secs:.1f} s)")
+        return
+    known = f" ({done.layers_known} already converted)" if done.layers_known else ""
+    # dedup as the share of the bytes put that the store had already (a
+    # ratio explodes when nearly all of it was there: a manifest's bytes only)
+    saved = 1 - counters.new_bytes / counters.plain_bytes if counters.plain_bytes else 1.0
+    click.echo(f"{what}{known}; read {total / 1e6:,.1f} MB in {secs:.1f} s "
                f"({total / 1e6 / max(secs, 1e-9):,.0f} MB/s); {counters.chunks:,} chunks, "
-               f"{after.chunks - before.chunks:,} new "
-               f"(dedup {counters.plain_bytes / max(1, counters.new_bytes):.2f}x), "
-               f"{(after.pack_bytes - before.pack_bytes) / 1e6:,.1f} MB written to the store")
+               f"{new_chunks:,} new ({counters.new_bytes / 1e6:,.1f} of "
+               f"{counters.plain_bytes / 1e6:,.1f} MB; dedup saved {saved:.0%}), "
+               f"{written:,.1f} MB written to the store")
 
 
 @click.command()
 @click.pass_obj
 def images(settings: Settings) -> None:
-    """List tagged images."""
-    with open_store(settings, readonly=True) as store, _catalog(store) as catalog:
-        for tag, digest in catalog.list_tags():
-            _, img = catalog.resolve(digest)
-            size = sum(catalog.layer_info(d)["size"] for d in img.layers)
-            click.echo(f"{tag:40s} {digest[:19]}  {len(img.layers)} layers  "
-                       f"{size / 1e6:,.1f} MB")
+    """List tagged images in the local store.
+
+    With no local images and a cluster store set (--cluster, LAZYFS_CLUSTER),
+    lists the cluster's: the images `lazyfs mount` and sandboxes serve then
+    (`lazyfs cluster images` lists them any time)."""
+    path = settings.store_path
+    # a store never made (or an empty directory) has no images: not an error
+    fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+    listed = 0
+    if not fresh:
+        with open_store(settings, readonly=True) as store, _catalog(store) as catalog:
+            for tag, digest in catalog.list_tags():
+                _, img = catalog.resolve(digest)
+                size = catalog.image_size(img)
+                click.echo(f"{tag:40s} {digest[:19]}  {size.layers} layers  "
+                           f"{size.data_bytes / 1e6:,.1f} MB")
+                listed += 1
+    if listed:
+        return
+    if not settings.cluster:
+        click.echo(f"no images in the local store {path} "
+                   "(add one: lazyfs convert SOURCE --tag NAME)", err=True)
+        return
+    from lazyfs.node import open_catalog
+    click.echo(f"no images in the local store {path}; the cluster store's "
+               f"({settings.cluster}):", err=True)
+    with open_catalog(None, settings.cluster) as cluster:
+        for tag, digest in cluster.list_tags():
+            _, img = cluster.resolve(digest)
+            click.echo(f"{tag:40s} {digest[:19]}  {len(img.layers)} layers  (cluster)")
 
 
 @click.command()
@@ -169,6 +208,9 @@ def gc(settings: Settings, grace: float) -> None:
         r = store.gc(grace_seconds=grace)
     click.echo(f"dropped {layers} unused layers; removed {r.chunks_removed:,} chunks, "
                f"reclaimed {r.bytes_reclaimed / 1e6:,.1f} MB")
+    kept = gc_kept_line(r, "lazyfs gc")
+    if kept:
+        click.echo(kept)
 
 
 @click.command()
@@ -181,7 +223,7 @@ def gc(settings: Settings, grace: float) -> None:
 def build(settings: Settings, spec: Path, refresh: bool, progress: bool | None) -> None:
     """Build an environment image from SPEC (base / workspace / toolkits).
 
-    SPEC is a TOML file (see composer/envspec.py): name = "env:1", base =
+    SPEC is a TOML file (docs/envspec.md): name = "env:1", base =
     an image or source, workspace = a source (placed at /workspace),
     toolkits = [sources or images]. Built components are pinned in
     SPEC.lock.json and reused: a new combination writes no new chunks.

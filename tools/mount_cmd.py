@@ -14,6 +14,7 @@ import click
 from composer.catalog import Catalog
 from composer.envspec import build as build_env
 from composer.envspec import load_spec
+from lazyfs import sysmount
 from lazyfs.errors import DaemonError
 from lazyfs.mounts import MountError, mount_image, unmount
 from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog, request, stop_daemon
@@ -31,6 +32,30 @@ def _trace(path: str | None) -> list[dict[str, Any]] | None:
         return load_trace(path)
     except ValueError as e:
         raise QuietError(str(e)) from e
+
+
+def _check_mountpoint(mountpoint: Path, nonempty: bool) -> None:
+    """Refuse, before anything starts, a mount point that is missing, not a
+    directory, or (without --nonempty) not empty: mounting over files hides
+    them until the unmount, which looks like data loss to whoever looks."""
+    if not mountpoint.exists():
+        raise QuietError(f"mount point {mountpoint} does not exist (create it with "
+                         f"mkdir -p {mountpoint})")
+    if not mountpoint.is_dir():
+        raise QuietError(f"mount point {mountpoint} is not a directory")
+    if sysmount.find_mount(os.path.realpath(mountpoint)) is not None:
+        raise QuietError(f"{mountpoint} is already a mount point")
+    if nonempty:
+        return
+    try:
+        with os.scandir(mountpoint) as it:
+            entries = sum(1 for _ in it)
+    except OSError as e:
+        raise QuietError(f"cannot read mount point {mountpoint}: {e.strerror}") from e
+    if entries:
+        raise QuietError(f"mount point {mountpoint} is not empty ({entries} "
+                         f"entr{'y' if entries == 1 else 'ies'}): the mount would hide them; "
+                         "use an empty directory, or --nonempty to mount over them")
 
 
 def _image_name(settings: Settings, target: str) -> str:
@@ -59,19 +84,23 @@ def _image_name(settings: Settings, target: str) -> str:
               help="Lowers: the layers' shared kernel EROFS mounts, or the daemon's FUSE "
                    "trees [default: [mount] lowers in the config file, LAZYFS_LOWERS, "
                    "else kernel].")
+@click.option("--nonempty", is_flag=True,
+              help="Mount even if MOUNTPOINT is not empty (its contents are hidden until "
+                   "the unmount).")
 @root_option
 @cache_options
 @click.pass_obj
 def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | None,
           foreground: bool, prefetch: str | None, allow_devices: bool, kernel: bool | None,
-          root: Path | None, cache_dir: Path | None, cache_size: str | None) -> None:
+          nonempty: bool, root: Path | None, cache_dir: Path | None,
+          cache_size: str | None) -> None:
     """Mount IMAGE (a catalog name, or an environment SPEC.toml) at MOUNTPOINT.
 
     The layers are composed with overlayfs, over their kernel EROFS mounts
     (metadata local, data from the node daemon's blobs) or over the daemon's
     FUSE trees (--fuse); the daemon is started if it is not running. Nothing
     is read from the store until a file is read. Unmount with `lazyfs umount
-    MOUNTPOINT`.
+    MOUNTPOINT`. MOUNTPOINT must be an empty directory (--nonempty: any).
     """
     if kernel is None and settings.lowers is not None:
         kernel = settings.lowers == "kernel"
@@ -82,6 +111,7 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
     events = _trace(prefetch)
     with open_catalog(spec.store, spec.cluster) as catalog:
         catalog.resolve(name)  # a missing image fails before any daemon starts
+    _check_mountpoint(mountpoint, nonempty)  # and so does a mount point that would hide files
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     if foreground:  # blocked before mounting: a Ctrl-C right after still unmounts
         signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)

@@ -20,7 +20,7 @@ import click
 
 from runtime import Sandbox
 from runtime.config import RuntimeConfig
-from runtime.spec import BACKENDS, NetworkPolicy, parse_rule
+from runtime.spec import BACKENDS, NetworkPolicy, Qos, parse_rule
 from runtime.transport import Transport, close_embedded, local, resolve
 
 from .config import Settings
@@ -36,19 +36,23 @@ def _config(settings: Settings, state: Path | None, node_root: Path | None) -> R
     return RuntimeConfig(**kw)
 
 
+NODE_HELP = ("Node agent: unix:///PATH or http://HOST:PORT [env LAZYFS_NODE]. Default: the "
+             "agent of the state directory (STATE/agent.sock) if one answers, else the node "
+             "runs in this command; `sandbox create` and `run --keep` start an agent instead. "
+             "A TCP agent's token: env LAZYFS_NODE_TOKEN.")
+
+
 def _node_option(f: Any) -> Any:
     return click.option("--node", "node", metavar="URL", envvar="LAZYFS_NODE", default=None,
-                        help="Node agent: unix:///PATH or http://HOST:PORT [env LAZYFS_NODE; "
-                             "default: the state directory's agent if one answers, else "
-                             "this process]. A TCP agent's token: env LAZYFS_NODE_TOKEN.")(f)
+                        help=NODE_HELP)(f)
 
 
-def _labels(items: tuple[str, ...]) -> dict[str, str]:
+def _labels(items: tuple[str, ...], option: str = "--label") -> dict[str, str]:
     out = {}
     for item in items:
         k, sep, v = item.partition("=")
         if not sep:
-            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+            raise QuietError(f"{option} {item!r}: expected KEY=VALUE", exit_code=2)
         out[k] = v
     return out
 
@@ -124,7 +128,12 @@ def _create_options(f: Any) -> Any:
         click.option("--timeout", "lifetime", type=float, default=None,
                      help="Sandbox lifetime in seconds [3600]."),
         click.option("--allow", multiple=True, metavar="ADDR[:PORT][/PROTO]",
-                     help="Allow network to this destination (default: no network)."),
+                     help="Allow network to this destination (default: no network); the "
+                          "node's own side of the sandbox's network is in `sandbox ls --json` "
+                          "as host_address."),
+        click.option("--qos", type=click.Choice([q.value for q in Qos]), default=None,
+                     help="latency [default], or best_effort: every process of the sandbox "
+                          "under SCHED_IDLE."),
         click.option("--label", "labels", multiple=True, metavar="KEY=VALUE"),
         click.option("--env", "env", multiple=True, metavar="NAME=VALUE"),
     ]):
@@ -134,15 +143,13 @@ def _create_options(f: Any) -> Any:
 
 def _create(settings: Settings, node: str | None, detached: bool, image: str, backend: str,
             cpu: float | None, memory_mb: int | None, disk_mb: int | None,
-            lifetime: float | None, allow: tuple[str, ...], labels: tuple[str, ...],
-            env: tuple[str, ...]) -> Sandbox:
-    try:
-        network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--allow") from e
+            lifetime: float | None, allow: tuple[str, ...], qos: str | None,
+            labels: tuple[str, ...], env: tuple[str, ...]) -> Sandbox:
+    # a bad rule raises InvalidSpec naming it: one line, like every error
+    network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
     return Sandbox.create(image, backend=backend, cpu=cpu, memory_mb=memory_mb,  # type: ignore[arg-type]
-                          disk_mb=disk_mb, timeout=lifetime, network=network,
-                          labels=_labels(labels), env=_labels(env),
+                          disk_mb=disk_mb, timeout=lifetime, network=network, qos=qos,
+                          labels=_labels(labels), env=_labels(env, "--env"),
                           node=_target(settings, node, detached=detached))
 
 
@@ -227,39 +234,64 @@ def ls(settings: Settings, node: str | None, labels: tuple[str, ...], as_json: b
 
 @sandbox.command()
 @_node_option
-@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Kill every sandbox with this label.")
 @click.argument("ids", nargs=-1)
 @click.pass_obj
 def kill(settings: Settings, node: str | None, labels: tuple[str, ...],
          ids: tuple[str, ...]) -> None:
     """Kill sandboxes by id or by label."""
-    target = _target(settings, node)
-    if labels:
-        for i in Sandbox.kill_many(_labels(labels), node=target):
+    target, want = _by_id_or_label(settings, node, labels, ids, "kill")
+    if want:
+        for i in Sandbox.kill_many(want, node=target):
             click.echo(f"killed {i}")
     for i in ids:
         Sandbox.connect(i, node=target).kill()
         click.echo(f"killed {i}")
 
 
+def _by_id_or_label(settings: Settings, node: str | None, labels: tuple[str, ...],
+                    ids: tuple[str, ...], verb: str) -> tuple[Transport, dict[str, str]]:
+    if not ids and not labels:
+        raise QuietError(f"name the sandboxes to {verb}: SANDBOX_ID… or --label KEY=VALUE",
+                         exit_code=2)
+    return _target(settings, node), _labels(labels)
+
+
 @sandbox.command()
 @_node_option
-@click.argument("sandbox_id")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Pause every running sandbox with this label.")
+@click.argument("ids", nargs=-1)
 @click.pass_obj
-def pause(settings: Settings, node: str | None, sandbox_id: str) -> None:
-    """Freeze a sandbox and reclaim its page cache; prints memory before/after."""
-    f = Sandbox.connect(sandbox_id, node=_target(settings, node)).pause()
+def pause(settings: Settings, node: str | None, labels: tuple[str, ...],
+          ids: tuple[str, ...]) -> None:
+    """Freeze sandboxes (by id or by label) and reclaim their page cache;
+    prints memory before/after for each one named by id."""
+    target, want = _by_id_or_label(settings, node, labels, ids, "pause")
+    if want:
+        for i in Sandbox.pause_many(want, node=target):
+            click.echo(f"paused {i}")
     mb = 1 << 20
-    click.echo(f"paused {sandbox_id}: rss {f['before']['rss'] / mb:.1f} MB, cache "
-               f"{f['before']['cache'] / mb:.1f} → {f['after']['cache'] / mb:.1f} MB")
+    for i in ids:
+        f = Sandbox.connect(i, node=target).pause()
+        click.echo(f"paused {i}: rss {f['before']['rss'] / mb:.1f} MB, cache "
+                   f"{f['before']['cache'] / mb:.1f} → {f['after']['cache'] / mb:.1f} MB")
 
 
 @sandbox.command()
 @_node_option
-@click.argument("sandbox_id")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Resume every paused sandbox with this label.")
+@click.argument("ids", nargs=-1)
 @click.pass_obj
-def resume(settings: Settings, node: str | None, sandbox_id: str) -> None:
-    """Thaw a paused sandbox."""
-    Sandbox.connect(sandbox_id, node=_target(settings, node)).resume()
-
-
+def resume(settings: Settings, node: str | None, labels: tuple[str, ...],
+           ids: tuple[str, ...]) -> None:
+    """Thaw paused sandboxes (by id or by label); prints each one resumed."""
+    target, want = _by_id_or_label(settings, node, labels, ids, "resume")
+    if want:
+        for i in Sandbox.resume_many(want, node=target):
+            click.echo(f"resumed {i}")
+    for i in ids:
+        Sandbox.connect(i, node=target).resume()
+        click.echo(f"resumed {i}")

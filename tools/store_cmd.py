@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from chunkstore import ChunkId
+from chunkstore import ChunkId, GcReport
 
 from .config import Settings
 from .errors import EXIT_CORRUPT, QuietError
@@ -18,6 +18,30 @@ from .options import as_domain, domain_option, open_store, parse_chunk_id
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.1f} MiB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def gc_kept_line(report: GcReport, command: str) -> str | None:
+    """The line that says why a GC freed less than a user expects: the
+    unreferenced chunks it kept because they are younger than the grace
+    period (e.g. an image just removed), and how to reclaim them now.
+    `command` is the GC command as the user typed it (`lazyfs gc`). None
+    when the grace period kept nothing."""
+    young = report.young
+    if not young.chunks:
+        return None
+    return (f"kept {young.chunks:,} unreferenced chunks ({young.stored_bytes / 1e6:,.1f} MB in "
+            f"{young.packs} pack{'s' if young.packs != 1 else ''}) written or used within the "
+            f"{report.grace_seconds:,.0f} s grace period (all past it in "
+            f"{_duration(young.seconds_left)}); `{command} --grace 0` reclaims them now, "
+            "if nothing else is writing to this store")
 
 
 @click.group()
@@ -148,6 +172,9 @@ def gc(settings: Settings, grace: float, repack_threshold: float) -> None:
     click.echo(f"removed {r.chunks_removed:,} of {r.chunks_before:,} chunks; "
                f"deleted {r.packs_deleted} packs, repacked {r.packs_repacked} "
                f"({r.packs_in_use} in use, skipped); reclaimed {_mib(r.bytes_reclaimed)}")
+    kept = gc_kept_line(r, "lazyfs store gc")
+    if kept:
+        click.echo(kept)
     for line in r.corrupt:
         click.echo(f"BAD {line}")
     if r.corrupt:
@@ -161,3 +188,19 @@ def roots(settings: Settings) -> None:
     with open_store(settings, readonly=True) as s:
         for name in s.roots():
             click.echo(f"{name}  {len(s.root_ids(name))}")
+
+
+@store.command(name="rm-root")
+@click.argument("names", nargs=-1, required=True)
+@click.pass_obj
+def rm_root(settings: Settings, names: tuple[str, ...]) -> None:
+    """Remove GC roots NAMES (their chunks go at a later gc). Image layers'
+    roots (layer:…) belong to the catalog: remove the image with `lazyfs rm`."""
+    with open_store(settings) as s:
+        for name in names:
+            if name.startswith("layer:"):
+                raise QuietError(f"{name} is an image layer's root: remove the image with "
+                                 "`lazyfs rm IMAGE`, then `lazyfs gc`")
+            if not s.remove_root(name):
+                raise QuietError(f"no GC root named {name!r} (`lazyfs store roots` lists them)")
+            click.echo(f"removed root {name}")

@@ -12,7 +12,7 @@
            or {"error": {"type", "message", "result"}}
     GET|PUT|DELETE /v1/sandboxes/{id}/files?path=…   raw bytes
     GET    /v1/sandboxes/{id}/files/list?path=…
-    POST   /v1/bulk/pause | /v1/bulk/kill     {"labels": {…}} → [ids]
+    POST   /v1/bulk/pause | /resume | /kill   {"labels": {…}} → [ids]
 
 Errors: {"error": {"type": <runtime.errors class>, "message": …}} with the
 class's HTTP status. A bearer token, when the agent has one, is required on
@@ -136,6 +136,11 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     @app.post("/v1/bulk/pause")
     async def pause_many(body: Labels) -> list[str]:
         ids: list[str] = await run(node.pause_many, body.labels)
+        return ids
+
+    @app.post("/v1/bulk/resume")
+    async def resume_many(body: Labels) -> list[str]:
+        ids: list[str] = await run(node.resume_many, body.labels)
         return ids
 
     @app.post("/v1/bulk/kill")

@@ -48,6 +48,11 @@ class BackendState(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    def host_address(self) -> str | None:
+        """The node's side of the sandbox's network (SandboxInfo.host_address);
+        None when the sandbox has no network of its own."""
+        return None
+
 
 S = TypeVar("S", bound=BackendState)
 

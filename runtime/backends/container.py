@@ -62,6 +62,9 @@ class ContainerState(BackendState):
     node_address: str | None = None  # the host's side of the sandbox's veth
     init_pid: int | None = None
 
+    def host_address(self) -> str | None:
+        return self.node_address
+
 
 Container = Handle[ContainerState]
 
@@ -137,8 +140,8 @@ class ContainerBackend:
             netns = None
             if h.spec.network.mode == "allowlist":
                 slot = st.net_slot = netpolicy.allocate(h.id)
-                netns = st.netns = netpolicy.create(slot, h.spec.network)
                 st.node_address = netpolicy.addresses(slot)[0]
+                netns = st.netns = netpolicy.create(slot, h.spec.network)
             (h.dir / "config.json").write_text(json.dumps(
                 oci.config(h.id, h.spec, rootfs, init, netns)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)

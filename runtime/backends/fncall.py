@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -180,7 +181,10 @@ class Pool:
 
     def _worker(self, backend: FncallBackend) -> Worker:
         self._serial += 1
-        name = f"{backend.prefix}-{Digest.parse(self.digest).hex[:12]}-{self._serial}"
+        # the owner pid in the name: a node starting later can tell a dead
+        # node's leftovers from a live one's, whatever its state directory
+        name = (f"{backend.prefix}-p{os.getpid()}-{Digest.parse(self.digest).hex[:12]}"
+                f"-{self._serial}")
         return Worker(self.rootfs, backend.init(), SCRATCH_MB, self.dir / "workers.log", name)
 
     def _spawn(self, backend: FncallBackend) -> None:
@@ -230,10 +234,42 @@ def cgroup_prefix(config: RuntimeConfig) -> str:
     return f"fncall-{h}"
 
 
+_OWNER = re.compile(r"fncall-[0-9a-f]{8}-p([0-9]+)-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def leftover_cgroups(config: RuntimeConfig) -> list[str]:
+    """Worker cgroups no live node owns: every one of this state directory
+    (the caller holds its node lock, so no other node process uses it), and
+    those of any state directory whose owner process (named in the cgroup:
+    `-p<pid>-`) is gone. Another live node's are never among them (a reused
+    pid keeps a dead node's cgroups until that process ends: the safe side)."""
+    mine = cgroup_prefix(config) + "-"
+    names = {d.name for c in CONTROLLERS
+             for d in (cgroups.CGROUP_ROOT / c / cgroups.PARENT).glob("fncall-*")}
+    out = []
+    for name in sorted(names):
+        owner = _OWNER.match(name)
+        if name.startswith(mine) or (owner is not None and int(owner[1]) != os.getpid()
+                                     and not _alive(int(owner[1]))):
+            out.append(name)
+    return out
+
+
 def sweep(config: RuntimeConfig) -> None:
     """Remove what pools of a previous node process left: root mounts and
     worker cgroups (pools do not survive their node: their workers were its
-    children)."""
+    children), also those of dead nodes of other state directories
+    (leftover_cgroups)."""
     paths = NodePaths(config.node_root.absolute())
     for rootfs in (config.state_dir / "fncall").glob("*/rootfs"):
         if sysmount.find_mount(rootfs) is not None:
@@ -241,9 +277,9 @@ def sweep(config: RuntimeConfig) -> None:
                 unmount(paths, rootfs, lazy=True)
             except MountError:
                 sysmount.umount(rootfs, lazy=True)
-    prefix = cgroup_prefix(config)
-    for d in (cgroups.CGROUP_ROOT / "pids" / cgroups.PARENT).glob(f"{prefix}-*"):
-        _remove_cgroup(d.name)
+    for name in leftover_cgroups(config):
+        log.info("removing the fncall cgroup %s a previous node left", name)
+        _remove_cgroup(name)
 
 
 class FncallState(BackendState):

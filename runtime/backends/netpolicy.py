@@ -8,8 +8,8 @@ incoming, only replies and loopback (a sandbox cannot serve another one).
 The rules live in the sandbox's namespace, which its processes cannot change
 (no CAP_NET_ADMIN). Reaching addresses beyond this host needs the operator's
 forwarding/NAT for 10.203.0.0/16; the node's own side of the veth (the
-sandbox's `node_address`) works as is, the usual shape: a package mirror or
-proxy on the node.
+sandbox's `node_address`, SandboxInfo.host_address; a rule names it `node`)
+works as is, the usual shape: a package mirror or proxy on the node.
 
 Each sandbox holds one /30 slot, claimed by creating the slot's file
 exclusively in a directory shared by every runtime on the host; the
@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import BackendUnavailable, QuotaExceeded
-from ..spec import NetworkPolicy
+from ..spec import NODE, NetworkPolicy
 
 NETWORK = ipaddress.ip_network("10.203.0.0/16")
 SLOTS = NETWORK.num_addresses // 4 - 1
@@ -79,16 +79,19 @@ def _run(*cmd: str, stdin: str | None = None) -> None:
         raise BackendUnavailable(f"{' '.join(cmd[:4])}… failed: {p.stderr.strip()[-300:]}")
 
 
-def ruleset(policy: NetworkPolicy) -> str:
+def ruleset(policy: NetworkPolicy, node_address: str) -> str:
+    """The nftables table of a sandbox whose node side is `node_address`
+    (what a `node` rule allows)."""
     lines = ["table inet lazyfs_sandbox {",
              " chain in {", "  type filter hook input priority 0; policy drop;",
              '  iifname "lo" accept', "  ct state established,related accept", " }",
              " chain out {", "  type filter hook output priority 0; policy drop;",
              '  oifname "lo" accept', "  ct state established,related accept"]
     for r in policy.allow:
-        fam = "ip" if ipaddress.ip_network(r.cidr).version == 4 else "ip6"
+        cidr = f"{node_address}/32" if r.cidr == NODE else r.cidr
+        fam = "ip" if ipaddress.ip_network(cidr).version == 4 else "ip6"
         port = f" {r.protocol} dport {r.port}" if r.port else f" meta l4proto {r.protocol}"
-        lines.append(f"  {fam} daddr {r.cidr}{port} accept")
+        lines.append(f"  {fam} daddr {cidr}{port} accept")
     lines += ["  meta l4proto tcp reject with tcp reset", "  reject", " }", "}"]
     return "\n".join(lines) + "\n"
 
@@ -107,7 +110,7 @@ def create(slot: int, policy: NetworkPolicy) -> Path:
         _run("ip", "-n", ns, "link", "set", "lo", "up")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
         _run("ip", "-n", ns, "route", "add", "default", "via", host_ip)
-        _run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=ruleset(policy))
+        _run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=ruleset(policy, host_ip))
     except BaseException:
         remove(slot, release=False)
         raise

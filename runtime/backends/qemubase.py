@@ -54,10 +54,6 @@ from .qemuproc import Vm
 log = logging.getLogger(__name__)
 
 PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Guest RAM floor: the cloud kernel with pmem devices ran out of memory while
-# booting in 128 MiB. QEMU allocates guest RAM as the guest touches it, so a
-# larger -m costs host memory only when used.
-MIN_GUEST_MB = 256
 PAUSE_WAIT = 2.0  # how long pause waits for a call in the guest to end
 
 
@@ -121,7 +117,7 @@ class QemuBackend(Generic[Q]):
             qemu.accelerator(binary, kernel.vmlinuz)
         return qemu.VmConfig(
             qemu=binary, accel=accel, vmlinuz=kernel.vmlinuz, initrd=initrd,
-            memory_mb=max(h.spec.memory_mb, MIN_GUEST_MB),
+            memory_mb=h.spec.memory_mb,  # >= spec.MIN_GUEST_MB, checked at validation
             cpus=max(1, min(math.ceil(h.spec.cpu), os.cpu_count() or 1)),
             pmem=pmem, drives=drives, agent_socket=vmdir / "agent.sock",
             console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
