@@ -79,6 +79,33 @@ def reclaim(sandbox_id: str) -> None:
             raise
 
 
+def set_cpu_idle(sandbox_id: str) -> bool:
+    """Make the sandbox's cpu group an idle group (cpu.idle=1), so that it gets
+    CPU only when its sibling groups (the other sandboxes) leave some.
+
+    SCHED_IDLE on the processes alone protects nothing across sandboxes: with
+    cgroup v1 a task's policy only ranks it against the tasks of its own cpu
+    group, and every sandbox has a group of its own with full shares. An idle
+    group is weighed as SCHED_IDLE against its siblings. False when the kernel
+    has no cpu.idle (before 5.15): the processes' SCHED_IDLE is all there is."""
+    f = path("cpu", sandbox_id) / "cpu.idle"
+    try:
+        f.write_text("1")
+    except FileNotFoundError:
+        if path("cpu", sandbox_id).is_dir():
+            return False
+        raise
+    return True
+
+
+def cpu_idle(sandbox_id: str) -> bool:
+    """Whether the sandbox's cpu group is an idle group."""
+    try:
+        return _read(path("cpu", sandbox_id) / "cpu.idle").strip() == "1"
+    except FileNotFoundError:
+        return False
+
+
 def pids(sandbox_id: str) -> list[int]:
     text = _read(path("pids", sandbox_id) / "cgroup.procs")
     return [int(x) for x in text.split()]

@@ -110,7 +110,9 @@ def parse_rule(text: str) -> Rule:
 
 class Qos(str, Enum):
     latency = "latency"
-    best_effort = "best_effort"  # every process of the sandbox under SCHED_IDLE
+    # containers: an idle cpu group (yields to every other sandbox) and every
+    # process under SCHED_IDLE
+    best_effort = "best_effort"
 
 
 class SandboxSpec(_Model):

@@ -39,7 +39,7 @@ from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxSta
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import ExecRequest, ExecResult
+from ..spec import ExecRequest, ExecResult, Qos
 from . import netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
@@ -147,6 +147,9 @@ class ContainerBackend:
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self._run_detached(h)
             st.init_pid = int((h.dir / "init.pid").read_text())
+            if h.spec.qos is Qos.best_effort and not cgroups.set_cpu_idle(h.id):
+                log.warning("this kernel has no cpu.idle: best-effort sandboxes run "
+                            "SCHED_IDLE inside their own cpu group only")
         except BaseException:
             self.kill(h)
             raise

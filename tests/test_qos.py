@@ -1,0 +1,56 @@
+"""Best-effort sandboxes must not slow latency-sensitive ones: measured by
+the latency sandbox's step times with hogs spinning on every core, against a
+quiet node in the same test (generous bounds; benchmarks/bench_qos.py reports
+the exact figures)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime import Sandbox, cgroups
+from runtime.node import Node
+from tests.helpers.qos import (
+    Inflation,
+    build_stepper,
+    hog_count,
+    hogs,
+    install_stepper,
+    stepper_missing,
+    steps,
+)
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+STEPS, ITERS = 30, 3_000_000  # ~10 ms of work per step on this class of machine
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    why = runtime_missing() or stepper_missing()
+    if why:
+        pytest.skip(why)
+    d = tmp_path_factory.mktemp("qos")
+    with node_for(busybox_store(d), d) as n:
+        yield n
+
+
+def test_best_effort_hogs_leave_a_latency_sandbox_its_speed(node: Node, tmp_path: Path) -> None:
+    binary = build_stepper(tmp_path)
+    with Sandbox.create(IMAGE, node=node, cpu=1) as lat:
+        install_stepper(lat, binary)
+        steps(lat, 5, ITERS)  # page the binary in
+        quiet = steps(lat, STEPS, ITERS)
+        with hogs(IMAGE, node, hog_count(), "best_effort") as be:
+            assert all(cgroups.cpu_idle(sb.id) for sb in be)
+            protected = Inflation.of(steps(lat, STEPS, ITERS), quiet)
+        # the control: the same hogs at the latency sandbox's own class do slow it
+        with hogs(IMAGE, node, hog_count(), "latency") as lh:
+            assert not any(cgroups.cpu_idle(sb.id) for sb in lh)
+            contended = Inflation.of(steps(lat, STEPS, ITERS), quiet)
+    assert contended.mean > 1.5, f"the hogs did not load the node: {contended}"
+    assert protected.mean < 1.3, f"best-effort hogs slowed the latency sandbox: {protected}"
+    assert protected.mean < contended.mean / 1.4, (protected, contended)
