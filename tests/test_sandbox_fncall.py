@@ -142,3 +142,22 @@ def test_calls_in_parallel_and_overhead(node: Node) -> None:
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda i: s.exec(f"echo {i}").stdout, range(40)))
         assert outs == [f"{i}\n".encode() for i in range(40)]
+
+
+def test_a_call_leaving_any_tree_never_fails_another_sandbox(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A call that leaves a directory tree thousands of levels deep (paths
+    past PATH_MAX, past Python's recursion limit) in /tmp: on a pool of one
+    worker, the very next call (another sandbox's) gets that worker back
+    with an empty /tmp, or a fresh one: never an error."""
+    d = tmp_path_factory.mktemp("fncall-one")
+    # grown from the top (no path ever gets long): 3,000 levels, 6 KB paths
+    deep = ("cd /tmp; mkdir d; i=0; while [ $i -lt 3000 ]; do "
+            "mkdir t && mv d t/d && mv t d || exit 1; i=$((i+1)); done; echo made")
+    with node_for(busybox_store(d), d, fncall_workers=1) as one, \
+            Sandbox.create(IMAGE, backend="fncall", node=one) as a, \
+            Sandbox.create(IMAGE, backend="fncall", node=one) as b:
+        for _ in range(2):
+            assert a.exec(deep, timeout=120).stdout == b"made\n"
+            assert b.exec("ls -A /tmp; echo ok").stdout == b".lazyfs\nok\n"
+            assert a.exec("ls -A /tmp").stdout == b".lazyfs\n"

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 20.0
 WAIT_FOR_WORKER = 60.0
+CLEAN_TIMEOUT = 30.0  # kill_all waits up to 5 s, then the scratch is emptied
 SCRATCH_MB = 64
 
 
@@ -94,6 +95,7 @@ class Worker:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_f, cwd=REPO,
                 start_new_session=True)
         self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=256 << 20)
+        self.cleaning = False  # a call returned; its cleanup not yet confirmed
         ready = self._next(START_TIMEOUT)
         if "ready" not in ready:
             raise BackendUnavailable(f"fncall worker did not start (log: {logfile})")
@@ -110,6 +112,21 @@ class Worker:
             if not data:
                 raise BackendUnavailable(f"fncall worker exited ({self.proc.poll()})")
             self.unpacker.feed(data)
+
+    def usable(self) -> bool:
+        """True once the last call's processes are gone and its /tmp is
+        empty; False if the worker could not get there (it exits): the
+        next call then goes to a fresh worker, so one sandbox's leftovers
+        never fail another sandbox's call."""
+        if self.cleaning:
+            try:
+                msg = self._next(CLEAN_TIMEOUT)
+            except BackendUnavailable:
+                return False
+            self.cleaning = False
+            if not msg.get("clean"):
+                return False
+        return self.proc.poll() is None
 
     def call(self, req: ExecRequest, spec: SandboxSpec, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
@@ -137,6 +154,7 @@ class Worker:
                 if msg.get("err"):
                     err += f"fncall: {msg['err']}\n".encode()
                 code = int(msg["x"])
+                self.cleaning = True
                 return ExecResult(exit_code=code, stdout=bytes(out), stderr=bytes(err),
                                   duration=float(msg["d"]), truncated=bool(msg["t"]),
                                   timed_out=bool(msg["to"]),
@@ -199,8 +217,10 @@ class Pool:
         except queue.Empty:
             raise BackendUnavailable("every fncall worker stayed busy for "
                                      f"{WAIT_FOR_WORKER:g}s") from None
-        if w.proc.poll() is not None:  # it died between calls: a fresh one takes the call
-            log.warning("fncall worker %d exited (%s); replacing it", w.proc.pid, w.proc.returncode)
+        if not w.usable():  # it died between calls: a fresh one takes the call
+            log.warning("fncall worker %d could not clean up after its last call (%s); "
+                        "replacing it", w.proc.pid, w.proc.poll())
+            w.proc.kill()
             self.workers.remove(w)
             w.close()
             w = self._worker(self.backend)

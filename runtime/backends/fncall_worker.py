@@ -29,7 +29,6 @@ import argparse
 import ctypes
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from runtime import procio, seccomp
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID = 0x20000, 0x40000000, 0x20000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x4000, 1 << 18, 2, 4
+MNT_DETACH = 2
 NOBODY = 65534
 CONTROLLERS = ("memory", "pids", "freezer", "cpu")
 CPU_PERIOD = 100_000
@@ -146,6 +146,7 @@ class Cgroup:
 
 INIT_DIR = "/tmp/.lazyfs"  # root-owned in the sticky /tmp: calls cannot touch it
 INIT = f"{INIT_DIR}/sandbox-init"
+SHALLOW = 32  # deeper leftovers: a new tmpfs instead of removing them one by one
 
 
 def setup(root: str, scratch_mb: int, init_binary: bytes) -> None:
@@ -158,6 +159,11 @@ def setup(root: str, scratch_mb: int, init_binary: bytes) -> None:
     os.chdir("/")
     # one scratch tmpfs for the worker's life, emptied after every call
     # (a mount + unmount per call cost ~3 ms)
+    fresh_scratch(scratch_mb, init_binary)
+
+
+def fresh_scratch(scratch_mb: int, init_binary: bytes) -> None:
+    """A new, empty /tmp holding only the launcher."""
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_mb}m,mode=1777")
     os.mkdir(INIT_DIR, 0o755)
     fd = os.open(INIT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o555)
@@ -165,18 +171,46 @@ def setup(root: str, scratch_mb: int, init_binary: bytes) -> None:
     os.close(fd)
 
 
-def wipe_scratch() -> None:
-    """Empty /tmp once the call's processes are all gone; rm works on
-    descriptors without recursion limits and does not follow links a call
-    may have planted."""
-    with os.scandir("/tmp") as entries:
+def wipe_scratch(scratch_mb: int, init_binary: bytes) -> None:
+    """Empty /tmp once the call's processes are all gone.
+
+    A call may leave any tree (thousands of levels deep, names that make
+    paths longer than PATH_MAX, directories without permissions): removing
+    it entry by entry can fail in ways no list of exceptions covers. Shallow
+    leftovers, the common case, are removed in place (~0.1 ms); anything
+    else swaps the whole tmpfs for a new one (~3 ms): the detached old one
+    is freed by the kernel, as no process of the call is left to hold it."""
+    try:
+        with os.scandir("/tmp") as entries:
+            for e in entries:
+                if e.path == INIT_DIR:
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    _rmdir_shallow(e.path)
+                else:
+                    os.unlink(e.path)
+        return
+    except (OSError, _TooDeep):
+        pass
+    _sys(_libc.umount2(b"/tmp", MNT_DETACH), "umount /tmp")
+    fresh_scratch(scratch_mb, init_binary)
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _rmdir_shallow(path: str, depth: int = 0) -> None:
+    """Remove a tree at most SHALLOW levels deep, never following links."""
+    if depth > SHALLOW:
+        raise _TooDeep(path)
+    with os.scandir(path) as entries:
         for e in entries:
-            if e.path == INIT_DIR:
-                continue
             if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path)
+                _rmdir_shallow(e.path, depth + 1)
             else:
                 os.unlink(e.path)
+    os.rmdir(path)
 
 
 class Call:
@@ -245,11 +279,12 @@ def main() -> None:
             try:  # never hand a dirty cgroup or /tmp to the next call
                 if not cgroup.kill_all():
                     raise Retire("processes of the last call would not die")
-                wipe_scratch()
-            except (OSError, Retire) as e:
-                sys.stderr.write(f"fncall worker: cannot get back to a clean state ({e}); "
+                wipe_scratch(args.scratch_mb, init_binary)
+            except Exception as e:  # noqa: BLE001 - whatever it is, this worker is done
+                sys.stderr.write(f"fncall worker: cannot get back to a clean state ({e!r}); "
                                  "exiting\n")
                 sys.exit(3)
+            out({"clean": True})  # the node hands this worker out again only after this
 
 
 if __name__ == "__main__":
