@@ -58,9 +58,10 @@ def _mounts(init_binary: Path) -> list[dict[str, Any]]:
 
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
            netns: Path | None = None) -> dict[str, Any]:
-    """config.json for `runc run`: the process is sandbox-init as PID 1,
-    which only reaps; commands come later through `runc exec`."""
-    args = [INIT_PATH, "init"] + (["-i"] if spec.qos.value == "best_effort" else [])
+    """config.json for `runc run`: the process is sandbox-init as PID 1, which
+    reaps and starts the node's commands from the exec channel it gets as its
+    stdin (runtime/backends/initexec.py)."""
+    args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
     quota = math.ceil(spec.cpu * CPU_PERIOD)
     namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount",
@@ -96,19 +97,3 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
         },
     }
 
-
-def process(cmd: tuple[str, ...], *, cwd: str, env: dict[str, str], spec: SandboxSpec
-            ) -> dict[str, Any]:
-    """process.json for `runc exec`: the command under sandbox-init exec, which
-    gives it its own session and kills that session when the agent goes away."""
-    wrapper = [INIT_PATH, "exec"] + (["-i"] if spec.qos.value == "best_effort" else [])
-    merged = {**spec.env, **env}
-    return {
-        "terminal": False,
-        "user": {"uid": 0, "gid": 0},
-        "args": [*wrapper, "-c", cwd, "--", *cmd],
-        "env": [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in merged.items())],
-        "cwd": "/",
-        "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
-        "noNewPrivileges": True,
-    }

@@ -15,8 +15,28 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 Sink = Callable[[bytes], None]
+
+
+class Pipe(Protocol):
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class Process(Protocol):
+    """What run() drives: a subprocess.Popen with three pipes, or anything
+    shaped like its pipes, wait and kill (the container's exec channel)."""
+
+    @property
+    def stdin(self) -> Pipe | None: ...
+    @property
+    def stdout(self) -> Pipe | None: ...
+    @property
+    def stderr(self) -> Pipe | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def kill(self) -> None: ...
 READ_SIZE = 65536
 
 
@@ -30,7 +50,7 @@ class Captured:
     duration: float = 0.0
 
 
-def run(proc: subprocess.Popen[bytes], *, stdin: bytes, timeout: float, max_output: int,
+def run(proc: Process, *, stdin: bytes, timeout: float, max_output: int,
         stop: Callable[[], None], on_stdout: Sink | None = None,
         on_stderr: Sink | None = None) -> Captured:
     """Drive `proc` (started with stdin/stdout/stderr pipes) to its end.

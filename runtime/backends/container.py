@@ -6,9 +6,12 @@ Per sandbox, under its directory:
                   sandbox on the node) + this sandbox's upper
     rw/           upper/ and work/ (a size-limited tmpfs when disk_mb is set)
     config.json   the OCI config (runtime/oci.py)
-PID 1 is sandbox-init (it only reaps), so an idle sandbox costs one sleeping
-process of a few hundred KiB and its cgroups; each exec is `runc exec` of the
-command under `sandbox-init exec`, with pipes to the node.
+PID 1 is sandbox-init, so an idle sandbox costs one sleeping process of a few
+hundred KiB and its cgroups. Init also starts the node's commands: each exec
+is one connection on the sandbox's exec channel (ctl.sock, bound on the host;
+initexec.py), a fork inside the sandbox with pipes to the node, each command
+in a Landlock domain of its own so that no process of another command can
+reach its descriptors, memory or exit.
 
 Pause freezes the cgroup, then reclaims the sandbox's page cache; resume
 thaws. A command's timeout or output cap kills its process tree: freeze, kill
@@ -17,16 +20,16 @@ every process of the sandbox in the command's session or below it, thaw.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import Field
 
@@ -40,12 +43,13 @@ from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
 from ..spec import ExecRequest, ExecResult, Qos
-from . import netpolicy
+from . import initexec, netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
 log = logging.getLogger(__name__)
 
 RUNC_TIMEOUT = 30.0
+CHANNEL = "ctl.sock"  # the exec channel, under the sandbox's directory
 
 
 class ContainerState(BackendState):
@@ -103,14 +107,16 @@ class ContainerBackend:
         return p
 
     def _run_detached(self, h: Container) -> None:
-        # the container's init inherits runc's stdio: not pipes we would wait on
+        # The container's init inherits runc's stdio: its stdin is the exec
+        # channel's listening socket; it replaces stdout and stderr (runc's
+        # log) with /dev/null once it runs, so no sandbox process holds them.
         assert self.runc is not None
         errlog = h.dir / "runc.log"
-        with open(errlog, "wb") as err:
+        with open(errlog, "wb") as err, initexec.listen(h.dir / CHANNEL) as channel:
             p = subprocess.run([self.runc, "--root", str(self.config.runc_root), "run",
                                 "--detach", "--bundle", str(h.dir), "--pid-file",
                                 str(h.dir / "init.pid"), h.id],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                               stdin=channel.fileno(), stdout=subprocess.DEVNULL, stderr=err,
                                timeout=RUNC_TIMEOUT, check=False)
         if p.returncode != 0:
             msg = errlog.read_text(errors="replace").strip()
@@ -237,61 +243,63 @@ class ContainerBackend:
     # -- exec ----------------------------------------------------------------
     def exec(self, h: Container, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
-        assert self.runc is not None
         cwd = req.cwd or h.spec.workdir
-        with tempfile.TemporaryDirectory(dir=h.dir, prefix="exec-") as tmp:
-            pf, pidf = Path(tmp) / "process.json", Path(tmp) / "pid"
-            pf.write_text(json.dumps(oci.process(req.cmd, cwd=cwd, env=req.env, spec=h.spec)))
-            ooms, refusals = cgroups.oom_kills(h.id), cgroups.fork_refusals(h.id)
-            # When the node process dies, runc exec dies with it (pdeathsig),
-            # the command's stdout loses its reader, and sandbox-init exec
-            # kills the command's session: no orphan left.
-            proc = subprocess.Popen(
-                [str(self._check()), "pdeathsig", "--", self.runc, "--root",
-                 str(self.config.runc_root), "exec", "--process", str(pf),
-                 "--pid-file", str(pidf), h.id],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        env = {"PATH": oci.PATH_ENV.partition("=")[2], "HOME": "/root", "TERM": "xterm",
+               **h.spec.env, **req.env}
+        ooms, refusals = cgroups.oom_kills(h.id), cgroups.fork_refusals(h.id)
+        holder: list[initexec.InitCommand] = []
+        try:
+            proc = initexec.InitCommand(h.dir / CHANNEL, req.cmd, cwd=cwd, env=env,
+                                        idle=h.spec.qos is Qos.best_effort,
+                                        on_kill=lambda: self._kill_tree(h, holder[0]))
+        except (OSError, initexec.ChannelError) as e:
+            self._exec_failed(h, e, cgroups.fork_refusals(h.id) > refusals)
+        holder.append(proc)
+        try:
             out = procio.run(proc, stdin=req.stdin, timeout=req.timeout,
-                             max_output=req.max_output_bytes,
-                             stop=lambda: self._kill_tree(h, pidf, proc.pid), on_stdout=on_stdout,
-                             on_stderr=on_stderr)
-            oom = cgroups.oom_kills(h.id) > ooms
-        code = out.returncode  # runc reports a signal N as 128+N, as shells do
-        if code == 255 and b'level=error msg="exec failed' in out.stderr:
-            self._exec_failed(h, bytes(out.stderr), cgroups.fork_refusals(h.id) > refusals)
+                             max_output=req.max_output_bytes, stop=proc.kill,
+                             on_stdout=on_stdout, on_stderr=on_stderr)
+        finally:
+            proc.close()
+        oom = cgroups.oom_kills(h.id) > ooms
+        code = out.returncode
         return ExecResult(exit_code=code, stdout=bytes(out.stdout), stderr=bytes(out.stderr),
                           duration=out.duration, truncated=out.truncated,
                           timed_out=out.timed_out, oom_killed=oom and code == 128 + signal.SIGKILL)
 
-    def _exec_failed(self, h: Container, stderr: bytes, refused: bool) -> None:
-        """runc could not start the command: say why in one line (runc's own
-        output can be a Go panic dump when the sandbox cannot fork)."""
-        msg = stderr.decode(errors="replace").rsplit('msg="', 1)[-1].rstrip().rstrip('"')
-        if refused:  # the pids limit refused runc's own forks or threads
+    def _exec_failed(self, h: Container, e: Exception, refused: bool) -> NoReturn:
+        """The channel could not start the command: say why in one line."""
+        errno_ = getattr(e, "errno", 0)
+        if refused or errno_ == errno.EAGAIN:  # the pids limit refused init's fork
             raise QuotaExceeded(f"{h.id} is at its process limit (pids={h.spec.pids}); "
-                                f"the command could not start ({msg})")
-        if self.status(h) == "paused":
-            raise SandboxStateError(f"{h.id} is paused: {msg}")
-        raise SandboxError(f"runc could not start the command in {h.id}: {msg}")
+                                f"the command could not start ({e})") from e
+        status = self.status(h)
+        if status == "paused":
+            raise SandboxStateError(f"{h.id} is paused: {e}") from e
+        if status == "stopped":
+            raise SandboxStateError(f"{h.id} is not running (its init is gone): {e}") from e
+        raise SandboxError(f"could not start the command in {h.id}: {e}") from e
 
-    def _kill_tree(self, h: Container, pidf: Path, runc_pid: int) -> None:
-        """Kill the command started through pidf and everything it started
-        (its descendants, its session, and whatever still holds its output
-        pipes, such as a double-forked daemon): freeze the sandbox so nothing
-        forks meanwhile, kill, thaw."""
-        try:
-            leader = int(pidf.read_text())
-        except (OSError, ValueError):
-            return
-        # runc exec relays the command's stdio through pipes of its own: any
-        # process of the sandbox holding one of them belongs to this exec
-        pipes = {link for link in _fd_links(runc_pid) if link.startswith("pipe:")}
+    def _kill_tree(self, h: Container, proc: initexec.InitCommand) -> None:
+        """Kill the command and everything it started (its descendants, its
+        session, and whatever still holds its output pipes, such as a
+        double-forked daemon): freeze the sandbox so nothing forks meanwhile,
+        kill, thaw."""
+        # the command's pipes as the kernel names them (pipe:[inode])
+        pipes = set()
+        for s in (proc.stdout, proc.stderr):
+            try:
+                pipes.add(os.readlink(f"/proc/self/fd/{s.fileno()}"))
+            except OSError:
+                pass
         freezer = cgroups.path("freezer", h.id) / "freezer.state"
         was_frozen = freezer.read_text().strip() == "FROZEN"
         if not was_frozen:
             freezer.write_text("FROZEN")
         try:
-            for pid in _tree(leader, cgroups.pids(h.id), pipes):
+            members = cgroups.pids(h.id)
+            leader = initexec.host_pid(members, proc.pid)
+            for pid in _tree(leader, members, pipes):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -322,7 +330,7 @@ def _holds(pid: int, pipes: set[str]) -> bool:
     return any(link in pipes for link in _fd_links(pid))
 
 
-def _tree(leader: int, members: list[int], pipes: set[str]) -> list[int]:
+def _tree(leader: int | None, members: list[int], pipes: set[str]) -> list[int]:
     """The processes among `members` in leader's session, descending from it,
     or holding one of its output pipes."""
     parent, session = {}, {}
@@ -339,7 +347,7 @@ def _tree(leader: int, members: list[int], pipes: set[str]) -> list[int]:
             continue
         p, seen = pid, 0
         while p in parent and seen < 4096:
-            if p == leader or session.get(p) == leader:
+            if leader is not None and (p == leader or session.get(p) == leader):
                 out.append(pid)
                 break
             p, seen = parent[p], seen + 1

@@ -1,10 +1,15 @@
 /* sandbox-init: the only program of ours inside a container sandbox.
  *
- *   sandbox-init init [-i]            PID 1 of the sandbox: reaps orphans, sleeps
+ *   sandbox-init init [-i] [-l FD]    PID 1 of the sandbox: reaps orphans, sleeps
  *                                     (a few KiB of memory). No signal from
  *                                     inside ends it (the sandbox cannot stop
  *                                     itself behind the node's back); the node
  *                                     ends it with SIGKILL from outside.
+ *                                     With -l, FD is a listening unix socket
+ *                                     bound on the host (outside the sandbox's
+ *                                     mount namespace): init starts the node's
+ *                                     commands requested over it (the exec
+ *                                     channel, below).
  *   sandbox-init exec [-i] [-c DIR] -- ARGV...
  *                                     runs one command in its own session and
  *                                     waits for it; when the agent that reads the
@@ -54,9 +59,13 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <grp.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+struct ll_ruleset_attr { uint64_t fs, net, scoped; };
+struct ll_path_beneath { uint64_t allowed; int32_t parent_fd; } __attribute__((packed));
 
 static void idle_class(void) {
     struct sched_param p = {0};
@@ -64,7 +73,11 @@ static void idle_class(void) {
         perror("sandbox-init: SCHED_IDLE");
 }
 
-static __attribute__((noreturn)) void run_init(void) {
+static __attribute__((noreturn)) void serve(int lfd);
+
+static __attribute__((noreturn)) void run_init(int lfd) {
+    prctl(PR_SET_DUMPABLE, 0);  /* /proc/1 stays closed to the sandbox */
+    if (lfd >= 0) serve(lfd);
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, NULL);
@@ -138,10 +151,240 @@ static int run_exec(int argc, char **argv, const char *cwd) {
     }
 }
 
+
+/* ---- the exec channel (containers) --------------------------------------
+ *
+ * The node connects to the socket init listens on (bound to a host path no
+ * sandbox process can name; init is non-dumpable, so /proc/1/fd is closed to
+ * the sandbox's root, which has no CAP_SYS_PTRACE) and sends one request per
+ * connection: a header, a payload (cwd, argv, env as NUL-terminated strings)
+ * and, as SCM_RIGHTS, the command's stdin, stdout and stderr. Init forks the
+ * command and answers on that connection only: STARTED(id, pid), then
+ * EXITED(id, wait status, errno of a failed exec) or FORK_FAILED(id, errno).
+ * A reply cannot be misattributed (one request per connection, the id echoed)
+ * nor forged (no sandbox process holds the connection).
+ *
+ * Every command gets a Landlock domain of its own before it execs. Landlock
+ * lets a process ptrace (and open /proc/PID/fd, /proc/PID/mem, pidfd_getfd,
+ * process_vm_writev) and signal only processes in its own domain or one
+ * nested below it: a process left behind by one command cannot touch another
+ * command's descriptors, memory or exit, whatever the sandbox's uid.
+ *
+ * When the node's end of a connection closes before the command ends (the
+ * node died), init kills the command's session: nothing outlives its caller.
+ */
+#define CTL_MAGIC 0x3158454cU           /* "LEX1" little-endian */
+#define CTL_MAX_PAYLOAD (4u << 20)
+#define CTL_MAX_CMDS 4096
+enum { REPLY_STARTED = 'S', REPLY_EXITED = 'X', REPLY_FORK_FAILED = 'F', REPLY_BAD = 'B' };
+
+struct ctl_request { uint32_t magic, length; uint64_t id; uint32_t flags, nargs; };
+struct ctl_reply { uint32_t kind; int32_t value; uint64_t id; int32_t pid, err; };
+
+struct cmd { pid_t pid; int conn; int report; uint64_t id; };
+static struct cmd cmds[CTL_MAX_CMDS];
+static int ncmds;
+
+static void reply(int conn, uint32_t kind, uint64_t id, int32_t value, int32_t pid, int32_t err) {
+    struct ctl_reply r = {kind, value, id, pid, err};
+    if (conn >= 0) (void)!send(conn, &r, sizeof r, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+static int read_full(int fd, char *buf, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+/* A fresh Landlock domain for one command: it restricts nothing on files
+ * (the only access handled, creating block devices, needs CAP_MKNOD, which
+ * sandboxes lack) but scopes ptrace-class access and, from ABI 6, signals to
+ * the command's own process tree. */
+static int own_domain(void) {
+    long abi = syscall(444, NULL, 0, 1UL);
+    if (abi <= 0) return -1;
+    struct ll_ruleset_attr attr = {1ULL << 11, 0, 0};   /* LANDLOCK_ACCESS_FS_MAKE_BLOCK */
+    size_t size = 8;
+    if (abi >= 6) { attr.scoped = 2; size = 24; }     /* LANDLOCK_SCOPE_SIGNAL */
+    int fd = (int)syscall(444, &attr, size, 0UL);
+    if (fd < 0) return -1;
+    int r = (int)syscall(446, fd, 0UL);
+    close(fd);
+    return r;
+}
+
+static void start_command(int conn) {
+    struct ctl_request rq;
+    int fds[3] = {-1, -1, -1};
+    char cbuf[CMSG_SPACE(sizeof fds)];
+    struct iovec iov = {&rq, sizeof rq};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                        .msg_controllen = sizeof cbuf};
+    struct timeval tv = {5, 0};   /* the node writes a request at once */
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ssize_t n = recvmsg(conn, &mh, MSG_WAITALL | MSG_CMSG_CLOEXEC);
+    int nfds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int j = 0; j < k; j++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + j * sizeof(int), sizeof fd);
+                if (nfds < 3) fds[nfds++] = fd; else close(fd);
+            }
+        }
+    }
+    char *payload = NULL;
+    uint64_t id = n == (ssize_t)sizeof rq ? rq.id : 0;
+    if (n != (ssize_t)sizeof rq || rq.magic != CTL_MAGIC || rq.length > CTL_MAX_PAYLOAD ||
+        rq.nargs < 1 || nfds != 3 || ncmds >= CTL_MAX_CMDS ||
+        !(payload = malloc(rq.length + 1)) || read_full(conn, payload, rq.length) != 0) {
+        reply(conn, REPLY_BAD, id, 0, 0, EINVAL);
+        goto fail;
+    }
+    payload[rq.length] = 0;
+    /* cwd, nargs arguments, then environment entries up to the end */
+    size_t nstr = 0;
+    for (uint32_t k = 0; k < rq.length; k++) nstr += payload[k] == 0;
+    if (rq.length == 0 || payload[rq.length - 1] != 0 || nstr < 1 + (size_t)rq.nargs) {
+        reply(conn, REPLY_BAD, id, 0, 0, EINVAL);
+        goto fail;
+    }
+    char **strs = calloc(nstr + 2, sizeof *strs);
+    if (!strs) { reply(conn, REPLY_BAD, id, 0, 0, ENOMEM); goto fail; }
+    char *q = payload;
+    for (size_t k = 0; k < nstr; k++) { strs[k + (k > rq.nargs)] = q; q += strlen(q) + 1; }
+    /* strs: [cwd, argv..., NULL, env..., NULL] */
+    char *cwd = strs[0];
+    char **argv = strs + 1, **envp = strs + 2 + rq.nargs;
+    argv[rq.nargs] = NULL;
+    int report[2];
+    if (pipe2(report, O_CLOEXEC) != 0) {
+        reply(conn, REPLY_FORK_FAILED, id, 0, 0, errno);
+        free(strs);
+        goto fail;
+    }
+    pid_t child = fork();
+    if (child < 0) {
+        reply(conn, REPLY_FORK_FAILED, id, 0, 0, errno);
+        close(report[0]); close(report[1]);
+        free(strs);
+        goto fail;
+    }
+    if (child == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        setsid();
+        int e = 0;
+        if (own_domain() != 0) e = errno ? errno : EPERM;
+        if (!e && (dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[2], 2) < 0)) e = errno;
+        if (e) { (void)!write(report[1], &e, sizeof e); _exit(127); }
+        if ((rq.flags & 1) != 0) idle_class();
+        if (chdir(cwd) != 0) {
+            e = errno;
+            dprintf(2, "sandbox-init: cannot enter working directory %s: %s\n", cwd, strerror(e));
+            (void)!write(report[1], &e, sizeof e);
+            _exit(127);
+        }
+        /* nothing of init's (nor what runc left it) reaches the command */
+        syscall(SYS_close_range, 3U, ~0U, 4U /* CLOSE_RANGE_CLOEXEC */);
+        environ = envp;
+        execvp(argv[0], argv);
+        e = errno;
+        dprintf(2, "sandbox-init: cannot run %s: %s\n", argv[0],
+                e == ENOENT ? "command not found" : strerror(e));
+        (void)!write(report[1], &e, sizeof e);
+        _exit(127);
+    }
+    free(strs);
+    free(payload);
+    for (int k = 0; k < 3; k++) close(fds[k]);
+    close(report[1]);
+    fcntl(report[0], F_SETFL, O_NONBLOCK);
+    cmds[ncmds++] = (struct cmd){child, conn, report[0], id};
+    reply(conn, REPLY_STARTED, id, 0, child, 0);
+    return;
+fail:
+    free(payload);
+    for (int k = 0; k < nfds; k++) close(fds[k]);
+    close(conn);
+}
+
+static void reap(void) {
+    int status;
+    pid_t w;
+    while ((w = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int k = 0; k < ncmds; k++) {
+            if (cmds[k].pid != w) continue;
+            int e = 0;
+            if (read(cmds[k].report, &e, sizeof e) != (ssize_t)sizeof e) e = 0;
+            reply(cmds[k].conn, REPLY_EXITED, cmds[k].id, status, w, e);
+            if (cmds[k].conn >= 0) close(cmds[k].conn);
+            close(cmds[k].report);
+            cmds[k] = cmds[--ncmds];
+            break;
+        }
+    }
+}
+
+static __attribute__((noreturn)) void serve(int lfd) {
+    /* the listening socket away from fd 0..2, which become /dev/null: no
+     * process of the sandbox inherits a host file (runc's log) from init */
+    int l = fcntl(lfd, F_DUPFD_CLOEXEC, 3);
+    if (l < 0) _exit(1);
+    if (lfd != l) close(lfd);
+    int devnull = open("/dev/null", O_RDWR);
+    for (int k = 0; k < 3; k++) if (devnull >= 0 && devnull != k) dup2(devnull, k);
+    if (devnull > 2) close(devnull);
+    fcntl(l, F_SETFL, O_NONBLOCK);
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, NULL);
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    static struct pollfd pfds[CTL_MAX_CMDS + 2];
+    for (;;) {
+        pfds[0] = (struct pollfd){.fd = l, .events = POLLIN};
+        pfds[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        for (int k = 0; k < ncmds; k++)
+            pfds[2 + k] = (struct pollfd){.fd = cmds[k].conn, .events = POLLIN};
+        int n = poll(pfds, (nfds_t)(2 + ncmds), -1);
+        if (n < 0) continue;
+        if (pfds[1].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {}
+            reap();
+            continue;    /* cmds moved: poll again before looking at connections */
+        }
+        for (int k = 0; k < ncmds; k++) {
+            if (cmds[k].conn < 0 || !(pfds[2 + k].revents & (POLLIN | POLLHUP | POLLERR)))
+                continue;
+            char b[64];
+            ssize_t r = recv(cmds[k].conn, b, sizeof b, MSG_DONTWAIT);
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+                /* the node went away while its command runs */
+                kill(-cmds[k].pid, SIGKILL);
+                close(cmds[k].conn);
+                cmds[k].conn = -1;
+            }
+        }
+        if (pfds[0].revents & POLLIN) {
+            int c;
+            while ((c = accept4(l, NULL, NULL, SOCK_CLOEXEC)) >= 0) start_command(c);
+        }
+    }
+}
+
 /* ---- fncall restrictions ---------------------------------------------- */
 
-struct ll_ruleset_attr { uint64_t fs, net, scoped; };
-struct ll_path_beneath { uint64_t allowed; int32_t parent_fd; } __attribute__((packed));
 #define LL_READ ((1ULL << 0) | (1ULL << 2) | (1ULL << 3)) /* execute, read file, read dir */
 
 static int die(const char *what) {
@@ -189,13 +432,13 @@ static void seccomp_from(int fd) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: sandbox-init init [-i] | exec [-i] [-c DIR] -- ARGV... | "
+        fprintf(stderr, "usage: sandbox-init init [-i] [-l FD] | exec [-i] [-c DIR] -- ARGV... | "
                         "pdeathsig -- ARGV...\n");
         return 2;
     }
     int i = 2;
     const char *cwd = NULL;
-    int idle = 0, njoin = 0, nro = 0, nrw = 0, seccomp_fd = -1, uid = -1;
+    int idle = 0, listen_fd = -1, njoin = 0, nro = 0, nrw = 0, seccomp_fd = -1, uid = -1;
     long cpu = -1;
     int join[MAX_OPT];
     char *ro[MAX_OPT], *rw[MAX_OPT];
@@ -203,6 +446,7 @@ int main(int argc, char **argv) {
         int more = i + 1 < argc;
         if (strcmp(argv[i], "-i") == 0) idle = 1;
         else if (strcmp(argv[i], "-c") == 0 && more) cwd = argv[++i];
+        else if (strcmp(argv[i], "-l") == 0 && more) listen_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "-j") == 0 && more && njoin < MAX_OPT) join[njoin++] = atoi(argv[++i]);
         else if (strcmp(argv[i], "-s") == 0 && more) seccomp_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "-t") == 0 && more) cpu = atol(argv[++i]);
@@ -231,7 +475,7 @@ int main(int argc, char **argv) {
         for (int k = 0; k < njoin; k++) close(join[k]);
         return run_exec(argc - i, argv + i, cwd);
     }
-    if (strcmp(argv[1], "init") == 0) run_init();
+    if (strcmp(argv[1], "init") == 0) run_init(listen_fd);
     if (strcmp(argv[1], "exec") == 0) return run_exec(argc - i, argv + i, cwd);
     if (strcmp(argv[1], "pdeathsig") == 0 && i < argc) {
         pid_t parent = getppid();

@@ -1,0 +1,109 @@
+"""Exec integrity in container sandboxes: a process left running by one
+command cannot change, drop or forge the exit code and output the caller
+receives for a later command (real runc, real kernel, a hostile static
+program copied into the sandbox).
+
+Each attack is first shown to work where the kernel allows it (the attacker
+forging a process of its own command), so a passing test means the defence
+held, not that the attack was broken."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime import Sandbox
+from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.support import wait_until
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
+              pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (forge.c)")]
+
+FORGE_SOURCE = Path(__file__).parent / "helpers" / "forge.c"
+FORGE = "/tmp/forge"
+MARK = "victim-7c1e"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    d = tmp_path_factory.mktemp("integrity")
+    with node_for(busybox_store(d), d) as n:
+        yield n
+
+
+@pytest.fixture(scope="module")
+def forge(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    out = tmp_path_factory.mktemp("forge") / "forge"
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(FORGE_SOURCE)], check=True,
+                   capture_output=True)
+    return out.read_bytes()
+
+
+@pytest.fixture
+def sb(node: Node, forge: bytes) -> Iterator[Sandbox]:
+    with Sandbox.create(IMAGE, node=node, memory_mb=256) as s:
+        s.files.write(FORGE, forge, mode=0o755)
+        yield s
+
+
+def victim(code: int, seconds: float = 1.5) -> str:
+    # the marker in the command line is how the attacker finds its victim
+    return f"sleep {seconds}; echo honest; exit {code} # {MARK}"
+
+
+@pytest.mark.parametrize("attack", ["ptrace", "fd", "signal"])
+def test_the_attack_works_on_a_process_of_its_own_command(sb: Sandbox, attack: str) -> None:
+    """Control: within one command (one process tree) the attack succeeds,
+    so the attacker program is a real forger."""
+    r = sb.exec(f"sh -c '{victim(3)}' & sleep 0.3; {FORGE} {attack} $!; echo forge=$?; "
+                "wait $!; echo victim=$?")
+    assert b"forge=0" in r.stdout, r.stderr
+    forged = {"ptrace": b"victim=0", "fd": b"PASS", "signal": b"victim=137"}[attack]
+    assert forged in r.stdout
+
+
+def test_a_leftover_process_cannot_forge_a_later_command(sb: Sandbox) -> None:
+    """Attack 1 of the integrity issue: a setsid'd process started by an
+    earlier exec hunts the grader's command and tries ptrace into
+    exit_group(0), a write into its stdout, and SIGKILL. The caller still
+    gets the command's own exit code and output."""
+    sb.exec(f"setsid {FORGE} hunt {MARK} /tmp/forge.log </dev/null >/dev/null 2>&1 &")
+    wait_until(lambda: b"ready" in sb.exec("cat /tmp/forge.log 2>/dev/null").stdout, 10,
+               "the forger to start")
+    for code in (3, 1):
+        r = sb.exec(victim(code), timeout=30)
+        assert (r.exit_code, r.stdout) == (code, b"honest\n"), r
+    log = sb.files.read("/tmp/forge.log").decode()
+    # the forger found its victims and every attempt was refused
+    for what in ("fd", "ptrace", "signal"):
+        attempts = [line for line in log.splitlines() if line.startswith(what + " ")]
+        assert attempts, log
+        assert all(("Permission denied" in a or "Operation not permitted" in a)
+                   for a in attempts), log
+    assert b"forge" in sb.exec("ps -o pid,args").stdout  # it is alive, not killed
+
+
+def test_a_command_cannot_take_inits_channel_or_files(sb: Sandbox) -> None:
+    """Init holds the exec channel: its descriptors are closed to the
+    sandbox's root (non-dumpable, no CAP_SYS_PTRACE), and it holds no host
+    file a sandbox process could grow through /proc/1/fd."""
+    r = sb.exec("ls -l /proc/1/fd/; readlink /proc/1/fd/0; cat /proc/1/environ; "
+                "echo x >> /proc/1/fd/2; echo rc=$?")
+    assert b"->" not in r.stdout  # no descriptor of init's can be resolved
+    assert r.stdout.endswith(b"rc=1\n"), r
+    assert b"Permission denied" in r.stderr
+    # the channel's socket is not in the sandbox's tree either
+    assert sb.exec("find / -xdev -name ctl.sock 2>/dev/null | wc -l").stdout.strip() == b"0"
+
+
+def test_commands_see_only_their_own_stdio(sb: Sandbox) -> None:
+    """Nothing of init's (the listening socket, a connection, runc's log)
+    is inherited by a command."""
+    r = sb.exec("ls /proc/self/fd/")
+    assert r.stdout.split() == [b"0", b"1", b"2", b"3"]  # 3: ls's own directory
