@@ -44,7 +44,9 @@ density   M idle sandboxes (create only), then: sum over sandboxes of the
           extrapolation, not a measurement.
 calls     fncall per-call overhead: `true` and `sh -c 'echo hi'` sequential on
           one fncall sandbox, against subprocess.run of the same on the host;
-          `true` through `runc exec` on a running container sandbox for context.
+          `true` through the exec channel of a running container sandbox (its
+          init forks the command), with the CPU one exec costs on the node and
+          in the sandbox (cpuacct).
 
 Percentiles interpolate linearly; every sample is in the JSON. The machine is
 shared (other work runs meanwhile): figures are noisy, MemAvailable most.
@@ -177,6 +179,18 @@ def totals(per: Sequence[dict[str, int]]) -> dict[str, int]:
     return {k: sum(p.get(k, 0) for p in per) for k in keys}
 
 
+def process_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def cgroup_cpu(sandbox_id: str) -> float:
+    try:
+        return int((cgroups.path("cpuacct", sandbox_id) / "cpuacct.usage").read_text()) / 1e9
+    except (OSError, ValueError):
+        return 0.0
+
+
 def settle() -> None:
     time.sleep(SETTLE_S)
 
@@ -260,7 +274,7 @@ class RuntimeSide:
         p.wrap(container_backend, "mount_image", "overlay mount (lazyfs lowers)")
         p.wrap(oci, "config", "OCI config (incl. seccomp)")
         p.wrap(ContainerBackend, "_run_detached", "runc run --detach")
-        p.wrap(procio, "run", "runc exec (process)")
+        p.wrap(procio, "run", "exec (command I/O)")
         p.wrap(container_backend, "unmount", "unmount")
         p.wrap(ContainerBackend, "_runc", "runc delete/state/pause")
         p.wrap(Node, "_save", "state file (JSON + rename)")
@@ -340,6 +354,7 @@ class RuntimeSide:
         info = self.node.create(self.spec("container", "calls"))
         try:
             wall, phases = [], []
+            node_cpu0, sandbox_cpu0 = process_cpu(), cgroup_cpu(info.id)
             for _ in range(m):
                 self.phases.take()
                 t0 = time.perf_counter()
@@ -349,6 +364,11 @@ class RuntimeSide:
                 if r.exit_code != 0:
                     raise RuntimeError(f"container exec true exited {r.exit_code}")
             out["container exec true (running sandbox)"] = summary(wall)
+            # CPU an exec costs: the node's side (this process, all threads)
+            # and the sandbox's (init's fork and the command, cpuacct)
+            self.res["exec_cpu_s"] = {
+                "node_per_exec": (process_cpu() - node_cpu0) / m,
+                "sandbox_per_exec": (cgroup_cpu(info.id) - sandbox_cpu0) / m}
             self.res.setdefault("call_phases_s", {})["container exec true"] = phases
         finally:
             self.node.kill(info.id)
@@ -852,6 +872,10 @@ class Bench:
                     prow += phase_rows(cp[key], calls[name]["mean"], "rest (node, Python)")
             out.append(table("Where one exec goes (mean ms per call)", ["step", "ms", "share"],
                              prow))
+        ec = rt.get("exec_cpu_s")
+        if ec:
+            out.append(f"CPU per container exec of true: node {ms(ec['node_per_exec'])} ms, "
+                       f"sandbox (init's fork + the command) {ms(ec['sandbox_per_exec'])} ms")
         out.append(self.headline(rt, dk, fits))
         return "\n".join(out)
 

@@ -27,9 +27,32 @@ PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CAPABILITIES = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
                 "CAP_SETGID", "CAP_SETUID", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT"]
 
-MASKED_PATHS = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-                "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
-                "/sys/firmware", "/sys/devices/virtual/powercap"]
+# runc's defaults, then files that describe the host or other sandboxes
+# (docs/security.md says why each): physical page state (the kpage* files can
+# be read in bulk to map the host's memory, and have crashed kernels), kernel
+# heap and address layout, the host's hardware, disks, boot line and
+# configuration, and file locks held by every process on the host. A file
+# becomes /dev/null, a directory an empty read-only tmpfs (runc); paths this
+# kernel lacks are skipped.
+MASKED_PATHS = [
+    # runc's default spec
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+    "/sys/firmware", "/sys/devices/virtual/powercap",
+    # physical memory: page counts, flags and owning cgroups of every host page
+    "/proc/kpagecount", "/proc/kpageflags", "/proc/kpagecgroup",
+    # kernel heap, allocator and address layout
+    "/proc/slabinfo", "/proc/vmallocinfo", "/proc/pagetypeinfo", "/proc/zoneinfo",
+    "/proc/buddyinfo", "/proc/iomem", "/proc/ioports", "/proc/kallsyms", "/proc/mtrr",
+    "/proc/dma", "/sys/kernel/vmcoreinfo", "/sys/kernel/notes",
+    # the host's kernel, boot and disks
+    "/proc/config.gz", "/proc/cmdline", "/proc/partitions", "/proc/diskstats", "/proc/swaps",
+    "/proc/key-users",
+    # every lock on the host (pids and inode numbers of other sandboxes)
+    "/proc/locks",
+    # kernel debugging and tracing interfaces
+    "/sys/kernel/debug", "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf",
+]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 CPU_PERIOD = 100_000

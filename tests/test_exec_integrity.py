@@ -107,3 +107,37 @@ def test_commands_see_only_their_own_stdio(sb: Sandbox) -> None:
     is inherited by a command."""
     r = sb.exec("ls /proc/self/fd/")
     assert r.stdout.split() == [b"0", b"1", b"2", b"3"]  # 3: ls's own directory
+
+
+# Files that describe the host (or every sandbox on it) and must read as
+# nothing from inside; each exists on this host (checked), so an empty read
+# inside is the mask at work, not a missing file.
+HOST_FILES = ["/proc/kpagecount", "/proc/kpageflags", "/proc/kpagecgroup", "/proc/slabinfo",
+              "/proc/vmallocinfo", "/proc/config.gz", "/proc/iomem", "/proc/zoneinfo",
+              "/proc/cmdline", "/proc/locks", "/proc/diskstats", "/sys/kernel/vmcoreinfo"]
+
+
+def _host_reads(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return bool(f.read(1))
+    except OSError:
+        return False
+
+
+HOST_DIRS = ["/sys/kernel/debug", "/sys/kernel/tracing", "/sys/kernel/security", "/sys/firmware"]
+
+
+def test_host_describing_kernel_files_read_as_nothing(sb: Sandbox) -> None:
+    present = [f for f in HOST_FILES if _host_reads(f)]
+    assert len(present) >= 8  # the host reads them: the test checks the mask
+    for f in present:
+        # the host itself reads something from each (as root), the sandbox nothing
+        r = sb.exec(f"head -c 4096 {f} 2>/dev/null | wc -c")
+        assert r.stdout.strip() == b"0", (f, r)
+    for d in (d for d in HOST_DIRS if Path(d).is_dir()):
+        r = sb.exec(f"ls -A {d} 2>/dev/null | wc -l; touch {d}/x 2>/dev/null; echo rc=$?")
+        assert r.stdout.split() == [b"0", b"rc=1"], (d, r)
+    # page-info files are not merely empty but unreadable in bulk
+    r = sb.exec("dd if=/proc/kpageflags bs=8 count=1000 2>/dev/null | wc -c")
+    assert r.stdout.strip() == b"0"
