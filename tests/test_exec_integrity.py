@@ -18,7 +18,7 @@ import pytest
 
 from runtime import Sandbox
 from runtime.node import Node
-from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing, vm_missing
 from tests.helpers.support import wait_until
 
 pytestmark = [pytest.mark.root,
@@ -141,3 +141,76 @@ def test_host_describing_kernel_files_read_as_nothing(sb: Sandbox) -> None:
     # page-info files are not merely empty but unreadable in bulk
     r = sb.exec("dd if=/proc/kpageflags bs=8 count=1000 2>/dev/null | wc -c")
     assert r.stdout.strip() == b"0"
+
+
+# -- microVM and full VM ------------------------------------------------------------
+# The guest agent (runtime/native/guest-agent.c) holds the VM's only channel to
+# the host, a virtio-serial port. A guest process that took its descriptor
+# (pidfd_getfd, /proc/PID/fd) could write STDOUT and EXIT frames for the
+# grader's command.
+
+@pytest.fixture(scope="module", params=["microvm", "vm"])
+def vm(request: pytest.FixtureRequest, node: Node, forge: bytes) -> Iterator[Sandbox]:
+    why = vm_missing()
+    if why is not None:
+        pytest.skip(why)
+    with Sandbox.create(IMAGE, backend=request.param, node=node, memory_mb=256, cpu=1) as s:
+        s.files.write(FORGE, forge, mode=0o755)
+        yield s
+
+
+@pytest.mark.slow
+def test_a_guest_process_cannot_take_the_agents_port(vm: Sandbox) -> None:
+    # control: the same call takes the descriptors of a process of its own
+    r = vm.exec(f"sleep 5 & {FORGE} getfd $!; echo forge=$?; kill $!")
+    assert b"forge=0" in r.stdout, r
+    r = vm.exec(f"{FORGE} getfd agent; echo forge=$?")
+    assert b"forge=1" in r.stdout and b"Operation not permitted" in r.stderr, r
+    # /proc/PID/fd of the agent is closed too, and the port cannot be opened twice
+    r = vm.exec("for p in /proc/[0-9]*; do [ \"$(cat $p/comm)\" = lazyfs-agent ] && "
+                "ls -l $p/fd/ 2>&1; done; for d in /dev/vport*; do echo x > $d; done; "
+                "echo done")
+    assert b"vport" not in r.stdout.replace(b"/dev/vport", b"") and b"done" in r.stdout, r
+    # and the channel still answers in step
+    assert vm.exec("echo honest; exit 3").exit_code == 3
+    assert vm.exec("echo next").stdout == b"next\n"
+
+
+@pytest.mark.slow
+def test_a_leftover_guest_process_cannot_forge_a_later_command(vm: Sandbox) -> None:
+    """ptrace into exit_group(0) and a write into the command's stdout, from
+    a process an earlier command left running, are refused in the guest."""
+    vm.exec(f"setsid {FORGE} hunt {MARK} /tmp/forge.log fd,ptrace "
+            "</dev/null >/dev/null 2>&1 &")
+    wait_until(lambda: b"ready" in vm.exec("cat /tmp/forge.log 2>/dev/null").stdout, 30,
+               "the forger to start")
+    r = vm.exec(victim(3), timeout=60)
+    assert (r.exit_code, r.stdout) == (3, b"honest\n"), r
+    log = vm.exec("cat /tmp/forge.log").stdout.decode()
+    for what in ("fd", "ptrace"):
+        attempts = [line for line in log.splitlines() if line.startswith(what + " ")]
+        assert attempts, log
+        assert all(("Permission denied" in a or "Operation not permitted" in a)
+                   for a in attempts), log
+    vm.exec("pkill -f 'forge hunt'; true")
+
+
+@pytest.mark.slow
+def test_a_leftover_guest_process_signalling_a_later_command(vm: Sandbox) -> None:
+    """Signals are scoped only from Landlock ABI 6 (kernel 6.12); the guest
+    kernel here is 6.1. Where the guest cannot scope them, a leftover can kill
+    a later command, and the caller sees the kill (128+N), never a forged
+    success."""
+    abi = vm.exec("cat /sys/kernel/security/landlock/abi_version 2>/dev/null || true")
+    vm.exec(f"setsid {FORGE} hunt {MARK} /tmp/forge-sig.log signal "
+            "</dev/null >/dev/null 2>&1 &")
+    wait_until(lambda: b"ready" in vm.exec("cat /tmp/forge-sig.log 2>/dev/null").stdout, 30,
+               "the forger to start")
+    r = vm.exec(victim(3), timeout=60)
+    assert r.exit_code in (3, 128 + 9) and b"PASS" not in r.stdout, r
+    log = vm.exec("cat /tmp/forge-sig.log").stdout.decode()
+    if r.exit_code == 3:  # scoped: every attempt refused
+        assert "signal" in log and "done" not in log.replace("ready", ""), log
+    else:
+        assert "signal" in log, (abi, log)
+    vm.exec("pkill -f 'forge hunt'; true")

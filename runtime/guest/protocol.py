@@ -26,7 +26,8 @@ from ..errors import FileError, SandboxError
 
 MAX_FRAME = 1 << 20
 CHUNK = 1 << 16
-HEADER = struct.Struct("<IB3x")
+HEADER = struct.Struct("<II")  # payload length; type | request id << 8
+MAX_ID = (1 << 24) - 1
 CALL_TIMEOUT = 60.0
 MIN_RATE = 1 << 20  # bytes/s a file read may not fall below, for its deadline
 MAX_NAME = 255  # a directory entry's name (NAME_MAX)
@@ -64,6 +65,10 @@ def _string(s: str) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
+def _header(length: int, kind: int, rid: int) -> bytes:
+    return HEADER.pack(length, kind | rid << 8)
+
+
 class AgentConnection:
     """One connection to one guest agent. Calls are serialized (the agent
     serves one request at a time)."""
@@ -76,6 +81,7 @@ class AgentConnection:
         self.broken: str | None = None
         self._buf = bytearray()
         self.version = ""
+        self._rid = 0  # the id of the request under way; every reply frame carries it
 
     @classmethod
     def connect(cls, path: str, *, alive: Callable[[], bool] = lambda: True) -> AgentConnection:
@@ -102,7 +108,9 @@ class AgentConnection:
     def _send(self, kind: int, payload: bytes = b"", deadline: float | None = None) -> None:
         if len(payload) > MAX_FRAME:
             raise ValueError(f"frame of {len(payload)} bytes")
-        data = memoryview(HEADER.pack(len(payload), kind) + payload)
+        if kind not in (DATA, KILL):  # a new request: a new id
+            self._rid = self._rid % MAX_ID + 1
+        data = memoryview(_header(len(payload), kind, self._rid) + payload)
         deadline = deadline or time.monotonic() + CALL_TIMEOUT
         while data:
             try:
@@ -141,10 +149,7 @@ class AgentConnection:
         """A whole frame from what has been received, if there is one."""
         if len(self._buf) < HEADER.size:
             return None
-        length, kind = HEADER.unpack_from(self._buf)
-        if length > MAX_FRAME:
-            raise self._fail(f"the guest agent sent a frame of {length} bytes "
-                             f"(at most {MAX_FRAME}): out of step")
+        length, kind = self._parse()
         if len(self._buf) < HEADER.size + length:
             return None
         payload = bytes(self._buf[HEADER.size:HEADER.size + length])
@@ -179,6 +184,22 @@ class AgentConnection:
             except OSError as e:
                 raise self._fail(f"the guest agent's connection failed: {e}") from e
 
+    def _parse(self) -> tuple[int, int]:
+        """Length and type of the frame at the head of the buffer, refusing one
+        that answers another request than the one under way."""
+        length, word = HEADER.unpack_from(self._buf)
+        kind, rid = word & 0xFF, word >> 8
+        if length > MAX_FRAME:
+            raise self._fail(f"the guest agent sent a frame of {length} bytes "
+                             f"(at most {MAX_FRAME}): out of step")
+        if kind == READY:
+            if rid != 0:
+                raise self._fail("the guest agent sent a READY frame with a request id")
+        elif rid != self._rid:
+            raise self._fail(f"the guest agent answered request {rid} during request "
+                             f"{self._rid}: out of step")
+        return length, kind
+
     def _frame_ready(self) -> bool:
         if len(self._buf) < HEADER.size:
             return False
@@ -187,10 +208,7 @@ class AgentConnection:
 
     def recv(self, deadline: float) -> tuple[int, bytes]:
         self._fill(HEADER.size, deadline)
-        length, kind = HEADER.unpack_from(self._buf)
-        if length > MAX_FRAME:
-            raise self._fail(f"the guest agent sent a frame of {length} bytes "
-                             f"(at most {MAX_FRAME}): out of step")
+        length, kind = self._parse()
         self._fill(HEADER.size + length, deadline)
         payload = bytes(self._buf[HEADER.size:HEADER.size + length])
         del self._buf[:HEADER.size + length]
@@ -255,9 +273,9 @@ class AgentConnection:
                                    f"{MAX_FRAME} fit an exec request")
             deadline = time.monotonic() + timeout + grace
             self._send(EXEC, body, deadline)
-            frames = b"".join(HEADER.pack(len(c), DATA) + c for c in
+            frames = b"".join(_header(len(c), DATA, self._rid) + c for c in
                               (stdin[i:i + CHUNK] for i in range(0, len(stdin), CHUNK)))
-            pending = memoryview(frames + (HEADER.pack(0, DATA) if stdin else b""))
+            pending = memoryview(frames + (_header(0, DATA, self._rid) if stdin else b""))
             out, err = bytearray(), bytearray()
             while True:
                 pending, _ = self._exchange(pending, deadline)

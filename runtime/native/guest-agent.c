@@ -13,8 +13,10 @@
  * full VM whose image's own init becomes PID 1 (switch_root moves ROOT to
  * "/"; an agent left in the initramfs root would lose /proc with it).
  *
- * Frames, both ways: u32 payload length, u8 type, 3 zero bytes, payload
- * (little-endian; at most MAX_FRAME bytes, checked on both ends). One
+ * Frames, both ways: u32 payload length, u8 type, the request's id (u24),
+ * payload (little-endian; at most MAX_FRAME bytes, checked on both ends).
+ * Every frame the agent sends carries the id of the request it answers (0
+ * for READY), so a reply can never be taken for another request's. One
  * request at a time; the host serializes its calls.
  *
  *   host -> guest                         guest -> host
@@ -34,6 +36,15 @@
  *   SHUTDOWN                             OK, then power off
  *   (on every new host connection)       READY version
  *
+ * No process of the sandbox can reach the port: the agent holds it open (a
+ * virtio-serial port opens once) and is non-dumpable, and every command runs
+ * without the capabilities that would pass that (CAP_SYS_PTRACE for
+ * pidfd_getfd and /proc/PID/fd, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_BPF,
+ * CAP_PERFMON, CAP_SYS_ADMIN are dropped from its bounding set, so nothing
+ * it starts regains them) and in a Landlock domain of its own, so a process
+ * left by one command cannot ptrace, take descriptors from, or (Landlock ABI
+ * 6+) signal a later one.
+ *
  * A command runs in its own session; on timeout, output cap or KILL its
  * tree is killed: every process of its session and every process holding
  * its stdout/stderr pipes (a double-forked daemon). When the host goes away
@@ -50,6 +61,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/capability.h>
+#include <sys/prctl.h>
 #include <sys/reboot.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -58,7 +71,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define VERSION "lazyfs-agent 1"
+#define VERSION "lazyfs-agent 2"
 #define MAX_FRAME (1u << 20)
 #define CHUNK 65536
 #define SEND_TIMEOUT_MS 30000
@@ -73,6 +86,7 @@ enum {
 
 static int port = -1;
 static int rootfd = -1;
+static uint32_t req_id;   /* the id of the request being answered (24 bits) */
 static int connected = 0;
 static int sigfd = -1;
 static unsigned char *rbuf;  /* the frame being read */
@@ -109,8 +123,12 @@ static int write_all(const void *buf, size_t n) {
 
 static int send_frame(int type, const void *payload, uint32_t len) {
     unsigned char hdr[8] = {0};
+    uint32_t id = type == T_READY ? 0 : req_id;
     memcpy(hdr, &len, 4);
     hdr[4] = (unsigned char)type;
+    hdr[5] = (unsigned char)id;
+    hdr[6] = (unsigned char)(id >> 8);
+    hdr[7] = (unsigned char)(id >> 16);
     if (write_all(hdr, 8) != 0) return -1;
     return len ? write_all(payload, len) : 0;
 }
@@ -145,14 +163,53 @@ static int read_all(void *buf, size_t n, int timeout_ms) {
     return 0;
 }
 
-/* Read one frame into rbuf; returns its type, -1 on a lost connection. */
-static int recv_frame(uint32_t *len) {
+/* Read one frame into rbuf; returns its type, -1 on a lost connection. The
+ * frame's request id lands in *id. */
+static int recv_frame_id(uint32_t *len, uint32_t *id) {
     unsigned char hdr[8];
     if (read_all(hdr, 8, RECV_TIMEOUT_MS) != 0) return -1;
     memcpy(len, hdr, 4);
+    *id = hdr[5] | (uint32_t)hdr[6] << 8 | (uint32_t)hdr[7] << 16;
     if (*len > MAX_FRAME) { connected = 0; return -1; }  /* out of sync: drop it */
     if (*len && read_all(rbuf, *len, RECV_TIMEOUT_MS) != 0) return -1;
     return hdr[4];
+}
+
+static int recv_frame(uint32_t *len) {
+    uint32_t id;
+    return recv_frame_id(len, &id);
+}
+
+/* What a command gives up before it execs (see the header). */
+static const int dropped_caps[] = {CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_ADMIN,
+                                   38 /* CAP_PERFMON */, 39 /* CAP_BPF */};
+
+static int confine_command(void) {
+    for (size_t k = 0; k < sizeof dropped_caps / sizeof *dropped_caps; k++)
+        if (prctl(PR_CAPBSET_DROP, dropped_caps[k], 0, 0, 0) != 0 && errno != EINVAL) return -1;
+    struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct d[2];
+    if (syscall(SYS_capget, &h, d) != 0) return -1;
+    for (size_t k = 0; k < sizeof dropped_caps / sizeof *dropped_caps; k++) {
+        int c = dropped_caps[k];
+        uint32_t bit = 1u << (c % 32);
+        d[c / 32].effective &= ~bit;
+        d[c / 32].permitted &= ~bit;
+        d[c / 32].inheritable &= ~bit;
+    }
+    if (syscall(SYS_capset, &h, d) != 0) return -1;
+    /* a Landlock domain of its own: handles only block-device creation (a
+     * no-op here), scopes ptrace-class access and, from ABI 6, signals */
+    struct { uint64_t fs, net, scoped; } attr = {1ULL << 11, 0, 0};
+    long abi = syscall(444, NULL, 0, 1UL);
+    if (abi <= 0) return 0;  /* no Landlock in this guest kernel: the caps still hold */
+    size_t size = 8;
+    if (abi >= 6) { attr.scoped = 2; size = 24; }
+    int fd = (int)syscall(444, &attr, size, 0UL);
+    if (fd < 0) return -1;
+    int r = prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 ? (int)syscall(446, fd, 0UL) : -1;
+    close(fd);
+    return r;
 }
 
 /* A cursor over a request's payload. */
@@ -497,6 +554,10 @@ static void do_exec(struct cur *c) {
         signal(SIGPIPE, SIG_DFL);  /* ignored in the agent; an ignored disposition survives exec */
         setsid();
         dup2(in[0], 0); dup2(out[1], 1); dup2(errp[1], 2);
+        if (confine_command() != 0) {
+            dprintf(2, "lazyfs-agent: cannot confine the command: %s\n", strerror(errno));
+            _exit(127);
+        }
         if (fchdir(rootfd) != 0 || chroot(".") != 0) {
             dprintf(2, "lazyfs-agent: cannot enter the sandbox root: %s\n", strerror(errno));
             _exit(127);
@@ -641,6 +702,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: lazyfs-agent [--chroot] PORT ROOT\n");
         return 2;
     }
+    prctl(PR_SET_DUMPABLE, 0);  /* /proc/PID/fd and pidfd_getfd need CAP_SYS_PTRACE now */
     rbuf = malloc(MAX_FRAME);
     port = open(argv[1], O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
     if (port < 0) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[1], strerror(errno)); return 1; }
@@ -672,9 +734,10 @@ int main(int argc, char **argv) {
             if (send_frame(T_READY, VERSION, sizeof VERSION - 1) != 0) continue;
         }
         if (!(p[0].revents & POLLIN)) continue;
-        uint32_t len;
-        int t = recv_frame(&len);
+        uint32_t len, id;
+        int t = recv_frame_id(&len, &id);
         if (t < 0) continue;
+        if (t != T_DATA && t != T_KILL) req_id = id;  /* leftovers keep no id */
         struct cur c = {rbuf, len, 0};
         switch (t) {
         case T_EXEC: do_exec(&c); break;

