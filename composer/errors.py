@@ -9,6 +9,7 @@ Hierarchy (under chunkstore.errors.LazyfsError)::
      ├── BadSource           an image reference or source that cannot be read
      ├── BadImageName        a tag that breaks the reference grammar (refs.py)
      ├── ManifestError       a stored manifest that cannot be parsed
+     ├── DiffError           a sandbox's upper (or hidden paths) that cannot become a layer
      └── ImageNotFound       no image by this name or digest in the catalog
 
 Each names the layer and, where there is one, the entry.
@@ -49,6 +50,11 @@ class BadImageName(ComposerError, ValueError):
 
 class ManifestError(ComposerError):
     pass
+
+
+class DiffError(ComposerError):
+    """An upper directory or a hidden path that cannot become a layer
+    (composer/snapshot.py; names what and why)."""
 
 
 class ImageNotFound(ComposerError, KeyError):

@@ -362,7 +362,10 @@ def _acquire_local(store_path: Path) -> tuple[ChunkStore, Catalog]:
             store, cat, n = _local[key]
             _local[key] = (store, cat, n + 1)
             return store, cat
-        store = ChunkStore.open(key, readonly=True)
+        # writable where this process may write (a node packs snapshots into
+        # it; LMDB opens an environment once per process, so the readers
+        # share that one), read-only elsewhere
+        store = ChunkStore.open(key, readonly=not os.access(key / "index", os.W_OK))
         try:
             cat = Catalog(store)
         except BaseException:

@@ -24,10 +24,11 @@ from .errors import (
                      SandboxStateError,
                      Unsupported,
 )
-from .sdk import AsyncSandbox, Sandbox
-from .spec import ExecResult, NetworkPolicy, Rule, SandboxInfo, SandboxSpec
+from .sdk import AsyncSandbox, Sandbox, Snapshot
+from .spec import ExecResult, NetworkPolicy, Rule, SandboxInfo, SandboxSpec, SnapshotInfo
 
 __all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
            "FileError", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "OutOfMemory",
            "OutputTruncated", "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxInfo",
-           "SandboxNotFound", "SandboxSpec", "SandboxStateError", "Unsupported"]
+           "SandboxNotFound", "SandboxSpec", "SandboxStateError", "Snapshot", "SnapshotInfo",
+           "Unsupported"]

@@ -31,6 +31,8 @@ from typing import Any
 
 from . import cgroups
 from .backends import Backend, Handle, Sink, capabilities, make_backend
+from .backends.base import Capturing
+from .capture import Captures
 from .config import RuntimeConfig
 from .errors import (
     BackendUnavailable,
@@ -45,7 +47,16 @@ from .errors import (
 )
 from .files import FileInfo, SandboxFiles, remove_tree
 from .images import Images
-from .spec import ExecRequest, ExecResult, ResolvedImage, SandboxInfo, SandboxSpec, parse
+from .spec import (
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    ResolvedImage,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    parse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +75,7 @@ class Node:
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         self.config = config or RuntimeConfig()
         self.images = Images(self.config)
+        self.captures = Captures(self.config)
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._sandboxes: dict[str, tuple[SandboxInfo, Handle[Any]]] = {}
@@ -134,6 +146,11 @@ class Node:
         try:
             # the only time the name is looked up: backends get the digest
             image = self.images.resolve_image(spec.image)
+            if spec.hidden:
+                if "hidden" not in capabilities(spec.backend):
+                    raise Unsupported(f"the {spec.backend} backend cannot hide paths "
+                                      "(Sandbox.capabilities)")
+                image = self.captures.hide(image, spec.hidden)
             sandbox_id = f"sb-{secrets.token_hex(8)}"
             d = self.config.sandboxes / sandbox_id
             d.mkdir(mode=0o700)
@@ -218,6 +235,80 @@ class Node:
             except SandboxNotFound:
                 pass
         return ids
+
+    # -- snapshot, fork, verify ---------------------------------------------
+    def _capturing(self, info: SandboxInfo, op: str) -> Capturing:
+        backend = self._require(info, op)
+        assert isinstance(backend, Capturing), backend
+        return backend
+
+    def _pack(self, sandbox_id: str, op: str) -> tuple[SandboxInfo, Handle[Any], Any, int,
+                                                        float]:
+        """The sandbox's upper packed with its processes stopped: (info,
+        handle, layer, new bytes, seconds frozen)."""
+        with self._state_lock(sandbox_id):  # no pause/resume meanwhile
+            info, h = self._get(sandbox_id)
+            backend = self._capturing(info, op)
+            with backend.capture(h) as upper:
+                t0 = time.monotonic()
+                diff, new_bytes = self.captures.pack(sandbox_id, upper, op)
+                frozen = time.monotonic() - t0
+        self._touch(info, h)
+        return info, h, diff, new_bytes, frozen
+
+    def snapshot(self, sandbox_id: str, tag: str | None = None) -> SnapshotInfo:
+        """The sandbox's files as an image (its layers + its upper packed),
+        committed under `tag` (default snapshots/<id>:<n>)."""
+        started = time.monotonic()
+        _, h, diff, new_bytes, frozen = self._pack(sandbox_id, "snapshot")
+        snap = self.captures.snapshot(sandbox_id, h.image, diff, new_bytes, tag=tag,
+                                      frozen_s=frozen, started=started)
+        log.info("snapshot of %s: %s (%d entries, %d bytes new, frozen %.3fs)", sandbox_id,
+                 snap.image, snap.entries, snap.bytes_new, frozen)
+        return snap
+
+    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
+        """n sandboxes from the current files of one (one capture), each with
+        its own writable layer and identity (hostname = its id; the image's
+        /etc/hostname, /etc/machine-id and random-seed files made anew)."""
+        if not 1 <= n <= 1024:
+            raise SandboxStateError(f"fork of {n}: between 1 and 1024 at a time")
+        info = self.get(sandbox_id)
+        snap = self.snapshot(sandbox_id)
+        spec = info.spec.model_copy(update={"image": snap.image})
+        children: list[SandboxInfo] = []
+        try:
+            for _ in range(n):
+                child = self.create(spec)
+                children.append(child)
+                _fresh_identity(self.files(child.id), child.id)
+        except BaseException:
+            for c in children:
+                self.kill(c.id)
+            raise
+        return snap, children
+
+    def verify(self, sandbox_id: str, req: ExecRequest,
+               keep: tuple[str, ...] | None = None) -> ExecResult:
+        """Run `req` in a fresh sandbox made from this one's current files
+        (all of its writable layer, or what is under `keep`) over its image,
+        with the hidden paths shown, no network and no process of this
+        sandbox's: what a grader can trust."""
+        info, h, diff, _, _ = self._pack(sandbox_id, "verify")
+        digest, tag = self.captures.verifier_image(sandbox_id, h.image, info.spec.hidden, diff,
+                                                   keep)
+        spec = info.spec.model_copy(update={
+            "image": digest, "hidden": (), "network": NetworkPolicy.none(),
+            "labels": {"lazyfs.verifier-of": sandbox_id}, "idle_timeout": None,
+            "timeout": max(60.0, req.timeout + 60.0)})
+        try:
+            verifier = self.create(spec)
+            try:
+                return self.exec(verifier.id, req)
+            finally:
+                self.kill(verifier.id)
+        finally:
+            self.captures.remove_tag(tag)
 
     # -- exec and files ------------------------------------------------------
     def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
@@ -340,9 +431,33 @@ class Node:
                 b.close()
             self._backends.clear()
         self.images.close()
+        self.captures.close()
         if not self._sandboxes:
             cgroups.remove_parent()  # nothing of ours stays in the cgroup tree
         os.close(self._lockfile)
+
+
+IDENTITY_FILES = ("/etc/hostname", "/etc/machine-id", "/var/lib/systemd/random-seed",
+                  "/var/lib/dbus/machine-id")
+
+
+def _fresh_identity(files: SandboxFiles, sandbox_id: str) -> None:
+    """A forked sandbox's own identity, in the files its image keeps (only
+    those that exist: a fork adds no file)."""
+    for path in IDENTITY_FILES:
+        try:
+            old = files.read(path)
+        except SandboxError:
+            continue
+        if path == "/etc/hostname":
+            new = sandbox_id[:63].encode() + b"\n"
+        elif path.endswith("machine-id"):
+            if not old.strip():  # an empty machine-id means "make one at boot"
+                continue
+            new = secrets.token_hex(16).encode() + b"\n"
+        else:
+            new = secrets.token_bytes(max(len(old), 32))
+        files.write(path, new, mode=0o644 if path != "/var/lib/systemd/random-seed" else 0o600)
 
 
 def _close_at_exit(ref: weakref.ref[Node]) -> None:

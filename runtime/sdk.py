@@ -44,6 +44,8 @@ from .spec import (
     NetworkPolicy,
     SandboxInfo,
     SandboxSpec,
+    SnapshotInfo,
+    VerifyRequest,
     build,
     command,
 )
@@ -52,6 +54,8 @@ from .transport import Transport, resolve
 if TYPE_CHECKING:
     from .backends.base import Sink
     from .node import Node
+
+Snapshot = SnapshotInfo  # what sb.snapshot() returns; Sandbox.create(snapshot) runs it
 
 # a string: Node is only a name here (importing it would load the node)
 NodeRef: TypeAlias = "str | Node | Transport | None"
@@ -116,19 +120,23 @@ class Sandbox:
         return f"<Sandbox {self.id} {self.info.spec.backend} {self.info.spec.image}>"
 
     @classmethod
-    def create(cls, image: str, *, backend: Backend = "container", cpu: float | None = None,
+    def create(cls, image: str | SnapshotInfo, *, backend: Backend = "container",
+               cpu: float | None = None,
                memory_mb: int | None = None, disk_mb: int | None = None,
                pids: int | None = None, timeout: float | None = None, idle_timeout: float | None = None,
                network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
                labels: Mapping[str, str] | None = None, qos: str | None = None,
-               workdir: str | None = None, node: NodeRef = None,
-               token: str | None = None) -> Sandbox:
-        """A new sandbox from `image` on `node` (see the module docstring);
-        `token` is the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
-        spec = _spec(image, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
+               workdir: str | None = None, hidden: Sequence[str] | None = None,
+               node: NodeRef = None, token: str | None = None) -> Sandbox:
+        """A new sandbox from `image` (a name, a digest, or a Snapshot) on
+        `node` (see the module docstring); `hidden`: paths of the image this
+        sandbox does not see, which verify() shows; `token` is the bearer
+        token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
+        name = image.image if isinstance(image, SnapshotInfo) else image
+        spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
                      timeout=timeout, idle_timeout=idle_timeout, network=network,
                      env=dict(env) if env else None, labels=dict(labels) if labels else None,
-                     qos=qos, workdir=workdir)
+                     qos=qos, workdir=workdir, hidden=tuple(hidden) if hidden else None)
         t = resolve(node, token)
         return cls(t.create(spec), t)
 
@@ -173,6 +181,34 @@ class Sandbox:
         on_stdout/on_stderr receive output as it comes."""
         req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
         return self._t.exec(self.id, req, on_stdout, on_stderr)
+
+    def snapshot(self, tag: str | None = None) -> SnapshotInfo:
+        """The sandbox's files as an image (its image's layers + its writable
+        layer packed into one), committed under `tag` (default
+        snapshots/<id>:<n>). The sandbox is frozen while its files are
+        packed (SnapshotInfo.frozen_s) and runs on after."""
+        return self._t.snapshot(self.id, tag)
+
+    def fork(self, n: int) -> builtins.list[Sandbox]:
+        """n new sandboxes with this one's current files (one snapshot), each
+        with its own writable layer and identity; same spec otherwise."""
+        _, children = self._t.fork(self.id, n)
+        return [Sandbox(c, self._t) for c in children]
+
+    def verify(self, cmd: str | Sequence[str], *, cwd: str | None = None,
+               env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
+               timeout: float = DEFAULT_EXEC_TIMEOUT,
+               max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+               keep: Sequence[str] | None = None) -> ExecResult:
+        """Run `cmd` in a fresh sandbox made from this one's current files
+        over its image, where the hidden paths are visible: no process of
+        this sandbox's alive, no network. What a grader can trust.
+        `keep`: take only these paths of the sandbox's files (e.g. the
+        workspace); the rest, such as a /bin/sh or python the sandbox
+        replaced, is the image's."""
+        req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
+        return self._t.verify(self.id, build(VerifyRequest, exec=req,
+                                             keep=tuple(keep) if keep is not None else None))
 
     def refresh(self) -> SandboxInfo:
         self.info = self._t.get(self.id)
@@ -249,7 +285,7 @@ class AsyncSandbox:
         return self.sync.info
 
     @classmethod
-    async def create(cls, image: str, **kw: Any) -> AsyncSandbox:
+    async def create(cls, image: str | SnapshotInfo, **kw: Any) -> AsyncSandbox:
         return cls(await _thread(Sandbox.create, image, **kw))
 
     @classmethod
@@ -285,6 +321,17 @@ class AsyncSandbox:
 
     async def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
         r: ExecResult = await _thread(self.sync.exec, cmd, **kw)
+        return r
+
+    async def snapshot(self, tag: str | None = None) -> SnapshotInfo:
+        out: SnapshotInfo = await _thread(self.sync.snapshot, tag)
+        return out
+
+    async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
+        return [AsyncSandbox(s) for s in await _thread(self.sync.fork, n)]
+
+    async def verify(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
+        r: ExecResult = await _thread(self.sync.verify, cmd, **kw)
         return r
 
     async def pause(self) -> dict[str, Any]:

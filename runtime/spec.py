@@ -129,6 +129,19 @@ class SandboxSpec(_Model):
     labels: dict[str, str] = {}
     qos: Qos = Qos.latency
     workdir: str = "/"
+    # paths of the image the sandbox does not see; verify() shows them again
+    # (e.g. a task's hidden tests)
+    hidden: tuple[str, ...] = Field(default=(), max_length=64)
+
+    @field_validator("hidden")
+    @classmethod
+    def _hidden(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for p in v:
+            parts = p.split("/")
+            if not p.startswith("/") or p == "/" or "\0" in p or ".." in parts or "." in parts:
+                raise ValueError(f"hidden path {p!r} must be an absolute path below /, "
+                                 "without . or ..")
+        return tuple(sorted({p.rstrip("/") for p in v}))
 
     @field_validator("env")
     @classmethod
@@ -224,6 +237,43 @@ class ResolvedImage(_Model):
     name: str
     digest: str = Field(pattern=DIGEST_PATTERN)
     layers: tuple[str, ...]
+
+
+class VerifyRequest(_Model):
+    """verify(): the command, and which of the sandbox's files the verifier
+    gets: the whole writable layer (keep=None) or only what is under `keep`
+    (absolute paths, e.g. the workspace)."""
+
+    exec: ExecRequest
+    keep: tuple[str, ...] | None = None
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is None:
+            return v
+        for p in v:
+            parts = p.split("/")
+            if not p.startswith("/") or p == "/" or "\0" in p or ".." in parts:
+                raise ValueError(f"keep path {p!r} must be an absolute path below /")
+        return tuple(sorted(set(v)))
+
+
+class SnapshotInfo(_Model):
+    """A sandbox's files captured as an image: the image's layers plus one
+    layer packed from the sandbox's writable upper. `image` is its content
+    digest, usable wherever an image name is (Sandbox.create(snapshot.image))."""
+
+    image: str = Field(pattern=DIGEST_PATTERN)
+    tag: str
+    sandbox_id: str
+    layer: str = Field(pattern=DIGEST_PATTERN)  # the upper, packed
+    base_image: str = Field(pattern=DIGEST_PATTERN)  # what the sandbox ran
+    entries: int  # in the packed layer
+    bytes: int  # file data in the packed layer
+    bytes_new: int  # of which the store did not hold yet (after dedup)
+    frozen_s: float  # how long the sandbox's processes were stopped
+    seconds: float  # the whole call
 
 
 class SandboxInfo(_Model):

@@ -32,7 +32,14 @@ import httpx
 
 from .errors import ERRORS, BackendUnavailable, ExecError, SandboxError
 from .files import FileInfo
-from .spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from .spec import (
+    ExecRequest,
+    ExecResult,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    VerifyRequest,
+)
 
 if TYPE_CHECKING:
     from .backends.base import Sink
@@ -62,6 +69,9 @@ class Transport(Protocol):
     def remove(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
     def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]: ...
     def capabilities(self, backend: str) -> dict[str, Any]: ...
+    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo: ...
+    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]: ...
+    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult: ...
 
 
 class Embedded:
@@ -116,6 +126,15 @@ class Embedded:
     def capabilities(self, backend: str) -> dict[str, Any]:
         from .backends import capabilities
         return capabilities(backend).as_dict()
+
+    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo:
+        return self.node.snapshot(sandbox_id, tag)
+
+    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
+        return self.node.fork(sandbox_id, n)
+
+    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
+        return self.node.verify(sandbox_id, req.exec, req.keep)
 
 
 def raise_for(body: Mapping[str, Any], status: int) -> None:
@@ -260,6 +279,20 @@ class Http:
     def capabilities(self, backend: str) -> dict[str, Any]:
         out: dict[str, Any] = self._call("GET", f"/v1/capabilities/{backend}").json()
         return out
+
+    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo:
+        r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/snapshot", json={"tag": tag})
+        return SnapshotInfo.model_validate(r.json())
+
+    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
+        body = self._call("POST", f"/v1/sandboxes/{sandbox_id}/fork", json={"n": n}).json()
+        return (SnapshotInfo.model_validate(body["snapshot"]),
+                [SandboxInfo.model_validate(c) for c in body["children"]])
+
+    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
+        r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/verify",
+                       content=req.model_dump_json(), headers={"content-type": "application/json"})
+        return ExecResult.model_validate(r.json())
 
 
 _lock = threading.Lock()

@@ -38,7 +38,7 @@ from ..backends import capabilities
 from ..errors import ExecError, SandboxError
 from ..files import FileInfo
 from ..node import Node
-from ..spec import ExecRequest, SandboxInfo, SandboxSpec
+from ..spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, SnapshotInfo, VerifyRequest
 
 STREAM_BUFFER = 64
 EXEC_THREADS = 8192  # execs hold a thread for their whole run; control calls must not wait
@@ -55,6 +55,19 @@ def exec_limiter() -> anyio.CapacityLimiter:
 
 class Labels(BaseModel):
     labels: dict[str, str] = {}
+
+
+class SnapshotRequest(BaseModel):
+    tag: str | None = None
+
+
+class ForkRequest(BaseModel):
+    n: int
+
+
+class Forked(BaseModel):
+    snapshot: SnapshotInfo
+    children: list[SandboxInfo]
 
 
 def _labels(raw: list[str]) -> dict[str, str]:
@@ -153,6 +166,21 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
         node.get(sandbox_id)  # a missing sandbox is a 404, not a stream
         return StreamingResponse(_exec_stream(node, sandbox_id, req),
                                  media_type="application/x-ndjson")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot")
+    async def snapshot(sandbox_id: str, body: SnapshotRequest) -> SnapshotInfo:
+        snap: SnapshotInfo = await run(node.snapshot, sandbox_id, body.tag)
+        return snap
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork")
+    async def fork(sandbox_id: str, body: ForkRequest) -> Forked:
+        snap, children = await run(node.fork, sandbox_id, body.n)
+        return Forked(snapshot=snap, children=children)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/verify")
+    async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:
+        result: ExecResult = await run(node.verify, sandbox_id, req.exec, req.keep)
+        return result
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def read_file(sandbox_id: str, path: str) -> Response:

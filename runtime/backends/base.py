@@ -9,9 +9,10 @@ mounts and cgroups and must undo all of them when create fails or kill runs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -68,6 +69,14 @@ class Handle(Generic[S]):
     image: ResolvedImage
     dir: Path
     state: S
+
+
+@runtime_checkable
+class Capturing(Protocol):
+    """A backend whose sandboxes' files can be captured (snapshot, fork,
+    verify): the writable upper, with the sandbox's processes stopped."""
+
+    def capture(self, handle: Handle[Any]) -> AbstractContextManager[Path]: ...
 
 
 class Backend(Protocol):

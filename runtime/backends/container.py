@@ -20,6 +20,7 @@ every process of the sandbox in the command's session or below it, thaw.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -28,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -77,8 +79,10 @@ class ContainerBackend:
     name = "container"
     state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
-        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent"}),
-        "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim")
+        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent",
+         "snapshot", "fork", "verify", "hidden"}),
+        "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim; "
+        "snapshot = the upper packed into a layer")
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         self.config = config
@@ -239,6 +243,23 @@ class ContainerBackend:
 
     def resume(self, h: Container) -> None:
         self._runc("resume", h.id)
+
+    # -- capture -------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self, h: Container) -> Iterator[Path]:
+        """The sandbox's upper with every process of the sandbox stopped
+        (frozen; a paused sandbox stays paused), thawed after."""
+        freezer = cgroups.path("freezer", h.id) / "freezer.state"
+        was_frozen = freezer.read_text().strip() == "FROZEN"
+        if not was_frozen:
+            freezer.write_text("FROZEN")
+            while freezer.read_text().strip() == "FREEZING":
+                time.sleep(0.001)
+        try:
+            yield (h.state.rw or h.dir / "rw") / "upper"
+        finally:
+            if not was_frozen:
+                freezer.write_text("THAWED")
 
     # -- exec ----------------------------------------------------------------
     def exec(self, h: Container, req: ExecRequest, on_stdout: Sink | None,

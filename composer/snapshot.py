@@ -1,0 +1,212 @@
+"""Layers made from sandboxes: a writable overlayfs upper packed back into a
+layer (`pack_diff`), and the two small layers that hide some of an image's
+paths from a sandbox and show them again to a verifier (`hide_layer`,
+`reveal_layer`).
+
+pack_diff reads an upper directory the way overlayfs wrote it: a character
+device 0/0 is a whiteout (the path is deleted), a directory with the xattr
+trusted.overlay.opaque=y hides everything lower layers had in it, other
+trusted.overlay.* xattrs are overlayfs' own bookkeeping and are dropped; a
+file whose metadata alone changed is a full copy in the upper (overlayfs
+copies up on chmod/chown/utimes unless metacopy is on) and becomes a full
+entry, its data deduplicated against the store. Hard links inside the upper
+stay links; all-zero chunks stay holes. Upper dirs written with overlayfs'
+redirect_dir or metacopy features are refused (their xattrs point into the
+lowers, which a layer cannot express).
+
+The chunks a sandbox wrote go to a trust domain of their own (UNTRUSTED by
+default): they dedup against trusted chunks only when their BLAKE3 digests
+match, so bytes a sandbox chose never stand in for an image's.
+
+Not here: freezing the sandbox, committing images (composer.catalog) or
+mounting them.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from chunkstore import TRUSTED, ChunkStore, TrustDomain
+
+from .builder import DEFAULT_CHUNK_SIZE, LayerBuilder, ProgressFn
+from .compose import compose
+from .errors import DiffError
+from .manifest import Entry, Kind, LayerManifest
+
+UNTRUSTED = TrustDomain("untrusted")
+OVERLAY_XATTR = "trusted.overlay."
+_REFUSED = ("trusted.overlay.redirect", "trusted.overlay.metacopy")
+
+
+def pack_diff(store: ChunkStore, upper: Path, *, domain: TrustDomain = UNTRUSTED,
+              source: str = "", chunk_size: int = DEFAULT_CHUNK_SIZE,
+              progress: ProgressFn | None = None) -> LayerManifest:
+    """The layer that, put on top of the lowers the upper was written
+    against, gives the tree the overlay showed."""
+    layer = source or f"upper:{upper}"
+    builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
+                           progress=progress, source=layer)
+    seen: dict[tuple[int, int], str] = {}
+    root_st = os.lstat(upper)
+    _add(builder, str(upper), "", seen, layer, root_st.st_dev)
+    for dirpath, dirnames, filenames in os.walk(upper):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, upper)
+        for name in sorted(filenames + dirnames):
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            _add(builder, os.path.join(dirpath, name), rel, seen, layer, root_st.st_dev)
+    manifest = builder.finish()
+    # the upper's own root says nothing about the image's root
+    manifest.entries[0].implicit = True
+    return manifest
+
+
+def _xattrs(full: str, layer: str, rel: str) -> tuple[dict[str, bytes], bool]:
+    try:
+        names = os.listxattr(full, follow_symlinks=False)
+    except OSError:
+        return {}, False
+    out: dict[str, bytes] = {}
+    opaque = False
+    for n in names:
+        if n.startswith(_REFUSED):
+            raise DiffError(f"{layer}: {rel or '/'} carries {n}: uppers written with "
+                            "overlayfs' redirect_dir or metacopy cannot be packed")
+        try:
+            v = os.getxattr(full, n, follow_symlinks=False)
+        except OSError:
+            continue
+        if n == "trusted.overlay.opaque":
+            opaque = v == b"y"
+        elif not n.startswith(OVERLAY_XATTR):
+            out[n] = v
+    return out, opaque
+
+
+def _add(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, int], str],
+         layer: str, dev: int) -> None:
+    st = os.lstat(full)
+    if st.st_dev != dev:
+        raise DiffError(f"{layer}: {rel} is another filesystem mounted in the upper")
+    xattrs, opaque = _xattrs(full, layer, rel)
+    common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
+                              "gid": st.st_gid, "mtime_ns": st.st_mtime_ns, "xattrs": xattrs}
+    name = rel if rel else "."
+    fmt = stat.S_IFMT(st.st_mode)
+    if fmt == stat.S_IFCHR and st.st_rdev == 0:  # overlayfs' whiteout
+        builder.add(name, Entry("", Kind.WHITEOUT, mode=0, uid=st.st_uid, gid=st.st_gid,
+                                mtime_ns=st.st_mtime_ns))
+    elif fmt == stat.S_IFREG:
+        key = (st.st_dev, st.st_ino)
+        if st.st_nlink > 1 and key in seen:
+            builder.add(name, Entry("", Kind.HARDLINK, target=seen[key], **common))
+            return
+        if st.st_nlink > 1:
+            seen[key] = rel
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            builder.add(name, Entry("", Kind.FILE, size=st.st_size, **common), f)
+    elif fmt == stat.S_IFDIR:
+        builder.add(name, Entry("", Kind.DIR, opaque=opaque, **common))
+    elif fmt == stat.S_IFLNK:
+        builder.add(name, Entry("", Kind.SYMLINK, target=os.readlink(full), **common))
+    elif fmt in (stat.S_IFCHR, stat.S_IFBLK):
+        kind = Kind.CHAR if fmt == stat.S_IFCHR else Kind.BLOCK
+        builder.add(name, Entry("", kind, rdev=(os.major(st.st_rdev), os.minor(st.st_rdev)),
+                                **common))
+    elif fmt == stat.S_IFIFO:
+        builder.add(name, Entry("", Kind.FIFO, **common))
+    # sockets cannot be stored in a layer; a sandbox's are dropped
+
+
+def _clean(path: str) -> str:
+    p = posixpath.normpath("/" + path).lstrip("/")
+    if not p or p.startswith(".."):
+        raise DiffError(f"hidden path {path!r} must name something below /")
+    return p
+
+
+def hide_layer(paths: Iterable[str]) -> LayerManifest:
+    """A layer of whiteouts: on top of an image, `paths` are gone."""
+    entries: dict[str, Entry] = {"": Entry("", Kind.DIR, 0o755, implicit=True)}
+    for p in sorted({_clean(p) for p in paths}):
+        parent = posixpath.dirname(p)
+        while parent and parent not in entries:
+            entries[parent] = Entry(parent, Kind.DIR, 0o755, implicit=True)
+            parent = posixpath.dirname(parent)
+        entries[p] = Entry(p, Kind.WHITEOUT, mode=0)
+    ordered = sorted(entries.values(), key=lambda e: e.path.split("/"))
+    return LayerManifest(ordered, TRUSTED, "hide:" + ",".join(sorted(entries)))
+
+
+def reveal_layer(layers: list[LayerManifest], paths: Iterable[str]) -> LayerManifest:
+    """The image's own entries at and below `paths` as one layer (no data is
+    copied: entries keep their chunk lists). Put on top of a sandbox's
+    snapshot, it shows the image's version of those paths, whatever the
+    sandbox wrote there: each path's directory is opaque, a file replaces."""
+    wanted = sorted({_clean(p) for p in paths})
+    tree = {e.path: (e, i) for e, i in compose(layers)}
+    entries: dict[str, Entry] = {"": Entry("", Kind.DIR, 0o755, implicit=True)}
+    domains = set()
+    for p in wanted:
+        if p not in tree:
+            raise DiffError(f"hidden path /{p} is not in the image")
+        parent = posixpath.dirname(p)
+        while parent and parent not in entries:
+            entries[parent] = Entry(parent, Kind.DIR, 0o755, implicit=True)
+            parent = posixpath.dirname(parent)
+        prefix = p + "/"
+        for path, (e, i) in tree.items():
+            if path != p and not path.startswith(prefix):
+                continue
+            copy = Entry(path, e.kind, e.mode, e.uid, e.gid, e.mtime_ns, e.size,
+                         list(e.chunks), e.target, e.rdev, dict(e.xattrs), e.opaque)
+            if e.kind == Kind.HARDLINK:
+                target, _ = tree[e.target]  # a link reaching outside the path: a copy
+                copy.kind, copy.size, copy.chunks, copy.target = (
+                    Kind.FILE, target.size, list(target.chunks), "")
+            if path == p and e.kind == Kind.DIR:
+                copy.opaque = True
+            if copy.chunks:
+                domains.add(layers[i].domain if e.kind != Kind.HARDLINK
+                            else layers[tree[e.target][1]].domain)
+            entries[path] = copy
+    if len(domains) > 1:
+        raise DiffError(f"hidden paths {wanted} span layers of several trust domains")
+    ordered = sorted(entries.values(), key=lambda e: e.path.split("/"))
+    return LayerManifest(ordered, domains.pop() if domains else TRUSTED,
+                         "reveal:" + ",".join("/" + p for p in wanted))
+
+
+def keep_only(diff: LayerManifest, paths: Iterable[str]) -> LayerManifest:
+    """`diff` reduced to its entries at and below `paths` (whiteouts too);
+    everything else of the upper is dropped, so below those paths the image
+    shows through unchanged. A hard link into a dropped part becomes a copy."""
+    wanted = [_clean(p) for p in paths]
+    by_path = {e.path: e for e in diff.entries}
+
+    def kept(path: str) -> bool:
+        return any(path == w or path.startswith(w + "/") for w in wanted)
+
+    entries: dict[str, Entry] = {"": Entry("", Kind.DIR, 0o755, implicit=True)}
+    for e in diff.entries:
+        if not e.path or not kept(e.path):
+            continue
+        parent = posixpath.dirname(e.path)
+        while parent and parent not in entries:
+            entries[parent] = Entry(parent, Kind.DIR, 0o755, implicit=True)
+            parent = posixpath.dirname(parent)
+        copy = Entry(e.path, e.kind, e.mode, e.uid, e.gid, e.mtime_ns, e.size, list(e.chunks),
+                     e.target, e.rdev, dict(e.xattrs), e.opaque, e.implicit)
+        if e.kind == Kind.HARDLINK and not kept(e.target):
+            target = by_path[e.target]
+            copy.kind, copy.size, copy.chunks, copy.target = (
+                Kind.FILE, target.size, list(target.chunks), "")
+        entries[e.path] = copy
+    ordered = sorted(entries.values(), key=lambda e: e.path.split("/"))
+    return LayerManifest(ordered, diff.domain, diff.source + " kept " + ",".join(wanted))
