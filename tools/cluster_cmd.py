@@ -72,17 +72,17 @@ def seaweed(datadir: Path, s3_port: int, bucket: str) -> None:
     """
     from chunkstore.seaweed import SeaweedFS
     sw = SeaweedFS(datadir, s3_port=s3_port)
-    try:
-        sw.start()
-    except RuntimeError as e:
-        raise QuietError(str(e)) from e
+    sw.start()  # (ClusterServerError: one line naming its log)
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
         url = sw.url("images", bucket=bucket)
         store = open_object_store(url)
         assert isinstance(store, S3ObjectStore)
-        store.ensure_bucket()
+        try:
+            store.ensure_bucket()
+        finally:
+            store.close()
         click.echo(f"SeaweedFS ready; data in {datadir}, log {sw.log}")
         click.echo(f"export LAZYFS_CLUSTER='{url}'")
         click.echo("Ctrl-C to stop", err=True)
