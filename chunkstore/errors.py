@@ -13,8 +13,11 @@ Hierarchy::
      ├── StoreFormatError     the directory is not a chunk store, or a newer format
      ├── StoreReadOnly        a write to a store opened read-only or on a read-only filesystem
      ├── StoreFull            the disk under the store is full (ENOSPC)
-     └── BackendError         a backend could not read or write a pack
-          └── PackNotFound    the pack object does not exist (deleted by GC, or never written)
+     ├── BackendError         a backend could not read or write a pack
+     │    └── PackNotFound    the pack object does not exist (deleted by GC, or never written)
+     └── ClusterServerError   the one-machine SeaweedFS (chunkstore.seaweed, `lazyfs seaweed`)
+                              could not start: no weed binary, a port taken, it exited
+                              or was not ready in time
 
 Every error names what failed: the chunk id, the pack, the path.
 """
@@ -105,3 +108,8 @@ class BackendError(ChunkStoreError):
 class PackNotFound(BackendError):
     def __init__(self, pack: object) -> None:
         super().__init__(pack, "pack does not exist")
+
+
+class ClusterServerError(ChunkStoreError):
+    """The one-machine SeaweedFS server (chunkstore.seaweed) could not start;
+    the message says why and where its log is."""

@@ -14,7 +14,7 @@ transaction, then the old pack is deleted. Every entry sharing a location
 has the same chunk id (cross-domain sharing), so re-pointing scans just that
 id's entries and cannot miss one added since planning. Readers that looked
 up an old location before the switch and find the pack gone look the chunk
-up again (ChunkStore._read_entries). Packs a writer still holds (flock) are
+up again (`ChunkStore.get` and `get_many` retry such a read). Packs a writer still holds (flock) are
 skipped; so are packs of a writer that died, until its lock is gone, which is
 when its unreferenced tail becomes reclaimable.
 

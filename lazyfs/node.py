@@ -6,10 +6,12 @@ catalog it serves (the local store's, or a cluster store's).
     ensure_daemon(spec)                 # started (python -m lazyfs) unless one answers
     with open_catalog(spec.store, spec.cluster) as catalog:
         mount_image(spec.paths, catalog, "debian:12", Path("/tmp/root"))
+    with open_cluster_catalog(url) as images:   # a cluster store's tags, image GC
+        images.list_tags()
     request(spec.paths, {"op": "stats"})
     stop_daemon(spec.paths)
 
-The CLI (`lazyfs daemon / mount / umount / stats`), the sandbox runtime and
+The CLI (`lazyfs daemon / mount / umount / stats / push / cluster`), the sandbox runtime and
 the tests all go through here: one way to start a daemon, one timeout to wait
 for it. The daemon runs as `python -m lazyfs` (lazyfs/__main__.py), a library
 entry point, so an installed lazyfs needs no source tree.
@@ -42,13 +44,16 @@ from .settings import Settings, default_cache_dir, default_root, parse_size
 if TYPE_CHECKING:
     from chunkstore import ChunkStore
     from chunkstore.cache import ChunkSource
+    from chunkstore.cluster import Cluster
     from composer.catalog import Catalog, ImageCatalog
+    from composer.remote import ClusterCatalog
 
 log = logging.getLogger(__name__)
 
 __all__ = ["READY_TIMEOUT", "DaemonSpec", "NodePaths", "check_fuse", "default_root",
-           "ensure_daemon", "open_catalog", "open_images", "request", "running", "serving",
-           "start_daemon", "stop_daemon", "wait_ready"]
+           "ensure_daemon", "open_catalog", "open_cluster", "open_cluster_catalog",
+           "open_images", "request", "running", "serving", "start_daemon", "stop_daemon",
+           "wait_ready"]
 
 # How long a starting daemon may take to answer (it opens the store or the
 # cluster and mounts FUSE; under a loaded test machine several seconds).
@@ -395,15 +400,8 @@ def open_images(store: Path | None, cluster: str | None
     the local store's, read-only (shared within the process). A malformed
     cluster URL is a ConfigError; store errors are the chunk store's."""
     if cluster:
-        from chunkstore.cluster import Cluster
-        from chunkstore.objects import open_object_store
-        from composer.remote import ClusterCatalog
-        try:
-            objects = open_object_store(cluster)
-        except ValueError as e:
-            raise ConfigError(f"cluster store: {e}") from None
-        with Cluster(objects) as c:
-            yield ClusterCatalog(c), c.reader
+        with open_cluster_catalog(cluster) as images:
+            yield images, images.cluster.reader
         return
     if store is None:
         raise ConfigError("no image store: neither a local store path nor a cluster URL")
@@ -412,6 +410,29 @@ def open_images(store: Path | None, cluster: str | None
         yield catalog, local
     finally:
         _release_local(store)
+
+
+@contextlib.contextmanager
+def open_cluster(url: str) -> Iterator[Cluster]:
+    """The cluster store at `url` (s3://BUCKET[/PREFIX][?endpoint=URL] or
+    posix:///PATH), closed on exit; a malformed URL is a ConfigError."""
+    from chunkstore.cluster import Cluster
+    from chunkstore.objects import open_object_store
+    try:
+        objects = open_object_store(url)
+    except ValueError as e:
+        raise ConfigError(f"cluster store: {e}") from None
+    with Cluster(objects) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def open_cluster_catalog(url: str) -> Iterator[ClusterCatalog]:
+    """The images of the cluster store at `url` (tags, records, image GC):
+    what a node serves from a cluster, and what `lazyfs cluster` manages."""
+    from composer.remote import ClusterCatalog
+    with open_cluster(url) as c:
+        yield ClusterCatalog(c)
 
 
 @contextlib.contextmanager

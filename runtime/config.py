@@ -11,39 +11,56 @@ Light to import (no pyfuse3, trio or LMDB): the SDK imports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lazyfs.settings import Settings
 
 
-def _settings() -> Settings:
-    return Settings.load()
+class _FromSettings:
+    """The default of the fields below: taken from the machine's settings,
+    loaded once per RuntimeConfig (not once per field) in __post_init__."""
+
+    def __repr__(self) -> str:
+        return "<from settings>"
+
+
+_FROM_SETTINGS: Any = _FromSettings()  # (Any: a default of every field's type)
+_SETTINGS_FIELDS = ("store", "cluster", "state_dir", "node_root", "cache_dir", "cache_size")
+
+
+def _from_settings(settings: Settings) -> dict[str, Any]:
+    return {"store": settings.store_path, "cluster": settings.cluster,
+            "state_dir": settings.state_dir, "node_root": settings.node_root,
+            "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size}
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    store: Path = field(default_factory=lambda: _settings().store_path)
-    cluster: str | None = field(default_factory=lambda: _settings().cluster)
-    state_dir: Path = field(default_factory=lambda: _settings().state_dir)
+    store: Path = _FROM_SETTINGS
+    cluster: str | None = _FROM_SETTINGS
+    state_dir: Path = _FROM_SETTINGS
     # the node's lazyfs daemon (started by the runtime when none answers there)
-    node_root: Path = field(default_factory=lambda: _settings().node_root)
+    node_root: Path = _FROM_SETTINGS
     # node chunk cache [default: as configured, else lazyfs.settings.default_cache_dir]
-    cache_dir: Path | None = field(default_factory=lambda: _settings().configured_cache_dir)
-    cache_size: str = field(default_factory=lambda: _settings().cache_size)
+    cache_dir: Path | None = _FROM_SETTINGS
+    cache_size: str = _FROM_SETTINGS
     max_sandboxes: int = 4096
     reap_interval: float = 1.0
     fncall_workers: int = 2
 
+    def __post_init__(self) -> None:
+        missing = [f for f in _SETTINGS_FIELDS if getattr(self, f) is _FROM_SETTINGS]
+        if missing:
+            values = _from_settings(Settings.load())
+            for f in missing:
+                object.__setattr__(self, f, values[f])
+
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> RuntimeConfig:
         """The runtime of a machine with these settings (kw: other fields)."""
-        base: dict[str, Any] = {
-            "store": settings.store_path, "cluster": settings.cluster,
-            "state_dir": settings.state_dir, "node_root": settings.node_root,
-            "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size}
-        return cls(**{**base, **kw})
+        return cls(**{**_from_settings(settings), **kw})
 
     @property
     def sandboxes(self) -> Path:

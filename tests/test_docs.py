@@ -1,8 +1,9 @@
-"""The README's and docs' shell blocks, run as written, so they stay true.
+"""The README's and docs' shell and Python blocks, run as written, so they
+stay true.
 
-Every ```sh block of README.md and docs/*.md runs, except in the files of
-NOT_YET, unless an HTML comment right before it (invisible where the
-Markdown is rendered) says otherwise:
+Every ```sh (bash, shell) and ```python block of README.md and docs/*.md
+runs, except in the files of NOT_YET, unless an HTML comment right before it
+(invisible where the Markdown is rendered) says otherwise:
 
     <!-- test: skip (why) -->          not run; the reason is required
     <!-- test: instead (why)
@@ -17,7 +18,10 @@ runnable root filesystem) and $DOCS_DEBIAN_ROOTFS (a Debian minbase tree,
 debootstrapped once into /var/cache/lazyfs-tests).
 
 Each file's blocks run in order in one bash session (`set -eu -o pipefail`),
-so a block may use what an earlier one made (convert, then mount). The
+so a block may use what an earlier one made (convert, then mount). A Python
+block runs there as `python - <<'EOF'` would, under this interpreter (the
+one `lazyfs` runs under, as `. .venv/bin/activate` gives it), from the
+session's working directory and with its environment. The
 session runs in a private mount namespace in which /mnt, /tmp and /run/lazyfs
 are directories of the test's own, with LAZYFS_STORE, LAZYFS_NODE_ROOT
 (= /run/lazyfs, the default the docs name), LAZYFS_CACHE, LAZYFS_RUNTIME_DIR,
@@ -50,6 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Docs whose blocks are not run yet, and why. Running one is deleting its line.
 NOT_YET: dict[str, str] = {}
 SHELL_LANGS = {"sh", "bash", "shell"}
+PYTHON_LANGS = {"python", "py"}
+_PY_EOF = "DOCS_PYTHON_EOF"  # the here-document's delimiter a Python block runs in
 TIMEOUT = 900  # seconds for one file's session (README: ~1 min on a 2-core VM)
 
 # the marker's first line: its kind and (reason); commands follow on the next lines
@@ -63,6 +69,14 @@ class Block:
     code: str
     skip: str | None = None  # why it is not run
     setup: str = ""  # hidden commands run before it (or instead of it, when skip is set)
+    lang: str = "sh"  # "sh" or "python"
+
+    @property
+    def command(self) -> str:
+        """The block as the session's bash runs it."""
+        if self.lang != "python":
+            return self.code
+        return f"\"$DOCS_PYTHON\" - <<'{_PY_EOF}'\n{self.code}\n{_PY_EOF}"
 
     @property
     def where(self) -> str:
@@ -73,9 +87,9 @@ def doc_files() -> list[str]:
     return ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
 
 
-def shell_blocks(doc: str) -> list[Block]:
-    """The ```sh blocks of `doc` with their markers; a marker not followed
-    by a shell block, or a skip without its reason, is an error."""
+def doc_blocks(doc: str) -> list[Block]:
+    """The shell and Python blocks of `doc` with their markers; a marker not
+    followed by such a block, or a skip without its reason, is an error."""
     lines = (REPO / doc).read_text().splitlines()
     blocks: list[Block] = []
     pending: list[tuple[int, str, str, str]] = []  # (line, kind, reason, commands)
@@ -112,13 +126,16 @@ def shell_blocks(doc: str) -> list[Block]:
             if i == len(lines):
                 raise ValueError(f"{doc}:{start + 1}: unterminated code block")
             code = "\n".join(lines[start + 1:i])
-            if lang in SHELL_LANGS:
+            if lang in SHELL_LANGS or lang in PYTHON_LANGS:
+                if lang in PYTHON_LANGS and any(line == _PY_EOF for line in code.splitlines()):
+                    raise ValueError(f"{doc}:{start + 1}: a line {_PY_EOF} in a Python block")
                 skip = next((r for _, k, r, _ in pending if k in ("skip", "instead")), None)
                 setup = "\n".join(c for _, k, _, c in pending if k in ("setup", "instead"))
-                blocks.append(Block(doc, start + 1, code, skip, setup))
+                blocks.append(Block(doc, start + 1, code, skip, setup,
+                                    "python" if lang in PYTHON_LANGS else "sh"))
             elif pending:
                 raise ValueError(f"{doc}:{pending[0][0]}: marker before a {lang or 'plain'} "
-                                 "block (only shell blocks run)")
+                                 "block (only shell and Python blocks run)")
             pending = []
         elif line.strip() and pending:
             raise ValueError(f"{doc}:{pending[0][0]}: marker not followed by a code block")
@@ -131,10 +148,10 @@ def shell_blocks(doc: str) -> list[Block]:
 def test_every_doc_is_run_or_listed_and_its_markers_parse() -> None:
     docs = doc_files()
     for doc in docs:
-        shell_blocks(doc)  # raises on a malformed or stray marker
+        doc_blocks(doc)  # raises on a malformed or stray marker
     run = [d for d in docs if d not in NOT_YET]
     assert {"README.md", "docs/chunkstore.md", "docs/lazyfs.md"} <= set(run)
-    readme = shell_blocks("README.md")
+    readme = doc_blocks("README.md")
     assert all(b.skip for b in readme if "install.sh" in b.code)  # never from a test
     assert sum(1 for b in readme if not b.skip) >= 4
 
@@ -144,19 +161,23 @@ def test_the_parser_reads_the_markers(tmp_path: Path, monkeypatch: pytest.Monkey
     doc.write_text("text\n\n<!-- test: setup (a file)\ntouch f\n-->\n```sh\nls f\n```\n\n"
                    "<!-- test: skip (needs the network) -->\n<!-- other -->\n```sh\ncurl x\n```\n"
                    "<!-- test: instead (no registry)\necho stand-in\n-->\n```bash\npull\n```\n"
-                   "```python\nprint()\n```\n")
+                   "```python\nprint()\n```\n```toml\na = 1\n```\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    assert shell_blocks("doc.md") == [
+    assert doc_blocks("doc.md") == [
         Block("doc.md", 6, "ls f", None, "touch f"),
         Block("doc.md", 12, "curl x", "needs the network", ""),
-        Block("doc.md", 18, "pull", "no registry", "echo stand-in")]
+        Block("doc.md", 18, "pull", "no registry", "echo stand-in"),
+        Block("doc.md", 21, "print()", None, "", "python")]
+    assert doc_blocks("doc.md")[-1].command == \
+        f"\"$DOCS_PYTHON\" - <<'{_PY_EOF}'\nprint()\n{_PY_EOF}"
     for bad in ("<!-- test: skip -->\n```sh\nx\n```\n",
                 "<!-- test: skip (why) -->\nprose\n```sh\nx\n```\n",
                 "<!-- test: sometimes -->\n```sh\nx\n```\n",
-                "<!-- test: setup (x)\ny\n-->\n```python\nx\n```\n"):
+                "<!-- test: setup (x)\ny\n-->\n```toml\nx\n```\n",
+                f"```python\nx = 1\n{_PY_EOF}\n```\n"):
         doc.write_text(bad)
         with pytest.raises(ValueError):
-            shell_blocks("doc.md")
+            doc_blocks("doc.md")
 
 
 def test_install_sh_installs_the_bench_extra() -> None:
@@ -252,7 +273,7 @@ def _script(blocks: list[Block]) -> str:
         if b.setup:
             parts.append(b.setup + "\n")
         if not b.skip:
-            parts.append(f"set -x\n{b.code}\n{{ set +x; }} 2>/dev/null\n")
+            parts.append(f"set -x\n{b.command}\n{{ set +x; }} 2>/dev/null\n")
     parts.append("echo '### done' > \"$DOCS_WORK/block\"\n")
     return "".join(parts)
 
@@ -299,7 +320,7 @@ def run_session(blocks: list[Block], timeout: float = TIMEOUT) -> Session:
                if not k.startswith("LAZYFS_") and k not in ("PYTHONPATH", "HOME")}
         env.update(_fixtures(blocks, work))
         env.update({
-            "DOCS_WORK": str(work), "HOME": str(work / "home"),
+            "DOCS_WORK": str(work), "DOCS_PYTHON": sys.executable, "HOME": str(work / "home"),
             "PATH": f"{work / 'bin'}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}",
             "PYTHONPATH": str(REPO),
             "LAZYFS_STORE": str(work / "store"), "LAZYFS_NODE_ROOT": "/run/lazyfs",
@@ -337,9 +358,9 @@ def test_doc_blocks_run_as_written(doc: str) -> None:
     why = _missing()
     if why:
         pytest.skip(why)
-    blocks = shell_blocks(doc)
+    blocks = doc_blocks(doc)
     if not any(not b.skip or b.setup for b in blocks):
-        pytest.skip(f"{doc} has no shell block to run")
+        pytest.skip(f"{doc} has no block to run")
     s = run_session(blocks)
     if s.code != 0:
         block = next((b for b in blocks if b.where == s.where), None)

@@ -262,8 +262,8 @@ def test_landlock_is_available_here() -> None:
 def test_the_readmes_sandbox_and_allowlist_blocks_are_run() -> None:
     """tests/test_docs.py runs them: the SDK job with its allowlist to a
     server on the node, and the CLI's lifecycle commands."""
-    from tests.test_docs import NOT_YET, shell_blocks
-    run = [b.code for b in shell_blocks("README.md") if not b.skip]
+    from tests.test_docs import NOT_YET, doc_blocks
+    run = [b.code for b in doc_blocks("README.md") if not b.skip]
     assert any('NetworkPolicy.allow_only(f"node:{port}")' in c and "sb.info.host_address" in c
                for c in run)
     assert any("lazyfs sandbox resume --label" in c and "--qos" in c for c in run)

@@ -4,31 +4,25 @@ store), `lazyfs seaweed` (a one-machine SeaweedFS for trying it out) and
 
 from __future__ import annotations
 
-import contextlib
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import click
 
-from chunkstore.cluster import Cluster
-from chunkstore.objects import ObjectStore, S3ObjectStore, open_object_store
+from chunkstore.objects import S3ObjectStore, open_object_store
 from composer.catalog import Catalog
 from composer.push import push as push_image
-from composer.remote import ClusterCatalog
+from lazyfs.node import open_cluster, open_cluster_catalog
 from lazyfs.settings import Settings
 
 from .errors import QuietError
 from .options import open_store
 
 
-def _objects(settings: Settings) -> ObjectStore:
+def _url(settings: Settings) -> str:
     if not settings.cluster:
         raise QuietError("no cluster store: give --cluster URL or set LAZYFS_CLUSTER")
-    try:
-        return open_object_store(settings.cluster)
-    except ValueError as e:  # (the settings checked its form; the details are here)
-        raise QuietError(f"cluster store: {e}") from None
+    return settings.cluster
 
 
 @click.command()
@@ -44,11 +38,10 @@ def push(settings: Settings, images: tuple[str, ...], progress: bool | None) -> 
     written, so a node never sees a partial image.
     """
     from tqdm import tqdm
-    objects = _objects(settings)
-    if isinstance(objects, S3ObjectStore):
-        objects.ensure_bucket()
-    with open_store(settings, readonly=True) as store, Catalog(store) as catalog, \
-            Cluster(objects) as cluster:
+    with open_cluster(_url(settings)) as cluster, \
+            open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+        if isinstance(cluster.objects, S3ObjectStore):
+            cluster.objects.ensure_bucket()
         for name in images:
             with tqdm(unit="B", unit_scale=True, desc=f"push {name}",
                       disable=not progress if progress is not None else None) as bar:
@@ -72,17 +65,17 @@ def seaweed(datadir: Path, s3_port: int, bucket: str) -> None:
     """
     from chunkstore.seaweed import SeaweedFS
     sw = SeaweedFS(datadir, s3_port=s3_port)
-    try:
-        sw.start()
-    except RuntimeError as e:
-        raise QuietError(str(e)) from e
+    sw.start()  # (ClusterServerError: one line naming its log)
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
         url = sw.url("images", bucket=bucket)
         store = open_object_store(url)
         assert isinstance(store, S3ObjectStore)
-        store.ensure_bucket()
+        try:
+            store.ensure_bucket()
+        finally:
+            store.close()
         click.echo(f"SeaweedFS ready; data in {datadir}, log {sw.log}")
         click.echo(f"export LAZYFS_CLUSTER='{url}'")
         click.echo("Ctrl-C to stop", err=True)
@@ -97,17 +90,11 @@ def cluster() -> None:
     """The cluster store's images: list, remove tags, collect garbage (--cluster URL)."""
 
 
-@contextlib.contextmanager
-def _cluster(settings: Settings) -> Iterator[ClusterCatalog]:
-    with Cluster(_objects(settings)) as cluster:
-        yield ClusterCatalog(cluster)
-
-
 @cluster.command(name="images")
 @click.pass_obj
 def cluster_images(settings: Settings) -> None:
     """Tags in the cluster store and the images they name."""
-    with _cluster(settings) as c:
+    with open_cluster_catalog(_url(settings)) as c:
         for tag, digest in c.list_tags():
             click.echo(f"{tag:30} {digest}")
 
@@ -117,7 +104,7 @@ def cluster_images(settings: Settings) -> None:
 @click.pass_obj
 def cluster_rm(settings: Settings, images: tuple[str, ...]) -> None:
     """Remove tags from the cluster store (data goes at the next `lazyfs cluster gc`)."""
-    with _cluster(settings) as c:
+    with open_cluster_catalog(_url(settings)) as c:
         for name in images:
             c.remove_tag(name)
             click.echo(f"removed {name}")
@@ -130,7 +117,7 @@ def cluster_rm(settings: Settings, images: tuple[str, ...]) -> None:
 @click.pass_obj
 def cluster_gc(settings: Settings, grace: float) -> None:
     """Delete images no tag names, tables no image names, packs no table names."""
-    with _cluster(settings) as c:
+    with open_cluster_catalog(_url(settings)) as c:
         r = c.gc(grace)
     click.echo(f"deleted {r.images} images, {r.tables} layer tables, {r.packs} packs "
                f"({r.bytes_freed / 1e6:,.1f} MB)")

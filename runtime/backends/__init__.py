@@ -24,9 +24,6 @@ from .base import Backend, BackendState, Capabilities, Handle, Sink
 __all__ = ["Backend", "BackendState", "Capabilities", "Handle", "Sink", "capabilities",
            "make_backend"]
 
-_PLANNED: dict[str, Capabilities] = {}
-
-
 def capabilities(name: str) -> Capabilities:
     if name == "container":
         from .container import ContainerBackend
@@ -40,8 +37,6 @@ def capabilities(name: str) -> Capabilities:
     if name == "vm":
         from .vm import VmBackend
         return VmBackend.capabilities
-    if name in _PLANNED:
-        return _PLANNED[name]
     raise BackendUnavailable(f"unknown backend {name!r}: fncall, container, microvm or vm")
 
 

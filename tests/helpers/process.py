@@ -1,15 +1,17 @@
 """The base of every server the tests start as a child process (the registry,
-the private dockerd, the lazyfs node daemon): start it with its output in a
-log file, wait with one timeout until something observable says it serves,
-stop it (SIGTERM, wait, SIGKILL), and put the log's tail into every error.
+the private dockerd, SeaweedFS, the lazyfs node daemon): start it with its
+output in a log file, wait with one timeout until something observable says
+it serves, stop it (SIGTERM, wait, SIGKILL), and put the log's tail into
+every error.
 
 A subclass says what "ready" means (`ready()`: one look, no waiting) and which
 error it raises (`error`); it builds the command line and calls `spawn()`
 then `wait_ready()`, and `stop_process()` when it stops. What a server leaves
 behind besides its process (mounts, cgroups, sockets) is the subclass's to
-clean up. Not here: servers that live in the packages (chunkstore/seaweed.py
-runs SeaweedFS for users as well; tests/helpers/seaweed.py only adds the
-parent-death signal)."""
+clean up. A server the packages run for users too keeps its command line and
+readiness look in the package, and the test class uses them: SeaweedFS's are
+chunkstore/seaweed.py's (`lazyfs seaweed` runs it; a package cannot import
+the tests), tests/helpers/seaweed.py runs them as a ServerProcess."""
 
 from __future__ import annotations
 
