@@ -150,3 +150,18 @@ def test_agent_killed_mid_exec_then_restarted(agent: Agent) -> None:
     again = Sandbox.connect(sb.id, node=agent.unix)  # the new agent found it
     assert again.exec("cat /tmp/state").stdout == b"kept\n"
     again.kill()
+
+
+def test_snapshot_fork_and_verify_over_http(agent: Agent) -> None:
+    with Sandbox.create(IMAGE, node=agent.unix, hidden=["/data"]) as sb:
+        sb.exec("echo over-http > /root/f; mkdir -p /data; echo forged > /data/big.bin")
+        snap = sb.snapshot()
+        assert snap.sandbox_id == sb.id and snap.bytes_new > 0
+        with Sandbox.create(snap, node=agent.unix) as child:
+            assert child.exec("cat /root/f").stdout == b"over-http\n"
+        kids = sb.fork(2)
+        assert len({k.exec("hostname").stdout for k in kids}) == 2
+        for k in kids:
+            k.kill()
+        r = sb.verify("cat /root/f; wc -c < /data/big.bin; exit 4", keep=["/root"])
+        assert (r.exit_code, r.stdout) == (4, b"over-http\n3145728\n")
