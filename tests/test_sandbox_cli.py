@@ -217,3 +217,26 @@ def test_bad_input_is_one_line(cli: Cli) -> None:
         p = cli("sandbox", *args)
         assert p.returncode != 0 and msg in p.stderr, (args, p.stderr)
         assert "Traceback" not in p.stderr
+
+
+def test_snapshot_fork_and_verify_as_typed(cli: Cli) -> None:
+    sid = cli("sandbox", "create", "--label", "cli=test", "--hidden", "/data", IMAGE
+              ).stdout.strip()
+    assert cli("sandbox", "exec", sid, "sh", "-c", "echo mine > /root/x").returncode == 0
+    p = cli("sandbox", "snapshot", "--tag", "cli/snap:1", sid)
+    assert p.returncode == 0 and " cli/snap:1 " in p.stdout and "frozen" in p.stdout, p.stderr
+    digest = p.stdout.split()[0]
+    p = cli("sandbox", "fork", sid, "2")
+    kids = p.stdout.split()
+    assert p.returncode == 0 and len(kids) == 2, p.stderr
+    for k in kids:
+        assert cli("sandbox", "exec", k, "cat", "/root/x").stdout == "mine\n"
+    cli("sandbox", "kill", *kids)
+    p = cli("sandbox", "verify", "--keep", "/root", sid, "sh", "-c",
+            "cat /root/x; ls /data; exit 5")
+    assert (p.returncode, p.stdout) == (5, "mine\nbig.bin\n"), p.stderr
+    p = cli("sandbox", "create", "--label", "cli=test", digest)
+    assert p.returncode == 0, p.stderr
+    assert cli("sandbox", "exec", p.stdout.strip(), "cat", "/root/x").stdout == "mine\n"
+    p = cli("sandbox", "snapshot", "--tag", "Bad Name!", sid)
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -170,8 +170,8 @@ def test_hidden_paths_and_a_verifier_the_agent_cannot_touch(node: Node) -> None:
             real = hashlib.sha256(f.read()).hexdigest().encode()
         # whole writable layer: the agent's answer and its shell come along
         r = sb.verify(["/bin/busybox", "sh", "-c",
-                       "sha256sum /data/big.bin; cat /root/answer; ps -o args; "
-                       "ip -o link 2>/dev/null | wc -l"])
+                       ("sha256sum /data/big.bin; cat /root/answer; ps -o args; "
+                       "ip -o link 2>/dev/null | wc -l")])
         assert r.exit_code == 0, r.stderr
         assert r.stdout.startswith(real)  # the image's file, not the agent's
         assert b"42\n" in r.stdout
@@ -192,9 +192,9 @@ def test_bad_requests(node: Node) -> None:
         Sandbox.create(IMAGE, node=node, hidden=["/no/such"])
     with pytest.raises(Unsupported, match="fncall"):
         Sandbox.create(IMAGE, backend="fncall", node=node, hidden=["/data"])
-    with Sandbox.create(IMAGE, backend="fncall", node=node) as fn:
-        with pytest.raises(Unsupported, match="snapshot"):
-            fn.snapshot()
+    with Sandbox.create(IMAGE, backend="fncall", node=node) as fn, \
+            pytest.raises(Unsupported, match="snapshot"):
+        fn.snapshot()
     with Sandbox.create(IMAGE, node=node) as sb, pytest.raises(InvalidSpec, match="tag"):
         sb.snapshot(tag="Bad Name!")
 

@@ -136,6 +136,9 @@ def _create_options(f: Any) -> Any:
                           "under SCHED_IDLE."),
         click.option("--label", "labels", multiple=True, metavar="KEY=VALUE"),
         click.option("--env", "env", multiple=True, metavar="NAME=VALUE"),
+        click.option("--hidden", multiple=True, metavar="PATH",
+                     help="A path of the image the sandbox does not see (a task's hidden "
+                          "tests); `sandbox verify` shows it."),
     ]):
         f = opt(f)
     return f
@@ -144,13 +147,13 @@ def _create_options(f: Any) -> Any:
 def _create(settings: Settings, node: str | None, detached: bool, image: str, backend: str,
             cpu: float | None, memory_mb: int | None, disk_mb: int | None,
             lifetime: float | None, allow: tuple[str, ...], qos: str | None,
-            labels: tuple[str, ...], env: tuple[str, ...]) -> Sandbox:
+            labels: tuple[str, ...], env: tuple[str, ...], hidden: tuple[str, ...]) -> Sandbox:
     # a bad rule raises InvalidSpec naming it: one line, like every error
     network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
     return Sandbox.create(image, backend=backend, cpu=cpu, memory_mb=memory_mb,  # type: ignore[arg-type]
                           disk_mb=disk_mb, timeout=lifetime, network=network, qos=qos,
                           labels=_labels(labels), env=_labels(env, "--env"),
-                          node=_target(settings, node, detached=detached))
+                          hidden=hidden or None, node=_target(settings, node, detached=detached))
 
 
 def _stream(sb: Sandbox, cmd: tuple[str, ...], timeout: float) -> int:
@@ -213,6 +216,58 @@ def exec_(settings: Settings, node: str | None, sandbox_id: str, cmd: tuple[str,
           timeout: float) -> None:
     """Run CMD in sandbox SANDBOX_ID; exits with its exit code."""
     sys.exit(_stream(Sandbox.connect(sandbox_id, node=_target(settings, node)), cmd, timeout))
+
+
+@sandbox.command()
+@_node_option
+@click.option("--tag", default=None, help="Tag of the snapshot image [snapshots/ID:N].")
+@click.option("--json", "as_json", is_flag=True)
+@click.argument("sandbox_id")
+@click.pass_obj
+def snapshot(settings: Settings, node: str | None, tag: str | None, as_json: bool,
+             sandbox_id: str) -> None:
+    """Capture SANDBOX_ID's files as an image (its image + its writable layer
+    packed into a new layer); prints the image's digest and tag. Start a
+    sandbox from it with `lazyfs sandbox create DIGEST`."""
+    snap = Sandbox.connect(sandbox_id, node=_target(settings, node)).snapshot(tag)
+    if as_json:
+        click.echo(snap.model_dump_json(indent=1))
+        return
+    click.echo(f"{snap.image}  {snap.tag}  ({snap.entries} entries, {snap.bytes / 1e6:.1f} MB, "
+               f"{snap.bytes_new / 1e6:.1f} MB new, frozen {snap.frozen_s * 1e3:.0f} ms)")
+
+
+@sandbox.command()
+@_node_option
+@click.argument("sandbox_id")
+@click.argument("n", type=click.IntRange(1, 1024))
+@click.pass_obj
+def fork(settings: Settings, node: str | None, sandbox_id: str, n: int) -> None:
+    """Start N sandboxes from SANDBOX_ID's current files (one snapshot), each
+    with its own writable layer and identity; prints their ids."""
+    for child in Sandbox.connect(sandbox_id, node=_target(settings, node)).fork(n):
+        click.echo(child.id)
+
+
+@sandbox.command(context_settings={"ignore_unknown_options": True})
+@_node_option
+@click.option("--timeout", type=float, default=600.0, show_default=True)
+@click.option("--keep", multiple=True, metavar="PATH",
+              help="Take only this path of the sandbox's files (repeatable; default: all).")
+@click.argument("sandbox_id")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def verify(settings: Settings, node: str | None, timeout: float, keep: tuple[str, ...],
+           sandbox_id: str, cmd: tuple[str, ...]) -> None:
+    """Run CMD in a fresh sandbox made from SANDBOX_ID's current files, with
+    its hidden paths shown, no network and none of its processes; prints the
+    output and exits with CMD's exit code."""
+    sb = Sandbox.connect(sandbox_id, node=_target(settings, node))
+    r = sb.verify(list(cmd) if len(cmd) > 1 else cmd[0], timeout=timeout,
+                  keep=list(keep) if keep else None)
+    sys.stdout.buffer.write(r.stdout)
+    sys.stderr.buffer.write(r.stderr)
+    sys.exit(r.exit_code)
 
 
 @sandbox.command("ls")
