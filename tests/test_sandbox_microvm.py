@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from runtime import (
     BackendUnavailable,
     ExecTimeout,
     FileError,
+    OutOfMemory,
     OutputTruncated,
     Sandbox,
     SandboxNotFound,
@@ -290,3 +293,44 @@ def test_agent_that_never_comes_up(node: Node) -> None:
         backend.boot_timeout = 90.0
     assert set(os.listdir(node.config.sandboxes)) == before  # nothing left of it
     assert set(processes_with(str(node.config.sandboxes))) == vmms
+
+
+def test_a_fork_bomb_is_held_and_the_vm_stays_usable(sb: Sandbox) -> None:
+    """The guest's commands run in a cgroup with the sandbox's pids limit; the
+    agent, outside it, keeps answering."""
+    try:
+        r = sb.exec("b() { b | b & }; b; sleep 3", timeout=20, max_output_bytes=1 << 16)
+        held = b"can't fork" in r.stderr
+    except (ExecTimeout, OutputTruncated) as e:
+        held = e.result is not None and b"can't fork" in e.result.stderr
+    assert held  # the limit refused forks inside the guest
+    r = sb.exec("echo alive", timeout=60)
+    assert r.stdout == b"alive\n"
+    assert sb.exec("cat /proc/self/cgroup").stdout == b"0::/sandbox\n"  # the limited cgroup
+
+
+def test_a_memory_bomb_is_typed_out_of_memory(sb: Sandbox) -> None:
+    with pytest.raises(OutOfMemory) as e:
+        sb.exec("head -c 2000m /dev/zero | tail > /dev/null", timeout=120)
+    assert e.value.result is not None and e.value.result.oom_killed
+    assert sb.exec("echo alive").stdout == b"alive\n"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (forge.c)")
+def test_a_huge_listing_is_refused_and_the_channel_stays_in_step(node: Node,
+                                                                 tmp_path: Path) -> None:
+    """A directory over the listing cap: a one-line FileError, and the agent
+    connection stays in step (it used to break for good). 1 GiB of guest
+    RAM: the guest's tmpfs counts every name against its inode limit."""
+    forge = tmp_path / "forge"
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(forge),
+                    str(Path(__file__).parent / "helpers" / "forge.c")], check=True)
+    with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=1024) as sb:
+        sb.files.write("/tmp/forge", forge.read_bytes(), mode=0o755)
+        r = sb.exec("mkdir /tmp/many && /tmp/forge names /tmp/many 100001 && ls /tmp/many | "
+                    "wc -l", timeout=300)
+        assert r.stdout == b"100001\n", r
+        with pytest.raises(FileError, match="more than 100000 entries"):
+            sb.files.list("/tmp/many")
+        assert sb.exec("echo next").stdout == b"next\n"
+        assert len(sb.files.list("/etc")) > 0

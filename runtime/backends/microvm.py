@@ -89,4 +89,4 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
             h, vmdir, incoming, kernel=kernel, initrd=initramfs(kernel, self.config.bin_dir),
             pmem=pmem, drives=drives,
             append=[f"lazyfs.layers={len(layers)}", f"lazyfs.layers_on={on}",
-                    f"lazyfs.upper_mb={upper_mb}"])
+                    f"lazyfs.upper_mb={upper_mb}", *self._limits(h)])

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PAUSE_WAIT = 2.0  # how long pause waits for a call in the guest to end
+GUEST_RESERVE_MB = 64  # guest RAM kept from the commands' cgroup: kernel, agent, init
 
 
 class QemuState(BackendState):
@@ -123,6 +124,14 @@ class QemuBackend(Generic[Q]):
             console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
             append=[*append, f"lazyfs.hostname={h.id}", *self.extra_append],
             incoming=incoming)
+
+    @staticmethod
+    def _limits(h: Handle[Q]) -> list[str]:
+        """The guest's cgroup for commands (set up by the initramfs, used by
+        the agent): the sandbox's pids limit, and memory below the guest's
+        RAM by GUEST_RESERVE_MB so its kernel and the agent always have room."""
+        return [f"lazyfs.pids={h.spec.pids}",
+                f"lazyfs.mem_mb={max(64, h.spec.memory_mb - GUEST_RESERVE_MB)}"]
 
     def _kernel(self) -> GuestKernel:
         return guest_kernel(self.kernel_cache)
@@ -279,7 +288,7 @@ class QemuBackend(Generic[Q]):
             err = bytearray(bytes(err).replace(b"lazyfs-agent: cannot run ", b""))
         return ExecResult(exit_code=st.code, stdout=bytes(out), stderr=bytes(err),
                           duration=time.monotonic() - t0, truncated=st.truncated,
-                          timed_out=st.timed_out)
+                          timed_out=st.timed_out, oom_killed=st.oom_killed)
 
     def files(self, h: Handle[Q]) -> SandboxFiles:
         return GuestFiles(h.dir, lambda: self._vm(h),

@@ -78,4 +78,4 @@ class VmBackend(QemuBackend[VmState]):
             h, vmdir, incoming, kernel=kernel,
             initrd=initramfs.initramfs(kernel, self.config.bin_dir, "vm"),
             pmem=[], drives=[qemu.Drive(overlay, "lazyfs-root", "qcow2", readonly=False)],
-            append=[f"lazyfs.init={init}"] if init else [])
+            append=[f"lazyfs.init={init}"] if init else self._limits(h))

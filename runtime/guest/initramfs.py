@@ -75,9 +75,11 @@ fail() {
     poweroff -f
     sleep 10
 }
-layers=0; upper_mb=256; host=sandbox; test=""; layers_on=pmem; init=""
+layers=0; upper_mb=256; host=sandbox; test=""; layers_on=pmem; init=""; pids=""; mem_mb=""
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
+        lazyfs.pids=*) pids=${arg#*=} ;;
+        lazyfs.mem_mb=*) mem_mb=${arg#*=} ;;
         lazyfs.layers=*) layers=${arg#*=} ;;
         lazyfs.layers_on=*) layers_on=${arg#*=} ;;
         lazyfs.upper_mb=*) upper_mb=${arg#*=} ;;
@@ -91,6 +93,22 @@ for m in $(cat /modules/order); do
 done
 hostname "$host"
 ip link set lo up 2>/dev/null
+# the commands' cgroup: the sandbox's pids limit and a memory limit below the
+# guest's RAM, so bombs are held there and the agent (outside) answers on
+cgroup=""
+if [ -n "$pids$mem_mb" ] && mkdir -p /cgroup && mount -t cgroup2 cgroup2 /cgroup; then
+    echo "+pids +memory" > /cgroup/cgroup.subtree_control
+    mkdir -p /cgroup/sandbox && cgroup=/cgroup/sandbox
+    [ -n "$pids" ] && echo "$pids" > $cgroup/pids.max
+    if [ -n "$mem_mb" ]; then  # at most what is free now, less 16 MiB for the agent
+        avail=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
+        limit=$((mem_mb * 1024))
+        [ $((avail - 16384)) -lt $limit ] && limit=$((avail - 16384))
+        echo "$((limit * 1024))" > $cgroup/memory.max
+    fi
+    echo 0 > $cgroup/memory.swap.max 2>/dev/null
+fi
+cg_arg() { [ -n "$cgroup" ] && echo "--cgroup $cgroup"; }
 disk() {  # the virtio-blk disk whose serial is $1, waiting for it
     n=0
     while :; do
@@ -166,7 +184,7 @@ echo "lazyfs-init: layers mounted ($layers_on), starting the agent on $port"
 if [ "$test" = noagent ]; then
     exec sleep 2147483647
 fi
-exec /lazyfs-agent "$port" /sandbox
+exec /lazyfs-agent $(cg_arg) "$port" /sandbox
 """
 
 # The full VM: the image's own disk (ext4, writable: a copy-on-write overlay
@@ -190,7 +208,7 @@ if [ -n "$init" ]; then
     if [ "$test" != noagent ]; then
         /lazyfs-agent --chroot "/newroot$port" /newroot </newroot/dev/null &
     fi
-    umount /proc /sys 2>/dev/null
+    umount /cgroup /proc /sys 2>/dev/null  # the image's init mounts its own cgroups
     exec switch_root /newroot "$init"
 fi
 mount -t proc proc /newroot/proc
@@ -200,7 +218,7 @@ echo "lazyfs-init: $root mounted, starting the agent on $port"
 if [ "$test" = noagent ]; then
     exec sleep 2147483647
 fi
-exec /lazyfs-agent "$port" /newroot
+exec /lazyfs-agent $(cg_arg) "$port" /newroot
 """
 
 FLAVOURS = {"microvm": (INIT, MODULES), "vm": (VM_INIT, VM_MODULES)}

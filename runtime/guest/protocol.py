@@ -12,6 +12,7 @@ stale reply.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -50,6 +51,7 @@ class ExitStatus:
     code: int
     timed_out: bool
     truncated: bool
+    oom_killed: bool = False  # by the guest's OOM killer in the commands' cgroup
 
 
 @dataclass
@@ -292,7 +294,7 @@ class AgentConnection:
                         sink(payload)
                 elif kind == EXIT and len(payload) == 8:
                     code, flags = struct.unpack("<iI", payload)
-                    return ExitStatus(code, bool(flags & 1), bool(flags & 2)), out, err
+                    return ExitStatus(code, bool(flags & 1), bool(flags & 2), bool(flags & 4)), out, err
                 elif kind == ERROR:
                     _, msg = _error_fields(payload)
                     raise SandboxError(f"the guest agent could not run {argv[0]!r}: {msg}")
@@ -346,11 +348,14 @@ class AgentConnection:
                             or b"/" in raw or b"\0" in raw:
                         raise self._fail("malformed directory entry from the guest")
                     if len(out) >= MAX_ENTRIES:
-                        raise self._fail(f"{path}: more than {MAX_ENTRIES} entries")
+                        raise self._fail(f"{path}: more than {MAX_ENTRIES} entries (the guest "
+                                     "agent should have stopped)")
                     out.append(Entry(raw.decode(errors="surrogateescape"), mode, size, mtime))
                 elif kind == OK:
                     return out
                 elif kind == ERROR:
+                    if _error_fields(payload)[0] == errno.E2BIG:  # the agent's cap
+                        raise FileError(f"{path}: more than {MAX_ENTRIES} entries")
                     raise _file_error(payload, path)
                 else:
                     raise self._fail(f"unexpected frame {kind} listing {path}")

@@ -1,6 +1,6 @@
 /* lazyfs-agent: PID 1 of a sandbox VM, the host's only way in.
  *
- *   lazyfs-agent [--chroot] PORT ROOT
+ *   lazyfs-agent [--chroot] [--cgroup DIR] PORT ROOT
  *
  * PORT is the virtio-serial port named lazyfs.agent (/dev/vportNpM); ROOT
  * is the sandbox's composed root (overlayfs of the EROFS layers + a
@@ -8,6 +8,11 @@
  * under (openat2 RESOLVE_IN_ROOT: "..", absolute links and links pointing
  * out stay inside). The agent itself lives in the initramfs, outside ROOT,
  * so the image needs nothing of ours (no Python, no libc: static build).
+ *
+ * --cgroup DIR: every command runs in cgroup v2 directory DIR (the init
+ * script gives it the sandbox's pids.max and a memory.max below the guest's
+ * RAM, so a fork or memory bomb is held there and the agent, outside it,
+ * keeps answering); an OOM kill in DIR during a command sets EXIT's flag 4.
  *
  * --chroot: the agent chroots itself into ROOT after opening PORT, for a
  * full VM whose image's own init becomes PID 1 (switch_root moves ROOT to
@@ -23,13 +28,14 @@
  *   EXEC   timeout_ms u32, max_output u64,  STDOUT/STDERR chunks, then EXIT
  *          flags u32 (1: stdin follows as   (code i32 as a shell shows it,
  *          DATA frames, empty = EOF), argc,  flags u32: 1 timed out, 2 output
- *          envc u32, then strings (u32 len   cap hit)
+ *          envc u32, then strings (u32 len   cap hit, 4 killed by the OOM killer)
  *          + bytes): cwd, argv.., env..
  *   DATA   stdin or file bytes
  *   KILL   kill the running command's tree
  *   READ   limit u64, path               DATA chunks, then OK | ERROR
  *   WRITE  mode u32, path; DATA.., empty  OK | ERROR
- *   LIST   path                          ENTRY.. then OK | ERROR
+ *   LIST   path                          ENTRY.. then OK | ERROR (E2BIG past
+ *                                         MAX_ENTRIES entries: the host stays in step)
  *   REMOVE recursive u32, path           OK | ERROR
  *   STAT   path                          OK | ERROR
  *   PING                                 OK
@@ -76,6 +82,7 @@
 #define CHUNK 65536
 #define SEND_TIMEOUT_MS 30000
 #define RECV_TIMEOUT_MS 30000
+#define MAX_ENTRIES 100000  /* a listing, as the host's cap (runtime/guest/protocol.py) */
 
 enum {
     T_EXEC = 1, T_DATA = 2, T_KILL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_REMOVE = 7,
@@ -87,6 +94,8 @@ enum {
 static int port = -1;
 static int rootfd = -1;
 static uint32_t req_id;   /* the id of the request being answered (24 bits) */
+static int cg_procs = -1; /* the commands' cgroup.procs (--cgroup), or -1 */
+static int cg_events = -1; /* its memory.events */
 static int connected = 0;
 static int sigfd = -1;
 static unsigned char *rbuf;  /* the frame being read */
@@ -367,8 +376,18 @@ static void do_list(struct cur *c) {
     if (!d) { send_error(errno, path); if (fd >= 0) close(fd); free(path); return; }
     struct dirent *e;
     unsigned char buf[8 + 4 + 8 + 8 + 4 + 256];
+    long sent = 0;
     while ((e = readdir(d)) != NULL) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (sent == MAX_ENTRIES) {
+            closedir(d);
+            char what[64];
+            snprintf(what, sizeof what, "more than %d entries", MAX_ENTRIES);
+            send_error(E2BIG, what);
+            free(path);
+            return;
+        }
+        sent++;
         struct stat st;
         if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
         uint32_t mode = st.st_mode;
@@ -500,6 +519,17 @@ static void kill_tree(pid_t leader, ino_t out_ino, ino_t err_ino) {
     }
 }
 
+/* The commands' cgroup's oom_kill count (0 without --cgroup). */
+static long oom_kills(void) {
+    if (cg_events < 0) return 0;
+    char buf[512];
+    ssize_t n = pread(cg_events, buf, sizeof buf - 1, 0);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strstr(buf, "oom_kill ");
+    return p ? atol(p + 9) : 0;
+}
+
 /* Reap every child that exited; returns 1 if `child` was among them. */
 static int reap(pid_t child, int *status) {
     int found = 0, st;
@@ -540,6 +570,7 @@ static void do_exec(struct cur *c) {
         goto out;
     }
     long long start = now_ms();
+    long ooms = oom_kills();
     pid_t child = fork();
     if (child < 0) {
         send_error(errno, "fork");
@@ -554,6 +585,12 @@ static void do_exec(struct cur *c) {
         signal(SIGPIPE, SIG_DFL);  /* ignored in the agent; an ignored disposition survives exec */
         setsid();
         dup2(in[0], 0); dup2(out[1], 1); dup2(errp[1], 2);
+        if (cg_procs >= 0 && write(cg_procs, "0", 1) != 1) {
+            int e = errno;
+            dprintf(2, "lazyfs-agent: cannot start the command: %s\n",
+                    e == EAGAIN ? "the sandbox is at its process limit" : strerror(e));
+            _exit(126);
+        }
         if (confine_command() != 0) {
             dprintf(2, "lazyfs-agent: cannot confine the command: %s\n", strerror(errno));
             _exit(127);
@@ -682,7 +719,8 @@ static void do_exec(struct cur *c) {
     }
     int32_t code = WIFEXITED(status) ? WEXITSTATUS(status)
                  : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
-    uint32_t fl = (timed_out ? 1u : 0u) | (truncated ? 2u : 0u);
+    uint32_t fl = (timed_out ? 1u : 0u) | (truncated ? 2u : 0u) |
+                  (code == 128 + SIGKILL && oom_kills() > ooms ? 4u : 0u);
     unsigned char ex[8];
     memcpy(ex, &code, 4);
     memcpy(ex + 4, &fl, 4);
@@ -696,11 +734,25 @@ out:
 /* ---- main loop ---------------------------------------------------------- */
 
 int main(int argc, char **argv) {
-    int self_chroot = argc == 4 && strcmp(argv[1], "--chroot") == 0;
-    if (self_chroot) { argv++; argc--; }
+    int self_chroot = 0;
+    const char *cgroup = NULL;
+    while (argc > 3) {
+        if (strcmp(argv[1], "--chroot") == 0) { self_chroot = 1; argv++; argc--; }
+        else if (strcmp(argv[1], "--cgroup") == 0 && argc > 4) { cgroup = argv[2]; argv += 2; argc -= 2; }
+        else break;
+    }
     if (argc != 3) {
-        fprintf(stderr, "usage: lazyfs-agent [--chroot] PORT ROOT\n");
+        fprintf(stderr, "usage: lazyfs-agent [--chroot] [--cgroup DIR] PORT ROOT\n");
         return 2;
+    }
+    if (cgroup) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/cgroup.procs", cgroup);
+        cg_procs = open(path, O_WRONLY | O_CLOEXEC);
+        snprintf(path, sizeof path, "%s/memory.events", cgroup);
+        cg_events = open(path, O_RDONLY | O_CLOEXEC);
+        if (cg_procs < 0) fprintf(stderr, "lazyfs-agent: %s: %s (commands run unlimited)\n",
+                                  cgroup, strerror(errno));
     }
     prctl(PR_SET_DUMPABLE, 0);  /* /proc/PID/fd and pidfd_getfd need CAP_SYS_PTRACE now */
     rbuf = malloc(MAX_FRAME);

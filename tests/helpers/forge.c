@@ -10,6 +10,8 @@
  *                        port among them (the VM agent's channel to the host)
  *                        gets a forged STDOUT "PASS" frame and EXIT(0) frame
  *   forge getfd agent    the same on the VM's guest agent (comm lazyfs-agent)
+ *   forge names DIR N    N hard links to one file in DIR (a directory too big to
+ *                        list, made fast and without N inodes)
  *   forge hunt MARK LOG [MODES]
  *                        loop for 30 s: every process whose command line holds
  *                        MARK gets fd, ptrace and signal (or those MODES, e.g.
@@ -158,7 +160,26 @@ static int hunt(const char *mark, const char *log, const char *modes) {
     return 0;
 }
 
+static int names(const char *dir, long n) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/0", dir);
+    int fd = open(path, O_WRONLY | O_CREAT, 0644);
+    if (fd < 0) return errno;
+    close(fd);
+    for (long k = 1; k < n; k++) {
+        char link_path[4096];
+        snprintf(link_path, sizeof link_path, "%s/%ld", dir, k);
+        if (link(path, link_path) != 0 && errno != EEXIST) return errno;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && strcmp(argv[1], "names") == 0) {
+        int e = names(argv[2], atol(argv[3]));
+        if (e) fprintf(stderr, "forge names: %s\n", strerror(e));
+        return e ? 1 : 0;
+    }
     if ((argc == 4 || argc == 5) && strcmp(argv[1], "hunt") == 0)
         return hunt(argv[2], argv[3], argc == 5 ? argv[4] : "fd,ptrace,signal");
     if (argc != 3) {
