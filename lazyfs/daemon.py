@@ -97,6 +97,7 @@ class Attribution:
         self.paths = paths
         self._mtime = -1
         self._points: list[str] = []
+        self._records: dict[str, str] = {}  # registry file name -> its mount point
         self._pids: dict[int, tuple[float, str]] = {}
 
     def _reload(self) -> None:
@@ -108,13 +109,24 @@ class Attribution:
         if mtime == self._mtime:
             return
         self._mtime = mtime
-        points = []
-        for f in self.paths.mounts.glob("*.json"):
-            try:
-                points.append(str(json.loads(f.read_text())["mountpoint"]))
-            except (OSError, ValueError, KeyError):
+        # a record never changes under its name (the name is its mount
+        # point's hash): only the records new since the last look are read
+        known, points = self._records, {}
+        try:
+            names = [n for n in os.listdir(self.paths.mounts) if n.endswith(".json")]
+        except OSError:
+            names = []
+        for name in names:
+            if name in known:
+                points[name] = known[name]
                 continue
-        self._points = sorted(points, key=len, reverse=True)
+            try:
+                points[name] = str(json.loads((self.paths.mounts / name).read_text())
+                                   ["mountpoint"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        self._records = points
+        self._points = sorted(points.values(), key=len, reverse=True)
 
     def __call__(self, pid: int) -> str:
         now = time.monotonic()

@@ -10,15 +10,28 @@ roots on the kernel path (`mounts.mount_image(..., kernel=True)`).
                                      (the daemon's blob), ro,nosuid,nodev
     ROOT/erofs-mnt/<digest>.json     the FUSE mount (device number) whose blob
                                      it reads, to tell a stale mount
+    ROOT/erofs-refs/<digest>/<key>   one symlink per composed root using the
+                                     layer's mount (key = its registry key,
+                                     target = its mount point): the layer's
+                                     users, an index of the registry below
+    ROOT/erofs-refs/.complete        the index was rebuilt from the registry
     ROOT/erofs.lock                  flock: acquiring, releasing and the
                                      registry change that goes with them
 
-There is no counter to get wrong: a layer's EROFS mount is in use while a
-composed mount registered in ROOT/mounts/*.json with the layer in its
-"erofs_layers" is still mounted. The registry survives crashes of whoever
-mounted, so the count does too: `release_unused`, run after every unmount
-and when the daemon starts or stops, takes down exactly the mounts no live
-composed root needs.
+The truth is the registry: a layer's EROFS mount is in use while a composed
+mount registered in ROOT/mounts/*.json with the layer in its "erofs_layers"
+is still mounted. The registry survives crashes of whoever mounted, so the
+count does too: `release_unused`, run when the daemon starts or stops (and
+whenever the index is missing), takes down exactly the mounts no live
+composed root needs, and rebuilds the index from the registry.
+
+Per mount and unmount only the index is touched, never the whole registry or
+mount table (they grow with every sandbox on the node): `add_user` links the
+new root under each of its layers before the overlay is mounted, and
+`release` (after an unmount) drops its links and takes a layer down when none
+of its remaining users is still a mounted overlay; a user found unmounted on
+the way (a crashed mounter's) is dropped, so the check stops at the first
+live user and costs O(1) in the usual case.
 
 overlayfs works on private clones of its lower mounts, so unmounting a
 shared EROFS mount never fails under a composed root that still uses it.
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -111,11 +125,25 @@ def build_images(paths: NodePaths, layers: dict[str, LayerManifest]) -> dict[str
     return {d: cached_image(m, paths.erofs_images, layer=d) for d, m in layers.items()}
 
 
+# daemon mount point -> the device number of the FUSE mount found there and
+# checked in the mount table to be lazyfs (once per daemon, not per mount)
+_checked_fuse: dict[str, int] = {}
+
+
 def _fuse_device(paths: NodePaths) -> str:
-    info = sysmount.find_mount(paths.mnt)
-    if info is None or info.fstype != "fuse.lazyfs" or sysmount.is_stale(paths.mnt):
+    mnt = str(paths.mnt)
+    if not sysmount.is_mount_point(mnt) or sysmount.is_stale(mnt):
         raise MountError(f"no live lazyfs daemon serving {paths.mnt}")
-    return f"{info.dev[0]}:{info.dev[1]}"
+    try:
+        dev = os.stat(mnt).st_dev
+    except OSError as e:
+        raise MountError(f"no live lazyfs daemon serving {paths.mnt}: {e.strerror}") from e
+    if _checked_fuse.get(mnt) != dev:
+        info = sysmount.find_mount(mnt)
+        if info is None or info.fstype != "fuse.lazyfs" or os.makedev(*info.dev) != dev:
+            raise MountError(f"no live lazyfs daemon serving {paths.mnt}")
+        _checked_fuse[mnt] = dev
+    return f"{os.major(dev)}:{os.minor(dev)}"
 
 
 def _recorded_device(paths: NodePaths, digest: str) -> str | None:
@@ -142,9 +170,9 @@ def acquire(paths: NodePaths, digests: list[str]) -> list[Path]:
     out = []
     for digest in digests:
         target = mount_path(paths, digest)
-        info = sysmount.find_mount(target)
-        if info is not None:
-            if info.fstype == "erofs" and _recorded_device(paths, digest) == device:
+        if sysmount.is_mount_point(target):
+            if (sysmount.fs_magic(target) == sysmount.EROFS_MAGIC
+                    and _recorded_device(paths, digest) == device):
                 out.append(target)
                 continue
             log.warning("%s: EROFS mount of a daemon that is gone (FUSE %s, live %s); "
@@ -170,9 +198,16 @@ def acquire(paths: NodePaths, digests: list[str]) -> list[Path]:
 
 def in_use(paths: NodePaths) -> set[str]:
     """Layers whose EROFS mount a composed root still mounted needs, from the
-    composed-mount registry and the live mount table."""
+    composed-mount registry and the live mount table (all of both: for
+    sweeps; a single unmount asks `release`)."""
+    return set(_users(paths))
+
+
+def _users(paths: NodePaths) -> dict[str, set[str]]:
+    """Layer digest -> the mounted composed roots whose registry record
+    names it among their EROFS lowers."""
     overlays = {m.mount_point for m in sysmount.mounts() if m.fstype == "overlay"}
-    used: set[str] = set()
+    users: dict[str, set[str]] = {}
     for f in paths.mounts.glob("*.json") if paths.mounts.is_dir() else []:
         try:
             reg = json.loads(f.read_text())
@@ -181,8 +216,103 @@ def in_use(paths: NodePaths) -> set[str]:
         except (OSError, ValueError, KeyError, AttributeError):
             continue
         if mountpoint in overlays and isinstance(layers, list):
-            used.update(str(d) for d in layers)
-    return used
+            for d in layers:
+                users.setdefault(str(d), set()).add(mountpoint)
+    return users
+
+
+def user_key(mountpoint: str | Path) -> str:
+    """A composed root's name in the registry and in the layers' user index."""
+    return hashlib.sha256(str(mountpoint).encode()).hexdigest()[:24]
+
+
+def _index_ready(paths: NodePaths) -> bool:
+    return (paths.erofs_refs / ".complete").exists()
+
+
+def add_user(paths: NodePaths, digests: list[str], mountpoint: Path) -> None:
+    """Record mountpoint as a user of each layer's shared mount (before the
+    overlay is made on them). Call under `locked(paths)`."""
+    key = user_key(mountpoint)
+    for digest in dict.fromkeys(digests):
+        d = paths.erofs_refs / digest
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        link = d / key
+        link.unlink(missing_ok=True)
+        os.symlink(str(mountpoint), link)
+
+
+def _has_live_user(d: Path) -> bool:
+    """Whether one of the users linked in d is still a mounted overlay;
+    those found gone are unlinked on the way (the first live one ends it)."""
+    try:
+        it = os.scandir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    with it:
+        for entry in it:
+            try:
+                mountpoint = os.readlink(entry.path)
+            except OSError:
+                mountpoint = ""
+            if mountpoint and sysmount.mounted_as(mountpoint, sysmount.OVERLAYFS_MAGIC):
+                return True
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+    return False
+
+
+def release(paths: NodePaths, digests: list[str], mountpoint: Path | None = None
+            ) -> list[str]:
+    """Drop mountpoint (just unmounted, or never mounted) from the users of
+    `digests` and unmount those of their shared mounts no mounted composed
+    root uses any more; returns their layers. Looks at these layers' users
+    only (the whole registry where the index was never built: release_unused).
+    Call under `locked(paths)`."""
+    if not _index_ready(paths):
+        return release_unused(paths)
+    key = None if mountpoint is None else user_key(mountpoint)
+    released = []
+    for digest in dict.fromkeys(digests):
+        d = paths.erofs_refs / digest
+        if key is not None:
+            (d / key).unlink(missing_ok=True)
+        if _has_live_user(d):
+            continue
+        target = mount_path(paths, digest)
+        if sysmount.is_mount_point(target):
+            _take_down(target, lazy=False)
+            released.append(digest)
+        for leftover in (_state_path(paths, digest), target, d):
+            with contextlib.suppress(OSError):
+                leftover.rmdir() if leftover.is_dir() else leftover.unlink()
+    return released
+
+
+def _rebuild_index(paths: NodePaths, users: dict[str, set[str]]) -> None:
+    """Make ROOT/erofs-refs say what the registry says (users), then mark it
+    complete. Call under `locked(paths)`."""
+    refs = paths.erofs_refs
+    refs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for entry in refs.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        want = {user_key(m) for m in users.get(entry.name, ())}
+        for link in entry.iterdir():
+            if link.name not in want:
+                with contextlib.suppress(OSError):
+                    link.unlink()
+        if entry.name not in users:
+            with contextlib.suppress(OSError):
+                entry.rmdir()
+    for digest, mountpoints in users.items():
+        d = refs / digest
+        d.mkdir(mode=0o700, exist_ok=True)
+        for m in mountpoints:
+            link = d / user_key(m)
+            if not link.is_symlink():
+                os.symlink(m, link)
+    (refs / ".complete").touch()
 
 
 def shared_mounts(paths: NodePaths) -> dict[str, sysmount.MountInfo]:
@@ -195,10 +325,14 @@ def shared_mounts(paths: NodePaths) -> dict[str, sysmount.MountInfo]:
 def release_unused(paths: NodePaths, *, everything: bool = False) -> list[str]:
     """Unmount the shared EROFS mounts no mounted composed root uses (all of
     them with everything=True, lazily where busy); returns their layers.
+    Reads the whole registry and mount table, and rebuilds the user index
+    from them: for sweeps (daemon start and stop), not per unmount (`release`).
     Call under `locked(paths)`."""
     if not paths.erofs_mounts.is_dir():
         return []
-    keep = set() if everything else in_use(paths)
+    users = _users(paths)
+    _rebuild_index(paths, users)
+    keep = set() if everything else set(users)
     released = []
     for digest, info in shared_mounts(paths).items():
         if digest in keep:
@@ -216,7 +350,7 @@ def release_unused(paths: NodePaths, *, everything: bool = False) -> list[str]:
 
 
 def _take_down(target: Path, *, lazy: bool) -> None:
-    while sysmount.find_mount(target) is not None:
+    while sysmount.is_mount_point(target):
         try:
             sysmount.umount(target, lazy=lazy)
         except OSError as e:

@@ -26,12 +26,13 @@ Mounting reads manifests only: no file data is fetched before the first read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import shutil
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,7 @@ class ComposedMount:
 
 
 def _reg_path(paths: NodePaths, mountpoint: Path) -> Path:
-    key = hashlib.sha256(str(mountpoint).encode()).hexdigest()[:24]
-    return paths.mounts / f"{key}.json"
+    return paths.mounts / f"{erofsmounts.user_key(mountpoint)}.json"
 
 
 def _apply(target: Path, e: Entry) -> None:
@@ -157,17 +157,15 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
     mountpoint = Path(os.path.realpath(mountpoint))
     if not mountpoint.is_dir():
         raise MountError(f"mount point {mountpoint} is not a directory")
-    if sysmount.find_mount(mountpoint) is not None:
+    if sysmount.is_mount_point(mountpoint):
         raise MountError(f"{mountpoint} is already a mount point")
-    manifests, layer_digests = _effective_layers(
-        [catalog.load_layer(d) for d in image.layers], list(image.layers))
-    use_kernel = _kernel_ready(paths, name, dict(zip(layer_digests, manifests, strict=True)),
-                               kernel)
+    comp = _composition(catalog, digest, image)
+    layer_digests, fixups = list(comp.layers), list(comp.fixups)
+    use_kernel = _kernel_ready(paths, catalog, name, layer_digests, kernel)
     if not use_kernel:
         for low in (paths.layers / d for d in layer_digests):
             if not low.is_dir():  # loads the layer's manifest in the daemon: metadata only
                 raise MountError(f"layer {low.name} of {name} is not served by the daemon")
-    fixups = overlay_fixups(manifests)
     flags = 0 if allow_devices else sysmount.MS_NOSUID | sysmount.MS_NODEV
     if writable is not None:
         writable = Path(os.path.realpath(writable))
@@ -187,13 +185,17 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
         above = _escape(_fixup_layer(paths, digest, fixups)) + ":"
         below = ""
         flags |= sysmount.MS_RDONLY
-    # the shared EROFS mounts are looked up, made, and counted (through the
-    # registry file written below) under one lock, so a concurrent unmount
-    # never takes down a layer mount this root is about to be made on
+    # the shared EROFS mounts are looked up, made, and counted (in their user
+    # index, and in the registry file written below) under one lock, so a
+    # concurrent unmount never takes down a layer mount this root is about to
+    # be made on
     with erofsmounts.locked(paths) if use_kernel else contextlib.nullcontext():
         try:
             if use_kernel:
                 lowers = list(reversed(erofsmounts.acquire(paths, layer_digests)))
+                # counted before the overlay exists: a crash in between leaves
+                # a user that is not mounted, which the next release drops
+                erofsmounts.add_user(paths, layer_digests, mountpoint)
             else:
                 lowers = [paths.layers / d for d in reversed(layer_digests)]
             data = f"lowerdir={above}{':'.join(_escape(p) for p in lowers)}{below}"
@@ -216,29 +218,67 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
                 sysmount.umount(mountpoint, lazy=True)
                 raise MountError(f"cannot register the mount of {name} on {mountpoint}: "
                                  f"{e}") from e
-        except MountError:
+        except (MountError, OSError) as e:
             if use_kernel:
-                erofsmounts.release_unused(paths)
-            raise
+                erofsmounts.release(paths, layer_digests, mountpoint)
+            if isinstance(e, MountError):
+                raise
+            raise MountError(f"cannot mount {name} on {mountpoint}: {e}") from e
     return ComposedMount(mountpoint, digest, list(image.layers), writable, use_kernel)
 
 
-def _kernel_ready(paths: NodePaths, name: str, layers: dict[str, LayerManifest],
+def _kernel_ready(paths: NodePaths, catalog: ImageCatalog, name: str, layers: list[str],
                   kernel: bool | None) -> bool:
     """Whether this mount takes the kernel path; builds the layers' metadata
-    images (outside the lock: they are deterministic and atomic)."""
+    images where missing (outside the lock: they are deterministic and
+    atomic; the manifests are loaded only for those)."""
     if not (KERNEL_DEFAULT if kernel is None else kernel):
         return False
     try:
         if not erofsmounts.available():
             raise MountError("this kernel has no EROFS (CONFIG_EROFS_FS)")
-        erofsmounts.build_images(paths, layers)
+        missing = [d for d in layers if not erofsmounts.image_path(paths, d).exists()]
+        if missing:
+            erofsmounts.build_images(paths, {d: catalog.load_layer(d) for d in missing})
     except (MountError, PmemError, OSError) as e:
         if kernel:
             raise MountError(f"kernel path for {name}: {e}") from e
         log.warning("%s: kernel EROFS path unavailable (%s); using the FUSE trees", name, e)
         return False
     return True
+
+
+@dataclass(frozen=True)
+class _Composed:
+    """What mounting an image needs of its manifests: the layers the mount
+    uses (top ones first after an opaque root) and the directory fixups."""
+
+    layers: tuple[str, ...]
+    fixups: tuple[Entry, ...]
+
+
+# image digest -> its composition. Content-addressed (a digest names its
+# layers, their manifests and so the composition forever), so an entry never
+# goes stale; bounded, and holding no manifests (those can be large).
+COMPOSITION_CACHE = 64
+_compositions: OrderedDict[str, _Composed] = OrderedDict()
+_compositions_lock = threading.Lock()
+
+
+def _composition(catalog: ImageCatalog, digest: str, image: Image) -> _Composed:
+    with _compositions_lock:
+        hit = _compositions.get(digest)
+        if hit is not None:
+            _compositions.move_to_end(digest)
+            return hit
+    manifests, layer_digests = _effective_layers(
+        [catalog.load_layer(d) for d in image.layers], list(image.layers))
+    comp = _Composed(tuple(layer_digests), tuple(overlay_fixups(manifests)))
+    with _compositions_lock:
+        _compositions[digest] = comp
+        while len(_compositions) > COMPOSITION_CACHE:
+            _compositions.popitem(last=False)
+    return comp
 
 
 def _register(paths: NodePaths, mountpoint: Path, record: dict[str, object]) -> None:
@@ -249,14 +289,15 @@ def _register(paths: NodePaths, mountpoint: Path, record: dict[str, object]) -> 
 
 
 def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
-    """Unmount a composed root and release the shared EROFS mounts no other
-    mounted root uses (also those a crashed user of this node left)."""
+    """Unmount a composed root and release the shared EROFS mounts of its
+    layers no other mounted root uses (those of layers it did not use, a
+    crashed user's included, go at the next sweep: daemon start or stop)."""
     mountpoint = Path(os.path.realpath(mountpoint))
     with erofsmounts.locked(paths):
-        info = sysmount.find_mount(mountpoint)
-        if info is None:
+        layers = _registered_layers(paths, mountpoint)
+        if not sysmount.is_mount_point(mountpoint):
             _reg_path(paths, mountpoint).unlink(missing_ok=True)
-            erofsmounts.release_unused(paths)
+            _release(paths, layers, mountpoint)
             raise MountError(f"{mountpoint} is not mounted")
         try:
             sysmount.umount(mountpoint, lazy=lazy)
@@ -264,11 +305,28 @@ def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
             hint = " (in use: close what runs there, or use --lazy)" if e.errno == 16 else ""
             raise MountError(f"cannot unmount {mountpoint}: {e.strerror}{hint}") from e
         _reg_path(paths, mountpoint).unlink(missing_ok=True)
-        erofsmounts.release_unused(paths)
+        _release(paths, layers, mountpoint)
     try:  # its per-mount counters go with it (the per-layer ones stay)
         request(paths, {"op": "forget_mount", "mount": str(mountpoint)}, timeout=2.0)
     except (OSError, DaemonError):
         pass
+
+
+def _registered_layers(paths: NodePaths, mountpoint: Path) -> list[str] | None:
+    """The shared EROFS layers a composed root's registry record names; None
+    when there is no readable record (then nothing is known: sweep)."""
+    try:
+        layers = json.loads(_reg_path(paths, mountpoint).read_text()).get("erofs_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(d) for d in layers] if isinstance(layers, list) else None
+
+
+def _release(paths: NodePaths, layers: list[str] | None, mountpoint: Path) -> None:
+    if layers is None:
+        erofsmounts.release_unused(paths)
+    elif layers:
+        erofsmounts.release(paths, layers, mountpoint)
 
 
 def registered(paths: NodePaths) -> list[dict[str, object]]:

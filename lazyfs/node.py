@@ -108,6 +108,10 @@ class NodePaths:
         return self.root / "erofs-mnt"
 
     @property
+    def erofs_refs(self) -> Path:
+        return self.root / "erofs-refs"
+
+    @property
     def erofs_lock(self) -> Path:
         return self.root / "erofs.lock"
 

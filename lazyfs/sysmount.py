@@ -2,6 +2,12 @@
 
 The `mount` command works too, but a sandbox burst mounts an overlay per
 sandbox; a syscall costs microseconds where a process costs milliseconds.
+
+Whether a path is a mount point is asked of statx(2) (STATX_ATTR_MOUNT_ROOT:
+one syscall), not of the mount table: /proc/self/mountinfo grows with every
+sandbox on the node (an overlay each, maybe a tmpfs), and parsing it on each
+create and kill made both cost O(sandboxes). `mounts()` still reads the whole
+table for what needs it (sweeps, listings, a mount's source and options).
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +29,26 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+# statx(2) (glibc >= 2.28) and statfs(2): struct layouts of x86-64/aarch64
+AT_FDCWD = -100
+AT_SYMLINK_NOFOLLOW = 0x100
+AT_NO_AUTOMOUNT = 0x800
+AT_STATX_DONT_SYNC = 0x4000  # FUSE: answer from the attribute cache, never ask a daemon
+STATX_BASIC_STATS = 0x7FF
+STATX_ATTR_MOUNT_ROOT = 0x2000
+_STATX_SIZE = 256
+_STATFS_SIZE = 120
+# filesystem magic numbers (statfs f_type) of the mounts this node makes
+OVERLAYFS_MAGIC = 0x794C7630
+EROFS_MAGIC = 0xE0F5E1E2
+FUSE_MAGIC = 0x65735546
+TMPFS_MAGIC = 0x01021994
+_statx = getattr(_libc, "statx", None)
+if _statx is not None:
+    _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
+                       ctypes.c_void_p]
+_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 
 
 def mount(source: str, target: str | Path, fstype: str, flags: int = 0,
@@ -74,9 +101,56 @@ def mounts() -> list[MountInfo]:
     return out
 
 
-def find_mount(path: str | Path) -> MountInfo | None:
-    """The topmost mount exactly at `path` (not the one containing it)."""
+def is_mount_point(path: str | Path) -> bool:
+    """Whether a mount sits exactly at `path` (one statx; a dead FUSE mount
+    counts, as it does in the mount table). Falls back to the mount table
+    where statx cannot tell (old kernels, errors other than a missing path)."""
     p = os.path.abspath(path)
+    root = _mount_root(p)
+    if root is None:
+        return any(m.mount_point == p for m in mounts())
+    return root
+
+
+def _mount_root(p: str) -> bool | None:
+    """statx's STATX_ATTR_MOUNT_ROOT of p; None when it cannot say."""
+    if _statx is None:
+        return None
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    flags = AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT | AT_STATX_DONT_SYNC
+    if _statx(AT_FDCWD, os.fsencode(p), flags, STATX_BASIC_STATS, buf) != 0:
+        e = ctypes.get_errno()
+        return False if e in (errno.ENOENT, errno.ENOTDIR) else None
+    attributes, = struct.unpack_from("=Q", buf, 8)
+    mask, = struct.unpack_from("=Q", buf, 56)
+    if not mask & STATX_ATTR_MOUNT_ROOT:  # kernel < 5.8
+        return None
+    return bool(attributes & STATX_ATTR_MOUNT_ROOT)
+
+
+def fs_magic(path: str | Path) -> int | None:
+    """statfs(2) f_type of the filesystem at path (None on error). On a FUSE
+    mount this asks its daemon."""
+    buf = ctypes.create_string_buffer(_STATFS_SIZE)
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    magic: int = struct.unpack_from("=q", buf, 0)[0]
+    return magic & 0xFFFFFFFF
+
+
+def mounted_as(path: str | Path, magic: int) -> bool:
+    """A mount of the filesystem type `magic` sits exactly at path: two
+    syscalls, no mount table."""
+    return is_mount_point(path) and fs_magic(path) == magic
+
+
+def find_mount(path: str | Path) -> MountInfo | None:
+    """The topmost mount exactly at `path` (not the one containing it).
+    Reads the mount table only when statx says something is mounted there
+    (is_mount_point is the cheap question)."""
+    p = os.path.abspath(path)
+    if _mount_root(p) is False:
+        return None
     found = None
     for m in mounts():
         if m.mount_point == p:

@@ -216,6 +216,68 @@ def test_concurrent_mounts_and_unmounts_keep_the_count(node: LazyNode, cat: Cata
     assert _erofs_by_layer(node) == {}
 
 
+_MOUNTER = """
+import sys
+from pathlib import Path
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from lazyfs.mounts import mount_image, unmount
+from lazyfs.node import NodePaths
+op, store, root, mp = sys.argv[1:]
+paths = NodePaths(Path(root))
+if op == "mount":
+    with ChunkStore.open(Path(store)) as s, Catalog(s) as cat:
+        mount_image(paths, cat, "posix:1", Path(mp), kernel=True)
+else:
+    unmount(paths, Path(mp))
+"""
+
+
+def _in_another_process(op: str, node: LazyNode, mp: Path) -> None:
+    p = subprocess.run([sys.executable, "-c", _MOUNTER, op, str(node.store),
+                        str(node.paths.root), str(mp)],
+                       capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+
+
+def _users(node: LazyNode) -> dict[str, set[str]]:
+    """The layers' user index (ROOT/erofs-refs): layer -> mount points."""
+    refs = node.paths.erofs_refs
+    return {d.name: {os.readlink(link) for link in d.iterdir()}
+            for d in (refs.iterdir() if refs.is_dir() else []) if d.is_dir()}
+
+
+def test_layer_users_are_counted_across_processes(node: LazyNode, cat: Catalog,
+                                                  image: list[str], tmp_path: Path) -> None:
+    """Two processes share a node root: a root mounted by another process
+    keeps the shared layer mounts while this one unmounts its own, and the
+    other's unmount takes them down once nothing uses them; the per-layer
+    user index says the same as the registry at every step."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    _in_another_process("mount", node, a)
+    node.mount(cat, "posix:1", b, writable=tmp_path / "wb", kernel=True)
+    assert _erofs_by_layer(node) == {d: 1 for d in image}, "one shared mount per layer"
+    assert _users(node) == {d: {str(a), str(b)} for d in image}
+    node.unmount(b)
+    assert _erofs_by_layer(node) == {d: 1 for d in image}, "released while a uses it"
+    assert _users(node) == {d: {str(a)} for d in image}
+    assert (a / "etc" / "motd").read_text() == "hello\n"
+    # the index lost (a node root from before it existed): the next release
+    # rebuilds it from the registry instead of taking a's layers down
+    node.mount(cat, "posix:1", b, kernel=True)
+    for d in image:
+        (node.paths.erofs_refs / d / erofsmounts.user_key(a)).unlink()
+    (node.paths.erofs_refs / ".complete").unlink()
+    node.unmount(b)
+    assert _erofs_by_layer(node) == {d: 1 for d in image}
+    assert _users(node) == {d: {str(a)} for d in image}
+    _in_another_process("unmount", node, a)
+    assert _erofs_by_layer(node) == {}, "the last unmount must release the layer mounts"
+    assert _users(node) == {} and not any(node.paths.erofs_mounts.iterdir())
+    assert not registered(node.paths)
+
+
 def _workload(root: Path) -> None:
     subprocess.run(["ls", "-lR", str(root)], check=True, capture_output=True)
     for name in ("posix/sizes/random_3mib", "posix/links/two", "etc/motd"):

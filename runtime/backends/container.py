@@ -174,13 +174,13 @@ class ContainerBackend:
             self._runc("delete", "--force", h.id, check=False)
         cgroups.remove_empty(h.id)
         rootfs = h.state.rootfs or h.dir / "rootfs"
-        if sysmount.find_mount(rootfs) is not None:
+        if sysmount.is_mount_point(rootfs):
             try:
                 unmount(self.images.paths, rootfs)
             except MountError:
                 unmount(self.images.paths, rootfs, lazy=True)
         rw = h.state.rw or h.dir / "rw"
-        if sysmount.find_mount(rw) is not None:
+        if sysmount.is_mount_point(rw):
             sysmount.umount(rw, lazy=True)
         # the slot files name their sandbox: also finds a slot whose creation
         # was cut short before the state recorded it

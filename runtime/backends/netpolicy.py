@@ -14,7 +14,9 @@ works as is, the usual shape: a package mirror or proxy on the node.
 Each sandbox holds one /30 slot, claimed by creating the slot's file
 exclusively in a directory shared by every runtime on the host; the
 namespace and interface names derive from the slot, so two sandboxes never
-share a name and removing one never touches another's.
+share a name and removing one never touches another's. Before each claim the
+slot tried is written to SLOT_DIR/.by-sandbox/<id>, so finding a sandbox's
+slot (after a creation cut short) reads two files, not every slot's.
 """
 
 from __future__ import annotations
@@ -45,12 +47,19 @@ def addresses(slot: int) -> tuple[str, str]:
     return str(ipaddress.ip_address(base + 1)), str(ipaddress.ip_address(base + 2))
 
 
+def _record(sandbox_id: str, slots: Path) -> Path:
+    return slots / ".by-sandbox" / sandbox_id
+
+
 def allocate(sandbox_id: str, slots: Path = SLOT_DIR) -> int:
     """A free slot for the sandbox (probing from the id's hash)."""
     slots.mkdir(parents=True, exist_ok=True)
+    record = _record(sandbox_id, slots)
+    record.parent.mkdir(exist_ok=True)
     start = int(hashlib.blake2s(sandbox_id.encode(), digest_size=4).hexdigest(), 16)
     for i in range(SLOTS):
         slot = (start + i) % SLOTS + 1
+        record.write_text(str(slot))  # before the claim: a crash leaves it naming the slot
         try:
             fd = os.open(slots / str(slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -58,19 +67,26 @@ def allocate(sandbox_id: str, slots: Path = SLOT_DIR) -> int:
         os.write(fd, sandbox_id.encode())
         os.close(fd)
         return slot
+    record.unlink(missing_ok=True)
     raise QuotaExceeded(f"all {SLOTS} sandbox networks of {NETWORK} are in use")
 
 
 def slots_of(sandbox_id: str, slots: Path = SLOT_DIR) -> list[int]:
-    """Slots claimed for a sandbox (to clean up after a creation cut short)."""
-    out = []
-    for f in slots.glob("*") if slots.is_dir() else []:
-        try:
-            if f.read_text() == sandbox_id:
-                out.append(int(f.name))
-        except (OSError, ValueError):
-            continue
-    return out
+    """Slots claimed for a sandbox (to clean up after a creation cut short):
+    the one its record names, if that slot's file names the sandbox. A
+    record naming a slot it never got (the claim cut short) is removed."""
+    record = _record(sandbox_id, slots)
+    try:
+        slot = int(record.read_text())
+    except (OSError, ValueError):
+        return []
+    try:
+        if (slots / str(slot)).read_text() == sandbox_id:
+            return [slot]
+    except OSError:
+        pass
+    record.unlink(missing_ok=True)
+    return []
 
 
 def _run(*cmd: str, stdin: str | None = None) -> None:
@@ -122,4 +138,11 @@ def remove(slot: int, *, release: bool = True, slots: Path = SLOT_DIR) -> None:
     subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
     if release:
-        (slots / str(slot)).unlink(missing_ok=True)
+        f = slots / str(slot)
+        try:
+            owner = f.read_text()
+        except OSError:
+            owner = ""
+        f.unlink(missing_ok=True)
+        if owner and "/" not in owner:
+            _record(owner, slots).unlink(missing_ok=True)
