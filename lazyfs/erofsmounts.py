@@ -204,8 +204,9 @@ def in_use(paths: NodePaths) -> set[str]:
 
 
 def _users(paths: NodePaths) -> dict[str, set[str]]:
-    """Layer digest -> the mounted composed roots whose registry record
-    names it among their EROFS lowers."""
+    """Layer digest -> the composed roots in use (mounted, or held by a live
+    process: then as its holder_target) whose registry record names it among
+    their EROFS lowers."""
     overlays = {m.mount_point for m in sysmount.mounts() if m.fstype == "overlay"}
     users: dict[str, set[str]] = {}
     for f in paths.mounts.glob("*.json") if paths.mounts.is_dir() else []:
@@ -215,9 +216,17 @@ def _users(paths: NodePaths) -> dict[str, set[str]]:
             mountpoint = str(reg["mountpoint"])
         except (OSError, ValueError, KeyError, AttributeError):
             continue
-        if mountpoint in overlays and isinstance(layers, list):
+        holder = reg.get("holder")
+        if mountpoint in overlays:
+            target = mountpoint
+        elif holder_alive(holder):
+            assert isinstance(holder, dict)
+            target = holder_target(Path(mountpoint), int(holder["pid"]), int(holder["start"]))
+        else:
+            continue
+        if isinstance(layers, list):
             for d in layers:
-                users.setdefault(str(d), set()).add(mountpoint)
+                users.setdefault(str(d), set()).add(target)
     return users
 
 
@@ -242,6 +251,63 @@ def add_user(paths: NodePaths, digests: list[str], mountpoint: Path) -> None:
         os.symlink(str(mountpoint), link)
 
 
+HELD = "held:"  # a user link's target for a root held by a process (holder_target)
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process pid (clock ticks since boot), None if gone:
+    with the pid, it names one process even after pids wrap."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def holder_alive(holder: object) -> bool:
+    """Whether the process a registry record's "holder" ({pid, start}) names
+    still runs (then the root it holds is in use)."""
+    if not isinstance(holder, dict):
+        return False
+    try:
+        pid, start = int(holder["pid"]), int(holder["start"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return process_start(pid) == start
+
+
+def holder_target(mountpoint: Path, pid: int, start: int) -> str:
+    return f"{HELD}{pid}:{start}:{mountpoint}"
+
+
+def _mountpoint_of(target: str) -> str:
+    return target[len(HELD):].split(":", 2)[2] if target.startswith(HELD) else target
+
+
+def _link_alive(target: str) -> bool:
+    if target.startswith(HELD):
+        pid, start, _ = target[len(HELD):].split(":", 2)
+        return holder_alive({"pid": pid, "start": start})
+    return sysmount.mounted_as(target, sysmount.OVERLAYFS_MAGIC)
+
+
+def set_holder(paths: NodePaths, digests: list[str], mountpoint: Path, pid: int,
+               start: int) -> None:
+    """Record that mountpoint's root is held by process pid (its mount
+    namespace keeps the overlay after the host's mount is detached): the
+    layers stay in use while it lives. Call under `locked(paths)`."""
+    key = user_key(mountpoint)
+    for digest in dict.fromkeys(digests):
+        d = paths.erofs_refs / digest
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        link = d / key
+        link.unlink(missing_ok=True)
+        os.symlink(holder_target(mountpoint, pid, start), link)
+
+
 def _has_live_user(d: Path) -> bool:
     """Whether one of the users linked in d is still a mounted overlay;
     those found gone are unlinked on the way (the first live one ends it)."""
@@ -252,10 +318,10 @@ def _has_live_user(d: Path) -> bool:
     with it:
         for entry in it:
             try:
-                mountpoint = os.readlink(entry.path)
+                target = os.readlink(entry.path)
             except OSError:
-                mountpoint = ""
-            if mountpoint and sysmount.mounted_as(mountpoint, sysmount.OVERLAYFS_MAGIC):
+                target = ""
+            if target and _link_alive(target):
                 return True
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
@@ -297,7 +363,7 @@ def _rebuild_index(paths: NodePaths, users: dict[str, set[str]]) -> None:
     for entry in refs.iterdir():
         if entry.name.startswith(".") or not entry.is_dir():
             continue
-        want = {user_key(m) for m in users.get(entry.name, ())}
+        want = {user_key(_mountpoint_of(m)) for m in users.get(entry.name, ())}
         for link in entry.iterdir():
             if link.name not in want:
                 with contextlib.suppress(OSError):
@@ -309,7 +375,7 @@ def _rebuild_index(paths: NodePaths, users: dict[str, set[str]]) -> None:
         d = refs / digest
         d.mkdir(mode=0o700, exist_ok=True)
         for m in mountpoints:
-            link = d / user_key(m)
+            link = d / user_key(_mountpoint_of(m))
             if not link.is_symlink():
                 os.symlink(m, link)
     (refs / ".complete").touch()

@@ -288,6 +288,33 @@ def _register(paths: NodePaths, mountpoint: Path, record: dict[str, object]) -> 
     os.replace(tmp, path)
 
 
+def detach(paths: NodePaths, mountpoint: Path, holder_pid: int) -> None:
+    """Take a composed root out of this mount namespace while process
+    holder_pid (a container's init, whose mount namespace has its own copy of
+    the mount) keeps using it: the host's mount table stays the same size
+    however many sandboxes run. The layers count the root as a user while the
+    holder lives; `unmount` of a held root releases it (nothing to unmount)."""
+    mountpoint = Path(os.path.realpath(mountpoint))
+    start = erofsmounts.process_start(holder_pid)
+    if start is None:
+        raise MountError(f"cannot hand {mountpoint} to process {holder_pid}: it is gone")
+    with erofsmounts.locked(paths):
+        reg = _reg_path(paths, mountpoint)
+        try:
+            record = json.loads(reg.read_text())
+        except (OSError, ValueError) as e:
+            raise MountError(f"{mountpoint} is not a registered composed root: {e}") from e
+        record["holder"] = {"pid": holder_pid, "start": start}
+        _register(paths, mountpoint, record)
+        layers = [str(d) for d in record.get("erofs_layers") or []]
+        if layers and erofsmounts._index_ready(paths):
+            erofsmounts.set_holder(paths, layers, mountpoint, holder_pid, start)
+        try:
+            sysmount.umount(mountpoint, lazy=True)
+        except OSError as e:
+            raise MountError(f"cannot detach {mountpoint}: {e.strerror}") from e
+
+
 def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
     """Unmount a composed root and release the shared EROFS mounts of its
     layers no other mounted root uses (those of layers it did not use, a
@@ -296,8 +323,11 @@ def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
     with erofsmounts.locked(paths):
         layers = _registered_layers(paths, mountpoint)
         if not sysmount.is_mount_point(mountpoint):
+            held = _is_held(paths, mountpoint)
             _reg_path(paths, mountpoint).unlink(missing_ok=True)
             _release(paths, layers, mountpoint)
+            if held:  # detached: the holder's end ended its use
+                return
             raise MountError(f"{mountpoint} is not mounted")
         try:
             sysmount.umount(mountpoint, lazy=lazy)
@@ -310,6 +340,14 @@ def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
         request(paths, {"op": "forget_mount", "mount": str(mountpoint)}, timeout=2.0)
     except (OSError, DaemonError):
         pass
+
+
+def _is_held(paths: NodePaths, mountpoint: Path) -> bool:
+    """Whether the registry record says a process held the root (detach)."""
+    try:
+        return "holder" in json.loads(_reg_path(paths, mountpoint).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _registered_layers(paths: NodePaths, mountpoint: Path) -> list[str] | None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from .errors import FileError
 
 SYS_OPENAT2 = 437
+RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 MAX_READ = 256 << 20  # per read(); larger files go through download (streamed later)
@@ -49,7 +50,10 @@ class FileInfo(BaseModel):
 
 
 def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    # NO_XDEV: a link into the sandbox's /proc, /sys or /dev (other mounts
+    # than its root) is refused, as those paths themselves are
+    how = _OpenHow(flags | os.O_CLOEXEC, mode,
+                   RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV)
     fd = _libc.syscall(SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.byref(how),
                        ctypes.sizeof(how))
     if fd < 0:

@@ -199,7 +199,12 @@ def test_pause_reclaims_and_resume_continues(sb: Sandbox) -> None:
 def test_kill_leaves_nothing(node: Node) -> None:
     s = Sandbox.create(IMAGE, node=node)
     d = node.config.sandboxes / s.id
-    assert sysmount.find_mount(d / "rootfs") is not None and cgroups.exists(s.id)
+    # the root lives in the sandbox's own mount namespace only: the host's
+    # mount table does not grow with sandboxes
+    init = node._get(s.id)[1].state.init_pid
+    assert sysmount.fs_magic(f"/proc/{init}/root") == sysmount.OVERLAYFS_MAGIC
+    assert sysmount.find_mount(d / "rootfs") is None and cgroups.exists(s.id)
+    assert str(d) not in Path("/proc/self/mountinfo").read_text()
     s.kill()
     assert not d.exists() and not cgroups.exists(s.id)
     assert not list(cgroups.CGROUP_ROOT.glob(f"*/{cgroups.PARENT}/{s.id}"))

@@ -22,6 +22,7 @@ import pytest
 from composer.manifest import Kind
 from composer.snapshot import UNTRUSTED
 from runtime import InvalidSpec, Sandbox, Unsupported
+from runtime.backends.container import ContainerBackend
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 
@@ -37,9 +38,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 
 def rootfs(node: Node, sb: Sandbox) -> Path:
-    p = node._get(sb.id)[1].state.rootfs
-    assert isinstance(p, Path)
-    return p
+    """The sandbox's root as the host reaches it."""
+    backend = node.backend("container")
+    assert isinstance(backend, ContainerBackend)
+    return backend.root(node._get(sb.id)[1])
 
 
 SKIP_TOP = {"proc", "sys", "dev"}  # the container's own mounts, not its files

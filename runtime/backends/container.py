@@ -3,7 +3,12 @@
 Per sandbox, under its directory:
     rootfs/       overlayfs: the image's layers (by the digest the node resolved
                   at create) from the node's lazyfs daemon (shared by every
-                  sandbox on the node) + this sandbox's upper
+                  sandbox on the node) + this sandbox's upper; mounted here
+                  until runc has started the sandbox, then detached from the
+                  host's mount namespace (the sandbox's own keeps it, and the
+                  host reaches it as /proc/INIT/root): the host's mount table
+                  stays small however many sandboxes run, which keeps every
+                  runc call (each reads the mount table) at constant cost
     rw/           upper/ and work/ (a size-limited tmpfs when disk_mb is set)
     config.json   the OCI config (runtime/oci.py)
 PID 1 is sandbox-init, so an idle sandbox costs one sleeping process of a few
@@ -36,7 +41,7 @@ from typing import Any, NoReturn
 from pydantic import Field
 
 from lazyfs import sysmount
-from lazyfs.mounts import MountError, mount_image, unmount
+from lazyfs.mounts import MountError, detach, mount_image, unmount
 
 from .. import cgroups, oci, procio
 from ..config import RuntimeConfig
@@ -63,6 +68,10 @@ class ContainerState(BackendState):
     rw: Path | None = None
     rw_tmpfs: bool = False         # rw/ is a size-limited tmpfs (disk_mb)
     mounted: bool = False          # rootfs/ holds the composed image
+    # the composed root left the host's mount namespace once runc started the
+    # sandbox (its init's mount namespace keeps it): the host's mount table
+    # does not grow with the sandboxes; the root is /proc/INIT/root
+    held: bool = False
     net_slot: int | None = Field(default=None, ge=0)  # network allowlist only
     netns: Path | None = None
     node_address: str | None = None  # the host's side of the sandbox's veth
@@ -157,6 +166,11 @@ class ContainerBackend:
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self._run_detached(h)
             st.init_pid = int((h.dir / "init.pid").read_text())
+            try:
+                detach(paths, rootfs, st.init_pid)
+            except MountError as e:
+                raise BackendUnavailable(f"{h.id}: {e}") from e
+            st.held = True
             if h.spec.qos is Qos.best_effort and not cgroups.set_cpu_idle(h.id):
                 log.warning("this kernel has no cpu.idle: best-effort sandboxes run "
                             "SCHED_IDLE inside their own cpu group only")
@@ -174,7 +188,7 @@ class ContainerBackend:
             self._runc("delete", "--force", h.id, check=False)
         cgroups.remove_empty(h.id)
         rootfs = h.state.rootfs or h.dir / "rootfs"
-        if sysmount.is_mount_point(rootfs):
+        if h.state.held or sysmount.is_mount_point(rootfs):
             try:
                 unmount(self.images.paths, rootfs)
             except MountError:
@@ -329,8 +343,15 @@ class ContainerBackend:
             if not was_frozen:
                 freezer.write_text("THAWED")
 
+    def root(self, h: Container) -> Path:
+        """Where the host reaches the sandbox's root: through its init's
+        root (the overlay is mounted only in the sandbox's mount namespace)."""
+        if h.state.held and h.state.init_pid is not None:
+            return Path(f"/proc/{h.state.init_pid}/root")
+        return h.state.rootfs or h.dir / "rootfs"
+
     def files(self, h: Container) -> SandboxFiles:
-        return SandboxFiles(h.state.rootfs or h.dir / "rootfs")
+        return SandboxFiles(self.root(h))
 
 
 def _fd_links(pid: int) -> list[str]:
