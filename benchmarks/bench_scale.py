@@ -1,7 +1,7 @@
 """A node at full load: create, exec and kill of a container sandbox while the
 node holds 0, 1,000, 2,000, 3,000 idle ones.
 
-    python -m benchmarks.bench_scale [--n 3000] [--checkpoints 0,1000,2000,3000]
+    python -m benchmarks.bench_scale [--n 3000] [--checkpoints 1000,2000,3000]
                                      [--samples 30] [--threads 4] [--quick]
 
 Through the embedded SDK (`Sandbox.create(..., node=node)`), one busybox image
