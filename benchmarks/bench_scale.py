@@ -1,7 +1,8 @@
 """A node at full load: create, exec and kill of a container sandbox while the
-node holds 0, 1,000, 2,000, 3,000 idle ones.
+node holds 0, 1,000, 2,000, 3,000, 3,200 idle ones, and a sustained load.
 
-    python -m benchmarks.bench_scale [--n 3000] [--checkpoints 1000,2000,3000]
+    python -m benchmarks.bench_scale [--n 3200] [--checkpoints 1000,2000,3000,3200]
+                                     [--sustain 600] [--rate 30]
                                      [--samples 30] [--threads 4] [--quick]
 
 Through the embedded SDK (`Sandbox.create(..., node=node)`), one busybox image
@@ -11,8 +12,13 @@ checkpoint, `--samples` extra sandboxes are created, exec'd (`true`) and
 killed one at a time (create p50/p99, kill p50/p99, first exec), `true` is
 exec'd in idle sandboxes (exec p50), and the batch gives the creation rate and
 the memory per idle sandbox (MemAvailable drop; cgroup charge). At the end
-every sandbox goes in one `kill_many`, timed, and the node's mounts, sandbox
-cgroups, processes and network namespaces are compared with the baseline.
+every sandbox goes in one `kill_many`, timed; then a sustained phase
+(`--sustain` seconds, 600 by default) of create -> exec `true` -> kill paced
+at `--rate` per second (30) from 8 threads reports the rate that held (also
+its slowest 10 s window) and the latencies, and the disk used under the
+state directory and node root before and after it. At the end the node's
+mounts, sandbox cgroups, processes and network namespaces are compared with
+the baseline.
 Ratios are against N=0 of the same run; the target (the issue "A node at full
 load") is create and kill p50 within 1.25x of the empty node and kill_many of
 2,000 under 60 s. Results: benchmarks/results/scale.json.
@@ -28,6 +34,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +63,9 @@ from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-QUICK = {"n": 200, "checkpoints": [100, 200], "samples": 10}
-FULL = {"n": 3000, "checkpoints": [1000, 2000, 3000], "samples": 30}
+QUICK = {"n": 200, "checkpoints": [100, 200], "samples": 10, "sustain": 20.0}
+FULL = {"n": 3200, "checkpoints": [1000, 2000, 3000, 3200], "samples": 30, "sustain": 600.0}
+TARGET_SUSTAINED_RATE = 30.0
 TARGET_RATIO = 1.25
 TARGET_KILL_MANY_2000_S = 60.0
 IDLE = {"bench": "scale-idle"}
@@ -194,6 +202,83 @@ class Scale:
             f"{ms(cp['exec_idle']['p50']) if execs else '-'} ms")
 
 
+def du(path: Path) -> int:
+    """Bytes under path (allocated), 0 if missing."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def sustain(node: Node, seconds: float, rate: float, threads: int,
+            problems: list[str]) -> dict[str, Any]:
+    """create -> exec -> kill from `threads` threads, paced to `rate` per
+    second in all, for `seconds`: what rate held, and the latencies."""
+    lock = threading.Lock()
+    creates: list[float] = []
+    execs: list[float] = []
+    kills: list[float] = []
+    windows: list[int] = []
+    failures: list[str] = []
+    start = time.perf_counter()
+    end = start + seconds
+    slot = [0]  # the next start time index (pacing: start i at start + i / rate)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = slot[0]
+                slot[0] += 1
+            due = start + i / rate
+            if due >= end:
+                return
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                t0 = time.perf_counter()
+                sb = Sandbox.create(IMAGE, node=node, labels=SAMPLE)
+                t1 = time.perf_counter()
+                r = sb.exec(["true"])
+                t2 = time.perf_counter()
+                sb.kill()
+                t3 = time.perf_counter()
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    failures.append(f"{type(e).__name__}: {e}"[:300])
+                continue
+            with lock:
+                creates.append(t1 - t0)
+                execs.append(t2 - t1)
+                kills.append(t3 - t2)
+                w = int((t3 - start) // 10)
+                windows.extend([0] * (w + 1 - len(windows)))
+                windows[w] += 1
+                if r.exit_code != 0:
+                    failures.append(f"exec true exited {r.exit_code}")
+
+    log(f"sustained: {rate:g} create->exec->kill per s for {seconds:g} s, {threads} threads")
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - start
+    done = len(creates)
+    if failures:
+        problems.append(f"sustained: {len(failures)} failed, e.g. {failures[0]}")
+    full = windows[:-1] if len(windows) > 1 else windows  # the last window is partial
+    out = {"seconds": wall, "target_rate": rate, "threads": threads, "done": done,
+           "failed": len(failures), "rate": done / wall if wall else 0.0,
+           "min_10s_window_rate": min(full) / 10 if full else 0.0,
+           "create": summary(creates), "exec": summary(execs), "kill": summary(kills)}
+    log(f"sustained: {done} in {wall:.0f} s = {out['rate']:.1f}/s (slowest 10 s window "
+        f"{out['min_10s_window_rate']:.1f}/s), {len(failures)} failed")
+    return out
+
+
 def render(res: dict[str, Any]) -> str:
     cps = res["checkpoints"]
     base = cps[0]
@@ -222,6 +307,17 @@ def render(res: dict[str, Any]) -> str:
              ("batch columns: the creation batch that grew the node to that N (K threads); "
              "memory per idle sandbox as MemAvailable drop and cgroup charge"),
              f"host after kill_many vs baseline: {res['after']} vs {res['baseline']}"]
+    st = res.get("sustained")
+    if st:
+        notes.append(f"sustained {st['seconds']:.0f} s of create -> exec -> kill paced at "
+                     f"{st['target_rate']:g}/s ({st['threads']} threads): {st['rate']:.1f}/s "
+                     f"achieved, slowest 10 s window {st['min_10s_window_rate']:.1f}/s, "
+                     f"{st['failed']} failed; create p50/p99 {ms(st['create']['p50'])}/"
+                     f"{ms(st['create']['p99'])} ms, exec {ms(st['exec']['p50'])}/"
+                     f"{ms(st['exec']['p99'])} ms, kill {ms(st['kill']['p50'])}/"
+                     f"{ms(st['kill']['p99'])} ms (target >= {TARGET_SUSTAINED_RATE:g}/s)")
+        notes.append(f"disk under the state dir and node root before / after: "
+                     f"{res['disk_before'] / MiB:.1f} / {res['disk_after'] / MiB:.1f} MiB")
     return table("container sandboxes with N idle ones on the node (times in ms)",
                  ["N idle", "create p50", "p99", "x", "kill p50", "p99", "x",
                   "1st exec", "exec p50", "create/s", "MiB avail", "MiB cg"], rows, notes)
@@ -249,6 +345,11 @@ def run(args: argparse.Namespace, work: Path, problems: list[str]) -> dict[str, 
             killed = Sandbox.kill_many(IDLE, node=node)
             res["kill_many"] = {"count": len(killed), "seconds": time.perf_counter() - t0}
             log(f"kill_many: {len(killed)} in {res['kill_many']['seconds']:.1f}s")
+            if args.sustain:
+                res["disk_before"] = du(work / "state") + du(lazy.paths.root)
+                res["sustained"] = sustain(node, args.sustain, args.rate, args.sustain_threads,
+                                           problems)
+                res["disk_after"] = du(work / "state") + du(lazy.paths.root)
         finally:
             for info in node.sandboxes():
                 with contextlib.suppress(Exception):
@@ -281,6 +382,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help=f"create+kill samples per checkpoint [{FULL['samples']}]")
     ap.add_argument("--threads", type=int, default=4,
                     help="threads creating the idle sandboxes (default: %(default)s)")
+    ap.add_argument("--sustain", type=float, default=None,
+                    help=f"seconds of paced create -> exec -> kill after kill_many "
+                         f"[{FULL['sustain']:g}, --quick {QUICK['sustain']:g}; 0: none]")
+    ap.add_argument("--rate", type=float, default=TARGET_SUSTAINED_RATE,
+                    help="creations per second the sustained phase is paced at "
+                         "(default: %(default)s)")
+    ap.add_argument("--sustain-threads", type=int, default=8,
+                    help="threads of the sustained phase (default: %(default)s)")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"),
                     help="where the temp dir goes (default: %(default)s)")
     args = ap.parse_args(argv)
