@@ -49,6 +49,9 @@ class RuntimeConfig:
     max_sandboxes: int = 4096
     reap_interval: float = 1.0
     fncall_workers: int = 2
+    # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
+    # process into a cgroup then no longer waits for an RCU grace period
+    favor_dynmods: bool = True
 
     def __post_init__(self) -> None:
         missing = [f for f in _SETTINGS_FIELDS if getattr(self, f) is _FROM_SETTINGS]

@@ -92,6 +92,11 @@ class Node:
         # behind: close at interpreter exit if still open. (Killed, it
         # cannot; the next node start sweeps: fncall.sweep in recover().)
         self._at_exit = weakref.finalize(self, _close_at_exit, weakref.ref(self))
+        if self.config.favor_dynmods and os.geteuid() == 0:
+            changed = cgroups.favor_dynamic_modifications()
+            if changed:
+                log.info("cgroup favordynmods turned on (%s): a sandbox's cgroup "
+                         "moves no longer wait for an RCU grace period", changed)
         self.recover()
 
     # -- plumbing ------------------------------------------------------------
