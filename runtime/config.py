@@ -50,8 +50,10 @@ class RuntimeConfig:
     reap_interval: float = 1.0
     fncall_workers: int = 2
     # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
-    # process into a cgroup then no longer waits for an RCU grace period
-    favor_dynmods: bool = True
+    # process into a cgroup then no longer waits for an RCU grace period, but
+    # every fork and exit on the host gets dearer; off by default (measured:
+    # docs/runtime.md, "A node at full load")
+    favor_dynmods: bool = False
 
     def __post_init__(self) -> None:
         missing = [f for f in _SETTINGS_FIELDS if getattr(self, f) is _FROM_SETTINGS]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -405,28 +404,3 @@ def test_network_allowlist(node: Node) -> None:
             srv.shutdown()
             srv.server_close()
 
-
-def test_moving_a_process_into_a_cgroup_waits_for_no_grace_period(node: Node) -> None:
-    """A node turns on cgroup favordynmods: runc moves every new sandbox's
-    init into a cgroup per controller, and without it each first move waited
-    for an RCU grace period (13-34 ms measured), half of a create."""
-    assert "favordynmods" in next(line for line in Path("/proc/self/mounts").read_text()
-                                  .splitlines() if " cgroup2 " in line)
-    d = cgroups.CGROUP_ROOT / "pids" / cgroups.PARENT / f"move-test-{os.getpid()}"
-    d.mkdir(parents=True)
-    times = []
-    try:
-        for _ in range(15):
-            p = subprocess.Popen(["sleep", "30"])
-            try:
-                t0 = time.perf_counter()
-                (d / "cgroup.procs").write_text(str(p.pid))
-                times.append(time.perf_counter() - t0)
-            finally:
-                p.kill()
-                p.wait()
-            time.sleep(0.05)  # longer than a grace period: each move starts cold
-    finally:
-        d.rmdir()
-    times.sort()
-    assert times[len(times) // 2] < 0.005, times
