@@ -239,16 +239,19 @@ def _index_ready(paths: NodePaths) -> bool:
     return (paths.erofs_refs / ".complete").exists()
 
 
-def add_user(paths: NodePaths, digests: list[str], mountpoint: Path) -> None:
+def add_user(paths: NodePaths, digests: list[str], mountpoint: Path,
+             target: str | None = None) -> None:
     """Record mountpoint as a user of each layer's shared mount (before the
-    overlay is made on them). Call under `locked(paths)`."""
+    overlay is made on them), alive while `target` says so (default: while
+    mountpoint is a mounted overlay; see set_holder). Call under
+    `locked(paths)`."""
     key = user_key(mountpoint)
     for digest in dict.fromkeys(digests):
         d = paths.erofs_refs / digest
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         link = d / key
         link.unlink(missing_ok=True)
-        os.symlink(str(mountpoint), link)
+        os.symlink(target or str(mountpoint), link)
 
 
 HELD = "held:"  # a user link's target for a root held by a process (holder_target)
@@ -299,13 +302,7 @@ def set_holder(paths: NodePaths, digests: list[str], mountpoint: Path, pid: int,
     """Record that mountpoint's root is held by process pid (its mount
     namespace keeps the overlay after the host's mount is detached): the
     layers stay in use while it lives. Call under `locked(paths)`."""
-    key = user_key(mountpoint)
-    for digest in dict.fromkeys(digests):
-        d = paths.erofs_refs / digest
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        link = d / key
-        link.unlink(missing_ok=True)
-        os.symlink(holder_target(mountpoint, pid, start), link)
+    add_user(paths, digests, mountpoint, holder_target(mountpoint, pid, start))
 
 
 def _has_live_user(d: Path) -> bool:
