@@ -37,6 +37,7 @@ from .builder import DEFAULT_CHUNK_SIZE, LayerBuilder, ProgressFn
 from .compose import compose
 from .errors import DiffError
 from .manifest import Entry, Kind, LayerManifest
+from .sources import add_entry
 
 UNTRUSTED = TrustDomain("untrusted")
 OVERLAY_XATTR = "trusted.overlay."
@@ -97,31 +98,13 @@ def _add(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, int],
     common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
                               "gid": st.st_gid, "mtime_ns": st.st_mtime_ns, "xattrs": xattrs}
     name = rel if rel else "."
-    fmt = stat.S_IFMT(st.st_mode)
-    if fmt == stat.S_IFCHR and st.st_rdev == 0:  # overlayfs' whiteout
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # overlayfs' whiteout
         builder.add(name, Entry("", Kind.WHITEOUT, mode=0, uid=st.st_uid, gid=st.st_gid,
                                 mtime_ns=st.st_mtime_ns))
-    elif fmt == stat.S_IFREG:
-        key = (st.st_dev, st.st_ino)
-        if st.st_nlink > 1 and key in seen:
-            builder.add(name, Entry("", Kind.HARDLINK, target=seen[key], **common))
-            return
-        if st.st_nlink > 1:
-            seen[key] = rel
-        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            builder.add(name, Entry("", Kind.FILE, size=st.st_size, **common), f)
-    elif fmt == stat.S_IFDIR:
-        builder.add(name, Entry("", Kind.DIR, opaque=opaque, **common))
-    elif fmt == stat.S_IFLNK:
-        builder.add(name, Entry("", Kind.SYMLINK, target=os.readlink(full), **common))
-    elif fmt in (stat.S_IFCHR, stat.S_IFBLK):
-        kind = Kind.CHAR if fmt == stat.S_IFCHR else Kind.BLOCK
-        builder.add(name, Entry("", kind, rdev=(os.major(st.st_rdev), os.minor(st.st_rdev)),
-                                **common))
-    elif fmt == stat.S_IFIFO:
-        builder.add(name, Entry("", Kind.FIFO, **common))
-    # sockets cannot be stored in a layer; a sandbox's are dropped
+        return
+    if stat.S_ISDIR(st.st_mode):
+        common["opaque"] = opaque
+    add_entry(builder, full, name, st, common, seen, layer)
 
 
 def _clean(path: str) -> str:

@@ -351,6 +351,15 @@ def _add_path(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, 
         xattrs = {}
     common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
                               "gid": st.st_gid, "mtime_ns": st.st_mtime_ns, "xattrs": xattrs}
+    add_entry(builder, full, rel, st, common, seen, layer)
+
+
+def add_entry(builder: LayerBuilder, full: str, rel: str, st: os.stat_result,
+              common: dict[str, Any], seen: dict[tuple[int, int], str], layer: str) -> None:
+    """The entry for the file at `full` (lstat `st`) with the metadata in
+    `common`, its data read for regular files; a second name of a file seen
+    before becomes a hard link. Shared by dir: sources and packed uppers
+    (composer/snapshot.py)."""
     fmt = stat.S_IFMT(st.st_mode)
     if fmt == stat.S_IFREG:
         key = (st.st_dev, st.st_ino)
@@ -359,7 +368,7 @@ def _add_path(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, 
             return
         if st.st_nlink > 1:
             seen[key] = rel
-        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
             builder.add(rel, Entry("", Kind.FILE, size=st.st_size, **common), f)
     elif fmt == stat.S_IFDIR:
