@@ -193,8 +193,9 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
         tracer = Tracer()
         options = options or Options()
         layers = Layers(catalog, tracer, FIRST_BASE)
-        fs = LazyFS(layers, FetchEngine(cache, tracer, layers, options), options,
-                    Attribution(paths))
+        fs = LazyFS(layers, FetchEngine(cache, tracer, layers, options,
+                                        local_source=cluster_url is None),
+                    options, Attribution(paths))
         fs.source = cluster_url or str(Path(store_path or "").absolute())
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
                                                "allow_other"}

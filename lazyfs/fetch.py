@@ -20,7 +20,12 @@ How a read is served: each chunk once, from the hot set (recently read
 chunks, in memory, `hot_bytes`), else the node cache (chunkstore/cache.py:
 local files, single flight, filled from the store). Cache fetches run in
 worker threads (the cache and store are blocking), at most `fetch_threads`
-at once, each bounded by `fetch_timeout`. Background fetches (readahead,
+at once, each bounded by `fetch_timeout`, except small foreground fetches
+from a local source (`inline_fetch_bytes`: the node's own store, or chunks
+already in the node cache), which run on the event loop: there the thread
+round trip costs several times the fetch. Chunks read from a local store
+are not copied into the node cache (`keep_local_reads`) unless a trace
+prefetch asked for them. Background fetches (readahead,
 trace prefetch) run on a smaller pool of `prefetch_threads`, so they never
 take the threads foreground reads need:
 
@@ -84,8 +89,10 @@ class BlobReader:
 
 class FetchEngine:
     def __init__(self, cache: NodeCache, tracer: Tracer, layers: Layers,
-                 options: Options) -> None:
+                 options: Options, *, local_source: bool = False) -> None:
         self.cache = cache
+        # misses come from a store on this node's disk (not a cluster store)
+        self.local_source = local_source
         self.tracer = tracer
         self.layers = layers
         self.options = options
@@ -182,7 +189,7 @@ class FetchEngine:
         range is traced as a read of its file."""
         dom = str(tree.domain)
         spans: list[range] = []
-        wanted: dict[ChunkId, None] = {}  # ordered, each chunk once
+        wanted: dict[ChunkId, int] = {}  # ordered, each chunk once: its length
         for i, off, size in ranges:
             data = tree.file_data(i)
             span = data.span(off, size)
@@ -190,12 +197,15 @@ class FetchEngine:
             for k in span:
                 cid = data.ids[k]
                 if cid is not None:
-                    wanted[cid] = None
+                    wanted[cid] = data.lengths[k]
         hot = {c: d for c in wanted if (d := self._hot_get(dom, c)) is not None}
         cold = [c for c in wanted if c not in hot]
-        hits = len(hot) + sum(1 for c in cold if self.cache.contains(c, tree.domain))
+        cached = sum(1 for c in cold if self.cache.contains(c, tree.domain))
+        hits = len(hot) + cached
         t0 = time.perf_counter()
-        got = await self._fetch(tree, what, cold, foreground=True)
+        inline = (sum(wanted[c] for c in cold) <= self.options.inline_fetch_bytes
+                  and (self.local_source or cached == len(cold)))
+        got = await self._fetch(tree, what, cold, foreground=True, inline=inline)
         for c, d in zip(cold, got, strict=True):
             hot[c] = d
             self._hot_put(dom, c, d)
@@ -244,16 +254,24 @@ class FetchEngine:
     # -- fetching -------------------------------------------------------------------
 
     async def _fetch(self, tree: LayerTree, what: str, ids: list[ChunkId], *,
-                     foreground: bool) -> list[bytes]:
+                     foreground: bool, inline: bool = False, keep: bool = False
+                     ) -> list[bytes]:
+        """The chunks' bytes through the node cache, kept there when `keep`
+        or the source is remote; `inline`: on the event loop (a small fetch
+        from local disk), else in a worker thread of the pool."""
         if not ids:
             return []
         limit = self._fetch_limit if foreground else self._prefetch_limit
+        get = functools.partial(self.cache.get_many, ids, tree.domain,
+                                wait_timeout=self.options.fetch_timeout,
+                                keep=keep or self.options.keep_local_reads
+                                or not self.local_source)
         try:
+            if inline:
+                return get()
             with trio.fail_after(self.options.fetch_timeout):
-                return await trio.to_thread.run_sync(
-                    functools.partial(self.cache.get_many, ids, tree.domain,
-                                      wait_timeout=self.options.fetch_timeout),
-                    limiter=limit, abandon_on_cancel=True)
+                return await trio.to_thread.run_sync(get, limiter=limit,
+                                                     abandon_on_cancel=True)
         except (trio.TooSlowError, TimeoutError):
             log.error("read of %s in layer %s: fetch timed out after %gs", what,
                       tree.digest, self.options.fetch_timeout)
@@ -321,7 +339,7 @@ class FetchEngine:
 
     async def _fetch_batch(self, tree: LayerTree, ids: list[ChunkId]) -> None:
         try:
-            await self._fetch(tree, "a recorded trace", ids, foreground=False)
+            await self._fetch(tree, "a recorded trace", ids, foreground=False, keep=True)
             self.tracer.prefetched(len(ids))
         except FetchError:
             pass

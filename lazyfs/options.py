@@ -23,6 +23,16 @@ class Options:
     # 128 KiB at a time, one request in flight, so the next chunks must be
     # in memory before it asks (0: off)
     blob_readahead_chunks: int = 8
+    # a foreground fetch of at most this many bytes from a local source (the
+    # store on this node's disk, or chunks already in the node cache) runs on
+    # the event loop itself: one pread and a zstd decode take ~50 us, a
+    # round trip through a worker thread ~250 us on a 2-core VM, and a cold
+    # read-all is one serial request per small file (0: always a thread)
+    inline_fetch_bytes: int = 1 << 20
+    # chunks read from a local store are copied into the node cache too
+    # (off: the store already is on local disk, and writing one cache file per
+    # chunk halved cold reads; trace prefetch keeps them either way)
+    keep_local_reads: bool = False
     # -- the FUSE adapter (lazyfs/fs.py) --
     keep_cache: bool = True  # keep the page cache across opens (content is immutable)
     cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)
