@@ -228,7 +228,8 @@ def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
         raise ConfigError(f"cache size {e}") from None
     opts = Options(fetch_threads=spec.fetch_threads, fetch_timeout=spec.fetch_timeout,
                    readahead_chunks=spec.readahead_chunks, keep_cache=spec.keep_cache,
-                   cache_timeout=spec.cache_timeout)
+                   cache_timeout=spec.cache_timeout, inline_fetch_bytes=spec.inline_fetch_bytes,
+                   keep_local_reads=spec.keep_local_reads)
     with erofsmounts.locked(spec.paths):  # layer mounts a crashed daemon left, unused now
         erofsmounts.release_unused(spec.paths)
     run(spec.paths, spec.store, spec.cache_dir, size, cluster_url=spec.cluster, options=opts,

@@ -63,7 +63,7 @@ from pmem.erofs import cached_image, meta_name
 from . import sysmount
 from .blob import blob_name
 from .errors import MountError
-from .node import NodePaths
+from .node import READ_AHEAD_KB, NodePaths
 
 log = logging.getLogger(__name__)
 
@@ -185,15 +185,49 @@ def acquire(paths: NodePaths, digests: list[str]) -> list[Path]:
             raise MountError(f"the daemon's blob path {blob} holds a ',', which EROFS mount "
                              "options cannot carry; use another node root")
         target.mkdir(exist_ok=True)
+        bdis = _erofs_bdis()
         try:
             sysmount.mount(str(meta), target, "erofs", MOUNT_FLAGS, f"device={blob}")
         except OSError as e:
             raise MountError(f"kernel EROFS mount of layer {digest} ({meta}, data {blob}) on "
                              f"{target} failed: {e.strerror} (see dmesg)") from e
+        _tune_readahead(bdis, digest)
         _write_state(paths, digest, {"fuse_device": device, "meta": str(meta),
                                      "blob": str(blob)})
         out.append(target)
     return out
+
+
+_BDI = Path("/sys/class/bdi")
+_BDI_PREFIX = "erofs-"
+
+
+def _erofs_bdis() -> set[str]:
+    try:
+        return {n for n in os.listdir(_BDI) if n.startswith(_BDI_PREFIX)}
+    except OSError:
+        return set()
+
+
+def _tune_readahead(before: set[str], digest: str) -> None:
+    """Raise the readahead of the EROFS mount just made to READ_AHEAD_KB.
+
+    A file-backed EROFS superblock gets its own bdi, `erofs-<n>` with n from
+    a global counter (super_setup_bdi), 128 KiB readahead: EROFS then reads
+    the daemon's blob 128 KiB per request, and a cold read-all of the dev
+    image took 4.5 s instead of 3.7 s. The bdi is not named after the mount,
+    so it is the newest one that appeared across our mount(2) (mounts of this
+    node are serialized by `locked`; a concurrent EROFS mount by someone else
+    could take the tuning, which costs only speed)."""
+    new = [n for n in _erofs_bdis() - before if n[len(_BDI_PREFIX):].isdigit()]
+    if not new:
+        log.warning("layer %s: no new EROFS bdi after mounting; readahead stays", digest)
+        return
+    bdi = max(new, key=lambda n: int(n[len(_BDI_PREFIX):]))
+    try:
+        (_BDI / bdi / "read_ahead_kb").write_text(str(READ_AHEAD_KB))
+    except OSError as e:
+        log.warning("layer %s: cannot set read_ahead_kb of %s: %s", digest, bdi, e)
 
 
 def in_use(paths: NodePaths) -> set[str]:

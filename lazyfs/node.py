@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, DaemonError
+from .options import Options
 from .settings import Settings, default_cache_dir, default_root, parse_size
 
 if TYPE_CHECKING:
@@ -172,6 +173,8 @@ class DaemonSpec:
     keep_cache: bool = True
     cache_timeout: float = 24 * 3600.0
     verbose: int = 0
+    inline_fetch_bytes: int = Options.inline_fetch_bytes
+    keep_local_reads: bool = Options.keep_local_reads
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> DaemonSpec:
@@ -199,7 +202,9 @@ class DaemonSpec:
                 "--readahead-chunks", str(self.readahead_chunks),
                 "--read-ahead-kb", str(self.read_ahead_kb),
                 "--cache-timeout", repr(self.cache_timeout),
-                "--keep-cache" if self.keep_cache else "--no-keep-cache"]
+                "--keep-cache" if self.keep_cache else "--no-keep-cache",
+                "--inline-fetch-bytes", str(self.inline_fetch_bytes),
+                "--keep-local-reads" if self.keep_local_reads else "--no-keep-local-reads"]
         args += ["--cluster", self.cluster] if self.cluster else ["--store", str(self.store)]
         if self.prefetch is not None:
             args += ["--prefetch", str(self.prefetch.absolute())]
@@ -223,12 +228,16 @@ class DaemonSpec:
         p.add_argument("--read-ahead-kb", type=int, default=READ_AHEAD_KB)
         p.add_argument("--keep-cache", action=argparse.BooleanOptionalAction, default=True)
         p.add_argument("--cache-timeout", type=float, default=24 * 3600.0)
+        p.add_argument("--inline-fetch-bytes", type=int, default=Options.inline_fetch_bytes)
+        p.add_argument("--keep-local-reads", action=argparse.BooleanOptionalAction,
+                       default=Options.keep_local_reads)
         p.add_argument("-v", "--verbose", action="count", default=0)
         a = p.parse_args(list(argv))
         return cls(NodePaths(a.root.absolute()), a.store and a.store.absolute(), a.cluster,
                    a.cache.absolute(), a.cache_size, a.prefetch, a.fetch_timeout,
                    a.fetch_threads, a.readahead_chunks, a.read_ahead_kb, a.keep_cache,
-                   a.cache_timeout, a.verbose)
+                   a.cache_timeout, a.verbose, inline_fetch_bytes=a.inline_fetch_bytes,
+                   keep_local_reads=a.keep_local_reads)
 
 
 def check_fuse() -> None:

@@ -1,0 +1,304 @@
+"""Cold and warm reads of a whole image through lazyfs, against native ext4
+and a kernel EROFS image file, in one run.
+
+The image: the tests' Debian dev tree ($LAZYFS_TEST_CACHE/debian-dev:
+debootstrap minbase + python3 + build-essential, ~470 MB, ~12,000 files;
+built by the tests' helpers if missing), converted into a fresh store under
+--workdir. Views of the same tree:
+
+  ext4        the tree copied (cp -a) into --workdir;
+  erofs-file  `mkfs.erofs IMG TREE` (uncompressed) mounted straight from the
+              file with mount(2) (no loop device): what the kernel reads at
+              its best from one local file;
+  kernel      lazyfs's default path: a read-only composed root over the
+              layer's kernel EROFS mount, data from the node daemon's blob,
+              fetched from the local store through the daemon;
+  fuse        the same root over the daemon's FUSE tree (--fuse);
+  kernel-before  (with --before) the kernel path with the settings this
+              change replaced: every fetch in a worker thread
+              (--inline-fetch-bytes 0), chunks copied into the node cache
+              (--keep-local-reads), the EROFS mount's readahead at the kernel's
+              128 KiB.
+
+Workloads, in this process: read-all (walk the tree, read every regular
+file in 1 MiB reads) and find+stat (walk, lstat every entry). Cold: the
+node cache emptied (control op drop_cache) and the page cache dropped before
+each run; warm: after one warming run. --repeats runs each, the views
+rotating within every round; medians. CPU: this process's user+system time
+plus the daemon's (/proc/PID/stat) during the run, per MB read. Every view
+must read the same bytes (count and total).
+
+Prints the table, writes benchmarks/results/cold.json. Needs root, /dev/fuse,
+EROFS. Mounts, the daemon and the scratch directory are removed at the end,
+also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import stat
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.host import drop_caches, run
+from benchmarks.report import (
+    add_run_options,
+    apply_profile,
+    exit_on_sigterm,
+    f2,
+    log,
+    machine_info,
+    rotate,
+    table,
+    write_json,
+)
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
+from lazyfs import sysmount
+from tests.helpers.lazynode import LazyNode
+
+HERE = Path(__file__).resolve().parent
+MB = 1_000_000
+CACHE_ROOT = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
+WORKLOADS = ("read-all", "find+stat")
+QUICK = {"repeats": 1}
+FULL = {"repeats": 3}
+BEFORE = ["--inline-fetch-bytes", "0", "--keep-local-reads"]
+BDI = Path("/sys/class/bdi")
+
+
+def read_all(root: Path) -> tuple[int, int]:
+    """Read every regular file under root; (files, bytes)."""
+    buf = bytearray(1 << 20)
+    files = total = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue  # a symlink, a device node
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                while n := os.readv(fd, [buf]):
+                    total += n
+                files += 1
+            finally:
+                os.close(fd)
+    return files, total
+
+
+def find_stat(root: Path) -> tuple[int, int]:
+    entries = 0
+    for dirpath, dirs, names in os.walk(root):
+        for name in dirs + names:
+            os.lstat(os.path.join(dirpath, name))
+            entries += 1
+    return entries, 0
+
+
+def dev_tree() -> Path:
+    root = CACHE_ROOT / "debian-dev"
+    if not (root / "usr/bin/gcc").exists():
+        log(f"building {root} with debootstrap (several minutes, once)")
+        from tests.test_lazyfs_debian import _debootstrap
+        return _debootstrap("debian-dev", "python3,build-essential", "usr/bin/gcc")
+    return root
+
+
+def erofs_bdis() -> set[str]:
+    return {n for n in os.listdir(BDI) if n.startswith("erofs-")}
+
+
+def process_cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.store = work / "store"
+        self.roots: dict[str, Path] = {}
+        self.nodes: dict[str, LazyNode] = {}
+        self.node_of: dict[str, LazyNode] = {}
+        self.erofs_mount: Path | None = None
+        self.views = ["ext4", "erofs-file", "kernel", "fuse"] + (
+            ["kernel-before"] if args.before else [])
+        self.results: dict[str, Any] = {"cold": {}, "warm": {}, "size": {}}
+        self.problems: list[str] = []
+
+    def prepare(self) -> None:
+        tree = dev_tree()
+        with ChunkStore.open(self.store, create=True) as store, Catalog(store) as cat:
+            t0 = time.perf_counter()
+            convert(store, cat, f"dir:{tree}", "dev:1")
+            log(f"converted {tree} in {time.perf_counter() - t0:.1f} s")
+        native = self.work / "native"
+        log("copying the tree to the work dir (ext4) and building the EROFS image file")
+        run(["cp", "-a", f"{tree}/.", native])
+        self.roots["ext4"] = native
+        img = self.work / "dev.erofs"
+        run(["mkfs.erofs", "--quiet", img, native])
+        mp = self.work / "erofs-file"
+        mp.mkdir()
+        sysmount.mount(str(img), mp, "erofs", sysmount.MS_RDONLY)
+        self.erofs_mount = self.roots["erofs-file"] = mp
+        with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
+            for name, extra in (("now", []), ("before", BEFORE)):
+                if name == "before" and not self.args.before:
+                    continue
+                node = self.nodes[name] = LazyNode(self.work / f"node-{name}", self.store,
+                                                   cache_size="8G", extra=extra)
+                node.start()
+            for view in self.views[2:]:
+                node = self.node_of[view] = self.nodes["before" if view.endswith("before")
+                                                       else "now"]
+                bdis = erofs_bdis()
+                self.roots[view] = node.mount(cat, "dev:1", self.work / f"root-{view}",
+                                              kernel=view != "fuse")
+                if view == "kernel-before":
+                    for bdi in erofs_bdis() - bdis:  # the readahead before this change
+                        (BDI / bdi / "read_ahead_kb").write_text("128")
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            try:
+                node.close()
+            except Exception as e:  # noqa: BLE001 - keep cleaning
+                self.problems.append(f"stopping a daemon: {e}")
+        if self.erofs_mount is not None and sysmount.find_mount(self.erofs_mount) is not None:
+            sysmount.umount(self.erofs_mount, lazy=True)
+
+    def _one(self, view: str, work: str, cold: bool) -> dict[str, float]:
+        node = self.node_of.get(view)
+        if cold:
+            if node is not None:
+                node.request({"op": "drop_cache"})
+            drop_caches()
+        fn: Callable[[Path], tuple[int, int]] = read_all if work == "read-all" else find_stat
+        pid = node.proc.pid if node is not None and node.proc is not None else 0
+        d0 = process_cpu(pid) if pid else 0.0
+        c0 = os.times()
+        t0 = time.perf_counter()
+        count, nbytes = fn(self.roots[view])
+        seconds = time.perf_counter() - t0
+        c1 = os.times()
+        daemon = (process_cpu(pid) - d0) if pid else 0.0
+        self.results["size"].setdefault(work, {})[view] = [count, nbytes]
+        return {"seconds": seconds, "cpu": c1.user - c0.user + c1.system - c0.system + daemon,
+                "daemon_cpu": daemon}
+
+    def measure(self) -> None:
+        for work in WORKLOADS:
+            for phase in ("cold", "warm"):
+                runs: dict[str, list[dict[str, float]]] = {v: [] for v in self.views}
+                if phase == "warm":
+                    for view in self.views:
+                        self._one(view, work, cold=False)
+                for r in range(self.args.repeats):
+                    for view in rotate(self.views, r):
+                        runs[view].append(self._one(view, work, phase == "cold"))
+                log(f"{work} {phase}: " + ", ".join(
+                    f"{v} {statistics.median(x['seconds'] for x in rs) * 1e3:.0f} ms"
+                    for v, rs in runs.items()))
+                self.results[phase][work] = {
+                    v: {"seconds": [x["seconds"] for x in rs],
+                        "median_s": statistics.median(x["seconds"] for x in rs),
+                        "cpu_s": statistics.median(x["cpu"] for x in rs),
+                        "daemon_cpu_s": statistics.median(x["daemon_cpu"] for x in rs)}
+                    for v, rs in runs.items()}
+            sizes = self.results["size"][work]
+            if len({tuple(s) for s in sizes.values()}) != 1:
+                self.problems.append(f"{work}: the views disagree: {sizes}")
+        for work in WORKLOADS:
+            nbytes = self.results["size"][work]["ext4"][1]
+            for phase in ("cold", "warm"):
+                by = self.results[phase][work]
+                base = by["ext4"]["median_s"]
+                for r in by.values():
+                    r["ratio_vs_ext4"] = r["median_s"] / base
+                    r["ratio_vs_ext4_cold"] = r["median_s"] / self.results["cold"][work][
+                        "ext4"]["median_s"]
+                    if nbytes:
+                        r["mb_per_s"] = nbytes / MB / r["median_s"]
+                        r["cpu_s_per_mb"] = r["cpu_s"] / (nbytes / MB)
+
+    def report(self) -> str:
+        out = []
+        for work in WORKLOADS:
+            count, nbytes = self.results["size"][work]["ext4"]
+            rows = []
+            for view in self.views:
+                cells = [view]
+                for phase in ("cold", "warm"):
+                    r = self.results[phase][work][view]
+                    cells += [f"{r['median_s'] * 1e3:,.0f}", f2(r["ratio_vs_ext4_cold"])]
+                    if nbytes:
+                        cells += [f"{r['mb_per_s']:,.0f}", f"{r['cpu_s_per_mb'] * 1e3:.1f}"]
+                rows.append(cells)
+            head = ["view", "cold ms", "/ext4 cold"] + (["MB/s", "CPU ms/MB"] if nbytes else [])
+            head += ["warm ms", "/ext4 cold"] + (["MB/s", "CPU ms/MB"] if nbytes else [])
+            what = (f"{count:,} files, {nbytes / MB:,.0f} MB" if nbytes
+                    else f"{count:,} entries")
+            out.append(table(f"{work} of the dev image ({what}), median of "
+                             f"{self.args.repeats}", head, rows,
+                             ["ratios: time / ext4 cold time; CPU: reader + daemon"]))
+        return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=None, help="runs per view and phase")
+    ap.add_argument("--before", action="store_true",
+                    help="also the kernel path with the settings before the cold-path work")
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
+    add_run_options(ap, HERE / "results" / "cold.json", QUICK)
+    args = ap.parse_args(argv)
+    apply_profile(args, QUICK, FULL)
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        sys.exit("bench_cold.py needs root and /dev/fuse (FUSE, EROFS, overlayfs, "
+                 "drop_caches)")
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    work = Path(tempfile.mkdtemp(prefix="bench-cold-", dir=args.workdir))
+    started = time.time()
+    bench = Bench(args, work)
+    try:
+        bench.prepare()
+        bench.measure()
+    finally:
+        bench.close()
+        if args.keep:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(bench.report())
+    for p in bench.problems:
+        print(f"PROBLEM: {p}")
+    write_json(args.json, {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "duration_seconds": time.time() - started,
+                           "command": "python -m benchmarks.bench_cold " + " ".join(
+                               sys.argv[1:] if argv is None else argv),
+                           "machine": machine_info(args.workdir), "views": bench.views,
+                           "repeats": args.repeats, **bench.results,
+                           "problems": bench.problems})
+    log(f"wrote {args.json}")
+    return 1 if bench.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
