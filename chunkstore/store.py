@@ -664,6 +664,26 @@ class ChunkStore:
             lambda txn: [txn.get(chunk_key(c, dnum), db=self.index.chunks) is not None
                          for c in ids])
 
+    def packs_open(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED) -> bool:
+        """Whether every chunk is stored in a pack the backend holds open, so
+        reading them opens nothing (opening is where a read of a local store
+        can block: a pack on a hung mount, a FIFO in its place). False for a
+        chunk the store does not have."""
+        dnum = self.index.domain_number(TrustDomain(domain), create=False)
+        if dnum is None:
+            return False
+
+        def packs(txn: Txn) -> set[PackId] | None:
+            out = set()
+            for cid in ids:
+                entry = self.index.get(txn, chunk_key(cid, dnum))
+                if entry is None:
+                    return None
+                out.add(entry.pack)
+            return out
+        found = self.index.read(packs)
+        return found is not None and all(self.backend.is_open(p) for p in found)
+
     def stat(self, chunk_id: ChunkId, domain: TrustDomain = TRUSTED) -> ChunkInfo:
         self._check_process()
         domain = TrustDomain(domain)

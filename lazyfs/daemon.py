@@ -47,6 +47,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
 from chunkstore.errors import LazyfsError
 
@@ -194,7 +195,8 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
         options = options or Options()
         layers = Layers(catalog, tracer, FIRST_BASE)
         fs = LazyFS(layers, FetchEngine(cache, tracer, layers, options,
-                                        local_source=cluster_url is None),
+                                        local_store=source if isinstance(source, ChunkStore)
+                                        else None),
                     options, Attribution(paths))
         fs.source = cluster_url or str(Path(store_path or "").absolute())
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",

@@ -47,7 +47,7 @@ from typing import Any
 
 import trio
 
-from chunkstore import ChunkId, ChunkStoreError
+from chunkstore import ChunkId, ChunkStore, ChunkStoreError
 from chunkstore.cache import NodeCache
 from composer.errors import ComposerError
 from composer.manifest import Kind
@@ -89,10 +89,11 @@ class BlobReader:
 
 class FetchEngine:
     def __init__(self, cache: NodeCache, tracer: Tracer, layers: Layers,
-                 options: Options, *, local_source: bool = False) -> None:
+                 options: Options, *, local_store: ChunkStore | None = None) -> None:
         self.cache = cache
-        # misses come from a store on this node's disk (not a cluster store)
-        self.local_source = local_source
+        # where misses come from when it is a store on this node's disk
+        # (None: a cluster store)
+        self.local_store = local_store
         self.tracer = tracer
         self.layers = layers
         self.options = options
@@ -200,12 +201,11 @@ class FetchEngine:
                     wanted[cid] = data.lengths[k]
         hot = {c: d for c in wanted if (d := self._hot_get(dom, c)) is not None}
         cold = [c for c in wanted if c not in hot]
-        cached = sum(1 for c in cold if self.cache.contains(c, tree.domain))
-        hits = len(hot) + cached
+        missing = [c for c in cold if not self.cache.contains(c, tree.domain)]
+        hits = len(wanted) - len(missing)
         t0 = time.perf_counter()
-        inline = (sum(wanted[c] for c in cold) <= self.options.inline_fetch_bytes
-                  and (self.local_source or cached == len(cold)))
-        got = await self._fetch(tree, what, cold, foreground=True, inline=inline)
+        got = await self._fetch(tree, what, cold, foreground=True,
+                                inline=self._inline(tree, cold, missing, wanted))
         for c, d in zip(cold, got, strict=True):
             hot[c] = d
             self._hot_put(dom, c, d)
@@ -253,6 +253,19 @@ class FetchEngine:
 
     # -- fetching -------------------------------------------------------------------
 
+    def _inline(self, tree: LayerTree, cold: list[ChunkId], missing: list[ChunkId],
+                lengths: dict[ChunkId, int]) -> bool:
+        """Whether a foreground fetch may run on the event loop: small, and
+        nothing in it can block for long (chunks in the node cache, or in
+        packs of the local store that are already open; a pack's first
+        open goes to a thread, bounded by the fetch timeout)."""
+        if not cold or sum(lengths[c] for c in cold) > self.options.inline_fetch_bytes:
+            return False
+        if not missing:
+            return True
+        return self.local_store is not None and self.local_store.packs_open(missing,
+                                                                           tree.domain)
+
     async def _fetch(self, tree: LayerTree, what: str, ids: list[ChunkId], *,
                      foreground: bool, inline: bool = False, keep: bool = False
                      ) -> list[bytes]:
@@ -265,7 +278,7 @@ class FetchEngine:
         get = functools.partial(self.cache.get_many, ids, tree.domain,
                                 wait_timeout=self.options.fetch_timeout,
                                 keep=keep or self.options.keep_local_reads
-                                or not self.local_source)
+                                or self.local_store is None)
         try:
             if inline:
                 return get()
@@ -283,7 +296,9 @@ class FetchEngine:
             raise FetchError(f"read of {what} in layer {tree.digest} failed: {e}") from None
 
     async def _prefetch(self, tree: LayerTree, i: int, ids: list[ChunkId]) -> None:
-        missing = [c for c in ids if not self.cache.contains(c, tree.domain)]
+        dom = str(tree.domain)
+        missing = [c for c in ids if (dom, bytes(c)) not in self._hot
+                   and not self.cache.contains(c, tree.domain)]
         if not missing:
             return
         try:

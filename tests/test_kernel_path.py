@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -305,6 +306,42 @@ def test_touched_figures_match_the_fuse_path(tmp_path: Path, store: ChunkStore, 
         tf, tk = f.get("touched_bytes", 0), k.get("touched_bytes", 0)
         assert abs(tf - tk) <= 0.05 * max(tf, tk), (d, tf, tk)
     assert kern[image[0]]["touched_fraction"] > 0
+
+
+def test_concurrent_cold_reads_give_the_source_bytes(node: LazyNode, cat: Catalog,
+                                                     image: list[str],
+                                                     image_tars: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """Readers at once through the default path, page cache and node cache
+    dropped, the big files read by every reader: each file reads exactly as
+    in the extracted image (small fetches run on the daemon's event loop,
+    big ones in worker threads, one fetch per chunk between them), and no
+    chunk read from the local store was copied into the node cache."""
+    root = node.mount(cat, "posix:1", tmp_path / "ro", kernel=True)
+    ref = image_tars["ref"]
+    files = sorted(str(p.relative_to(ref)) for p in ref.rglob("*")
+                   if p.is_file() and not p.is_symlink())
+    big = [f for f in files if (ref / f).stat().st_size > 256 << 10]
+    assert big
+    node.request({"op": "drop_cache"})
+    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+    wrong: list[str] = []
+
+    def reader(k: int) -> None:
+        rng = random.Random(k)
+        for rel in rng.sample(files, min(300, len(files))) + rng.sample(big, len(big)):
+            if (root / rel).read_bytes() != (ref / rel).read_bytes():
+                wrong.append(rel)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+    st = node.stats()
+    assert st["errors"] == 0 and st["cache"]["chunks"] == 0
+    assert st["cache"]["fetched_bytes"] > 0  # they came through the daemon
 
 
 def test_corrupt_blob_chunk_is_eio_through_the_composed_root(

@@ -180,12 +180,14 @@ def test_prefetch_replays_a_trace_into_the_node_cache(node: LazyNode, cat: Catal
 
 def test_node_cache_survives_a_daemon_restart(tmp_path: Path, store: ChunkStore,
                                               cat: Catalog, image: list[str]) -> None:
-    with LazyNode(tmp_path / "node", Path(store.root)) as node:
+    # reads of a local store are kept in the node cache only when asked
+    keep = ["--keep-local-reads"]
+    with LazyNode(tmp_path / "node", Path(store.root), extra=keep) as node:
         (node.layer_dir(image[0]) / "posix" / "sizes" / "random_3mib").read_bytes()
         fetched = node.stats()["cache"]["fetched_bytes"]
         assert fetched >= 3 << 20
     subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
-    with LazyNode(tmp_path / "node", Path(store.root)) as node:
+    with LazyNode(tmp_path / "node", Path(store.root), extra=keep) as node:
         (node.layer_dir(image[0]) / "posix" / "sizes" / "random_3mib").read_bytes()
         st = node.stats()["cache"]
         assert st["fetched_bytes"] == 0 and st["hits"] > 0

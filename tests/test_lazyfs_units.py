@@ -114,9 +114,10 @@ def test_the_fetch_engine_serves_a_layer_without_a_mount(tmp_path: Path) -> None
         [digest] = cat.resolve("t:1")[1].layers
         manifest = cat.load_layer(digest)
 
-        def engine(cache: NodeCache) -> FetchEngine:
+        def engine(cache: NodeCache, local: bool = False) -> FetchEngine:
             tracer = Tracer()
-            return FetchEngine(cache, tracer, Layers(cat, tracer, 3), Options())
+            return FetchEngine(cache, tracer, Layers(cat, tracer, 3), Options(),
+                               local_store=store if local else None)
 
         async def reads(fe: FetchEngine) -> None:
             tree = await fe.layers.get(digest)
@@ -161,5 +162,57 @@ def test_the_fetch_engine_serves_a_layer_without_a_mount(tmp_path: Path) -> None
                 await fe.read(fe.open_file(tree, i, "m"), 256 << 10, 4096)
             assert fe.tracer.errors == 1
 
-        with NodeCache.open(tmp_path / "cache3", source=store) as cache:
-            trio.run(corrupt, engine(cache))
+        for local in (False, True):  # in a worker thread; on the event loop
+            with NodeCache.open(tmp_path / f"cache3-{local}", source=store) as cache:
+                trio.run(corrupt, engine(cache, local))
+
+
+@pytest.mark.parametrize("local_source", [True, False])
+def test_reads_keep_chunks_in_the_node_cache_only_from_a_remote_source(
+        tmp_path: Path, local_source: bool) -> None:
+    """Chunks a read fetched from the node's own store are not copied into
+    the node cache (the store is on the same disk); from a remote source they
+    are. A trace prefetch keeps them either way. The bytes are the file's,
+    whether the fetch ran on the event loop (small, local) or in a thread."""
+    rng = random.Random(5)
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"f{i}": rng.randbytes(rng.choice([100, 5000, 300 << 10, 1300 << 10]))
+             for i in range(12)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    with ChunkStore.open(tmp_path / "store") as store, Catalog(store) as cat:
+        convert(store, cat, f"dir:{src}", "t:1")
+        [digest] = cat.resolve("t:1")[1].layers
+
+        def engine(cache: NodeCache) -> FetchEngine:
+            tracer = Tracer()
+            return FetchEngine(cache, tracer, Layers(cat, tracer, 3), Options(),
+                               local_store=store if local_source else None)
+
+        async def read_all(fe: FetchEngine) -> None:
+            tree = await fe.layers.get(digest)
+            async with trio.open_nursery() as n:  # concurrent readers of every file
+                for name, data in files.items():
+                    for _ in range(2):
+                        n.start_soon(read_one, fe, tree, name, data)
+
+        async def read_one(fe: FetchEngine, tree: LayerTree, name: str, data: bytes) -> None:
+            i = tree.path_index(name)
+            assert i is not None
+            f = fe.open_file(tree, i, "m")
+            got = bytearray()
+            while chunk := await fe.read(f, len(got), 128 << 10):
+                got += chunk
+            assert got == data, name
+
+        with NodeCache.open(tmp_path / "cache1", source=store) as cache:
+            fe = engine(cache)
+            trio.run(read_all, fe)
+            cache.flush()
+            assert (len(cache) == 0) is local_source
+            events = fe.tracer.trace()["events"]
+        with NodeCache.open(tmp_path / "cache2", source=store) as cache:
+            fetched = trio.run(engine(cache).prefetch_trace, events)
+            cache.flush()
+            assert fetched == len(cache) > 0

@@ -60,6 +60,11 @@ class Backend(abc.ABC):
         that runs past the end of the pack comes back short (the caller decides
         that is corruption). Raises PackNotFound if the pack does not exist."""
 
+    def is_open(self, pack: PackId) -> bool:
+        """Whether reading `pack` now needs no open (or connect) of it: a
+        read that only touches an open local file cannot block for long."""
+        return False
+
     def read_range(self, pack: PackId, offset: int, length: int) -> bytes:
         """One range; backends may override with a cheaper path."""
         return self.read_ranges(pack, [(offset, length)])[0]

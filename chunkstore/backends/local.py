@@ -173,6 +173,10 @@ class _FdCache:
                     os.close(fd)
         return slot[0]
 
+    def holds(self, pack: PackId) -> bool:
+        with self._lock:
+            return pack in self._fds
+
     def release(self, pack: PackId, fd: int) -> None:
         with self._lock:
             slot = self._fds.get(pack)
@@ -243,6 +247,9 @@ class LocalDirBackend(Backend):
             return os.open(self.path(pack), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
             raise self.wrap_os_error(pack, "open", e) from e
+
+    def is_open(self, pack: PackId) -> bool:
+        return self._fds.holds(pack)
 
     def read_ranges(self, pack: PackId, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
