@@ -28,8 +28,13 @@ rotating within every round; medians. CPU: this process's user+system time
 plus the daemon's (/proc/PID/stat) during the run, per MB read. Every view
 must read the same bytes (count and total).
 
-Prints the table, writes benchmarks/results/cold.json. Needs root, /dev/fuse,
-EROFS. Mounts, the daemon and the scratch directory are removed at the end,
+Then, per lazyfs view, a cold start of a Python program (`python3 -c
+'import json, email, sqlite3, asyncio, unittest'`, chrooted, under strace):
+bytes the daemon fetched against the file-level bound, the total size of
+the regular files the program opened or executed.
+
+Prints the tables, writes benchmarks/results/cold.json. Needs root, /dev/fuse,
+EROFS, strace. Mounts, the daemons and the scratch directory are removed at the end,
 also on failure.
 """
 
@@ -48,7 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.host import drop_caches, run
+from benchmarks.host import CHROOT_ENV, drop_caches, run
 from benchmarks.report import (
     add_run_options,
     apply_profile,
@@ -104,6 +109,60 @@ def find_stat(root: Path) -> tuple[int, int]:
             os.lstat(os.path.join(dirpath, name))
             entries += 1
     return entries, 0
+
+
+PROGRAM = ["python3", "-c", "import json, email, sqlite3, asyncio, unittest"]
+
+
+def resolve_in(root: Path, path: str) -> Path | None:
+    """`path` as a process chrooted at root sees it (symlinks resolved inside
+    root, never out of it); None if it does not exist there."""
+    parts = [p for p in path.split("/") if p and p != "."]
+    done: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        here = root.joinpath(*done, part)
+        if here.is_symlink():
+            hops += 1
+            if hops > 40:
+                return None
+            target = os.readlink(here)
+            if target.startswith("/"):
+                done = []
+            parts = [p for p in target.split("/") if p and p != "."] + parts
+            continue
+        if not os.path.lexists(here):
+            return None
+        done.append(part)
+    return root.joinpath(*done)
+
+
+def opened_bytes(trace: Path, root: Path) -> tuple[int, int]:
+    """The file-level bound of what a traced program read: distinct regular
+    files it opened or executed (successfully), and their total size."""
+    seen: dict[tuple[int, int], int] = {}
+    lines = trace.read_text(errors="replace").splitlines()
+    # what chroot(8) opened before it entered the root does not count
+    start = next((i for i, ln in enumerate(lines) if "chroot(" in ln and "= 0" in ln), 0)
+    for line in lines[start:]:
+        if ("openat(" not in line and "execve(" not in line) or "= -1" in line:
+            continue
+        try:
+            path = line.split('"', 2)[1]
+        except IndexError:
+            continue
+        real = resolve_in(root, path)
+        if real is None:
+            continue
+        st = os.stat(real)
+        if stat.S_ISREG(st.st_mode):
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return len(seen), sum(seen.values())
 
 
 def dev_tree() -> Path:
@@ -237,6 +296,26 @@ class Bench:
                         r["mb_per_s"] = nbytes / MB / r["median_s"]
                         r["cpu_s_per_mb"] = r["cpu_s"] / (nbytes / MB)
 
+    def fetched_vs_opened(self) -> None:
+        """Cold start of a Python program on each lazyfs view: bytes the
+        daemon fetched against the file-level bound (every regular file the
+        program opened or executed, from strace, sized in the ext4 copy)."""
+        out: dict[str, Any] = {}
+        for view, node in self.node_of.items():
+            trace = self.work / f"strace-{view}.txt"
+            node.request({"op": "drop_cache"})
+            drop_caches()
+            before = node.stats()["cache"]["fetched_bytes"]
+            run(["strace", "-f", "-qq", "-e", "trace=openat,execve,chroot", "-o", trace,
+                 "chroot", self.roots[view], *PROGRAM], env=CHROOT_ENV)
+            fetched = node.stats()["cache"]["fetched_bytes"] - before
+            files, bound = opened_bytes(trace, self.roots["ext4"])
+            out[view] = {"fetched_bytes": fetched, "opened_files": files,
+                         "opened_bytes": bound, "ratio": fetched / bound if bound else 0.0}
+            log(f"{view}: fetched {fetched / MB:.1f} MB for {files} files opened, "
+                f"{bound / MB:.1f} MB")
+        self.results["fetched_vs_opened"] = {"program": PROGRAM, **out}
+
     def report(self) -> str:
         out = []
         for work in WORKLOADS:
@@ -257,6 +336,16 @@ class Bench:
             out.append(table(f"{work} of the dev image ({what}), median of "
                              f"{self.args.repeats}", head, rows,
                              ["ratios: time / ext4 cold time; CPU: reader + daemon"]))
+        fo = self.results.get("fetched_vs_opened")
+        if fo:
+            rows = [[v, f"{r['fetched_bytes'] / MB:.1f}", f"{r['opened_files']:,}",
+                     f"{r['opened_bytes'] / MB:.1f}", f2(r["ratio"])]
+                    for v, r in fo.items() if v != "program"]
+            out.append(table(f"cold start of {' '.join(fo['program'])}: fetched vs opened",
+                             ["view", "fetched MB", "files opened", "their MB",
+                              "fetched / opened"], rows,
+                             [("opened: every regular file the program opened or executed "
+                               "(strace), whole-file sizes: the file-level bound")]))
         return "\n".join(out)
 
 
@@ -280,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         bench.prepare()
         bench.measure()
+        bench.fetched_vs_opened()
     finally:
         bench.close()
         if args.keep:
