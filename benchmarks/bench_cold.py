@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_erofs import dev_tree
 from benchmarks.host import CHROOT_ENV, drop_caches, run
 from benchmarks.report import (
     add_run_options,
@@ -73,7 +74,6 @@ from tests.helpers.lazynode import LazyNode
 
 HERE = Path(__file__).resolve().parent
 MB = 1_000_000
-CACHE_ROOT = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests"))
 WORKLOADS = ("read-all", "find+stat")
 QUICK = {"repeats": 1}
 FULL = {"repeats": 3}
@@ -163,15 +163,6 @@ def opened_bytes(trace: Path, root: Path) -> tuple[int, int]:
         if stat.S_ISREG(st.st_mode):
             seen[(st.st_dev, st.st_ino)] = st.st_size
     return len(seen), sum(seen.values())
-
-
-def dev_tree() -> Path:
-    root = CACHE_ROOT / "debian-dev"
-    if not (root / "usr/bin/gcc").exists():
-        log(f"building {root} with debootstrap (several minutes, once)")
-        from tests.test_lazyfs_debian import _debootstrap
-        return _debootstrap("debian-dev", "python3,build-essential", "usr/bin/gcc")
-    return root
 
 
 def erofs_bdis() -> set[str]:
