@@ -307,8 +307,7 @@ def detach(paths: NodePaths, mountpoint: Path, holder_pid: int) -> None:
         record["holder"] = {"pid": holder_pid, "start": start}
         _register(paths, mountpoint, record)
         layers = [str(d) for d in record.get("erofs_layers") or []]
-        if layers and erofsmounts._index_ready(paths):
-            erofsmounts.set_holder(paths, layers, mountpoint, holder_pid, start)
+        erofsmounts.set_holder(paths, layers, mountpoint, holder_pid, start)
         try:
             sysmount.umount(mountpoint, lazy=True)
         except OSError as e:
