@@ -22,6 +22,7 @@ from lazyfs.node import (
     running,
     start_daemon,
 )
+from lazyfs.options import Options
 from lazyfs.settings import Settings
 
 from .errors import QuietError
@@ -51,11 +52,17 @@ from .options import cache_options, root_option
 @click.option("--cache-timeout", default=24 * 3600.0, show_default=True, metavar="SECONDS",
               type=click.FloatRange(min=0),
               help="Kernel entry/attribute cache timeout (for measurements).")
+@click.option("--inline-fetch-bytes", default=Options.inline_fetch_bytes, show_default=True,
+              type=click.IntRange(0, 64 << 20),
+              help="Small reads from local disk are fetched on the event loop (0: threads).")
+@click.option("--keep-local-reads/--no-keep-local-reads", default=Options.keep_local_reads,
+              show_default=True,
+              help="Copy chunks read from a local store into the node cache.")
 @click.pass_obj
 def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
            cache_size: str | None, detach: bool, prefetch: Path | None, fetch_timeout: float,
            fetch_threads: int, readahead_chunks: int, read_ahead_kb: int, keep_cache: bool,
-           cache_timeout: float) -> None:
+           cache_timeout: float, inline_fetch_bytes: int, keep_local_reads: bool) -> None:
     """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
 
     One per node, shared by every mount and sandbox. Foreground until Ctrl-C
@@ -66,6 +73,7 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
         node, prefetch=prefetch, fetch_timeout=fetch_timeout, fetch_threads=fetch_threads,
         readahead_chunks=readahead_chunks, read_ahead_kb=read_ahead_kb,
         keep_cache=keep_cache, cache_timeout=cache_timeout,
+        inline_fetch_bytes=inline_fetch_bytes, keep_local_reads=keep_local_reads,
         verbose=click.get_current_context().find_root().params.get("verbose") or 0)
     if running(spec.paths):
         raise QuietError(f"a lazyfs daemon already serves {spec.paths.mnt}")
