@@ -216,3 +216,13 @@ def test_reads_keep_chunks_in_the_node_cache_only_from_a_remote_source(
             fetched = trio.run(engine(cache).prefetch_trace, events)
             cache.flush()
             assert fetched == len(cache) > 0
+
+
+def test_a_daemon_spec_survives_its_command_line(tmp_path: Path) -> None:
+    """What `lazyfs daemon` asks for is what `python -m lazyfs` runs with,
+    the fetch tuning included."""
+    from lazyfs.node import DaemonSpec, NodePaths
+    spec = DaemonSpec(NodePaths(tmp_path / "node"), tmp_path / "store", None, tmp_path / "c",
+                      inline_fetch_bytes=0, keep_local_reads=True, readahead_chunks=5)
+    assert DaemonSpec.parse(spec.argv()) == spec
+    assert DaemonSpec.parse([*spec.argv(), "--no-keep-local-reads"]).keep_local_reads is False
