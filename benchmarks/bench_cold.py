@@ -70,6 +70,7 @@ from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs import sysmount
+from lazyfs.node import request
 from tests.helpers.lazynode import LazyNode
 
 HERE = Path(__file__).resolve().parent
@@ -169,6 +170,16 @@ def erofs_bdis() -> set[str]:
     return {n for n in os.listdir(BDI) if n.startswith("erofs-")}
 
 
+def drop_node_cache(node: LazyNode) -> None:
+    # a loaded 2-core machine can take more than the default 10 s to answer
+    request(node.paths, {"op": "drop_cache"}, timeout=120)
+
+
+def fetched_bytes(node: LazyNode) -> int:
+    return int(request(node.paths, {"op": "stats"}, timeout=120)["stats"]["cache"]
+               ["fetched_bytes"])
+
+
 def process_cpu(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -237,7 +248,7 @@ class Bench:
         node = self.node_of.get(view)
         if cold:
             if node is not None:
-                node.request({"op": "drop_cache"})
+                drop_node_cache(node)
             drop_caches()
         fn: Callable[[Path], tuple[int, int]] = read_all if work == "read-all" else find_stat
         pid = node.proc.pid if node is not None and node.proc is not None else 0
@@ -294,12 +305,12 @@ class Bench:
         out: dict[str, Any] = {}
         for view, node in self.node_of.items():
             trace = self.work / f"strace-{view}.txt"
-            node.request({"op": "drop_cache"})
+            drop_node_cache(node)
             drop_caches()
-            before = node.stats()["cache"]["fetched_bytes"]
+            before = fetched_bytes(node)
             run(["strace", "-f", "-qq", "-e", "trace=openat,execve,chroot", "-o", trace,
                  "chroot", self.roots[view], *PROGRAM], env=CHROOT_ENV)
-            fetched = node.stats()["cache"]["fetched_bytes"] - before
+            fetched = fetched_bytes(node) - before
             files, bound = opened_bytes(trace, self.roots["ext4"])
             out[view] = {"fetched_bytes": fetched, "opened_files": files,
                          "opened_bytes": bound, "ratio": fetched / bound if bound else 0.0}
