@@ -54,6 +54,10 @@ class RuntimeConfig:
     # every fork and exit on the host gets dearer; off by default (measured:
     # docs/runtime.md, "A node at full load")
     favor_dynmods: bool = False
+    # sandbox-written layers an image may carry on top of the image it was
+    # made from (a snapshot of a sandbox restored from a snapshot adds one);
+    # a snapshot going past this squashes them into one layer
+    max_snapshot_layers: int = 4
 
     def __post_init__(self) -> None:
         missing = [f for f in _SETTINGS_FIELDS if getattr(self, f) is _FROM_SETTINGS]

@@ -274,6 +274,35 @@ class SnapshotInfo(_Model):
     bytes_new: int  # of which the store did not hold yet (after dedup)
     frozen_s: float  # how long the sandbox's processes were stopped
     seconds: float  # the whole call
+    layers: int = 0  # of the snapshot image
+    # sandbox-written layers squashed into `layer` (0: none; see
+    # RuntimeConfig.max_snapshot_layers)
+    flattened: int = 0
+
+
+SANDBOX_ID_PATTERN = r"^sb-[0-9a-f]{16}$"  # what the node hands out (secrets.token_hex(8))
+
+
+class PreemptedSandbox(_Model):
+    """What is kept of a sandbox preempted with pause_many(snapshot=True):
+    enough to make it again, with the same id, labels and files, on any
+    node that sees the same image store (the record is JSON next to the
+    snapshot image: in the cluster store, or the node's state directory)."""
+
+    id: str = Field(pattern=SANDBOX_ID_PATTERN)
+    spec: SandboxSpec  # as it was created (spec.image: the name asked then)
+    image: str = Field(pattern=DIGEST_PATTERN)  # the snapshot of its files
+    tag: str  # the snapshot's tag (keeps it from image gc until restored)
+    image_digest: str = Field(pattern=DIGEST_PATTERN)  # what it ran before
+    state: Literal["running", "paused"]  # when it was preempted
+    created: float
+    preempted: float  # when
+    node: str  # where it ran
+    # what the node got back: the sandbox's memory (cgroup usage) and its
+    # writable layer on disk, just before it was stopped
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+    snapshot: SnapshotInfo
 
 
 class SandboxInfo(_Model):
