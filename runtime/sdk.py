@@ -42,6 +42,7 @@ from .spec import (
     ExecRequest,
     ExecResult,
     NetworkPolicy,
+    PreemptedSandbox,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -143,6 +144,11 @@ class Sandbox:
     @classmethod
     def connect(cls, sandbox_id: str, *, node: NodeRef = None,
                 token: str | None = None) -> Sandbox:
+        """The sandbox `sandbox_id` on `node`. A sandbox lives on one node at
+        a time and keeps its id across a preemption: while preempted,
+        connect raises SandboxPreempted (restore it); once restored, connect
+        to the node that restored it (SandboxInfo.node; placement across
+        nodes is the fleet's)."""
         t = resolve(node, token)
         return cls(t.get(sandbox_id), t)
 
@@ -153,9 +159,34 @@ class Sandbox:
         return [cls(i, t) for i in t.list_sandboxes(labels)]
 
     @staticmethod
-    def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                   token: str | None = None) -> builtins.list[str]:
-        return resolve(node, token).pause_many(labels)
+    def pause_many(labels: Mapping[str, str] | None = None, *, snapshot: bool = False,
+                   node: NodeRef = None, token: str | None = None) -> builtins.list[str]:
+        """Pause the running sandboxes with these labels; returns their ids.
+        With `snapshot`, preempt them instead: each one's files are
+        snapshotted into the image store, a record of it kept there, and the
+        sandbox stopped (its memory and disk go back to the node);
+        restore_many / restore bring them back, here or on another node
+        sharing the store, with the same ids, labels and files."""
+        return resolve(node, token).pause_many(labels, snapshot)
+
+    @classmethod
+    def restore(cls, sandbox_id: str, *, node: NodeRef = None,
+                token: str | None = None) -> Sandbox:
+        """The preempted sandbox `sandbox_id`, running again on `node`."""
+        t = resolve(node, token)
+        return cls(t.restore(sandbox_id), t)
+
+    @staticmethod
+    def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                     token: str | None = None) -> builtins.list[str]:
+        """Restore the preempted sandboxes with these labels on `node`; their ids."""
+        return resolve(node, token).restore_many(labels)
+
+    @staticmethod
+    def preempted(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                  token: str | None = None) -> builtins.list[PreemptedSandbox]:
+        """The records of preempted sandboxes with these labels."""
+        return resolve(node, token).list_preempted(labels)
 
     @staticmethod
     def resume_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
@@ -220,6 +251,11 @@ class Sandbox:
 
     def resume(self) -> None:
         self._t.resume(self.id)
+
+    def preempt(self) -> PreemptedSandbox:
+        """Snapshot, record and stop this sandbox (see pause_many's
+        `snapshot`); Sandbox.restore(sb.id) brings it back."""
+        return self._t.preempt(self.id)
 
     def kill(self) -> None:
         self._t.kill(self.id)
@@ -299,9 +335,21 @@ class AsyncSandbox:
         return [cls(s) for s in await _thread(Sandbox.list, labels, node=node, token=token)]
 
     @staticmethod
-    async def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                         token: str | None = None) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, node=node,
+    async def pause_many(labels: Mapping[str, str] | None = None, *, snapshot: bool = False,
+                         node: NodeRef = None, token: str | None = None) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, snapshot=snapshot,
+                                                node=node, token=token)
+        return out
+
+    @classmethod
+    async def restore(cls, sandbox_id: str, *, node: NodeRef = None,
+                      token: str | None = None) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.restore, sandbox_id, node=node, token=token))
+
+    @staticmethod
+    async def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                           token: str | None = None) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.restore_many, labels, node=node,
                                                 token=token)
         return out
 
@@ -340,6 +388,10 @@ class AsyncSandbox:
 
     async def resume(self) -> None:
         await _thread(self.sync.resume)
+
+    async def preempt(self) -> PreemptedSandbox:
+        out: PreemptedSandbox = await _thread(self.sync.preempt)
+        return out
 
     async def kill(self) -> None:
         await _thread(self.sync.kill)

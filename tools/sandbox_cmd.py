@@ -1,5 +1,6 @@
 """Sandbox commands: `lazyfs agent` (the node agent) and `lazyfs sandbox …`
-(create, run, exec, ls, pause, resume, kill) through the SDK.
+(create, run, exec, ls, pause, resume, restore, kill, snapshot, fork, verify)
+through the SDK.
 
 Which node: --node / LAZYFS_NODE, else the SDK's rule (runtime.transport.local):
 the agent of the state directory when one answers, else the runtime embedded
@@ -317,13 +318,27 @@ def _by_id_or_label(settings: Settings, node: str | None, labels: tuple[str, ...
 @_node_option
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
               help="Pause every running sandbox with this label.")
+@click.option("--snapshot", is_flag=True,
+              help="Preempt instead: snapshot each sandbox into the image store, keep a "
+                   "record of it there and stop it (memory and disk freed); `sandbox "
+                   "restore` brings it back, with the same id, here or on another node.")
 @click.argument("ids", nargs=-1)
 @click.pass_obj
-def pause(settings: Settings, node: str | None, labels: tuple[str, ...],
+def pause(settings: Settings, node: str | None, labels: tuple[str, ...], snapshot: bool,
           ids: tuple[str, ...]) -> None:
     """Freeze sandboxes (by id or by label) and reclaim their page cache;
-    prints memory before/after for each one named by id."""
+    prints memory before/after for each one named by id. With --snapshot,
+    preempt them."""
     target, want = _by_id_or_label(settings, node, labels, ids, "pause")
+    if snapshot:
+        mb = 1 << 20
+        for i in Sandbox.pause_many(want, snapshot=True, node=target) if want else []:
+            click.echo(f"preempted {i}")
+        for i in ids:
+            r = Sandbox.connect(i, node=target).preempt()
+            click.echo(f"preempted {i}: snapshot {r.image}, {r.memory_bytes / mb:.1f} MB of "
+                       f"memory and {r.disk_bytes / mb:.1f} MB of disk freed")
+        return
     if want:
         for i in Sandbox.pause_many(want, node=target):
             click.echo(f"paused {i}")
@@ -350,3 +365,40 @@ def resume(settings: Settings, node: str | None, labels: tuple[str, ...],
     for i in ids:
         Sandbox.connect(i, node=target).resume()
         click.echo(f"resumed {i}")
+
+
+@sandbox.command()
+@_node_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Restore every preempted sandbox with this label.")
+@click.argument("ids", nargs=-1)
+@click.pass_obj
+def restore(settings: Settings, node: str | None, labels: tuple[str, ...],
+            ids: tuple[str, ...]) -> None:
+    """Start preempted sandboxes (`sandbox pause --snapshot`) again on this
+    node, by id or by label: same ids, labels and files; prints each one."""
+    target, want = _by_id_or_label(settings, node, labels, ids, "restore")
+    if want:
+        for i in Sandbox.restore_many(want, node=target):
+            click.echo(f"restored {i}")
+    for i in ids:
+        Sandbox.restore(i, node=target)
+        click.echo(f"restored {i}")
+
+
+@sandbox.command("preempted")
+@_node_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def preempted(settings: Settings, node: str | None, labels: tuple[str, ...],
+              as_json: bool) -> None:
+    """List preempted sandboxes (optionally by label): id, where it ran,
+    its snapshot image, labels."""
+    records = Sandbox.preempted(_labels(labels), node=_target(settings, node))
+    if as_json:
+        click.echo(json.dumps([r.model_dump(mode="json") for r in records], indent=1))
+        return
+    for r in records:
+        click.echo(f"{r.id}  {r.node}  {r.image}  "
+                   + " ".join(f"{k}={v}" for k, v in r.spec.labels.items()))
