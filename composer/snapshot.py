@@ -231,7 +231,8 @@ def squash(layers: list[LayerManifest], source: str = "") -> LayerManifest:
                         continue  # the lower entry's metadata stays, and its opacity
                     e = dataclasses.replace(e, opaque=old.opaque)
                 elif old is not None and old.kind == Kind.WHITEOUT:
-                    e = dataclasses.replace(e, opaque=True)  # the lowers' dir stays hidden
+                    # the lowers' directory stays hidden, metadata and all
+                    e = dataclasses.replace(e, opaque=True, implicit=False)
                 elif old is not None:
                     pass  # a file or link replaced by a directory: nothing below it
             elif old is not None and old.kind == Kind.DIR:
