@@ -221,10 +221,8 @@ def squash(layers: list[LayerManifest], source: str = "") -> LayerManifest:
     for i, layer in enumerate(layers):
         for e in layer.entries:
             old = tree.get(e.path)
-            if e.kind == Kind.WHITEOUT:
-                drop_under(e.path)
-            elif e.kind == Kind.DIR and e.opaque:
-                drop_under(e.path)
+            if e.kind == Kind.WHITEOUT or (e.kind == Kind.DIR and e.opaque):
+                drop_under(e.path)  # (then the entry itself replaces the old one)
             elif e.kind == Kind.DIR:
                 if old is not None and old.kind == Kind.DIR:
                     if e.implicit:
@@ -233,8 +231,6 @@ def squash(layers: list[LayerManifest], source: str = "") -> LayerManifest:
                 elif old is not None and old.kind == Kind.WHITEOUT:
                     # the lowers' directory stays hidden, metadata and all
                     e = dataclasses.replace(e, opaque=True, implicit=False)
-                elif old is not None:
-                    pass  # a file or link replaced by a directory: nothing below it
             elif old is not None and old.kind == Kind.DIR:
                 drop_under(e.path)
             tree[e.path] = e

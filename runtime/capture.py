@@ -44,7 +44,7 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -26,11 +26,11 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-
-from chunkstore.errors import LazyfsError
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from chunkstore.errors import LazyfsError
 
 from . import cgroups
 from .backends import Backend, Handle, Sink, capabilities, make_backend

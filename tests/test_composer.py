@@ -30,8 +30,8 @@ from composer.errors import (
 )
 from composer.export import export_tree
 from composer.manifest import ChunkRef, Entry, Kind, LayerManifest
-from composer.snapshot import squash
 from composer.refs import ImageRef, normalize_tag
+from composer.snapshot import squash
 from tests.helpers.images import (
     add_special_files,
     build_busybox_rootfs,

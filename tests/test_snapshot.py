@@ -19,12 +19,23 @@ from typing import Any
 
 import pytest
 
+from composer.errors import ImageNotFound
 from composer.manifest import Kind
 from composer.snapshot import UNTRUSTED
-from runtime import InvalidSpec, Sandbox, Unsupported
+from runtime import (
+    InvalidSpec,
+    Sandbox,
+    SandboxNotFound,
+    SandboxPreempted,
+    SandboxStateError,
+    Unsupported,
+)
 from runtime.backends.container import ContainerBackend
+from runtime.config import RuntimeConfig
 from runtime.node import Node
+from runtime.spec import ExecRequest, build
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.snapshots import kill_snapshot_midway
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
@@ -217,3 +228,55 @@ def test_pack_diff_entries_from_a_real_upper(node: Node) -> None:
     sparse = kinds["root/sparse"]  # a hole stays a hole: no chunk stored for it
     assert sparse.size == 1001 * 4096 and sparse.chunks[0].id is None
     assert sum(c.length for c in sparse.chunks if c.id is not None) <= 256 << 10
+
+
+def test_preempt_and_restore_on_one_node_with_a_local_store(node: Node) -> None:
+    labels = {"job": "local-preempt"}
+    sb = Sandbox.create(IMAGE, node=node, labels=labels)
+    sb.exec("echo kept > /root/kept; rm /etc/motd")
+    ids = Sandbox.pause_many(labels, snapshot=True, node=node)
+    assert ids == [sb.id]
+    assert Sandbox.list(labels, node=node) == []
+    assert not (node.config.sandboxes / sb.id).exists()  # its writable layer went
+    with pytest.raises(SandboxPreempted):
+        sb.refresh()
+    [record] = Sandbox.preempted(labels, node=node)
+    assert (record.id, record.spec.labels, record.image_digest) == (
+        sb.id, labels, sb.info.image_digest)
+    assert Sandbox.restore_many(labels, node=node) == [sb.id]
+    try:
+        back = Sandbox.connect(sb.id, node=node)
+        assert back.files.read("/root/kept") == b"kept\n"
+        assert back.exec("test -e /etc/motd").exit_code == 1
+        assert Sandbox.preempted(labels, node=node) == []
+        with pytest.raises(SandboxStateError, match="runs on this node"):
+            Sandbox.restore(sb.id, node=node)
+    finally:
+        Sandbox.kill_many(labels, node=node)
+    with pytest.raises(SandboxNotFound, match="no preempted sandbox"):
+        Sandbox.restore(sb.id, node=node)
+
+
+def test_a_snapshot_killed_midway_leaves_no_tag_and_no_broken_chunk(
+        node: Node, tmp_path: Path) -> None:
+    store, catalog = node.captures._open()
+    tags = catalog.list_tags()
+    config = RuntimeConfig(store=node.config.store, cluster=None, state_dir=tmp_path / "state",
+                           node_root=node.config.node_root)
+    sandbox_id = kill_snapshot_midway(store=config.store, cluster=None,
+                                      state=config.state_dir, node_root=config.node_root,
+                                      image=IMAGE, tag="killed/midway:1", watch=config.store)
+    assert catalog.list_tags() == tags
+    with pytest.raises(ImageNotFound):
+        catalog.resolve("killed/midway:1")
+    report = store.verify()  # every chunk the index names is whole and matches its id
+    assert report.ok, report
+    other = Node(config)  # the killed node's sandbox: thawed, it runs on
+    try:
+        assert other.get(sandbox_id).state == "running"
+        assert other.exec(sandbox_id, build(ExecRequest, cmd=("cat", "/root/alive"))
+                          ).stdout == b"alive\n"
+    finally:
+        for info in other.sandboxes():
+            other.kill(info.id)
+        other.close()

@@ -13,10 +13,6 @@ object."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,13 +27,13 @@ from composer.errors import ImageNotFound
 from composer.push import push
 from composer.remote import ClusterCatalog
 from composer.snapshot import UNTRUSTED
-from runtime import Sandbox, SandboxNotFound, SandboxPreempted
-from runtime import cgroups
+from runtime import Sandbox, SandboxNotFound, SandboxPreempted, cgroups
 from runtime.config import RuntimeConfig
 from runtime.node import Node
-from tests.helpers.lazynode import REPO, LazyNode
+from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 from tests.helpers.seaweed import SeaweedFS, weed_binary
+from tests.helpers.snapshots import kill_snapshot_midway
 from tests.test_snapshot import CHANGES, rootfs, tree
 
 pytestmark = [pytest.mark.root,
@@ -176,8 +172,8 @@ def test_preempted_sandboxes_free_the_node_and_come_back_on_the_other(
     a, b = nodes
     labels = {"job": "preempt-1"}
     boxes = [Sandbox.create(IMAGE, node=a, labels={**labels, "n": str(i)}) for i in range(2)]
-    for i, sb in enumerate(boxes):
-        sb.exec(f"head -c 20971520 /dev/urandom > /root/work.bin; echo {i} > /root/n; "
+    for n, sb in enumerate(boxes):
+        sb.exec(f"head -c 20971520 /dev/urandom > /root/work.bin; echo {n} > /root/n; "
                 "rm /etc/motd; chmod 700 /root/n")
     want = {sb.id: sb.files.read("/root/work.bin") for sb in boxes}
     before = {sb.id: _usage(sb.id) for sb in boxes}
@@ -250,53 +246,20 @@ def test_a_chain_of_snapshots_is_flattened_past_the_limit(nodes: tuple[Node, Nod
     assert got == want
 
 
-_SNAPSHOT_AND_WAIT = """
-import sys
-from pathlib import Path
-from runtime.config import RuntimeConfig
-from runtime.node import Node
-from runtime.spec import ExecRequest, SandboxSpec
-store, cluster, state, root = sys.argv[1:]
-node = Node(RuntimeConfig(store=Path(store), cluster=cluster or None, state_dir=Path(state),
-                          node_root=Path(root)))
-info = node.create(SandboxSpec(image="bb:1"))
-node.exec(info.id, ExecRequest(cmd=("/bin/sh", "-c",
-          "head -c 209715200 /dev/urandom > /root/big; echo alive > /root/alive")))
-print(info.id, flush=True)
-sys.stdin.readline()
-node.snapshot(info.id, "killed/midway:1")
-print("finished", flush=True)
-"""
-
-
-def _size(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.exists() else 0
-
-
 def test_a_snapshot_killed_midway_leaves_nothing_visible(site: Site) -> None:
     d = site.d / "killed"
     with LazyNode(d / "lazy", d / "none", cluster=site.url) as lazy, \
             Site.objects(site) as cluster:
         objects = cluster.objects
         tags, images = list(objects.list("tags/")), list(objects.list("images/"))
-        child = subprocess.Popen(
-            [sys.executable, "-c", _SNAPSHOT_AND_WAIT, str(d / "no-store"), site.url,
-             str(d / "state"), str(lazy.paths.root)], cwd=REPO, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True)
+        config = RuntimeConfig(store=d / "no-store", cluster=site.url, state_dir=d / "state",
+                               node_root=lazy.paths.root)
         node = None
         try:
-            assert child.stdin is not None and child.stdout is not None
-            sandbox_id = child.stdout.readline().strip()
-            assert sandbox_id.startswith("sb-"), sandbox_id
-            child.stdin.write("go\n")
-            child.stdin.flush()
-            staging = d / "state" / "staging"
-            deadline = time.monotonic() + 60
-            while _size(staging) < 32 << 20:  # packing under way
-                assert child.poll() is None and time.monotonic() < deadline
-                time.sleep(0.01)
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait()
+            sandbox_id = kill_snapshot_midway(
+                store=config.store, cluster=site.url, state=config.state_dir,
+                node_root=lazy.paths.root, image=IMAGE, tag="killed/midway:1",
+                watch=config.state_dir / "staging")
             # nothing visible: no tag, no image record; no table naming a
             # missing pack (every table's packs are there, whole)
             assert list(objects.list("tags/")) == tags
@@ -308,24 +271,15 @@ def test_a_snapshot_killed_midway_leaves_nothing_visible(site: Site) -> None:
                 for loc in t.locs.values():
                     assert len(objects.get_range(f"packs/{loc.pack}", loc.offset, 16)) == 16
             # the node starts again: the stage is swept, the frozen sandbox runs on
-            node = Node(RuntimeConfig(store=d / "no-store", cluster=site.url,
-                                      state_dir=d / "state", node_root=lazy.paths.root))
-            assert not any(staging.iterdir())
+            node = Node(config)
+            assert not any((config.state_dir / "staging").iterdir())
             assert node.get(sandbox_id).state == "running"
             sb = Sandbox.connect(sandbox_id, node=node)
             assert sb.exec("cat /root/alive", timeout=30).stdout == b"alive\n"
             snap = sb.snapshot("killed/midway:1")  # and a snapshot now completes
             assert ClusterCatalog(cluster).resolve("killed/midway:1")[0] == snap.image
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            for pipe in (child.stdin, child.stdout):
-                if pipe is not None:
-                    pipe.close()
-            if node is None:
-                node = Node(RuntimeConfig(store=d / "no-store", cluster=site.url,
-                                          state_dir=d / "state", node_root=lazy.paths.root))
+            node = node or Node(config)
             for info in node.sandboxes():
                 node.kill(info.id)
             node.close()
