@@ -224,8 +224,8 @@ def test_preempted_sandboxes_free_the_node_and_come_back_on_the_other(
 def test_a_chain_of_snapshots_is_flattened_past_the_limit(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     steps = ["echo 1 > /root/one; echo keep > /root/keep; mkdir /root/d; echo x > /root/d/x",
-             "rm /root/one; echo 2 > /root/two; rm -rf /root/d; mkdir /root/d; "
-             "echo y > /root/d/y; ln /root/two /root/two-link",
+             ("rm /root/one; echo 2 > /root/two; rm -rf /root/d; mkdir /root/d; "
+              "echo y > /root/d/y; ln /root/two /root/two-link"),
              "echo 3 > /root/three; echo again > /root/keep; rm /etc/image-name"]
     image, depth = IMAGE, []
     base_layers = len(a.images.resolve_image(IMAGE).layers)
