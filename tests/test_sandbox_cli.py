@@ -240,3 +240,27 @@ def test_snapshot_fork_and_verify_as_typed(cli: Cli) -> None:
     assert cli("sandbox", "exec", p.stdout.strip(), "cat", "/root/x").stdout == "mine\n"
     p = cli("sandbox", "snapshot", "--tag", "Bad Name!", sid)
     assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_preempt_and_restore_as_typed(cli: Cli) -> None:
+    p = cli("sandbox", "create", "--label", "cli=test", "--label", "pre=1", IMAGE)
+    assert p.returncode == 0, p.stderr
+    sid = p.stdout.strip()
+    assert cli("sandbox", "exec", sid, "--", "sh", "-c", "echo kept > /root/kept").returncode == 0
+    p = cli("sandbox", "pause", "--snapshot", sid)
+    assert p.returncode == 0 and p.stdout.startswith(f"preempted {sid}: snapshot blake3:"), p
+    assert "MB of disk freed" in p.stdout
+    assert sid not in cli("sandbox", "ls").stdout
+    listed = cli("sandbox", "preempted", "--label", "pre=1")
+    assert listed.stdout.startswith(sid) and "pre=1" in listed.stdout, listed
+    p = cli("sandbox", "exec", sid, "--", "true")  # one line saying what to do
+    assert p.returncode != 0 and "was preempted" in p.stderr and "restore" in p.stderr, p
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = cli("sandbox", "restore", "--label", "pre=1")
+    assert (p.returncode, p.stdout) == (0, f"restored {sid}\n"), p.stderr
+    p = cli("sandbox", "exec", sid, "--", "cat", "/root/kept")
+    assert (p.returncode, p.stdout) == (0, "kept\n"), p.stderr
+    assert cli("sandbox", "preempted").stdout == ""
+    p = cli("sandbox", "restore", sid)
+    assert p.returncode != 0 and "runs on this node" in p.stderr, p
+    assert cli("sandbox", "kill", sid).returncode == 0
