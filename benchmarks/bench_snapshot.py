@@ -51,7 +51,7 @@ from benchmarks.report import (
 )
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
-from chunkstore.objects import S3ObjectStore, open_object_store
+from chunkstore.objects import open_object_store
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
@@ -123,11 +123,7 @@ def _cluster_node(d: Path, url: str) -> Iterator[Node]:
 def cross_node(args: argparse.Namespace, res: dict[str, Any], stack: contextlib.ExitStack,
                d: Path) -> list[list[str]]:
     store = _store(d, args.base_mb)
-    weed = stack.enter_context(SeaweedFS(d / "weed"))
-    url = weed.url("bench")
-    objects = open_object_store(url)
-    assert isinstance(objects, S3ObjectStore)
-    objects.ensure_bucket()
+    url = stack.enter_context(SeaweedFS(d / "weed")).store_url("bench")
     with ChunkStore.open(store) as s, Catalog(s) as cat, \
             Cluster(open_object_store(url)) as cluster:
         push(cluster, s, cat, IMAGE)

@@ -376,21 +376,28 @@ class Node:
 
     # -- preemption ----------------------------------------------------------
     def preempt(self, sandbox_id: str) -> PreemptedSandbox:
-        """Snapshot the sandbox (tag preempted/<id>), record it (spec,
-        labels, snapshot: runtime.preempt) and stop it: its memory and its
-        writable layer on disk go back to the node. restore() makes it again,
+        """Pause the sandbox, snapshot it (tag preempted/<id>), record it
+        (spec, labels, snapshot: runtime.preempt) and stop it: its memory and
+        its writable layer on disk go back to the node. restore() makes it again,
         with the same id, on any node that sees the same image store."""
         info, h = self._get(sandbox_id)
         self._capturing(info, "snapshot")
-        snap = self.snapshot(sandbox_id, tag=f"preempted/{sandbox_id}")
+        was = info.state
+        if was == "paused":
+            memory = cgroups.memory_figures(sandbox_id)["usage"]
+        else:  # frozen from here on: nothing it writes after the snapshot is lost
+            memory = self.pause(sandbox_id)["before"]["usage"]
+        try:
+            snap = self.snapshot(sandbox_id, tag=f"preempted/{sandbox_id}")
+        except BaseException:
+            if was != "paused":
+                self.resume(sandbox_id)
+            raise
         info, h = self._get(sandbox_id)
-        memory = cgroups.memory_figures(sandbox_id).get("usage", 0) \
-            if info.spec.backend == "container" else 0
         record = PreemptedSandbox(
             id=sandbox_id, spec=info.spec, image=snap.image, tag=snap.tag,
-            image_digest=info.image_digest,
-            state="paused" if info.state == "paused" else "running", created=info.created,
-            preempted=time.time(), node=info.node, memory_bytes=memory,
+            image_digest=info.image_digest, state="paused" if was == "paused" else "running",
+            created=info.created, preempted=time.time(), node=info.node, memory_bytes=memory,
             disk_bytes=_disk_usage(h.dir), snapshot=snap)
         self.preempted.put(record)  # after its image is tagged, before the sandbox goes
         try:

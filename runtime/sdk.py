@@ -361,6 +361,13 @@ class AsyncSandbox:
         return out
 
     @staticmethod
+    async def preempted(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                        token: str | None = None) -> builtins.list[PreemptedSandbox]:
+        out: builtins.list[PreemptedSandbox] = await _thread(Sandbox.preempted, labels,
+                                                             node=node, token=token)
+        return out
+
+    @staticmethod
     async def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
                         token: str | None = None) -> builtins.list[str]:
         out: builtins.list[str] = await _thread(Sandbox.kill_many, labels, node=node,

@@ -90,6 +90,13 @@ def tree(root: Path) -> dict[str, tuple[Any, ...]]:
     return out
 
 
+def same_tree(got: dict[str, tuple[Any, ...]], want: dict[str, tuple[Any, ...]]) -> None:
+    """The same paths, each the same in every respect (the first difference named)."""
+    assert set(got) == set(want), set(got) ^ set(want)
+    for path, value in want.items():
+        assert got[path] == value, path
+
+
 CHANGES = """
 set -e
 echo new > /root/new.txt
@@ -119,9 +126,7 @@ def test_a_restored_snapshot_shows_exactly_the_parents_files(node: Node) -> None
         with Sandbox.create(snap, node=node) as child:
             assert child.info.image_digest == snap.image
             got = tree(rootfs(node, child))
-    assert set(got) == set(want)
-    for path in want:
-        assert got[path] == want[path], path
+    same_tree(got, want)
     assert "etc/motd" not in got and "data/big.bin" not in got  # deletions held
 
 

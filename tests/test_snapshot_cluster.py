@@ -21,7 +21,7 @@ import pytest
 from chunkstore import ChunkId, ChunkStore
 from chunkstore.cluster import Cluster, LocTable, layer_key
 from chunkstore.ids import strong_digest
-from chunkstore.objects import S3ObjectStore, open_object_store
+from chunkstore.objects import open_object_store
 from composer.catalog import Catalog
 from composer.errors import ImageNotFound
 from composer.push import push
@@ -34,7 +34,7 @@ from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 from tests.helpers.seaweed import SeaweedFS, weed_binary
 from tests.helpers.snapshots import kill_snapshot_midway
-from tests.test_snapshot import CHANGES, rootfs, tree
+from tests.test_snapshot import CHANGES, rootfs, same_tree, tree
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
@@ -59,10 +59,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     d = tmp_path_factory.mktemp("snapcluster")
     store_path = busybox_store(d)
     with SeaweedFS(d / "weed") as sw:
-        url = sw.url("snap")
-        objects = open_object_store(url)
-        assert isinstance(objects, S3ObjectStore)
-        objects.ensure_bucket()
+        url = sw.store_url("snap")
         with ChunkStore.open(store_path) as store, Catalog(store) as cat, \
                 Cluster(open_object_store(url)) as cluster:
             push(cluster, store, cat, IMAGE)
@@ -108,9 +105,7 @@ def test_a_snapshot_on_one_node_restores_on_the_other(nodes: tuple[Node, Node],
         assert child.info.image_digest == snap.image
         got = tree(rootfs(b, child))
         assert child.files.read("/root/new.txt") == b"new\n"
-    assert set(got) == set(want)
-    for path in want:
-        assert got[path] == want[path], path
+    same_tree(got, want)
     assert "etc/motd" not in got and "data/big.bin" not in got  # deletions held
 
 
@@ -161,6 +156,21 @@ def test_sandbox_bytes_never_stand_in_for_image_chunks_across_the_cluster(
         except Exception:  # noqa: BLE001 - refused (EIO) is right too: never the image's
             got = None
         assert got != trusted
+
+
+def test_hidden_paths_and_a_verifier_with_a_cluster_store(nodes: tuple[Node, Node],
+                                                          site: Site) -> None:
+    a, _ = nodes
+    with Sandbox.create(IMAGE, node=a, hidden=["/data"]) as sb:
+        assert sb.exec("ls /data").exit_code != 0  # the hiding layer came from the cluster
+        sb.exec("mkdir -p /data && echo forged > /data/big.bin; echo 42 > /root/answer")
+        # the verifier's image (the agent's /root, the image's /data revealed)
+        # is pushed and started like any other, its tag removed after
+        r = sb.verify("cat /root/answer; wc -c < /data/big.bin", keep=["/root"])
+        assert (r.exit_code, r.stdout) == (0, b"42\n3145728\n"), r.stderr
+        assert sb.files.read("/data/big.bin") == b"forged\n"
+    with Site.objects(site) as cluster:
+        assert not [t for t, _ in ClusterCatalog(cluster).list_tags() if t.startswith("verify/")]
 
 
 def _usage(sandbox_id: str) -> int:
