@@ -285,3 +285,24 @@ def test_a_snapshot_killed_midway_leaves_no_tag_and_no_broken_chunk(
         for info in other.sandboxes():
             other.kill(info.id)
         other.close()
+
+
+def test_a_preemption_killed_after_its_record_is_finished_at_the_next_start(
+        node: Node, tmp_path: Path) -> None:
+    config = RuntimeConfig(store=node.config.store, cluster=None, state_dir=tmp_path / "state",
+                           node_root=node.config.node_root)
+    records = config.state_dir / "preempted"  # where a local node keeps them
+
+    sandbox_id = kill_snapshot_midway(store=config.store, cluster=None,
+                                      state=config.state_dir, node_root=config.node_root,
+                                      image=IMAGE, tag="-", watch=records, preempt=True)
+    other = Node(config)  # the preemption is finished: the sandbox does not run here
+    try:
+        assert other.sandboxes() == []
+        assert not (config.sandboxes / sandbox_id).exists()
+        back = Sandbox.restore(sandbox_id, node=other)  # and it comes back whole
+        assert back.files.read("/root/alive") == b"alive\n"
+    finally:
+        for info in other.sandboxes():
+            other.kill(info.id)
+        other.close()

@@ -1,8 +1,9 @@
-"""A snapshot killed midway, for real: a node in a child process creates a
-sandbox, writes 200 MB into it and snapshots it; the test SIGKILLs that
-process once the packing has written `threshold` bytes under a directory
-it watches (the store's, or the node's staging store), then looks at what
-was left."""
+"""A snapshot (or a preemption) killed midway, for real: a node in a child
+process creates a sandbox, writes 200 MB into it and snapshots (preempts)
+it; the test SIGKILLs that process once the packing has written `threshold`
+bytes under a directory it watches (the store's, or the node's staging
+store), or once a file appears (the preemption's record), then looks at
+what was left."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from runtime.config import RuntimeConfig
 from runtime.node import Node
 from runtime.spec import ExecRequest, SandboxSpec
-store, cluster, state, root, image, tag = sys.argv[1:]
+store, cluster, state, root, image, tag, op = sys.argv[1:]
 node = Node(RuntimeConfig(store=Path(store), cluster=cluster or None, state_dir=Path(state),
                           node_root=Path(root)))
 info = node.create(SandboxSpec(image=image))
@@ -29,7 +30,7 @@ node.exec(info.id, ExecRequest(cmd=("/bin/sh", "-c",
           "head -c 209715200 /dev/urandom > /root/big; echo alive > /root/alive")))
 print(info.id, flush=True)
 sys.stdin.readline()
-node.snapshot(info.id, tag)
+node.snapshot(info.id, tag) if op == "snapshot" else node.preempt(info.id)
 print("finished", flush=True)
 """
 
@@ -46,14 +47,16 @@ def size_under(d: Path) -> int:
 
 
 def kill_snapshot_midway(*, store: Path, cluster: str | None, state: Path, node_root: Path,
-                         image: str, tag: str, watch: Path, threshold: int = 32 << 20) -> str:
-    """Run the snapshot of a fresh sandbox in a child node process and kill
-    it (SIGKILL) while it packs; returns the sandbox's id (it stays, frozen:
-    the caller's node on `state` recovers it)."""
+                         image: str, tag: str, watch: Path, threshold: int = 32 << 20,
+                         preempt: bool = False) -> str:
+    """Run the snapshot (`preempt`: the preemption) of a fresh sandbox in a
+    child node process and kill it (SIGKILL) while it packs, or with
+    `preempt` once a record (*.json) is in the directory `watch`; returns the
+    sandbox's id (it stays: the caller's node on `state` recovers it)."""
     child = subprocess.Popen(
         [sys.executable, "-c", _SNAPSHOT_AND_WAIT, str(store), cluster or "", str(state),
-         str(node_root), image, tag], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True)
+         str(node_root), image, tag, "preempt" if preempt else "snapshot"], cwd=REPO,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
     try:
         sandbox_id = child.stdout.readline().strip()
@@ -62,10 +65,16 @@ def kill_snapshot_midway(*, store: Path, cluster: str | None, state: Path, node_
         child.stdin.write("go\n")
         child.stdin.flush()
         deadline = time.monotonic() + 60
-        while size_under(watch) < before + threshold:  # packing under way
+
+        def under_way() -> bool:
+            if preempt:  # a record in place (not a put's temporary file)
+                return any(watch.glob("*.json"))
+            return size_under(watch) >= before + threshold
+
+        while not under_way():
             assert child.poll() is None, "the snapshot finished before it could be killed"
             assert time.monotonic() < deadline, "the snapshot did not start packing"
-            time.sleep(0.01)
+            time.sleep(0.001 if preempt else 0.01)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
         return sandbox_id
