@@ -134,7 +134,10 @@ class Catalog:
         self.store = store
         path = Path(store.root) / "catalog"
         path.mkdir(exist_ok=True)
-        self.env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30)
+        # as durable as its store (StoreConfig.durable)
+        durable = store.config.durable
+        self.env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30, sync=durable,
+                             metasync=durable)
         self.layers = self.env.open_db(b"layers")
         self.images = self.env.open_db(b"images")
         self.tags = self.env.open_db(b"tags")

@@ -48,7 +48,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from chunkstore import ChunkStore
+from chunkstore import ChunkStore, StoreConfig
 from chunkstore.digests import Digest
 from chunkstore.errors import LazyfsError
 from composer.catalog import Catalog, Image, ImageCatalog
@@ -78,7 +78,8 @@ class Stage:
     def __init__(self, d: Path) -> None:
         self.dir = d
         d.parent.mkdir(parents=True, exist_ok=True)
-        self.store = ChunkStore.open(d, create=True)
+        # nothing of it must survive a crash (the next node start removes it)
+        self.store = ChunkStore.open(d, create=True, config=StoreConfig(durable=False))
         try:
             self.catalog = Catalog(self.store)
         except BaseException:
