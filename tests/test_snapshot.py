@@ -28,6 +28,7 @@ from runtime import (
     SandboxNotFound,
     SandboxPreempted,
     SandboxStateError,
+    SnapshotInfo,
     Unsupported,
 )
 from runtime.backends.container import ContainerBackend
@@ -114,13 +115,20 @@ mkdir -p /opt/deep/er && echo x > /opt/deep/er/f
 """
 
 
+def changed_and_snapshotted(node: Node, sb: Sandbox) -> tuple[dict[str, tuple[Any, ...]],
+                                                              SnapshotInfo]:
+    """CHANGES (and a user xattr) made in sb, then (its tree as the host
+    sees it, its snapshot)."""
+    r = sb.exec(CHANGES)
+    assert r.exit_code == 0, r.stderr
+    os.setxattr(rootfs(node, sb) / "root" / "new.txt", "user.test", b"value")
+    want = tree(rootfs(node, sb))
+    return want, sb.snapshot()
+
+
 def test_a_restored_snapshot_shows_exactly_the_parents_files(node: Node) -> None:
     with Sandbox.create(IMAGE, node=node) as sb:
-        r = sb.exec(CHANGES)
-        assert r.exit_code == 0, r.stderr
-        os.setxattr(rootfs(node, sb) / "root" / "new.txt", "user.test", b"value")
-        want = tree(rootfs(node, sb))
-        snap = sb.snapshot()
+        want, snap = changed_and_snapshotted(node, sb)
         assert snap.frozen_s < 5 and snap.entries > 10 and snap.bytes >= 1 << 20
         assert snap.tag == f"snapshots/{sb.id}:1"
         with Sandbox.create(snap, node=node) as child:

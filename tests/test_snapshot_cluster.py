@@ -12,7 +12,6 @@ object."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 from tests.helpers.seaweed import SeaweedFS, weed_binary
 from tests.helpers.snapshots import kill_snapshot_midway
-from tests.test_snapshot import CHANGES, rootfs, same_tree, tree
+from tests.test_snapshot import changed_and_snapshotted, rootfs, same_tree, tree
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
@@ -91,11 +90,7 @@ def test_a_snapshot_on_one_node_restores_on_the_other(nodes: tuple[Node, Node],
                                                       site: Site) -> None:
     a, b = nodes
     with Sandbox.create(IMAGE, node=a) as sb:
-        r = sb.exec(CHANGES)
-        assert r.exit_code == 0, r.stderr
-        os.setxattr(rootfs(a, sb) / "root" / "new.txt", "user.test", b"value")
-        want = tree(rootfs(a, sb))
-        snap = sb.snapshot()
+        want, snap = changed_and_snapshotted(a, sb)
     assert snap.bytes_new > 1 << 20  # uploaded to the cluster: the random MiB at least
     with Site.objects(site) as cluster:
         digest, image = ClusterCatalog(cluster).resolve(snap.tag)
