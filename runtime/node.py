@@ -221,7 +221,14 @@ class Node:
             return [i for i, _ in self._sandboxes.values() if _matches(i.spec.labels, labels)]
 
     def kill(self, sandbox_id: str) -> None:
-        info, h = self._get(sandbox_id)
+        """Stop the sandbox and remove what it has on the node; a preempted
+        one is discarded (its record and its snapshot's tag go)."""
+        try:
+            info, h = self._get(sandbox_id)
+        except SandboxNotFound:
+            if self._discard_preempted(sandbox_id):
+                return
+            raise
         with self._lock:
             self._sandboxes.pop(sandbox_id, None)
             self._sandbox_locks.pop(sandbox_id, None)
@@ -444,6 +451,18 @@ class Node:
             log.warning("restored %s; its snapshot tag %s stays: %s", sandbox_id, record.tag, e)
         log.info("restored %s from %s (preempted on %s)", sandbox_id, record.image, record.node)
         return info
+
+    def _discard_preempted(self, sandbox_id: str) -> bool:
+        record = self._preempted_record(sandbox_id)
+        if record is None:
+            return False
+        self.preempted.delete(sandbox_id)
+        try:
+            self.captures.remove_tag(record.tag)
+        except (SandboxError, LazyfsError) as e:
+            log.warning("discarded %s; its snapshot tag %s stays: %s", sandbox_id, record.tag, e)
+        log.info("discarded the preempted sandbox %s", sandbox_id)
+        return True
 
     def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
         """Restore every preempted sandbox with these labels on this node."""

@@ -263,4 +263,6 @@ def test_preempt_and_restore_as_typed(cli: Cli) -> None:
     assert cli("sandbox", "preempted").stdout == ""
     p = cli("sandbox", "restore", sid)
     assert p.returncode != 0 and "runs on this node" in p.stderr, p
-    assert cli("sandbox", "kill", sid).returncode == 0
+    assert cli("sandbox", "pause", "--snapshot", "--label", "pre=1").stdout == f"preempted {sid}\n"
+    assert cli("sandbox", "kill", sid).stdout == f"killed {sid}\n"  # discarded
+    assert cli("sandbox", "preempted").stdout == ""

@@ -268,6 +268,15 @@ def test_preempt_and_restore_on_one_node_with_a_local_store(node: Node) -> None:
         Sandbox.kill_many(labels, node=node)
     with pytest.raises(SandboxNotFound, match="no preempted sandbox"):
         Sandbox.restore(sb.id, node=node)
+    # a preempted sandbox that is not wanted any more: kill discards it
+    again = Sandbox.create(IMAGE, node=node, labels=labels)
+    record = again.preempt()
+    again.kill()
+    assert Sandbox.preempted(labels, node=node) == []
+    with pytest.raises(ImageNotFound):
+        node.captures._open()[1].resolve(record.tag)
+    with pytest.raises(SandboxNotFound):
+        again.kill()
 
 
 def test_a_snapshot_killed_midway_leaves_no_tag_and_no_broken_chunk(

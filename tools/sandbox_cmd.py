@@ -296,13 +296,14 @@ def ls(settings: Settings, node: str | None, labels: tuple[str, ...], as_json: b
 @click.pass_obj
 def kill(settings: Settings, node: str | None, labels: tuple[str, ...],
          ids: tuple[str, ...]) -> None:
-    """Kill sandboxes by id or by label."""
+    """Kill sandboxes by id or by label; killing a preempted sandbox's id
+    discards it (its record and snapshot tag)."""
     target, want = _by_id_or_label(settings, node, labels, ids, "kill")
     if want:
         for i in Sandbox.kill_many(want, node=target):
             click.echo(f"killed {i}")
     for i in ids:
-        Sandbox.connect(i, node=target).kill()
+        target.kill(i)  # (no connect first: a preempted sandbox is discarded)
         click.echo(f"killed {i}")
 
 
