@@ -245,18 +245,21 @@ class Captures:
                 raise
             return Packed(m, store.counters.new_bytes - before, stage)
 
-    def _chain(self, image: ResolvedImage) -> list[LayerManifest]:
+    def _domain(self, layer: str) -> str:
+        """A layer's trust domain, from its record (no manifest read)."""
+        if self.config.cluster:
+            return str(self._cluster().cluster.table(layer).domain)
+        return str(self._open()[1].layer_info(layer)["domain"])
+
+    def _chain(self, image: ResolvedImage) -> list[str]:
         """The sandbox-written layers on top of `image` (a snapshot of a
-        snapshot of ...), lowest first, up to the flattening limit + 1."""
-        catalog = self._images()
-        chain: list[LayerManifest] = []
+        snapshot of ...), lowest first, up to the flattening limit."""
+        chain: list[str] = []
         for digest in reversed(image.layers):
-            if len(chain) >= self.config.max_snapshot_layers:
+            if len(chain) >= self.config.max_snapshot_layers or \
+                    self._domain(digest) != str(UNTRUSTED):
                 break
-            m = catalog.load_layer(digest)
-            if m.domain != UNTRUSTED:
-                break
-            chain.insert(0, m)
+            chain.insert(0, digest)
         return chain
 
     def snapshot(self, sandbox_id: str, image: ResolvedImage, packed: Packed, *,
@@ -274,8 +277,9 @@ class Captures:
                 chain = self._chain(image)
                 flattened = 0
                 if len(chain) + 1 > self.config.max_snapshot_layers:
-                    top = squash([*chain, diff], f"snapshot of {sandbox_id}, "
-                                 f"{len(chain) + 1} layers flattened")
+                    catalog = self._images()
+                    top = squash([*(catalog.load_layer(d) for d in chain), diff],
+                                 f"snapshot of {sandbox_id}, {len(chain) + 1} layers flattened")
                     digest = str(top.digest)
                     layers = [*image.layers[:len(image.layers) - len(chain)], digest]
                     new = {digest: top}

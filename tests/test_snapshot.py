@@ -323,3 +323,22 @@ def test_a_preemption_killed_after_its_record_is_finished_at_the_next_start(
         for info in other.sandboxes():
             other.kill(info.id)
         other.close()
+
+
+def test_a_chain_is_flattened_with_a_local_store(node: Node, tmp_path: Path) -> None:
+    shallow = Node(RuntimeConfig(store=node.config.store, cluster=None,
+                                 state_dir=tmp_path / "state", node_root=node.config.node_root,
+                                 max_snapshot_layers=1))
+    try:
+        with Sandbox.create(IMAGE, node=shallow) as sb:
+            sb.exec("echo 1 > /root/one; rm /etc/motd")
+            first = sb.snapshot()
+        with Sandbox.create(first, node=shallow) as sb:
+            sb.exec("echo 2 > /root/two; rm /root/one")
+            want = tree(rootfs(shallow, sb))
+            second = sb.snapshot()
+        assert (first.layers, first.flattened, second.layers, second.flattened) == (2, 0, 2, 2)
+        with Sandbox.create(second, node=shallow) as sb:
+            same_tree(tree(rootfs(shallow, sb)), want)
+    finally:
+        shallow.close()
