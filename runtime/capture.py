@@ -41,6 +41,7 @@ Not here: freezing and finding a backend's upper (the backend's
 from __future__ import annotations
 
 import contextlib
+import itertools
 import secrets
 import threading
 import time
@@ -302,7 +303,9 @@ class Captures:
         """(digest, tag) of the image a verifier of `sandbox_id` runs: the
         image's own layers (without the hiding layer), the packed upper (only
         its part under `keep` when given), and the hidden paths revealed on
-        top. The caller removes the tag."""
+        top, as the image's trusted layers have them (not as a snapshot the
+        sandbox was made from has them: sandbox-written). The caller removes
+        the tag."""
         try:
             with self._lock:
                 catalog = self._images()
@@ -314,8 +317,10 @@ class Captures:
                         diff = keep_only(diff, keep)
                     new = {str(diff.digest): diff}
                     layers = [*own, str(diff.digest)]
-                    if hidden:
-                        reveal = reveal_layer([catalog.load_layer(d) for d in own], hidden)
+                    if hidden:  # from the trusted layers under any sandbox-written one
+                        trusted = list(itertools.takewhile(
+                            lambda d: self._domain(d) != str(UNTRUSTED), own))
+                        reveal = reveal_layer([catalog.load_layer(d) for d in trusted], hidden)
                         new[str(reveal.digest)] = reveal
                         layers.append(str(reveal.digest))
                 except ComposerError as e:

@@ -211,6 +211,23 @@ def test_hidden_paths_and_a_verifier_the_agent_cannot_touch(node: Node) -> None:
         assert [i.id for i in Sandbox.list(node=node)] == [sb.id]
 
 
+def test_a_verifier_reveals_the_images_files_not_a_snapshots(node: Node) -> None:
+    """Hidden paths come back from the image's trusted layers only: what an
+    agent wrote at a hidden path before a snapshot (its layer is below the
+    new sandbox's, but sandbox-written) is not what the grader sees."""
+    with open(Path(node.config.store).parent / "rootfs" / "data" / "big.bin", "rb") as f:
+        real = hashlib.sha256(f.read()).hexdigest().encode()
+    with Sandbox.create(IMAGE, node=node) as sb:
+        sb.exec("echo forged > /data/big.bin; echo planted > /data/answer")
+        snap = sb.snapshot()
+    with Sandbox.create(snap, node=node, hidden=["/data"]) as sb:
+        assert sb.exec("ls /data").exit_code != 0
+        r = sb.verify("sha256sum /data/big.bin; ls /data")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.startswith(real), r.stdout  # the image's, not the snapshot's
+        assert b"answer" not in r.stdout
+
+
 def test_bad_requests(node: Node) -> None:
     with pytest.raises(InvalidSpec, match="hidden"):
         Sandbox.create(IMAGE, node=node, hidden=["relative"])
