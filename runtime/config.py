@@ -49,6 +49,10 @@ class RuntimeConfig:
     max_sandboxes: int = 4096
     reap_interval: float = 1.0
     fncall_workers: int = 2
+    # MiB of writable layer (a tmpfs: in memory, counted in the sandbox's
+    # memory limit) of a container sandbox whose spec names no disk_mb: no
+    # sandbox writes into the host's disk, and none without a bound
+    disk_mb: int = 1024
     # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
     # process into a cgroup then no longer waits for an RCU grace period, but
     # every fork and exit on the host gets dearer; off by default (measured:

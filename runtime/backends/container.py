@@ -9,7 +9,14 @@ Per sandbox, under its directory:
                   host reaches it as /proc/INIT/root): the host's mount table
                   stays small however many sandboxes run, which keeps every
                   runc call (each reads the mount table) at constant cost
-    rw/           upper/ and work/ (a size-limited tmpfs when disk_mb is set)
+    rw/           upper/ and work/ on a tmpfs of the sandbox's disk_mb (the node's
+                  RuntimeConfig.disk_mb when the spec names none): its
+                  writable layer never lands on the host's disk, statvfs
+                  inside shows the size, writes past it get ENOSPC. Like
+                  rootfs/ it leaves the host's mount table once runc has
+                  started the sandbox; the sandbox's init holds it open
+                  (descriptor RW_FD, closed to every sandbox process), so
+                  the node still reaches the upper for snapshots
     config.json   the OCI config (runtime/oci.py)
 PID 1 is sandbox-init, so an idle sandbox costs one sleeping process of a few
 hundred KiB and its cgroups. Init also starts the node's commands: each exec
@@ -30,6 +37,7 @@ import errno
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -57,6 +65,9 @@ log = logging.getLogger(__name__)
 
 RUNC_TIMEOUT = 30.0
 CHANNEL = "ctl.sock"  # the exec channel, under the sandbox's directory
+# init's descriptor of the sandbox's rw/ (runc --preserve-fds 1 hands it over):
+# how the node reaches the upper once rw/ left the host's mount table
+RW_FD = 3
 
 
 class ContainerState(BackendState):
@@ -67,6 +78,8 @@ class ContainerState(BackendState):
     rootfs: Path | None = None
     rw: Path | None = None
     rw_tmpfs: bool = False         # rw/ is a size-limited tmpfs (disk_mb)
+    # rw/ left the host's mount table; the upper is init's RW_FD
+    rw_held: bool = False
     mounted: bool = False          # rootfs/ holds the composed image
     # the composed root left the host's mount namespace once runc started the
     # sandbox (its init's mount namespace keeps it): the host's mount table
@@ -123,17 +136,30 @@ class ContainerBackend:
         # The container's init inherits runc's stdio: its stdin is the exec
         # channel's listening socket; it replaces stdout and stderr (runc's
         # log) with /dev/null once it runs, so no sandbox process holds them.
+        # Its descriptor RW_FD is the sandbox's rw/ (--preserve-fds), which
+        # init keeps and never hands to a command.
         assert self.runc is not None
         errlog = h.dir / "runc.log"
-        with open(errlog, "wb") as err, initexec.listen(h.dir / CHANNEL) as channel:
-            p = subprocess.run([self.runc, "--root", str(self.config.runc_root), "run",
-                                "--detach", "--bundle", str(h.dir), "--pid-file",
-                                str(h.dir / "init.pid"), h.id],
-                               stdin=channel.fileno(), stdout=subprocess.DEVNULL, stderr=err,
-                               timeout=RUNC_TIMEOUT, check=False)
-        if p.returncode != 0:
+        argv = [self.runc, "--root", str(self.config.runc_root), "run", "--detach",
+                "--preserve-fds", "1", "--bundle", str(h.dir), "--pid-file",
+                str(h.dir / "init.pid"), h.id]
+        rw = os.open(h.state.rw or h.dir / "rw", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with open(errlog, "wb") as err, open(os.devnull, "wb") as null, \
+                    initexec.listen(h.dir / CHANNEL) as channel:
+                # posix_spawn: it places rw/ at exactly RW_FD (subprocess keeps
+                # a passed descriptor's own number), without a preexec hook
+                pid = os.posix_spawn(self.runc, argv, os.environ, file_actions=[
+                    (os.POSIX_SPAWN_DUP2, channel.fileno(), 0),
+                    (os.POSIX_SPAWN_DUP2, null.fileno(), 1),
+                    (os.POSIX_SPAWN_DUP2, err.fileno(), 2),
+                    (os.POSIX_SPAWN_DUP2, rw, RW_FD)])
+        finally:
+            os.close(rw)
+        code = _wait(pid, RUNC_TIMEOUT)
+        if code != 0:
             msg = errlog.read_text(errors="replace").strip()
-            raise SandboxError(f"runc run failed: {msg[-400:]}")
+            raise SandboxError(f"runc run failed: {msg[-400:] or f'exit status {code}'}")
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, h: Container) -> None:
@@ -145,10 +171,9 @@ class ContainerBackend:
         st = h.state
         st.rootfs, st.rw = rootfs, rw
         try:
-            if h.spec.disk_mb is not None:
-                sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
-                               f"size={h.spec.disk_mb}m,mode=0700")
-                st.rw_tmpfs = True
+            sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
+                           f"size={h.spec.disk_mb or self.config.disk_mb}m,mode=0700")
+            st.rw_tmpfs = True
             try:  # by digest: content-addressed, whatever the tag names by now
                 mount_image(paths, self.images.catalog(), h.image.digest, rootfs, writable=rw,
                             allow_devices=True)
@@ -171,6 +196,8 @@ class ContainerBackend:
             except MountError as e:
                 raise BackendUnavailable(f"{h.id}: {e}") from e
             st.held = True
+            sysmount.umount(rw, lazy=True)  # init's RW_FD keeps it for the node
+            st.rw_held = True
             if h.spec.qos is Qos.best_effort and not cgroups.set_cpu_idle(h.id):
                 log.warning("this kernel has no cpu.idle: best-effort sandboxes run "
                             "SCHED_IDLE inside their own cpu group only")
@@ -270,10 +297,16 @@ class ContainerBackend:
             while freezer.read_text().strip() == "FREEZING":
                 time.sleep(0.001)
         try:
-            yield (h.state.rw or h.dir / "rw") / "upper"
+            yield self._rw(h) / "upper"
         finally:
             if not was_frozen:
                 freezer.write_text("THAWED")
+
+    def _rw(self, h: Container) -> Path:
+        """Where the node reaches the sandbox's rw/ (upper/ and work/)."""
+        if h.state.rw_held and h.state.init_pid is not None:
+            return Path(f"/proc/{h.state.init_pid}/fd/{RW_FD}")
+        return h.state.rw or h.dir / "rw"
 
     # -- exec ----------------------------------------------------------------
     def exec(self, h: Container, req: ExecRequest, on_stdout: Sink | None,
@@ -352,6 +385,17 @@ class ContainerBackend:
 
     def files(self, h: Container) -> SandboxFiles:
         return SandboxFiles(self.root(h))
+
+
+def _wait(pid: int, timeout: float) -> int:
+    """The exit status of child `pid`, killed after `timeout` seconds."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        if not select.select([pidfd], [], [], timeout)[0]:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _fd_links(pid: int) -> list[str]:
