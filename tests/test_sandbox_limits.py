@@ -1,0 +1,104 @@
+"""Resources per sandbox, never per host: what one hostile container sandbox
+can take from the host's disk and kernel tables, and that a neighbour still
+gets its share (real runc, real kernel; the attacks run as commands through
+the SDK, as an agent would run them).
+
+Each limit has a control: the same action within the limit succeeds, so a
+passing test means the limit held, not that the action was broken."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lazyfs import sysmount
+from runtime import Sandbox
+from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
+
+NODE_DISK_MB = 32  # the test node's default writable layer
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    d = tmp_path_factory.mktemp("limits")
+    with node_for(busybox_store(d), d, disk_mb=NODE_DISK_MB) as n:
+        yield n
+
+
+def _host_bytes(d: Path) -> int:
+    """Bytes the files under `d` hold on the host's own filesystem (what
+    `du -x` counts: other filesystems mounted below are not followed)."""
+    dev = d.stat().st_dev
+    total = 0
+    for root, dirs, files in os.walk(d):
+        dirs[:] = [x for x in dirs if (Path(root) / x).lstat().st_dev == dev]
+        for f in files:
+            try:
+                st = (Path(root) / f).lstat()
+            except OSError:
+                continue
+            if st.st_dev == dev:
+                total += st.st_blocks * 512
+    return total
+
+
+def _mb_written(sb: Sandbox, path: str, mb: int) -> tuple[int, bytes]:
+    r = sb.exec(f"dd if=/dev/zero of={path} bs=1M count={mb} 2>&1; echo rc=$?; "
+                f"wc -c < {path}")
+    return int(r.stdout.split()[-1]) >> 20, r.stdout
+
+
+# -- disk -------------------------------------------------------------------------
+
+
+def test_a_default_sandbox_sees_and_hits_its_disk_limit(node: Node) -> None:
+    """A sandbox created without disk_mb: statvfs of / shows the node's
+    default, a write past it fails with ENOSPC inside, the host's disk under
+    the node's state directory does not grow, and a neighbour writes as
+    before."""
+    state = node.config.state_dir
+    before = _host_bytes(state)
+    with Sandbox.create(IMAGE, node=node) as a, Sandbox.create(IMAGE, node=node) as b:
+        df = a.exec("stat -f -c '%b %S' /").stdout.split()
+        assert int(df[0]) * int(df[1]) == NODE_DISK_MB << 20  # the limit, not the host's
+        got, out = _mb_written(a, "/fill", 4 * NODE_DISK_MB)
+        assert b"No space left on device" in out and b"rc=0" not in out, out
+        assert got < NODE_DISK_MB
+        assert _host_bytes(state) - before < 4 << 20  # the bytes are not on the host's disk
+        # the neighbour: its own layer, untouched by A's
+        got_b, out_b = _mb_written(b, "/mine", NODE_DISK_MB // 2)
+        assert got_b == NODE_DISK_MB // 2 and b"rc=0" in out_b, out_b
+        # A, having freed its space, writes again
+        a.exec("rm /fill")
+        assert a.exec("echo ok > /small && cat /small").stdout == b"ok\n"
+        # no sandbox adds a mount to the host's table (its upper left it too)
+        assert not [m for m in sysmount.mounts() if str(node.config.sandboxes) in m.mount_point]
+
+
+def test_control_a_larger_disk_takes_the_same_write(node: Node) -> None:
+    """Control: the same write fits a sandbox asking for a larger disk, so
+    what stopped it above was the default limit."""
+    with Sandbox.create(IMAGE, node=node, disk_mb=6 * NODE_DISK_MB,
+                        memory_mb=512) as s:
+        got, out = _mb_written(s, "/fill", 4 * NODE_DISK_MB)
+        assert got == 4 * NODE_DISK_MB and b"rc=0" in out, out
+
+
+def test_init_stdio_cannot_grow_the_runc_log(node: Node) -> None:
+    """runc hands init its log as stderr; init drops it before any command
+    runs, so writing through init's (or any process's) descriptors cannot
+    grow STATE/sandboxes/<id>/runc.log."""
+    with Sandbox.create(IMAGE, node=node) as s:
+        log = node.config.sandboxes / s.id / "runc.log"
+        size = log.stat().st_size
+        r = s.exec("for f in /proc/[0-9]*/fd/[12]; do case $f in /proc/$$/*) continue;; esac; "
+                   "head -c 4194304 /dev/zero >> $f 2>/dev/null; done; echo done")
+        assert r.stdout.endswith(b"done\n")
+        assert log.stat().st_size == size
