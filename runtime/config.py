@@ -17,6 +17,8 @@ from typing import Any
 
 from lazyfs.settings import Settings
 
+from .hostlimits import Budgets
+
 
 class _FromSettings:
     """The default of the fields below: taken from the machine's settings,
@@ -53,6 +55,10 @@ class RuntimeConfig:
     # memory limit) of a container sandbox whose spec names no disk_mb: no
     # sandbox writes into the host's disk, and none without a bound
     disk_mb: int = 1024
+    # what each sandbox may hold of the host's per-user inotify tables
+    # (runtime/hostlimits.py); the node raises the host's own limits to fit
+    inotify_instances: int = 128
+    inotify_watches: int = 8192
     # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
     # process into a cgroup then no longer waits for an RCU grace period, but
     # every fork and exit on the host gets dearer; off by default (measured:
@@ -70,6 +76,10 @@ class RuntimeConfig:
     def from_settings(cls, settings: Settings, **kw: Any) -> RuntimeConfig:
         """The runtime of a machine with these settings (kw: other fields)."""
         return cls(**{**_from_settings(settings), **kw})
+
+    @property
+    def budgets(self) -> Budgets:
+        return Budgets(self.inotify_instances, self.inotify_watches)
 
     @property
     def sandboxes(self) -> Path:

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import cgroups
+from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
 from .backends.base import Capturing
 from .capture import Captures
@@ -92,6 +92,8 @@ class Node:
         # behind: close at interpreter exit if still open. (Killed, it
         # cannot; the next node start sweeps: fncall.sweep in recover().)
         self._at_exit = weakref.finalize(self, _close_at_exit, weakref.ref(self))
+        if os.geteuid() == 0:
+            hostlimits.prepare_host(self.config.max_sandboxes, self.config.budgets)
         if self.config.favor_dynmods and os.geteuid() == 0:
             changed = cgroups.favor_dynamic_modifications()
             if changed:

@@ -122,6 +122,8 @@ class SandboxSpec(_Model):
     memory_mb: int = Field(default=1024, ge=16, le=1 << 20)
     disk_mb: int | None = Field(default=None, ge=1, le=1 << 24)
     pids: int = Field(default=1024, ge=8, le=1 << 22)
+    # open files per process (RLIMIT_NOFILE; containers)
+    open_files: int = Field(default=1024, ge=64, le=1 << 20)
     timeout: float | None = Field(default=3600.0, gt=0, le=365 * 86400)  # lifetime
     idle_timeout: float | None = Field(default=None, gt=0, le=365 * 86400)  # since the last call
     network: NetworkPolicy = NetworkPolicy()

@@ -51,7 +51,7 @@ from pydantic import Field
 from lazyfs import sysmount
 from lazyfs.mounts import MountError, detach, mount_image, unmount
 
-from .. import cgroups, oci, procio
+from .. import cgroups, hostlimits, oci, procio
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
 from ..files import SandboxFiles, remove_tree
@@ -181,16 +181,16 @@ class ContainerBackend:
                 raise BackendUnavailable(f"composing {h.image.name} ({h.image.digest}): "
                                          f"{e}") from e
             st.mounted = True
-            netns = None
-            if h.spec.network.mode == "allowlist":
-                slot = st.net_slot = netpolicy.allocate(h.id)
-                st.node_address = netpolicy.addresses(slot)[0]
-                netns = st.netns = netpolicy.create(slot, h.spec.network)
             (h.dir / "config.json").write_text(json.dumps(
-                oci.config(h.id, h.spec, rootfs, init, netns)))
+                oci.config(h.id, h.spec, rootfs, init)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self._run_detached(h)
             st.init_pid = int((h.dir / "init.pid").read_text())
+            hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
+            if h.spec.network.mode == "allowlist":
+                slot = st.net_slot = netpolicy.allocate(h.id)
+                st.node_address = netpolicy.addresses(slot)[0]
+                st.netns = netpolicy.create(slot, h.spec.network, st.init_pid)
             try:
                 detach(paths, rootfs, st.init_pid)
             except MountError as e:

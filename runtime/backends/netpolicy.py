@@ -112,13 +112,16 @@ def ruleset(policy: NetworkPolicy, node_address: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create(slot: int, policy: NetworkPolicy) -> Path:
-    """The slot's namespace, veth pair, addresses, route and rules; undone on
-    failure."""
+def create(slot: int, policy: NetworkPolicy, pid: int) -> Path:
+    """The slot's name for the network namespace of process `pid` (the
+    sandbox's init: the namespace belongs to the sandbox's user namespace, so
+    the kernel lets its sysfs be mounted there), its veth pair, addresses,
+    route and rules; undone on failure. The sandbox runs no command before
+    this returns (the node asks for none until create is done)."""
     ns, host_if = names(slot)
     host_ip, sb_ip = addresses(slot)
     try:
-        _run("ip", "netns", "add", ns)
+        _run("ip", "netns", "attach", ns, str(pid))
         _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
         _run("ip", "link", "set", host_if, "up")
