@@ -123,7 +123,8 @@ class Sandbox:
     def create(cls, image: str | SnapshotInfo, *, backend: Backend = "container",
                cpu: float | None = None,
                memory_mb: int | None = None, disk_mb: int | None = None,
-               pids: int | None = None, timeout: float | None = None, idle_timeout: float | None = None,
+               pids: int | None = None, open_files: int | None = None,
+               timeout: float | None = None, idle_timeout: float | None = None,
                network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
                labels: Mapping[str, str] | None = None, qos: str | None = None,
                workdir: str | None = None, hidden: Sequence[str] | None = None,
@@ -134,7 +135,7 @@ class Sandbox:
         token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
         name = image.image if isinstance(image, SnapshotInfo) else image
         spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
-                     timeout=timeout, idle_timeout=idle_timeout, network=network,
+                     open_files=open_files, timeout=timeout, idle_timeout=idle_timeout, network=network,
                      env=dict(env) if env else None, labels=dict(labels) if labels else None,
                      qos=qos, workdir=workdir, hidden=tuple(hidden) if hidden else None)
         t = resolve(node, token)

@@ -8,7 +8,11 @@ passing test means the limit held, not that the action was broken."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +22,13 @@ from lazyfs import sysmount
 from runtime import Sandbox
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.support import wait_until
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
 
 NODE_DISK_MB = 32  # the test node's default writable layer
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +108,92 @@ def test_init_stdio_cannot_grow_the_runc_log(node: Node) -> None:
                    "head -c 4194304 /dev/zero >> $f 2>/dev/null; done; echo done")
         assert r.stdout.endswith(b"done\n")
         assert log.stat().st_size == size
+
+
+# -- host-wide kernel tables --------------------------------------------------------
+# A hostile program (tests/helpers/hog.c) takes open files, inotify instances or
+# watches in several processes until the kernel refuses; sandbox B, started
+# next to it, still gets its own share.
+
+HOG_SOURCE = Path(__file__).parent / "helpers" / "hog.c"
+HOG = "/tmp/hog"
+BUDGETS = {"inotify": 24, "watches": 600}  # the test node's per-sandbox inotify budgets
+
+
+@pytest.fixture(scope="module")
+def hog(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc (hog.c)")
+    out = tmp_path_factory.mktemp("hog") / "hog"
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(HOG_SOURCE)], check=True,
+                   capture_output=True)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """A node whose per-sandbox inotify budgets are small (BUDGETS)."""
+    d = tmp_path_factory.mktemp("tight")
+    with node_for(busybox_store(d), d, inotify_instances=BUDGETS["inotify"],
+                  inotify_watches=BUDGETS["watches"]) as n:
+        yield n
+
+
+def _take(sb: Sandbox, hog: bytes, what: str, procs: int) -> list[tuple[int, int]]:
+    """Run the hog in the background (it keeps what it took); each process's
+    (count, errno)."""
+    sb.files.write(HOG, hog, mode=0o755)
+    sb.exec(f"setsid {HOG} {what} {procs} </dev/null >/tmp/hog.out 2>&1 &")
+    wait_until(lambda: b"total" in sb.exec("cat /tmp/hog.out").stdout, 30, f"the {what} hog")
+    lines = sb.exec("cat /tmp/hog.out").stdout.decode().splitlines()
+    return [(int(a), int(b)) for a, b in (ln.split() for ln in lines if ln[0].isdigit())]
+
+
+@pytest.mark.parametrize("what", ["inotify", "watches"])
+def test_one_sandbox_cannot_take_anothers_inotify(tight: Node, hog: bytes, what: str) -> None:
+    """Attack 5 of the issue: inotify instances and watches are budgets per
+    user, and every container's root was the host's root. Now sandbox A,
+    taking all it can in 4 processes, ends at its own budget (the control:
+    it does get all of it), and sandbox B then gets its whole budget too, as
+    does the host."""
+    budget = BUDGETS[what]
+    with Sandbox.create(IMAGE, node=tight) as a, Sandbox.create(IMAGE, node=tight) as b:
+        took = _take(a, hog, what, 4)
+        assert sum(n for n, _ in took) == budget, took
+        refused = {errno.EMFILE if what == "inotify" else errno.ENOSPC}
+        assert {e for _, e in took} <= refused, took
+        took_b = _take(b, hog, what, 1)
+        assert took_b[0][0] == budget, took_b
+        fd = _libc.inotify_init1(os.O_CLOEXEC)  # the host's own root
+        assert fd >= 0
+        os.close(fd)
+
+
+def test_open_files_are_a_per_process_budget(node: Node, hog: bytes) -> None:
+    """A sandbox's processes each stop at its open_files (EMFILE), not at the
+    host's file table (ENFILE); a neighbour and the host open files as before.
+    Control: a sandbox with a larger open_files gets that many."""
+    with Sandbox.create(IMAGE, node=node, open_files=256, pids=64) as a, \
+            Sandbox.create(IMAGE, node=node, open_files=512) as b:
+        took = _take(a, hog, "files", 16)
+        assert len(took) == 16
+        assert {e for _, e in took} == {errno.EMFILE}, took
+        assert {n for n, _ in took} == {256 - 4}  # stdio and the report pipe are open
+        took_b = _take(b, hog, "files", 1)
+        assert took_b == [(512 - 4, errno.EMFILE)]
+        with open("/dev/null") as f:
+            assert f.fileno() >= 0
+
+
+def test_fncall_sandboxes_have_per_user_budgets_of_their_own(node: Node) -> None:
+    """The kernel counts inotify instances and watches (and processes) per
+    user: every call of one fncall sandbox runs as the same uid, which no
+    other sandbox's calls (and no user of the host) share, so a call taking
+    its whole budget leaves every other sandbox's intact."""
+    with Sandbox.create(IMAGE, backend="fncall", node=node) as a, \
+            Sandbox.create(IMAGE, backend="fncall", node=node) as b:
+        uids = [int(s.exec("id -u").stdout) for s in (a, a, b)]
+        assert uids[0] == uids[1] != uids[2]
+        host_users = {int(ln.split(":")[2]) for ln in Path("/etc/passwd").read_text().splitlines()
+                      if ln.count(":") >= 6}
+        assert not host_users & set(uids)
