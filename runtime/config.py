@@ -59,6 +59,10 @@ class RuntimeConfig:
     # (runtime/hostlimits.py); the node raises the host's own limits to fit
     inotify_instances: int = 128
     inotify_watches: int = 8192
+    # a user namespace per container sandbox (runtime/oci.py); off only where
+    # the host has none: then every sandbox's root shares the host root's
+    # inotify budget
+    user_namespaces: bool = True
     # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
     # process into a cgroup then no longer waits for an RCU grace period, but
     # every fork and exit on the host gets dearer; off by default (measured:

@@ -87,8 +87,8 @@ def _mounts(init_binary: Path) -> list[dict[str, Any]]:
 ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
 
 
-def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path,
-           init_binary: Path) -> dict[str, Any]:
+def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
+           user_namespace: bool = True) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
     stdin (runtime/backends/initexec.py)."""
@@ -99,7 +99,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path,
     # namespace); an allowlist gives it a veth and rules once init runs
     # (netpolicy.create)
     namespaces = [{"type": t} for t in ("user", "pid", "ipc", "uts", "mount", "cgroup",
-                                        "network")]
+                                        "network") if user_namespace or t != "user"]
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -128,8 +128,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path,
                 "pids": {"limit": spec.pids},
             },
             "namespaces": namespaces,
-            "uidMappings": ID_MAP,
-            "gidMappings": ID_MAP,
+            **({"uidMappings": ID_MAP, "gidMappings": ID_MAP} if user_namespace else {}),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp.oci_section(),

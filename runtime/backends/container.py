@@ -182,11 +182,12 @@ class ContainerBackend:
                                          f"{e}") from e
             st.mounted = True
             (h.dir / "config.json").write_text(json.dumps(
-                oci.config(h.id, h.spec, rootfs, init)))
+                oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self._run_detached(h)
             st.init_pid = int((h.dir / "init.pid").read_text())
-            hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
+            if self.config.user_namespaces:
+                hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
             if h.spec.network.mode == "allowlist":
                 slot = st.net_slot = netpolicy.allocate(h.id)
                 st.node_address = netpolicy.addresses(slot)[0]
