@@ -158,6 +158,11 @@ def test_one_sandbox_cannot_take_anothers_inotify(tight: Node, hog: bytes, what:
     does the host."""
     budget = BUDGETS[what]
     with Sandbox.create(IMAGE, node=tight) as a, Sandbox.create(IMAGE, node=tight) as b:
+        # its budget is not its own to raise
+        name = {"inotify": "instances", "watches": "watches"}[what]
+        r = a.exec(f"echo 1000000 > /proc/sys/user/max_inotify_{name}; "
+                   f"cat /proc/sys/user/max_inotify_{name}")
+        assert r.stdout == f"{budget}\n".encode(), r
         took = _take(a, hog, what, 4)
         assert sum(n for n, _ in took) == budget, took
         refused = {errno.EMFILE if what == "inotify" else errno.ENOSPC}
