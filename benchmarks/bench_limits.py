@@ -82,9 +82,15 @@ def _project_quota(d: Path) -> str | None:
         _ext4(d, -1, "quota", "project")
         return None
     except subprocess.CalledProcessError as e:
-        last = subprocess.run(["dmesg"], capture_output=True, text=True).stdout.splitlines()
+        last = subprocess.run(["dmesg"], capture_output=True, text=True,
+                              check=False).stdout.splitlines()
         why = next((ln for ln in reversed(last) if "quota" in ln.lower()), "")
         return (why.split("]", 1)[-1].strip() or (e.stderr or "").strip()) or "mount failed"
+
+
+def _create_exec_kill(node: Any) -> None:
+    with Sandbox.create(IMAGE, node=node) as sb:
+        assert sb.exec("true").exit_code == 0
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -111,7 +117,7 @@ def main() -> None:
         upper: dict[str, list[float]] = {w: [] for w in ways}
         for r in range(n):
             for w in rotate(list(ways), r):
-                upper[w].append(_timed(lambda: ways[w](r)))
+                upper[w].append(_timed(lambda w=w, r=r: ways[w](r)))  # type: ignore[misc]
         res["upper"] = {w: summary(xs) for w, xs in upper.items()}
         res["project_quota_unavailable"] = _project_quota(d)
 
@@ -135,11 +141,8 @@ def main() -> None:
         budget_s.clear()
         for r in range(n):
             for v in rotate(list(nodes), r):
-                def one() -> None:
-                    with Sandbox.create(IMAGE, node=nodes[v]) as sb:
-                        assert sb.exec("true").exit_code == 0
-                creates[v].append(_timed(one))
-        hostlimits.limit_sandbox = real  # type: ignore[assignment]
+                creates[v].append(_timed(lambda v=v: _create_exec_kill(nodes[v])))  # type: ignore[misc]
+        hostlimits.limit_sandbox = real
         res["create"] = {v: summary(xs) for v, xs in creates.items()}
         res["budget_write"] = summary(budget_s)
 
@@ -153,8 +156,8 @@ def main() -> None:
     rows = [[v, f"{s['p50'] * 1e3:.1f}", f"{s['p99'] * 1e3:.1f}", f"{s['p50'] / base:.2f}"]
             for v, s in res["create"].items()]
     print(table("Container create + first exec + kill (ms)", ["variant", "p50", "p99", "x"],
-                rows, [f"of which the inotify budget write (nsenter): p50 "
-                       f"{res['budget_write']['p50'] * 1e3:.2f} ms"]))
+                rows, [(f"of which the inotify budget write (nsenter): p50 "
+                        f"{res['budget_write']['p50'] * 1e3:.2f} ms")]))
     write_json(args.json, res)
 
 

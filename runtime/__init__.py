@@ -25,10 +25,19 @@ from .errors import (
                      Unsupported,
 )
 from .sdk import AsyncSandbox, Sandbox, Snapshot
-from .spec import ExecResult, NetworkPolicy, Rule, SandboxInfo, SandboxSpec, SnapshotInfo
+from .spec import (
+    ExecResult,
+    NetworkPolicy,
+    Rule,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+)
 
 __all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
            "FileError", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "OutOfMemory",
-           "OutputTruncated", "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxInfo",
+           "OutputTruncated", "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxEvent",
+           "SandboxInfo",
            "SandboxNotFound", "SandboxSpec", "SandboxStateError", "Snapshot", "SnapshotInfo",
            "Unsupported"]

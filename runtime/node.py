@@ -32,7 +32,7 @@ from typing import Any
 
 from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing
+from .backends.base import Capturing, Eventful
 from .capture import Captures
 from .config import RuntimeConfig
 from .errors import (
@@ -53,6 +53,7 @@ from .spec import (
     ExecResult,
     NetworkPolicy,
     ResolvedImage,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -375,6 +376,13 @@ class Node:
 
     def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
         return self.files(sandbox_id).list(path)
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        """What the sandbox was refused so far (runtime/denials.py)."""
+        info, h = self._get(sandbox_id)
+        backend = self._require(info, "events")
+        assert isinstance(backend, Eventful), backend
+        return backend.events(h)
 
     # -- timeouts and restarts -----------------------------------------------
     def reap(self, now: float | None = None) -> list[str]:

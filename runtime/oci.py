@@ -88,7 +88,8 @@ ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
 
 
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
-           user_namespace: bool = True) -> dict[str, Any]:
+           user_namespace: bool = True, seccomp_listener: Path | None = None
+           ) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
     stdin (runtime/backends/initexec.py)."""
@@ -131,7 +132,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
             **({"uidMappings": ID_MAP, "gidMappings": ID_MAP} if user_namespace else {}),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
-            "seccomp": seccomp.oci_section(),
+            "seccomp": seccomp.oci_section(seccomp_listener),
         },
     }
 

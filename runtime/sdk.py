@@ -42,6 +42,7 @@ from .spec import (
     ExecRequest,
     ExecResult,
     NetworkPolicy,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -215,6 +216,12 @@ class Sandbox:
         self.info = self._t.get(self.id)
         return self.info
 
+    def events(self) -> builtins.list[SandboxEvent]:
+        """What the sandbox was refused so far: denied system calls, refused
+        connections, OOM kills, forks refused at the pids limit; each a count
+        with the first and last time seen."""
+        return self._t.events(self.id)
+
     def pause(self) -> dict[str, Any]:
         """Freeze; returns memory figures before/after the reclaim."""
         return self._t.pause(self.id)
@@ -326,6 +333,10 @@ class AsyncSandbox:
 
     async def snapshot(self, tag: str | None = None) -> SnapshotInfo:
         out: SnapshotInfo = await _thread(self.sync.snapshot, tag)
+        return out
+
+    async def events(self) -> builtins.list[SandboxEvent]:
+        out: builtins.list[SandboxEvent] = await _thread(self.sync.events)
         return out
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:

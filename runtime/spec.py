@@ -278,6 +278,23 @@ class SnapshotInfo(_Model):
     seconds: float  # the whole call
 
 
+EventKind = Literal["syscall", "connect", "oom_kill", "process_limit"]
+
+
+class SandboxEvent(_Model):
+    """Something the sandbox was refused (runtime/denials.py), counted:
+    kind `syscall` (detail: the system call), `connect` (the refused
+    destination, ADDR:PORT/PROTO), `oom_kill`, `process_limit` (forks refused
+    at the pids limit). `first` is None for what the kernel counts (we learn
+    of it when asked)."""
+
+    kind: EventKind
+    detail: str
+    count: int = Field(ge=1)
+    first: float | None
+    last: float
+
+
 class SandboxInfo(_Model):
     id: str
     spec: SandboxSpec

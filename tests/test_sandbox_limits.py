@@ -8,18 +8,21 @@ passing test means the limit held, not that the action was broken."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import shutil
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lazyfs import sysmount
-from runtime import Sandbox
+from runtime import NetworkPolicy, Sandbox
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 from tests.helpers.support import wait_until
@@ -202,3 +205,52 @@ def test_fncall_sandboxes_have_per_user_budgets_of_their_own(node: Node) -> None
         host_users = {int(ln.split(":")[2]) for ln in Path("/etc/passwd").read_text().splitlines()
                       if ln.count(":") >= 6}
         assert not host_users & set(uids)
+
+
+# -- denials as events --------------------------------------------------------------
+
+
+def test_a_denied_system_call_is_an_event(node: Node) -> None:
+    """A denied mount(2) and unshare(2) fail inside as before (EPERM, the
+    sandbox lives on) and are recorded: sb.events() counts them by system
+    call. Control: a sandbox that was refused nothing has no events."""
+    with Sandbox.create(IMAGE, node=node) as s, Sandbox.create(IMAGE, node=node) as quiet:
+        r = s.exec("mount -t tmpfs x /mnt; echo rc=$?; mount -t tmpfs x /mnt; unshare -n true; "
+                   "echo rc=$?")
+        assert r.stdout == b"rc=1\nrc=1\n" and b"not permitted" in r.stderr, r
+        assert s.exec("echo alive").stdout == b"alive\n"
+        got = {(e.kind, e.detail): e.count for e in s.events()}
+        assert got[("syscall", "mount")] == 2
+        assert got[("syscall", "unshare")] == 1
+        assert quiet.events() == []
+        assert quiet.exec("true").exit_code == 0
+
+
+def test_a_refused_connection_is_an_event(node: Node) -> None:
+    """With a network allowlist, each refused destination is counted inside
+    the sandbox's own network namespace and shows in sb.events(); the
+    allowed destination connects and is not an event (the control)."""
+    server = socket.create_server(("0.0.0.0", 0))
+    allowed = server.getsockname()[1]
+
+    def hang_up() -> None:  # accept and close at once: the sandbox's nc ends
+        with contextlib.suppress(OSError):
+            while True:
+                server.accept()[0].close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        with Sandbox.create(IMAGE, node=node,
+                            network=NetworkPolicy.allow_only(f"node:{allowed}")) as s:
+            host = s.info.host_address
+            r = s.exec(f"busybox nc -w 2 {host} {allowed} </dev/null; echo ok=$?; "
+                       f"busybox nc -w 2 {host} 9 </dev/null; busybox nc -w 2 {host} 9 </dev/null; "
+                       "busybox nc -w 2 192.0.2.1 80 </dev/null; echo refused=$?")
+            assert b"ok=0" in r.stdout and b"refused=1" in r.stdout, r
+            got = {(e.kind, e.detail): e.count for e in s.events()}
+            assert got.get(("connect", f"{host}:9/tcp"), 0) >= 2, got
+            assert got.get(("connect", "192.0.2.1:80/tcp"), 0) >= 1, got
+            assert not [d for k, d in got if k == "connect" and d.endswith(f":{allowed}/tcp")]
+    finally:
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        server.close()

@@ -38,7 +38,15 @@ from ..backends import capabilities
 from ..errors import ExecError, SandboxError
 from ..files import FileInfo
 from ..node import Node
-from ..spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, SnapshotInfo, VerifyRequest
+from ..spec import (
+    ExecRequest,
+    ExecResult,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    VerifyRequest,
+)
 
 STREAM_BUFFER = 64
 EXEC_THREADS = 8192  # execs hold a thread for their whole run; control calls must not wait
@@ -181,6 +189,11 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:
         result: ExecResult = await run(node.verify, sandbox_id, req.exec, req.keep)
         return result
+
+    @app.get("/v1/sandboxes/{sandbox_id}/events")
+    async def events(sandbox_id: str) -> list[SandboxEvent]:
+        out: list[SandboxEvent] = await run(node.events, sandbox_id)
+        return out
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def read_file(sandbox_id: str, path: str) -> Response:

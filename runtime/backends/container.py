@@ -41,6 +41,7 @@ import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,11 +54,12 @@ from lazyfs.mounts import MountError, detach, mount_image, unmount
 
 from .. import cgroups, hostlimits, oci, procio
 from ..config import RuntimeConfig
+from ..denials import DenialLog, SeccompListener, merged
 from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import ExecRequest, ExecResult, Qos
+from ..spec import EventKind, ExecRequest, ExecResult, Qos, SandboxEvent
 from . import initexec, netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
@@ -65,6 +67,7 @@ log = logging.getLogger(__name__)
 
 RUNC_TIMEOUT = 30.0
 CHANNEL = "ctl.sock"  # the exec channel, under the sandbox's directory
+SECCOMP_SOCKET = "seccomp.sock"  # the node's seccomp listener, in the state directory
 # init's descriptor of the sandbox's rw/ (runc --preserve-fds 1 hands it over):
 # how the node reaches the upper once rw/ left the host's mount table
 RW_FD = 3
@@ -102,7 +105,7 @@ class ContainerBackend:
     state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
         {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent",
-         "snapshot", "fork", "verify", "hidden"}),
+         "snapshot", "fork", "verify", "hidden", "events"}),
         "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim; "
         "snapshot = the upper packed into a layer")
 
@@ -111,6 +114,9 @@ class ContainerBackend:
         self.images = images
         self.runc = shutil.which("runc")
         self._init: Path | None = None
+        self.denials = DenialLog()
+        self._listener: SeccompListener | None = None
+        self._listener_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
@@ -121,6 +127,18 @@ class ContainerBackend:
         if self._init is None:
             self._init = sandbox_init(self.config.bin_dir)
         return self._init
+
+    def _seccomp_listener(self) -> Path:
+        """The node's end of the sandboxes' seccomp notifications, started
+        with the first container."""
+        with self._listener_lock:
+            if self._listener is None:
+                path = self.config.state_dir / SECCOMP_SOCKET
+                if len(os.fsencode(path)) >= 100:
+                    raise BackendUnavailable(f"the state directory's path is too long for a "
+                                             f"unix socket: {path}")
+                self._listener = SeccompListener(path, self.denials)
+            return self._listener.path
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
               ) -> subprocess.CompletedProcess[str]:
@@ -182,7 +200,8 @@ class ContainerBackend:
                                          f"{e}") from e
             st.mounted = True
             (h.dir / "config.json").write_text(json.dumps(
-                oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces)))
+                oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces,
+                           self._seccomp_listener())))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self._run_detached(h)
             st.init_pid = int((h.dir / "init.pid").read_text())
@@ -229,6 +248,7 @@ class ContainerBackend:
         known = [] if h.state.net_slot is None else [h.state.net_slot]
         for slot in {*netpolicy.slots_of(h.id), *known}:
             netpolicy.remove(slot)
+        self.denials.forget(h.id)
         _remove(h.dir)
 
     def _kill_init(self, h: Container, wait: float = 5.0) -> bool:
@@ -270,7 +290,22 @@ class ContainerBackend:
         return {"running": "running", "paused": "paused"}.get(st, "stopped")
 
     def close(self) -> None:
-        pass
+        with self._listener_lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+
+    # -- events --------------------------------------------------------------
+    def events(self, h: Container) -> list[SandboxEvent]:
+        """What the sandbox was refused: recorded seccomp denials, plus the
+        kernel's counts of refused connections, OOM kills and refused forks."""
+        counted: dict[tuple[EventKind, str], int] = {
+            ("oom_kill", "memory limit"): cgroups.oom_kills(h.id),
+                   ("process_limit", f"pids={h.spec.pids}"): cgroups.fork_refusals(h.id)}
+        if h.state.net_slot is not None:
+            counted |= {("connect", dest): n
+                        for dest, n in netpolicy.refused(h.state.net_slot).items()}
+        return merged(self.denials.events(h.id), counted)
 
     # -- pause ---------------------------------------------------------------
     def pause(self, h: Container) -> dict[str, Any]:
