@@ -134,6 +134,23 @@ def test_lifecycle_commands(cli: Cli) -> None:
     assert cli("sandbox", "ls").stdout == ""
 
 
+def test_events_show_what_a_sandbox_was_refused(cli: Cli) -> None:
+    """A denied system call inside, then `sandbox events` (through the agent
+    `sandbox create` started: its HTTP route and the SDK's client)."""
+    sid = cli("sandbox", "create", "--label", "cli=test", IMAGE).stdout.strip()
+    try:
+        assert cli("sandbox", "events", sid).stdout == ""
+        p = cli("sandbox", "exec", sid, "--", "sh", "-c", "mount -t tmpfs x /mnt")
+        assert p.returncode != 0 and "permission denied" in p.stderr, p
+        p = cli("sandbox", "events", sid)
+        assert p.returncode == 0 and p.stdout.split() == ["syscall", "mount", "x1"], p
+        events = json.loads(cli("sandbox", "events", "--json", sid).stdout)
+        assert [(e["kind"], e["detail"], e["count"]) for e in events] == [
+            ("syscall", "mount", 1)]
+    finally:
+        cli("sandbox", "kill", sid)
+
+
 def test_pause_and_resume_say_what_they_did_by_id_and_by_label(cli: Cli) -> None:
     ids = [cli("sandbox", "create", "--label", "cli=test", "--label", "grp=pr", IMAGE
                ).stdout.strip() for _ in range(2)]
