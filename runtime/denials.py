@@ -109,7 +109,7 @@ class SeccompListener:
     def __init__(self, path: Path, denials: DenialLog) -> None:
         self.path = path
         self.denials = denials
-        self._poll = select.poll()
+        self._poll = select.epoll()  # O(1) per wake however many sandboxes
         self._sandbox_of: dict[int, str] = {}
         self._stop_r, self._stop_w = os.pipe()
         path.unlink(missing_ok=True)
@@ -120,8 +120,8 @@ class SeccompListener:
         finally:
             os.umask(old)
         self._sock.listen(128)
-        self._poll.register(self._sock.fileno(), select.POLLIN)
-        self._poll.register(self._stop_r, select.POLLIN)
+        self._poll.register(self._sock.fileno(), select.EPOLLIN)
+        self._poll.register(self._stop_r, select.EPOLLIN)
         self._syscall_name = _syscall_names()
         self._thread = threading.Thread(target=self._serve, name="seccomp-notify", daemon=True)
         self._thread.start()
@@ -134,10 +134,10 @@ class SeccompListener:
                 try:
                     if fd == self._sock.fileno():
                         self._accept()
-                    elif ev & select.POLLIN:
+                    elif ev & (select.EPOLLHUP | select.EPOLLERR):
+                        self._drop(fd)  # every process under the filter is gone
+                    else:
                         self._answer(fd)
-                    else:  # POLLHUP: every process under the filter is gone
-                        self._drop(fd)
                 except OSError as e:  # one sandbox's trouble must not stop the others'
                     log.warning("seccomp notifications: %s", e)
 
@@ -155,7 +155,7 @@ class SeccompListener:
             raise OSError("runc sent an unreadable container state") from None
         for fd in fds:
             self._sandbox_of[fd] = sandbox_id
-            self._poll.register(fd, select.POLLIN)
+            self._poll.register(fd, select.EPOLLIN)
 
     def _drop(self, fd: int) -> None:
         self._poll.unregister(fd)
@@ -185,6 +185,7 @@ class SeccompListener:
             os.close(fd)
         self._sandbox_of.clear()
         self._sock.close()
+        self._poll.close()
         os.close(self._stop_r)
         os.close(self._stop_w)
         self.path.unlink(missing_ok=True)
