@@ -31,6 +31,7 @@ from .spec import (
     NetworkPolicy,
     PreemptedSandbox,
     Rule,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -39,6 +40,7 @@ from .spec import (
 __all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
            "FileError", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "OutOfMemory",
            "OutputTruncated", "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox",
-           "SandboxError", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",
-           "SandboxStateError", "Snapshot", "SnapshotInfo",
+           "SandboxError", "SandboxEvent", "SandboxInfo", "SandboxNotFound",
+           "SandboxPreempted", "SandboxSpec", "SandboxStateError", "Snapshot",
+           "SnapshotInfo",
            "Unsupported"]

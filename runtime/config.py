@@ -18,6 +18,8 @@ from typing import Any
 from lazyfs.errors import ConfigError
 from lazyfs.settings import Settings
 
+from .hostlimits import Budgets
+
 
 class _FromSettings:
     """The default of the fields below: taken from the machine's settings,
@@ -52,6 +54,18 @@ class RuntimeConfig:
     max_sandboxes: int = 4096
     reap_interval: float = 1.0
     fncall_workers: int = 2
+    # MiB of writable layer (a tmpfs: in memory, counted in the sandbox's
+    # memory limit) of a container sandbox whose spec names no disk_mb: no
+    # sandbox writes into the host's disk, and none without a bound
+    disk_mb: int = 1024
+    # what each sandbox may hold of the host's per-user inotify tables
+    # (runtime/hostlimits.py); the node raises the host's own limits to fit
+    inotify_instances: int = 128
+    inotify_watches: int = 8192
+    # a user namespace per container sandbox (runtime/oci.py); off only where
+    # the host has none: then every sandbox's root shares the host root's
+    # inotify budget
+    user_namespaces: bool = True
     # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
     # process into a cgroup then no longer waits for an RCU grace period, but
     # every fork and exit on the host gets dearer; off by default (measured:
@@ -77,6 +91,10 @@ class RuntimeConfig:
     def from_settings(cls, settings: Settings, **kw: Any) -> RuntimeConfig:
         """The runtime of a machine with these settings (kw: other fields)."""
         return cls(**{**_from_settings(settings), **kw})
+
+    @property
+    def budgets(self) -> Budgets:
+        return Budgets(self.inotify_instances, self.inotify_watches)
 
     @property
     def sandboxes(self) -> Path:

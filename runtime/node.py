@@ -32,9 +32,9 @@ from typing import Any
 
 from chunkstore.errors import LazyfsError
 
-from . import cgroups
+from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing
+from .backends.base import Capturing, Eventful
 from .capture import Captures, Packed
 from .config import RuntimeConfig
 from .errors import (
@@ -59,6 +59,7 @@ from .spec import (
     NetworkPolicy,
     PreemptedSandbox,
     ResolvedImage,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -99,6 +100,8 @@ class Node:
         # behind: close at interpreter exit if still open. (Killed, it
         # cannot; the next node start sweeps: fncall.sweep in recover().)
         self._at_exit = weakref.finalize(self, _close_at_exit, weakref.ref(self))
+        if os.geteuid() == 0:
+            hostlimits.prepare_host(self.config.max_sandboxes, self.config.budgets)
         if self.config.favor_dynmods and os.geteuid() == 0:
             changed = cgroups.favor_dynamic_modifications()
             if changed:
@@ -505,6 +508,13 @@ class Node:
 
     def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
         return self.files(sandbox_id).list(path)
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        """What the sandbox was refused so far (runtime/denials.py)."""
+        info, h = self._get(sandbox_id)
+        backend = self._require(info, "events")
+        assert isinstance(backend, Eventful), backend
+        return backend.events(h)
 
     # -- timeouts and restarts -----------------------------------------------
     def reap(self, now: float | None = None) -> list[str]:

@@ -43,6 +43,7 @@ from .spec import (
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -124,7 +125,8 @@ class Sandbox:
     def create(cls, image: str | SnapshotInfo, *, backend: Backend = "container",
                cpu: float | None = None,
                memory_mb: int | None = None, disk_mb: int | None = None,
-               pids: int | None = None, timeout: float | None = None, idle_timeout: float | None = None,
+               pids: int | None = None, open_files: int | None = None,
+               timeout: float | None = None, idle_timeout: float | None = None,
                network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
                labels: Mapping[str, str] | None = None, qos: str | None = None,
                workdir: str | None = None, hidden: Sequence[str] | None = None,
@@ -135,7 +137,7 @@ class Sandbox:
         token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
         name = image.image if isinstance(image, SnapshotInfo) else image
         spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
-                     timeout=timeout, idle_timeout=idle_timeout, network=network,
+                     open_files=open_files, timeout=timeout, idle_timeout=idle_timeout, network=network,
                      env=dict(env) if env else None, labels=dict(labels) if labels else None,
                      qos=qos, workdir=workdir, hidden=tuple(hidden) if hidden else None)
         t = resolve(node, token)
@@ -244,6 +246,12 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         self.info = self._t.get(self.id)
         return self.info
+
+    def events(self) -> builtins.list[SandboxEvent]:
+        """What the sandbox was refused so far: denied system calls, refused
+        connections, OOM kills, forks refused at the pids limit; each a count
+        with the first and last time seen."""
+        return self._t.events(self.id)
 
     def pause(self) -> dict[str, Any]:
         """Freeze; returns memory figures before/after the reclaim."""
@@ -380,6 +388,10 @@ class AsyncSandbox:
 
     async def snapshot(self, tag: str | None = None) -> SnapshotInfo:
         out: SnapshotInfo = await _thread(self.sync.snapshot, tag)
+        return out
+
+    async def events(self) -> builtins.list[SandboxEvent]:
+        out: builtins.list[SandboxEvent] = await _thread(self.sync.events)
         return out
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:

@@ -122,6 +122,8 @@ class SandboxSpec(_Model):
     memory_mb: int = Field(default=1024, ge=16, le=1 << 20)
     disk_mb: int | None = Field(default=None, ge=1, le=1 << 24)
     pids: int = Field(default=1024, ge=8, le=1 << 22)
+    # open files per process (RLIMIT_NOFILE; containers)
+    open_files: int = Field(default=1024, ge=64, le=1 << 20)
     timeout: float | None = Field(default=3600.0, gt=0, le=365 * 86400)  # lifetime
     idle_timeout: float | None = Field(default=None, gt=0, le=365 * 86400)  # since the last call
     network: NetworkPolicy = NetworkPolicy()
@@ -303,6 +305,23 @@ class PreemptedSandbox(_Model):
     memory_bytes: int = 0
     disk_bytes: int = 0
     snapshot: SnapshotInfo
+
+
+EventKind = Literal["syscall", "connect", "oom_kill", "process_limit"]
+
+
+class SandboxEvent(_Model):
+    """Something the sandbox was refused (runtime/denials.py), counted:
+    kind `syscall` (detail: the system call), `connect` (the refused
+    destination, ADDR:PORT/PROTO), `oom_kill`, `process_limit` (forks refused
+    at the pids limit). `first` is None for what the kernel counts (we learn
+    of it when asked)."""
+
+    kind: EventKind
+    detail: str
+    count: int = Field(ge=1)
+    first: float | None
+    last: float
 
 
 class SandboxInfo(_Model):

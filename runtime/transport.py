@@ -36,6 +36,7 @@ from .spec import (
     ExecRequest,
     ExecResult,
     PreemptedSandbox,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -78,6 +79,7 @@ class Transport(Protocol):
     def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo: ...
     def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]: ...
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult: ...
+    def events(self, sandbox_id: str) -> list[SandboxEvent]: ...
 
 
 class Embedded:
@@ -154,6 +156,9 @@ class Embedded:
 
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
         return self.node.verify(sandbox_id, req.exec, req.keep)
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        return self.node.events(sandbox_id)
 
 
 def raise_for(body: Mapping[str, Any], status: int) -> None:
@@ -330,6 +335,10 @@ class Http:
         r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/verify",
                        content=req.model_dump_json(), headers={"content-type": "application/json"})
         return ExecResult.model_validate(r.json())
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        return [SandboxEvent.model_validate(x) for x in self._call(
+            "GET", f"/v1/sandboxes/{sandbox_id}/events").json()]
 
 
 _lock = threading.Lock()

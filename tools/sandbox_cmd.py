@@ -125,7 +125,10 @@ def _create_options(f: Any) -> Any:
         click.option("--cpu", type=float, default=None, help="CPUs [1]."),
         click.option("--memory-mb", type=int, default=None, help="Memory limit [1024]."),
         click.option("--disk-mb", type=int, default=None,
-                     help="Writable layer size (tmpfs) [unlimited, on local disk]."),
+                     help="Writable layer size (a tmpfs, counted in memory) [the node's "
+                          "default, 1024]."),
+        click.option("--open-files", type=int, default=None,
+                     help="Open files per process (RLIMIT_NOFILE) [1024]."),
         click.option("--timeout", "lifetime", type=float, default=None,
                      help="Sandbox lifetime in seconds [3600]."),
         click.option("--allow", multiple=True, metavar="ADDR[:PORT][/PROTO]",
@@ -147,12 +150,13 @@ def _create_options(f: Any) -> Any:
 
 def _create(settings: Settings, node: str | None, detached: bool, image: str, backend: str,
             cpu: float | None, memory_mb: int | None, disk_mb: int | None,
-            lifetime: float | None, allow: tuple[str, ...], qos: str | None,
+            open_files: int | None, lifetime: float | None, allow: tuple[str, ...], qos: str | None,
             labels: tuple[str, ...], env: tuple[str, ...], hidden: tuple[str, ...]) -> Sandbox:
     # a bad rule raises InvalidSpec naming it: one line, like every error
     network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
     return Sandbox.create(image, backend=backend, cpu=cpu, memory_mb=memory_mb,  # type: ignore[arg-type]
-                          disk_mb=disk_mb, timeout=lifetime, network=network, qos=qos,
+                          disk_mb=disk_mb, open_files=open_files, timeout=lifetime,
+                          network=network, qos=qos,
                           labels=_labels(labels), env=_labels(env, "--env"),
                           hidden=hidden or None, node=_target(settings, node, detached=detached))
 
@@ -269,6 +273,22 @@ def verify(settings: Settings, node: str | None, timeout: float, keep: tuple[str
     sys.stdout.buffer.write(r.stdout)
     sys.stderr.buffer.write(r.stderr)
     sys.exit(r.exit_code)
+
+
+@sandbox.command()
+@_node_option
+@click.option("--json", "as_json", is_flag=True)
+@click.argument("sandbox_id")
+@click.pass_obj
+def events(settings: Settings, node: str | None, as_json: bool, sandbox_id: str) -> None:
+    """What SANDBOX_ID was refused so far (denied system calls, refused
+    connections, OOM kills, refused forks): one line each, with its count."""
+    evs = Sandbox.connect(sandbox_id, node=_target(settings, node)).events()
+    if as_json:
+        click.echo(json.dumps([e.model_dump(mode="json") for e in evs], indent=1))
+        return
+    for e in evs:
+        click.echo(f"{e.kind:13}  {e.detail}  x{e.count}")
 
 
 @sandbox.command("ls")

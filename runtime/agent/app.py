@@ -47,6 +47,7 @@ from ..spec import (
     ExecRequest,
     ExecResult,
     PreemptedSandbox,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -221,6 +222,11 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:
         result: ExecResult = await run(node.verify, sandbox_id, req.exec, req.keep)
         return result
+
+    @app.get("/v1/sandboxes/{sandbox_id}/events")
+    async def events(sandbox_id: str) -> list[SandboxEvent]:
+        out: list[SandboxEvent] = await run(node.events, sandbox_id)
+        return out
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def read_file(sandbox_id: str, path: str) -> Response:
