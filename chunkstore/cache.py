@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 4 << 30
 MAX_PENDING = 128 << 20
+MAX_RECENT = 16 << 20
 _LATENCY_SAMPLES = 4096
 
 
@@ -111,6 +112,11 @@ class NodeCache:
         self._pending: dict[_Key, bytes] = {}  # fetched, not yet on disk
         self._pending_bytes = 0
         self.max_pending = MAX_PENDING
+        # fetched with keep=False, most recent last: a reader that missed the
+        # fetch in flight finds them here instead of fetching them again
+        self._recent: collections.OrderedDict[_Key, bytes] = collections.OrderedDict()
+        self._recent_bytes = 0
+        self.max_recent = MAX_RECENT
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="cache-fill")
         self._tmp_seq = 0
 
@@ -185,7 +191,7 @@ class NodeCache:
     def contains(self, chunk_id: ChunkId, domain: TrustDomain) -> bool:
         key = (str(domain), bytes(chunk_id))
         with self._mu:
-            return key in self._lru or key in self._pending
+            return key in self._lru or key in self._pending or key in self._recent
 
     def get(self, chunk_id: ChunkId, domain: TrustDomain) -> bytes:
         return self.get_many([chunk_id], domain)[0]
@@ -203,20 +209,25 @@ class NodeCache:
         try:
             for cid in dict.fromkeys(ids):
                 key = (dname, bytes(cid))
-                data = self._read_cached(key, cid)
+                while (data := self._read_cached(key, cid)) is None:
+                    with self._mu:
+                        # a fetch may have ended since _read_cached looked: the
+                        # look and the claim are one step, or a chunk fetched
+                        # a moment ago would be fetched again
+                        if key in self._lru or key in self._pending or key in self._recent:
+                            continue
+                        fut = self._inflight.get(key)
+                        if fut is None:
+                            self._inflight[key] = Future()
+                            claimed.append(cid)
+                            self.stats.misses += 1
+                        else:
+                            self.stats.waits += 1
+                    if fut is not None:
+                        waiting.append((bytes(cid), fut))
+                    break
                 if data is not None:
                     out[bytes(cid)] = data
-                    continue
-                with self._mu:
-                    fut = self._inflight.get(key)
-                    if fut is None:
-                        self._inflight[key] = Future()
-                        claimed.append(cid)
-                        self.stats.misses += 1
-                    else:
-                        self.stats.waits += 1
-                if fut is not None:
-                    waiting.append((bytes(cid), fut))
             if claimed:
                 self._fetch(claimed, domain, out, keep)
                 claimed = []
@@ -245,7 +256,7 @@ class NodeCache:
 
     def _read_cached(self, key: _Key, cid: ChunkId) -> bytes | None:
         with self._mu:
-            pending = self._pending.get(key)
+            pending = self._pending.get(key) or self._recent.get(key)
             if pending is not None:
                 self.stats.hits += 1
                 return pending
@@ -296,6 +307,13 @@ class NodeCache:
         fills: list[tuple[_Key, bytes]] = []
         with self._mu:
             sync = self._pending_bytes > self.max_pending
+            for cid, data in zip(ids, datas, strict=True) if not keep else ():
+                key = (dname, bytes(cid))
+                if key not in self._recent:
+                    self._recent[key] = data
+                    self._recent_bytes += len(data)
+            while self._recent_bytes > self.max_recent and self._recent:
+                self._recent_bytes -= len(self._recent.popitem(last=False)[1])
             for cid, data in zip(ids, datas, strict=True) if keep else ():
                 key = (dname, bytes(cid))
                 if key not in self._pending:
@@ -386,5 +404,7 @@ class NodeCache:
             keys = list(self._lru)
             self._lru.clear()
             self._bytes = 0
+            self._recent.clear()
+            self._recent_bytes = 0
         for key in keys:
             self._path(key).unlink(missing_ok=True)
