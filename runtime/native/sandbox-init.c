@@ -184,6 +184,8 @@ struct ctl_reply { uint32_t kind; int32_t value; uint64_t id; int32_t pid, err; 
 struct cmd { pid_t pid; int conn; int report; uint64_t id; };
 static struct cmd cmds[CTL_MAX_CMDS];
 static int ncmds;
+static int listen_fd = -1;   /* the exec channel's listening socket */
+#define CTL_FLAG_LISTENER 2u  /* the request's one descriptor replaces listen_fd */
 
 static void reply(int conn, uint32_t kind, uint64_t id, int32_t value, int32_t pid, int32_t err) {
     struct ctl_reply r = {kind, value, id, pid, err};
@@ -241,6 +243,23 @@ static void start_command(int conn) {
     }
     char *payload = NULL;
     uint64_t id = n == (ssize_t)sizeof rq ? rq.id : 0;
+    if (n == (ssize_t)sizeof rq && rq.magic == CTL_MAGIC && (rq.flags & CTL_FLAG_LISTENER)) {
+        /* the node moves the channel to another listening socket (before a
+         * checkpoint: one in the sandbox's own network namespace, which CRIU
+         * can save with the sandbox, under an abstract name) */
+        int acc = 0, dom = 0;
+        socklen_t sl = sizeof acc, dl = sizeof dom;
+        if (nfds != 1 || rq.length != 0 || rq.nargs != 0 ||
+            getsockopt(fds[0], SOL_SOCKET, SO_ACCEPTCONN, &acc, &sl) != 0 || !acc ||
+            getsockopt(fds[0], SOL_SOCKET, SO_DOMAIN, &dom, &dl) != 0 || dom != AF_UNIX ||
+            dup3(fds[0], listen_fd, O_CLOEXEC) < 0) {
+            reply(conn, REPLY_BAD, id, 0, 0, EINVAL);
+            goto fail;
+        }
+        fcntl(listen_fd, F_SETFL, O_NONBLOCK);
+        reply(conn, REPLY_STARTED, id, 0, 0, 0);
+        goto fail;   /* not a failure: closes the descriptors and the connection */
+    }
     if (n != (ssize_t)sizeof rq || rq.magic != CTL_MAGIC || rq.length > CTL_MAX_PAYLOAD ||
         rq.nargs < 1 || nfds != 3 || ncmds >= CTL_MAX_CMDS ||
         !(payload = malloc(rq.length + 1)) || read_full(conn, payload, rq.length) != 0) {
@@ -336,7 +355,7 @@ static void reap(void) {
 static __attribute__((noreturn)) void serve(int lfd) {
     /* the listening socket away from fd 0..2, which become /dev/null: no
      * process of the sandbox inherits a host file (runc's log) from init */
-    int l = fcntl(lfd, F_DUPFD_CLOEXEC, 3);
+    int l = listen_fd = fcntl(lfd, F_DUPFD_CLOEXEC, 3);
     if (l < 0) _exit(1);
     if (lfd != l) close(lfd);
     int devnull = open("/dev/null", O_RDWR);
@@ -352,7 +371,7 @@ static __attribute__((noreturn)) void serve(int lfd) {
     int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     static struct pollfd pfds[CTL_MAX_CMDS + 2];
     for (;;) {
-        pfds[0] = (struct pollfd){.fd = l, .events = POLLIN};
+        pfds[0] = (struct pollfd){.fd = listen_fd, .events = POLLIN};
         pfds[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
         for (int k = 0; k < ncmds; k++)
             pfds[2 + k] = (struct pollfd){.fd = cmds[k].conn, .events = POLLIN};
@@ -378,7 +397,18 @@ static __attribute__((noreturn)) void serve(int lfd) {
         }
         if (pfds[0].revents & POLLIN) {
             int c;
-            while ((c = accept4(l, NULL, NULL, SOCK_CLOEXEC)) >= 0) start_command(c);
+            while ((c = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC)) >= 0) {
+                /* only a peer outside the sandbox's PID namespace (the node):
+                 * its pid is 0 here. A sandbox process connecting to an
+                 * abstract listener shows its own pid (even once it exited) */
+                struct ucred uc;
+                socklen_t ul = sizeof uc;
+                if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &uc, &ul) != 0 || uc.pid != 0) {
+                    close(c);
+                    continue;
+                }
+                start_command(c);
+            }
         }
     }
 }
