@@ -35,18 +35,23 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from chunkstore import ChunkStore
 from chunkstore.digests import Digest
 from composer.catalog import Catalog, Image
 from composer.errors import ComposerError
+from composer.export import export_tree
 from composer.manifest import LayerManifest
 from composer.snapshot import hide_layer, keep_only, pack_diff, reveal_layer
 from lazyfs.node import open_images
 
 from .config import RuntimeConfig
-from .errors import InvalidSpec, SandboxError, Unsupported
-from .spec import ResolvedImage, SnapshotInfo
+from .errors import ImageNotFound, InvalidSpec, SandboxError, Unsupported
+from .spec import CheckpointInfo, CheckpointRecord, ResolvedImage, SnapshotInfo
+
+# the config key of a checkpoint's catalog record (a CheckpointRecord)
+CHECKPOINT_KEY = "lazyfs.checkpoint"
 
 
 def _short(digest: str) -> str:
@@ -149,6 +154,57 @@ class Captures:
                             base_image=image.digest, entries=len(diff.entries),
                             bytes=diff.data_size, bytes_new=new_bytes, frozen_s=frozen_s,
                             seconds=time.monotonic() - started)
+
+    # -- checkpoints ----------------------------------------------------------
+    def checkpoint(self, sandbox_id: str, image: ResolvedImage, diff: LayerManifest,
+                   new_bytes: int, memory: LayerManifest, memory_new: int, *,
+                   record: dict[str, Any], tag: str | None, dump_s: float, frozen_s: float,
+                   started: float) -> CheckpointInfo:
+        """Commit a checkpoint: the packed upper as a snapshot image (tag
+        checkpoints/<id>/files:<n>) and the record, whose one layer is the
+        memory images (tag `tag` or checkpoints/<id>:<n>); `record` is the
+        CheckpointRecord without `files`."""
+        with self._lock:
+            n = self._counts[f"checkpoint:{sandbox_id}"] = \
+                self._counts.get(f"checkpoint:{sandbox_id}", 0) + 1
+        files = self.snapshot(sandbox_id, image, diff, new_bytes,
+                              tag=f"checkpoints/{sandbox_id}/files:{n}", frozen_s=frozen_s,
+                              started=started)
+        rec = CheckpointRecord.model_validate({**record, "files": files.image})
+        with self._lock:
+            _, catalog = self._open()
+            digest = str(memory.digest)
+            d, ids = catalog.store_layer(memory)
+            assert d == digest
+            tag = tag or f"checkpoints/{sandbox_id}:{n}"
+            ckpt = Image([digest], {CHECKPOINT_KEY: rec.model_dump(mode="json")},
+                         f"checkpoint of {sandbox_id} ({image.name})")
+            try:
+                out = catalog.commit_image(tag, ckpt, {digest: (memory, ids)})
+            except ComposerError as e:
+                raise InvalidSpec(f"checkpoint tag {tag!r}: {e}") from None
+        return CheckpointInfo(id=out, tag=tag, sandbox_id=sandbox_id, files=files,
+                              memory_layer=digest, memory_bytes=memory.data_size,
+                              memory_bytes_new=memory_new, dump_s=dump_s, frozen_s=frozen_s,
+                              seconds=time.monotonic() - started)
+
+    def load_checkpoint(self, name: str, dest: Path) -> CheckpointRecord:
+        """The record of checkpoint `name` (its id or tag), its memory
+        images written under `dest` (empty or absent)."""
+        with self._lock:
+            store, catalog = self._open()
+            try:
+                _, ckpt = catalog.resolve(name)
+            except ComposerError as e:  # (ImageNotFound, a bad name)
+                raise ImageNotFound(f"no checkpoint {name!r}: {e}") from None
+            if CHECKPOINT_KEY not in ckpt.config or len(ckpt.layers) != 1:
+                raise InvalidSpec(f"{name} is an image, not a checkpoint (Sandbox.create it)")
+            try:
+                rec = CheckpointRecord.model_validate(ckpt.config[CHECKPOINT_KEY])
+                export_tree(store, [catalog.load_layer(ckpt.layers[0])], dest)
+            except (ComposerError, OSError) as e:
+                raise SandboxError(f"reading checkpoint {name}: {e}") from e
+            return rec
 
     def verifier_image(self, sandbox_id: str, image: ResolvedImage, hidden: tuple[str, ...],
                        diff: LayerManifest, keep: tuple[str, ...] | None = None

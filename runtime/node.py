@@ -22,17 +22,19 @@ import json
 import logging
 import os
 import secrets
+import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from . import cgroups
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing
+from .backends.base import Capturing, Checkpointing
+from .backends.criu import CRIU_VERSION
 from .capture import Captures
 from .config import RuntimeConfig
 from .errors import (
@@ -49,6 +51,7 @@ from .errors import (
 from .files import FileInfo, SandboxFiles, remove_tree
 from .images import Images
 from .spec import (
+    CheckpointInfo,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
@@ -144,6 +147,12 @@ class Node:
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxInfo:
+        return self._create(spec, lambda backend, h: backend.create(h))
+
+    def _create(self, spec: SandboxSpec, start: Callable[[Backend, Handle[Any]], None]
+                ) -> SandboxInfo:
+        """A new sandbox of `spec`, brought up by `start` (a backend's create,
+        or a restore from a checkpoint)."""
         backend = self.backend(spec.backend)
         with self._lock:  # creations under way count, so a burst cannot overshoot
             if len(self._sandboxes) + self._pending >= self.config.max_sandboxes:
@@ -163,7 +172,7 @@ class Node:
             d.mkdir(mode=0o700)
             h = Handle(sandbox_id, spec, image, d, backend.state_type())
             try:
-                backend.create(h)
+                start(backend, h)
             except BaseException:
                 _remove(d)
                 raise
@@ -313,6 +322,67 @@ class Node:
                 self.kill(c.id)
             raise
         return snap, children
+
+    def checkpoint(self, sandbox_id: str, tag: str | None = None) -> CheckpointInfo:
+        """The sandbox's processes (CRIU) and files (its upper packed, as a
+        snapshot) at one instant, stored in the image store; the sandbox
+        runs on. Raises NotCheckpointable (naming CRIU's reason) when a
+        process cannot be saved; the sandbox is left as it was."""
+        started = time.monotonic()
+        with self._state_lock(sandbox_id):  # no pause/resume meanwhile
+            info, h = self._get(sandbox_id)
+            backend = self._require(info, "checkpoint")
+            assert isinstance(backend, Checkpointing), backend
+            images = h.dir / "checkpoint"
+            try:
+                t0 = time.monotonic()
+                with backend.checkpoint(h, images) as upper:
+                    dumped = time.monotonic()
+                    diff, new_bytes = self.captures.pack(sandbox_id, upper, "checkpoint")
+                frozen = time.monotonic() - t0
+                memory, memory_new = self.captures.pack(sandbox_id, images, "checkpoint-memory")
+            finally:
+                with self._lock:  # the exec channel may have moved
+                    if sandbox_id in self._sandboxes:
+                        self._save(info, h)
+                remove_tree(images)
+            record = {"spec": info.spec.model_dump(mode="json"), "sandbox_id": sandbox_id,
+                      "channel_name": h.state.channel_name, "criu": CRIU_VERSION}
+            ckpt = self.captures.checkpoint(
+                sandbox_id, h.image, diff, new_bytes, memory, memory_new, record=record,
+                tag=tag, dump_s=dumped - t0, frozen_s=frozen, started=started)
+        self._touch(info, h)
+        log.info("checkpoint of %s: %s (memory %d bytes, %d new; frozen %.3fs)", sandbox_id,
+                 ckpt.id, ckpt.memory_bytes, ckpt.memory_bytes_new, frozen)
+        return ckpt
+
+    def restore(self, checkpoint: str, labels: Mapping[str, str] | None = None
+                ) -> SandboxInfo:
+        """A new sandbox from a checkpoint (its id or tag): the checkpoint's
+        files under a fresh writable layer, its processes restored where
+        they were. `labels` replace the checkpointed sandbox's when given."""
+        with tempfile.TemporaryDirectory(dir=self.config.sandboxes) as tmp:
+            staged = Path(tmp) / "images"
+            record = self.captures.load_checkpoint(checkpoint, staged)
+            update: dict[str, Any] = {"image": record.files}
+            if labels is not None:
+                update["labels"] = dict(labels)
+            spec = record.spec.model_copy(update=update)
+
+            def start(backend: Backend, h: Handle[Any]) -> None:
+                if not isinstance(backend, Checkpointing):
+                    raise Unsupported(f"the {spec.backend} backend cannot restore checkpoints")
+                images = h.dir / "checkpoint"
+                os.replace(staged, images)
+                h.state.channel_name = record.channel_name
+                try:
+                    backend.restore(h, images)
+                finally:
+                    remove_tree(images)
+
+            info = self._create(spec, start)
+        log.info("restored %s from checkpoint %s", info.id, checkpoint)
+        return info
 
     def verify(self, sandbox_id: str, req: ExecRequest,
                keep: tuple[str, ...] | None = None) -> ExecResult:

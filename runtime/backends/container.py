@@ -30,11 +30,12 @@ import errno
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -45,12 +46,13 @@ from lazyfs.mounts import MountError, detach, mount_image, unmount
 
 from .. import cgroups, oci, procio
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
+from ..errors import (BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError,
+                      Unsupported)
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
 from ..spec import ExecRequest, ExecResult, Qos
-from . import initexec, netpolicy
+from . import criu, initexec, netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ class ContainerState(BackendState):
     netns: Path | None = None
     node_address: str | None = None  # the host's side of the sandbox's veth
     init_pid: int | None = None
+    # the abstract name of the exec channel in the sandbox's network
+    # namespace, once a checkpoint moved it there (None: ctl.sock)
+    channel_name: str | None = None
 
     def host_address(self) -> str | None:
         return self.node_address
@@ -89,9 +94,10 @@ class ContainerBackend:
     state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
         {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent",
-         "snapshot", "fork", "verify", "hidden"}),
+         "snapshot", "fork", "verify", "hidden", "checkpoint"}),
         "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim; "
-        "snapshot = the upper packed into a layer")
+        "snapshot = the upper packed into a layer; checkpoint = that + CRIU memory images "
+        "(runc --criu)")
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         self.config = config
@@ -137,6 +143,22 @@ class ContainerBackend:
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, h: Container) -> None:
+        self._start(h, lambda: self._run_detached(h))
+
+    def restore(self, h: Container, images: Path) -> None:
+        """A sandbox from a checkpoint: its root composed from h.image (the
+        checkpoint's files) with a fresh upper, and its processes restored
+        by runc and CRIU from the memory images in `images`;
+        h.state.channel_name names the exec channel the images hold."""
+        if h.state.channel_name is None:
+            raise SandboxError(f"{h.id}: a checkpoint names its exec channel")
+        runc = self.runc
+        self._start(h, lambda: criu.restore(
+            runc or "runc", self.config.runc_root, h.id, h.dir, images, h.dir / "criu"))
+
+    def _start(self, h: Container, run: Callable[[], object]) -> None:
+        """Compose the root, write the config, `run` (which leaves the
+        container's init pid in init.pid), then detach the root."""
         init = self._check()
         paths = self.images.ensure_daemon()
         rootfs, rw = h.dir / "rootfs", h.dir / "rw"
@@ -164,7 +186,7 @@ class ContainerBackend:
             (h.dir / "config.json").write_text(json.dumps(
                 oci.config(h.id, h.spec, rootfs, init, netns)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
-            self._run_detached(h)
+            run()
             st.init_pid = int((h.dir / "init.pid").read_text())
             try:
                 detach(paths, rootfs, st.init_pid)
@@ -275,6 +297,42 @@ class ContainerBackend:
             if not was_frozen:
                 freezer.write_text("THAWED")
 
+    # -- checkpoint ----------------------------------------------------------
+    @contextlib.contextmanager
+    def checkpoint(self, h: Container, images: Path) -> Iterator[Path]:
+        """Dump the sandbox's processes into `images` and yield its upper,
+        both with every process stopped (the files and the memory images
+        are of one instant); the sandbox runs on afterwards. The first
+        checkpoint moves the exec channel into the sandbox's network
+        namespace (h.state.channel_name: the caller saves the state)."""
+        criu.binary()  # built? (names what to run when not)
+        if h.spec.network.mode == "allowlist":
+            raise Unsupported(f"{h.id}: checkpoints of sandboxes with a network allowlist "
+                              "are not built yet (their network namespace is the node's)")
+        if self.status(h) != "running":
+            raise SandboxStateError(f"{h.id} is not running: only a running sandbox is "
+                                    "checkpointed")
+        if h.state.channel_name is None:
+            to = initexec.AbstractChannel(self._netns(h), f"lazyfs-ctl-{secrets.token_hex(8)}")
+            try:
+                initexec.move_channel(h.dir / CHANNEL, to)
+            except initexec.ChannelError as e:
+                raise SandboxError(f"{h.id}: {e}") from e
+            h.state.channel_name = to.name
+            (h.dir / CHANNEL).unlink(missing_ok=True)  # nothing listens there any more
+        with self.capture(h) as upper:
+            assert self.runc is not None
+            criu.dump(self.runc, self.config.runc_root, h.id, images, h.dir / "criu")
+            yield upper
+
+    def _netns(self, h: Container) -> Path:
+        return Path(f"/proc/{h.state.init_pid}/ns/net")
+
+    def _channel(self, h: Container) -> initexec.Channel:
+        if h.state.channel_name is None:
+            return h.dir / CHANNEL
+        return initexec.AbstractChannel(self._netns(h), h.state.channel_name)
+
     # -- exec ----------------------------------------------------------------
     def exec(self, h: Container, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
@@ -284,7 +342,7 @@ class ContainerBackend:
         ooms, refusals = cgroups.oom_kills(h.id), cgroups.fork_refusals(h.id)
         holder: list[initexec.InitCommand] = []
         try:
-            proc = initexec.InitCommand(h.dir / CHANNEL, req.cmd, cwd=cwd, env=env,
+            proc = initexec.InitCommand(self._channel(h), req.cmd, cwd=cwd, env=env,
                                         idle=h.spec.qos is Qos.best_effort,
                                         on_kill=lambda: self._kill_tree(h, holder[0]))
         except (OSError, initexec.ChannelError) as e:
