@@ -16,6 +16,7 @@ from .errors import (
                      FileError,
                      ImageNotFound,
                      InvalidSpec,
+                     NotCheckpointable,
                      OutOfMemory,
                      OutputTruncated,
                      QuotaExceeded,
@@ -24,11 +25,19 @@ from .errors import (
                      SandboxStateError,
                      Unsupported,
 )
-from .sdk import AsyncSandbox, Sandbox, Snapshot
-from .spec import ExecResult, NetworkPolicy, Rule, SandboxInfo, SandboxSpec, SnapshotInfo
+from .sdk import AsyncSandbox, Checkpoint, Sandbox, Snapshot
+from .spec import (
+    CheckpointInfo,
+    ExecResult,
+    NetworkPolicy,
+    Rule,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+)
 
-__all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
-           "FileError", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "OutOfMemory",
-           "OutputTruncated", "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxInfo",
-           "SandboxNotFound", "SandboxSpec", "SandboxStateError", "Snapshot", "SnapshotInfo",
-           "Unsupported"]
+__all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
+           "ExecResult", "ExecTimeout", "FileError", "ImageNotFound", "InvalidSpec",
+           "NetworkPolicy", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
+           "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxInfo", "SandboxNotFound",
+           "SandboxSpec", "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]

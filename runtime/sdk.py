@@ -18,7 +18,7 @@ Importing the SDK loads no node code; an embedded node is loaded when used.
 Errors are runtime.errors classes: ImageNotFound,
 SandboxNotFound, ExecTimeout / OutputTruncated / OutOfMemory (with `.result`),
 Unsupported (a backend that cannot do a call says so), BackendUnavailable,
-QuotaExceeded, InvalidSpec.
+QuotaExceeded, InvalidSpec, NotCheckpointable.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from .spec import (
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_MAX_OUTPUT,
     Backend,
+    CheckpointInfo,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from .node import Node
 
 Snapshot = SnapshotInfo  # what sb.snapshot() returns; Sandbox.create(snapshot) runs it
+Checkpoint = CheckpointInfo  # what sb.checkpoint() returns; Sandbox.restore(checkpoint)
 
 # a string: Node is only a name here (importing it would load the node)
 NodeRef: TypeAlias = "str | Node | Transport | None"
@@ -195,6 +197,23 @@ class Sandbox:
         _, children = self._t.fork(self.id, n)
         return [Sandbox(c, self._t) for c in children]
 
+    def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
+        """The sandbox's processes (CRIU) and files at one instant, stored as
+        a checkpoint (container backend); the sandbox runs on. Raises
+        NotCheckpointable naming why when a process cannot be saved."""
+        return self._t.checkpoint(self.id, tag)
+
+    @classmethod
+    def restore(cls, checkpoint: CheckpointInfo | str, *,
+                labels: Mapping[str, str] | None = None, node: NodeRef = None,
+                token: str | None = None) -> Sandbox:
+        """A new sandbox from a checkpoint (or its id or tag): its files, and
+        its processes going on where they were; `labels` replace the
+        checkpointed sandbox's."""
+        name = checkpoint.id if isinstance(checkpoint, CheckpointInfo) else checkpoint
+        t = resolve(node, token)
+        return cls(t.restore(name, labels), t)
+
     def verify(self, cmd: str | Sequence[str], *, cwd: str | None = None,
                env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
                timeout: float = DEFAULT_EXEC_TIMEOUT,
@@ -329,6 +348,14 @@ class AsyncSandbox:
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
         return [AsyncSandbox(s) for s in await _thread(self.sync.fork, n)]
+
+    async def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
+        out: CheckpointInfo = await _thread(self.sync.checkpoint, tag)
+        return out
+
+    @classmethod
+    async def restore(cls, checkpoint: CheckpointInfo | str, **kw: Any) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.restore, checkpoint, **kw))
 
     async def verify(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
         r: ExecResult = await _thread(self.sync.verify, cmd, **kw)

@@ -239,6 +239,40 @@ def snapshot(settings: Settings, node: str | None, tag: str | None, as_json: boo
 
 @sandbox.command()
 @_node_option
+@click.option("--tag", default=None, help="Tag of the checkpoint [checkpoints/ID:N].")
+@click.option("--json", "as_json", is_flag=True)
+@click.argument("sandbox_id")
+@click.pass_obj
+def checkpoint(settings: Settings, node: str | None, tag: str | None, as_json: bool,
+               sandbox_id: str) -> None:
+    """Checkpoint SANDBOX_ID's processes (CRIU) and files; prints the
+    checkpoint's id and tag. The sandbox runs on; `lazyfs sandbox restore ID`
+    starts a sandbox from the checkpoint."""
+    ckpt = Sandbox.connect(sandbox_id, node=_target(settings, node)).checkpoint(tag)
+    if as_json:
+        click.echo(ckpt.model_dump_json(indent=1))
+        return
+    click.echo(f"{ckpt.id}  {ckpt.tag}  (memory {ckpt.memory_bytes / 1e6:.1f} MB, "
+               f"{ckpt.memory_bytes_new / 1e6:.1f} MB new; files {ckpt.files.bytes / 1e6:.1f} "
+               f"MB; frozen {ckpt.frozen_s * 1e3:.0f} ms)")
+
+
+@sandbox.command()
+@_node_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Labels of the restored sandbox (repeatable; default: the checkpointed one's).")
+@click.argument("checkpoint")
+@click.pass_obj
+def restore(settings: Settings, node: str | None, labels: tuple[str, ...],
+            checkpoint: str) -> None:
+    """Start a sandbox from CHECKPOINT (an id or tag): its files, and its
+    processes going on where they were; prints its id."""
+    want = _labels(labels) if labels else None
+    click.echo(Sandbox.restore(checkpoint, labels=want, node=_target(settings, node)).id)
+
+
+@sandbox.command()
+@_node_option
 @click.argument("sandbox_id")
 @click.argument("n", type=click.IntRange(1, 1024))
 @click.pass_obj

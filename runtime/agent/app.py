@@ -38,7 +38,15 @@ from ..backends import capabilities
 from ..errors import ExecError, SandboxError
 from ..files import FileInfo
 from ..node import Node
-from ..spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, SnapshotInfo, VerifyRequest
+from ..spec import (
+    CheckpointInfo,
+    ExecRequest,
+    ExecResult,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    VerifyRequest,
+)
 
 STREAM_BUFFER = 64
 EXEC_THREADS = 8192  # execs hold a thread for their whole run; control calls must not wait
@@ -59,6 +67,11 @@ class Labels(BaseModel):
 
 class SnapshotRequest(BaseModel):
     tag: str | None = None
+
+
+class RestoreRequest(BaseModel):
+    checkpoint: str  # a checkpoint's id or tag
+    labels: dict[str, str] | None = None
 
 
 class ForkRequest(BaseModel):
@@ -176,6 +189,16 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     async def fork(sandbox_id: str, body: ForkRequest) -> Forked:
         snap, children = await run(node.fork, sandbox_id, body.n)
         return Forked(snapshot=snap, children=children)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/checkpoint")
+    async def checkpoint(sandbox_id: str, body: SnapshotRequest) -> CheckpointInfo:
+        ckpt: CheckpointInfo = await run(node.checkpoint, sandbox_id, body.tag)
+        return ckpt
+
+    @app.post("/v1/restore")
+    async def restore(body: RestoreRequest) -> SandboxInfo:
+        info: SandboxInfo = await run(node.restore, body.checkpoint, body.labels)
+        return info
 
     @app.post("/v1/sandboxes/{sandbox_id}/verify")
     async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:

@@ -46,8 +46,7 @@ from lazyfs.mounts import MountError, detach, mount_image, unmount
 
 from .. import cgroups, oci, procio
 from ..config import RuntimeConfig
-from ..errors import (BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError,
-                      Unsupported)
+from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError, Unsupported
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init

@@ -31,7 +31,8 @@ CACHE = Path(os.environ.get("LAZYFS_CRIU_CACHE", "/var/cache/lazyfs/criu"))
 TIMEOUT = 120.0
 _ERROR = re.compile(r"^\([\d.]+\) (?:\d+: )?Error \(([^)]*)\): (.*)$")
 # CRIU's wrap-up lines after the first real error say nothing of the cause
-_NOISE = ("Dumping FAILED", "Dump files (pid:", "Restoring FAILED", "----")
+_NOISE = ("Dumping FAILED", "Dump files (pid:", "Restoring FAILED", "----",
+          "rlimit: ")  # (CRIU raises its own RLIMIT_NOFILE where allowed, then goes on)
 
 
 def binary() -> Path:
