@@ -42,6 +42,7 @@ from chunkstore.digests import Digest
 from composer.catalog import Catalog, Image
 from composer.errors import ComposerError
 from composer.export import export_tree
+from composer.builder import DEFAULT_CHUNK_SIZE
 from composer.manifest import LayerManifest
 from composer.snapshot import hide_layer, keep_only, pack_diff, reveal_layer
 from lazyfs.node import open_images
@@ -52,6 +53,10 @@ from .spec import CheckpointInfo, CheckpointRecord, ResolvedImage, SnapshotInfo
 
 # the config key of a checkpoint's catalog record (a CheckpointRecord)
 CHECKPOINT_KEY = "lazyfs.checkpoint"
+# CRIU's page images hold a process's pages in address order: smaller chunks
+# than a layer's files get, so that a second checkpoint stores only the
+# regions whose pages changed
+MEMORY_CHUNK_SIZE = 64 << 10
 
 
 def _short(digest: str) -> str:
@@ -125,15 +130,16 @@ class Captures:
                                f"{image.name} hiding {', '.join(paths)}")
         return ResolvedImage(name=image.name, digest=out, layers=tuple(all_layers))
 
-    def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot"
-             ) -> tuple[LayerManifest, int]:
-        """The sandbox's upper as a layer (call with the sandbox frozen), and
-        how many bytes the store did not hold before."""
+    def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot",
+             chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[LayerManifest, int]:
+        """The sandbox's upper (or CRIU's images of it) as a layer (call with
+        the sandbox frozen), and how many bytes the store did not hold before."""
         with self._lock:
             store, _ = self._open()
             before = store.counters.new_bytes
             try:
-                m = pack_diff(store, upper, source=f"{what}:{sandbox_id}")
+                m = pack_diff(store, upper, source=f"{what}:{sandbox_id}",
+                              chunk_size=chunk_size)
             except (ComposerError, OSError) as e:
                 raise SandboxError(f"packing the files of {sandbox_id}: {e}") from e
             return m, store.counters.new_bytes - before

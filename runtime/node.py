@@ -35,7 +35,7 @@ from . import cgroups
 from .backends import Backend, Handle, Sink, capabilities, make_backend
 from .backends.base import Capturing, Checkpointing
 from .backends.criu import CRIU_VERSION
-from .capture import Captures
+from .capture import MEMORY_CHUNK_SIZE, Captures
 from .config import RuntimeConfig
 from .errors import (
     BackendUnavailable,
@@ -340,7 +340,8 @@ class Node:
                     dumped = time.monotonic()
                     diff, new_bytes = self.captures.pack(sandbox_id, upper, "checkpoint")
                 frozen = time.monotonic() - t0
-                memory, memory_new = self.captures.pack(sandbox_id, images, "checkpoint-memory")
+                memory, memory_new = self.captures.pack(sandbox_id, images, "checkpoint-memory",
+                                                        MEMORY_CHUNK_SIZE)
             finally:
                 with self._lock:  # the exec channel may have moved
                     if sandbox_id in self._sandboxes:

@@ -1,0 +1,144 @@
+"""Checkpoints of container sandboxes: real runc, real CRIU (the build
+install.sh makes), real overlayfs uppers packed into a real chunk store.
+
+What a user checks: a process checkpointed, killed and restored goes on from
+where it was (its counter in memory and its open file's offset), the files
+written before the checkpoint are there and nothing written after it is,
+commands run in the restored sandbox, a second checkpoint stores little that
+is new, a sandbox CRIU cannot save says why and runs on, and no process of
+the sandbox can use the exec channel the checkpoint moved into its network
+namespace."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from runtime import ImageNotFound, InvalidSpec, NotCheckpointable, Sandbox
+from runtime.backends import criu
+from runtime.backends.container import ContainerBackend
+from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.support import wait_until
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
+              pytest.mark.skipif(criu.missing() is not None, reason=str(criu.missing()))]
+
+# a shell counting in memory (i) and appending through a descriptor it
+# opened once (fd 3: its offset is part of the process's state)
+COUNTER = ("(i=0; exec 3>/root/log; while true; do i=$((i+1)); echo $i >&3; sleep 0.02; "
+           "done) </dev/null >/dev/null 2>&1 &")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    d = tmp_path_factory.mktemp("ckpt")
+    with node_for(busybox_store(d), d) as n:
+        yield n
+
+
+def counted(sb: Sandbox) -> list[int]:
+    return [int(x) for x in sb.files.read("/root/log").split()]
+
+
+def test_a_process_goes_on_after_checkpoint_kill_restore(node: Node) -> None:
+    sb = Sandbox.create(IMAGE, node=node)
+    try:
+        assert sb.exec(f"echo before > /root/before; {COUNTER}").exit_code == 0
+        wait_until(lambda: len(counted(sb)) >= 5, timeout=10, what="the counter going on")
+        ckpt = sb.checkpoint()
+        assert ckpt.tag == f"checkpoints/{sb.id}:1" and ckpt.sandbox_id == sb.id
+        assert ckpt.memory_bytes > 0 and ckpt.files.layer != ckpt.memory_layer
+        # the parent runs on: its counter goes past where the checkpoint was
+        at = len(counted(sb))
+        wait_until(lambda: len(counted(sb)) > at + 3, timeout=10, what="the counter going on")
+        sb.exec("echo after > /root/after")
+    finally:
+        sb.kill()
+    with Sandbox.restore(ckpt, node=node) as again:
+        assert again.id != sb.id
+        assert again.files.read("/root/before") == b"before\n"
+        assert again.exec("test -e /root/after").exit_code == 1  # written after the checkpoint
+        first = counted(again)
+        wait_until(lambda: len(counted(again)) > len(first) + 5, timeout=10, what="the counter going on")
+        got = counted(again)
+        # one count, no restart from 1 and no gap or overwrite: the value in
+        # memory and the file's offset both went on from the checkpoint
+        assert got == list(range(1, len(got) + 1))
+        r = again.exec("ls /root; hostname")
+        assert r.exit_code == 0 and b"before" in r.stdout
+        assert r.stdout.split()[-1].decode() == sb.id  # its UTS namespace came back too
+
+
+def test_a_second_checkpoint_stores_little_new_and_restores(node: Node) -> None:
+    with Sandbox.create(IMAGE, node=node) as sb:
+        # and a process holding 4 MB that does not change
+        sb.exec(f"((head -c 4000000 /dev/urandom; sleep 600) | tail -c 4000000) "
+                f"</dev/null >/dev/null 2>&1 & {COUNTER}")
+        wait_until(lambda: len(counted(sb)) >= 3, timeout=10, what="the counter going on")
+        first = sb.checkpoint()
+        with Sandbox.restore(first, node=node) as again:
+            # a restored sandbox checkpoints again (its exec channel came with it)
+            second = again.checkpoint(tag="mine/ckpt:two")
+            assert second.tag == "mine/ckpt:two"
+        # the processes' memory is mostly the same pages: deduplicated
+        assert first.memory_bytes > 4_000_000
+        assert second.memory_bytes_new < second.memory_bytes / 4, second
+        with Sandbox.restore("mine/ckpt:two", node=node) as third:
+            n = len(counted(third))
+            wait_until(lambda: len(counted(third)) > n + 3, timeout=10, what="the counter going on")
+            got = counted(third)
+            assert got == list(range(1, len(got) + 1))
+
+
+def test_what_criu_cannot_save_is_named_and_the_sandbox_runs_on(node: Node) -> None:
+    with Sandbox.create(IMAGE, node=node) as sb:
+        # a POSIX message queue with a message in it (the sandbox's own
+        # mqueue mount): CRIU refuses to dump one
+        r = sb.exec("echo msg > /dev/mqueue/q && (exec 4</dev/mqueue/q; sleep 600) "
+                    f"</dev/null >/dev/null 2>&1 & {COUNTER}")
+        assert r.exit_code == 0, r.stderr
+        wait_until(lambda: len(counted(sb)) >= 2, timeout=10, what="the counter going on")
+        with pytest.raises(NotCheckpointable, match="mqueue"):
+            sb.checkpoint()
+        at = len(counted(sb))
+        wait_until(lambda: len(counted(sb)) > at + 3, timeout=10, what="the counter going on")  # thawed
+        assert sb.exec("echo alive").stdout == b"alive\n"
+
+
+def test_restore_refuses_what_is_not_a_checkpoint(node: Node) -> None:
+    with pytest.raises(InvalidSpec, match="not a checkpoint"):
+        Sandbox.restore(IMAGE, node=node)
+    with pytest.raises(ImageNotFound):
+        Sandbox.restore("checkpoints/none:1", node=node)
+
+
+@pytest.mark.skipif(shutil.which("nsenter") is None, reason="needs nsenter (util-linux)")
+def test_sandbox_processes_cannot_use_the_moved_exec_channel(node: Node) -> None:
+    with Sandbox.create(IMAGE, node=node) as sb:
+        sb.checkpoint()
+        backend = node.backend("container")
+        assert isinstance(backend, ContainerBackend)
+        h = node._get(sb.id)[1]
+        name, init = h.state.channel_name, h.state.init_pid
+        assert name is not None and init is not None
+        # a process in the sandbox's PID and network namespaces (as any of
+        # its processes is) connecting to the abstract name: init closes the
+        # connection without reading a request
+        probe = ("import socket\ns=socket.socket(socket.AF_UNIX)\n"
+                 f"s.connect(b'\\0{name}')\ns.settimeout(5)\n"
+                 "try:\n    s.sendall(b'x'*24)\n    print(repr(s.recv(64)))\n"
+                 "except (BrokenPipeError, ConnectionResetError):\n    print('closed')")
+        t0 = time.monotonic()
+        p = subprocess.run(["nsenter", "-t", str(init), "-n", "-p", "--", sys.executable,
+                            "-c", probe], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip() in ("b''", "closed") and time.monotonic() - t0 < 5
+        # the node's own connections are served
+        assert sb.exec("echo served").stdout == b"served\n"
