@@ -132,8 +132,8 @@ def main() -> None:
                 ["resident", "ckpt", "dump", "frozen", "images MB", "new MB", "disk MB",
                  "2nd new MB", "snapshot", "restore+exec", "create+exec"], rows,
                 ["resident: random bytes a process holds, plus a counting shell",
-                 "new MB: plain bytes the store did not hold; disk MB: what its packs grew "
-                 "(zstd; random bytes do not compress)",
+                 ("new MB: plain bytes the store did not hold; disk MB: what its packs grew "
+                  "(zstd; random bytes do not compress)"),
                  "2nd new MB: a second checkpoint 1 s later (deduplicated in 64 KiB chunks)",
                  "snapshot: files only, same sandbox; create+exec: a plain sandbox"]))
     write_json(args.json, res)

@@ -20,6 +20,14 @@ paths and verify.
   them, whatever the sandbox wrote there): a fresh sandbox of that image, no
   process of the agent's in it, no network, runs the command and is killed.
 
+- checkpoint: the packed upper committed as a snapshot image
+  (`checkpoints/<id>/files:<n>`), CRIU's images of the processes (dumped by
+  the backend at the same instant) packed the same way into a layer of their
+  own in 64 KiB chunks, and a record (CheckpointRecord: the files image, the
+  sandbox's spec, its exec channel) committed as an image whose one layer is
+  that memory layer (`checkpoints/<id>:<n>`; its digest is the checkpoint's
+  id). load_checkpoint writes the memory images back out for a restore.
+
 The writable store and catalog live here, opened on first use (the node's
 image catalog is read-only). A cluster store is refused for now
 (Unsupported): packing into the cluster needs a push of the new layer.
@@ -39,10 +47,10 @@ from typing import Any
 
 from chunkstore import ChunkStore
 from chunkstore.digests import Digest
+from composer.builder import DEFAULT_CHUNK_SIZE
 from composer.catalog import Catalog, Image
 from composer.errors import ComposerError
 from composer.export import export_tree
-from composer.builder import DEFAULT_CHUNK_SIZE
 from composer.manifest import LayerManifest
 from composer.snapshot import hide_layer, keep_only, pack_diff, reveal_layer
 from lazyfs.node import open_images

@@ -333,6 +333,11 @@ class Node:
             info, h = self._get(sandbox_id)
             backend = self._require(info, "checkpoint")
             assert isinstance(backend, Checkpointing), backend
+            with self._lock:
+                if self._busy.get(sandbox_id):
+                    raise SandboxStateError(
+                        f"a command is running in {sandbox_id}: checkpoint between commands "
+                        "(a running command's pipes lead out of the sandbox, to the caller)")
             images = h.dir / "checkpoint"
             try:
                 t0 = time.monotonic()

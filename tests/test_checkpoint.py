@@ -14,12 +14,20 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from runtime import ImageNotFound, InvalidSpec, NotCheckpointable, Sandbox
+from runtime import (
+    ImageNotFound,
+    InvalidSpec,
+    NotCheckpointable,
+    Sandbox,
+    SandboxStateError,
+    Unsupported,
+)
 from runtime.backends import criu
 from runtime.backends.container import ContainerBackend
 from runtime.node import Node
@@ -119,6 +127,29 @@ def test_restore_refuses_what_is_not_a_checkpoint(node: Node) -> None:
         Sandbox.restore("checkpoints/none:1", node=node)
 
 
+def test_checkpoint_refuses_what_it_cannot_do(node: Node) -> None:
+    assert Sandbox.capabilities("container", node=node)["checkpoint"]
+    assert not Sandbox.capabilities("fncall", node=node)["checkpoint"]
+    with Sandbox.create(IMAGE, backend="fncall", node=node) as fn, \
+            pytest.raises(Unsupported, match="checkpoint"):
+        fn.checkpoint()
+    with Sandbox.create(IMAGE, node=node) as sb:
+        sb.pause()
+        with pytest.raises(SandboxStateError, match="not running"):
+            sb.checkpoint()
+        sb.resume()
+        # a command in flight (its pipes and connection lead to the node)
+        running = threading.Thread(target=sb.exec, args=("sleep 2",))
+        running.start()
+        try:
+            wait_until(lambda: node._busy.get(sb.id), timeout=10, what="the command running")
+            with pytest.raises(SandboxStateError, match="a command is running"):
+                sb.checkpoint()
+        finally:
+            running.join()
+        assert sb.checkpoint().sandbox_id == sb.id  # between commands it works
+
+
 @pytest.mark.skipif(shutil.which("nsenter") is None, reason="needs nsenter (util-linux)")
 def test_sandbox_processes_cannot_use_the_moved_exec_channel(node: Node) -> None:
     with Sandbox.create(IMAGE, node=node) as sb:
@@ -137,7 +168,7 @@ def test_sandbox_processes_cannot_use_the_moved_exec_channel(node: Node) -> None
                  "except (BrokenPipeError, ConnectionResetError):\n    print('closed')")
         t0 = time.monotonic()
         p = subprocess.run(["nsenter", "-t", str(init), "-n", "-p", "--", sys.executable,
-                            "-c", probe], capture_output=True, text=True, timeout=30)
+                            "-c", probe], capture_output=True, text=True, timeout=30, check=False)
         assert p.returncode == 0, p.stderr
         assert p.stdout.strip() in ("b''", "closed") and time.monotonic() - t0 < 5
         # the node's own connections are served

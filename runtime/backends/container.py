@@ -19,7 +19,10 @@ in a Landlock domain of its own so that no process of another command can
 reach its descriptors, memory or exit.
 
 Pause freezes the cgroup, then reclaims the sandbox's page cache; resume
-thaws. A command's timeout or output cap kills its process tree: freeze, kill
+thaws. Checkpoint freezes, dumps the processes with CRIU through runc
+(criu.py; the exec channel first moved into the sandbox's network namespace,
+initexec.move_channel), yields the upper for packing, thaws; restore is a
+create whose container runc restores from the images instead of starting. A command's timeout or output cap kills its process tree: freeze, kill
 every process of the sandbox in the command's session or below it, thaw.
 """
 

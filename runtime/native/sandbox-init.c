@@ -172,6 +172,13 @@ static int run_exec(int argc, char **argv, const char *cwd) {
  *
  * When the node's end of a connection closes before the command ends (the
  * node died), init kills the command's session: nothing outlives its caller.
+ *
+ * A request with CTL_FLAG_LISTENER carries one descriptor instead: a new
+ * listening socket that replaces init's (before a checkpoint the node moves
+ * the channel to an abstract name in the sandbox's own network namespace,
+ * which CRIU saves with the sandbox). Every connection is checked first:
+ * only a peer outside the sandbox's PID namespace (pid 0 in SO_PEERCRED) is
+ * served, since any sandbox process can connect to an abstract name.
  */
 #define CTL_MAGIC 0x3158454cU           /* "LEX1" little-endian */
 #define CTL_MAX_PAYLOAD (4u << 20)
