@@ -35,6 +35,7 @@ from benchmarks.report import (
     log,
     machine_info,
     table,
+    timed,
     write_json,
 )
 from runtime import Sandbox
@@ -67,12 +68,6 @@ def _hold(sb: Sandbox, mb: int) -> None:
     raise RuntimeError(f"the {mb} MB holder did not get resident: {out}")
 
 
-def _timed(fn: Any) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -96,12 +91,15 @@ def main() -> None:
             sb = Sandbox.create(IMAGE, node=node, memory_mb=mb + 512)
             try:
                 _hold(sb, mb)
-                snap, snap_s = _timed(sb.snapshot)
+                snap, snap_run = timed(sb.snapshot)
+                snap_s = snap_run.seconds
                 before = _du(store / "packs")
-                ckpt, ckpt_s = _timed(sb.checkpoint)
+                ckpt, ckpt_run = timed(sb.checkpoint)
+                ckpt_s = ckpt_run.seconds
                 grew = _du(store / "packs") - before
                 time.sleep(1)
-                second, second_s = _timed(sb.checkpoint)
+                second, second_run = timed(sb.checkpoint)
+                second_s = second_run.seconds
             finally:
                 sb.kill()
             t0 = time.perf_counter()
