@@ -57,10 +57,14 @@ from lazyfs.node import open_images
 
 from .config import RuntimeConfig
 from .errors import ImageNotFound, InvalidSpec, SandboxError, Unsupported
-from .spec import CheckpointInfo, CheckpointRecord, ResolvedImage, SnapshotInfo
+from .spec import (
+    CHECKPOINT_KEY,
+    CheckpointInfo,
+    CheckpointRecord,
+    ResolvedImage,
+    SnapshotInfo,
+)
 
-# the config key of a checkpoint's catalog record (a CheckpointRecord)
-CHECKPOINT_KEY = "lazyfs.checkpoint"
 # CRIU's page images hold a process's pages in address order: smaller chunks
 # than a layer's files get, so that a second checkpoint stores only the
 # regions whose pages changed

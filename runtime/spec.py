@@ -295,9 +295,13 @@ class CheckpointInfo(_Model):
     seconds: float  # the whole call
 
 
+# the config key of a checkpoint's catalog entry, holding its CheckpointRecord
+CHECKPOINT_KEY = "lazyfs.checkpoint"
+
+
 class CheckpointRecord(_Model):
-    """What a checkpoint's record (the config of its catalog entry) holds:
-    what a restore needs besides the memory images."""
+    """What a checkpoint's record (the config of its catalog entry, under
+    CHECKPOINT_KEY) holds: what a restore needs besides the memory images."""
 
     files: str = Field(pattern=DIGEST_PATTERN)  # the image of its files
     spec: SandboxSpec  # the sandbox's, its image set to `files` on restore

@@ -63,6 +63,8 @@ def test_a_process_goes_on_after_checkpoint_kill_restore(node: Node) -> None:
         ckpt = sb.checkpoint()
         assert ckpt.tag == f"checkpoints/{sb.id}:1" and ckpt.sandbox_id == sb.id
         assert ckpt.memory_bytes > 0 and ckpt.files.layer != ckpt.memory_layer
+        with pytest.raises(InvalidSpec, match="is a checkpoint"):
+            Sandbox.create(ckpt.id, node=node)  # (its one layer is CRIU's images)
         # the parent runs on: its counter goes past where the checkpoint was
         at = len(counted(sb))
         wait_until(lambda: len(counted(sb)) > at + 3, timeout=10, what="the counter going on")
