@@ -17,12 +17,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from runtime import (
+    FileError,
     ImageNotFound,
     InvalidSpec,
+    NetworkPolicy,
     NotCheckpointable,
     Sandbox,
     SandboxStateError,
@@ -52,7 +55,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 
 def counted(sb: Sandbox) -> list[int]:
-    return [int(x) for x in sb.files.read("/root/log").split()]
+    try:
+        return [int(x) for x in sb.files.read("/root/log").split()]
+    except FileError:  # (the counter has not opened it yet)
+        return []
 
 
 def test_a_process_goes_on_after_checkpoint_kill_restore(node: Node) -> None:
@@ -175,3 +181,38 @@ def test_sandbox_processes_cannot_use_the_moved_exec_channel(node: Node) -> None
         assert p.stdout.strip() in ("b''", "closed") and time.monotonic() - t0 < 5
         # the node's own connections are served
         assert sb.exec("echo served").stdout == b"served\n"
+
+
+class _Hello(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"mirror says hi")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_allowlisted_sandbox_restores_into_a_network_of_its_own(node: Node) -> None:
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), _Hello)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        policy = NetworkPolicy.allow_only(f"node:{port}")
+        with Sandbox.create(IMAGE, node=node, network=policy) as sb:
+            old = sb.info.host_address
+            sb.exec(COUNTER)
+            wait_until(lambda: len(counted(sb)) >= 3, timeout=10, what="the counter going on")
+            ckpt = sb.checkpoint()
+        with Sandbox.restore(ckpt, node=node) as again:
+            new = again.info.host_address
+            assert new is not None and old is not None and new != old  # a slot of its own
+            r = again.exec(f"busybox wget -O - http://{new}:{port}/")
+            assert r.stdout == b"mirror says hi", r
+            assert again.exec(f"busybox wget -O - http://{old}:{port}/").exit_code != 0
+            n = len(counted(again))
+            wait_until(lambda: len(counted(again)) > n + 3, timeout=10,
+                       what="the counter going on")
+    finally:
+        srv.shutdown()
+        srv.server_close()

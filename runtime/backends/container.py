@@ -49,7 +49,7 @@ from lazyfs.mounts import MountError, detach, mount_image, unmount
 
 from .. import cgroups, oci, procio
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError, Unsupported
+from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
@@ -336,9 +336,6 @@ class ContainerBackend:
         checkpoint moves the exec channel into the sandbox's network
         namespace (h.state.channel_name: the caller saves the state)."""
         criu.binary()  # built? (names what to run when not)
-        if h.spec.network.mode == "allowlist":
-            raise Unsupported(f"{h.id}: checkpoints of sandboxes with a network allowlist "
-                              "are not built yet (their network namespace is the node's)")
         if self.status(h) != "running":
             raise SandboxStateError(f"{h.id} is not running: only a running sandbox is "
                                     "checkpointed")
