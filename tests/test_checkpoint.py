@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from composer.snapshot import UNTRUSTED
 from runtime import (
     FileError,
     ImageNotFound,
@@ -105,6 +106,10 @@ def test_a_second_checkpoint_stores_little_new_and_restores(node: Node) -> None:
             assert second.tag == "mine/ckpt:two"
         # the processes' memory is mostly the same pages: deduplicated
         assert first.memory_bytes > 4_000_000
+        # the images are the sandbox's data: in the untrusted trust domain
+        _, cat = node.captures._open()
+        assert cat.load_layer(first.memory_layer).domain == UNTRUSTED
+        assert cat.load_layer(first.files.layer).domain == UNTRUSTED
         assert second.memory_bytes_new < second.memory_bytes / 4, second
         with Sandbox.restore("mine/ckpt:two", node=node) as third:
             n = len(counted(third))
