@@ -52,6 +52,7 @@ from composer.catalog import Catalog, Image
 from composer.errors import ComposerError
 from composer.export import export_tree
 from composer.manifest import LayerManifest
+from composer.refs import normalize_tag
 from composer.snapshot import hide_layer, keep_only, pack_diff, reveal_layer
 from lazyfs.node import open_images
 
@@ -205,6 +206,15 @@ class Captures:
                               memory_layer=digest, memory_bytes=memory.data_size,
                               memory_bytes_new=memory_new, dump_s=dump_s, frozen_s=frozen_s,
                               seconds=time.monotonic() - started)
+
+    @staticmethod
+    def check_tag(tag: str, what: str) -> None:
+        """InvalidSpec unless `tag` is a tag (checked before any work, so a
+        bad one leaves nothing behind)."""
+        try:
+            normalize_tag(tag)
+        except ComposerError as e:
+            raise InvalidSpec(f"{what} tag {tag!r}: {e}") from None
 
     def load_checkpoint(self, name: str, dest: Path) -> CheckpointRecord:
         """The record of checkpoint `name` (its id or tag), its memory

@@ -329,6 +329,8 @@ class Node:
         runs on. Raises NotCheckpointable (naming CRIU's reason) when a
         process cannot be saved; the sandbox is left as it was."""
         started = time.monotonic()
+        if tag is not None:
+            self.captures.check_tag(tag, "checkpoint")
         with self._state_lock(sandbox_id):  # no pause/resume meanwhile
             info, h = self._get(sandbox_id)
             backend = self._require(info, "checkpoint")

@@ -161,6 +161,11 @@ def test_checkpoint_refuses_what_it_cannot_do(node: Node) -> None:
         finally:
             running.join()
         assert sb.checkpoint().sandbox_id == sb.id  # between commands it works
+        with pytest.raises(InvalidSpec, match="tag"):
+            sb.checkpoint(tag="Bad Name!")
+        _, cat = node.captures._open()  # nothing of the refused one was committed
+        assert sorted(t for t, _ in cat.list_tags() if sb.id in t) == [
+            f"checkpoints/{sb.id}/files:1", f"checkpoints/{sb.id}:1"]
 
 
 @pytest.mark.skipif(shutil.which("nsenter") is None, reason="needs nsenter (util-linux)")
