@@ -11,6 +11,7 @@ namespace."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -18,11 +19,13 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from composer.snapshot import UNTRUSTED
 from runtime import (
+    AsyncSandbox,
     FileError,
     ImageNotFound,
     InvalidSpec,
@@ -34,6 +37,7 @@ from runtime import (
 )
 from runtime.backends import criu
 from runtime.backends.container import ContainerBackend
+from runtime.config import RuntimeConfig
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 from tests.helpers.support import wait_until
@@ -226,3 +230,41 @@ def test_an_allowlisted_sandbox_restores_into_a_network_of_its_own(node: Node) -
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_async_checkpoint_and_restore(node: Node) -> None:
+    async def rollout() -> bytes:
+        async with await AsyncSandbox.create(IMAGE, node=node) as s:
+            await s.exec("echo async > /root/a")
+            ckpt = await s.checkpoint()
+        async with await AsyncSandbox.restore(ckpt, node=node) as again:
+            r = await again.exec("cat /root/a")
+            return r.stdout
+
+    assert asyncio.run(rollout()) == b"async\n"
+
+
+def test_a_restarted_node_keeps_serving_a_restored_sandbox(node: Node, tmp_path: Path) -> None:
+    """The moved exec channel is part of the sandbox's recorded state: a node
+    started again finds it."""
+    config = RuntimeConfig(store=node.config.store, cluster=None, state_dir=tmp_path / "state",
+                           node_root=node.config.node_root)
+    old = Node(config)
+    try:
+        with Sandbox.create(IMAGE, node=old) as sb:
+            sb.exec("echo again > /root/a")
+            ckpt = sb.checkpoint()
+        restored = Sandbox.restore(ckpt, node=old)
+    except BaseException:
+        old.kill_many(None)
+        raise
+    finally:
+        old.close()  # the restored sandbox stays
+    restarted = Node(config)
+    try:
+        again = Sandbox.connect(restored.id, node=restarted)
+        assert again.exec("cat /root/a").stdout == b"again\n"
+        again.checkpoint()  # and checkpoints again through it
+    finally:
+        restarted.kill_many(None)
+        restarted.close()
