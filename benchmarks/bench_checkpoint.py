@@ -3,9 +3,7 @@ and a restore cost, against a files-only snapshot and a plain create in the
 same run.
 
 For each resident size R: a sandbox runs a counter and a process holding R
-MB of random bytes (busybox `tail -c` over a pipe that stays open), and once
-more for the largest R with repeated text (what zstd makes of compressible
-memory), then:
+MB of random bytes (busybox `tail -c` over a pipe that stays open), then:
 
   checkpoint      sb.checkpoint(): seconds, seconds CRIU dumped, seconds the
                   sandbox was stopped, bytes of CRIU images, bytes new in the
@@ -54,13 +52,10 @@ def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-SOURCES = {"random": "cat /dev/urandom", "text": "yes lazyfs checkpoint text"}
-
-
-def _hold(sb: Sandbox, mb: int, kind: str) -> None:
-    """A process in sb holding mb MB of `kind` bytes (SOURCES), resident."""
+def _hold(sb: Sandbox, mb: int) -> None:
+    """A process in sb holding mb MB of random bytes, resident."""
     n = mb * 1_000_000
-    r = sb.exec(f"((({SOURCES[kind]}) | head -c {n}; sleep 3600) | tail -c {n}) "
+    r = sb.exec(f"((head -c {n} /dev/urandom; sleep 3600) | tail -c {n}) "
                 f"</dev/null >/dev/null 2>&1 & {COUNTER}")
     assert r.exit_code == 0, r.stderr
     deadline = time.monotonic() + 300
@@ -91,12 +86,11 @@ def main() -> None:
                                                                  dir="/var/tmp")))
         store = busybox_store(d)
         node = stack.enter_context(node_for(store, d))
-        cases = [(mb, "random") for mb in args.sizes] + [(max(args.sizes), "text")]
-        for mb, kind in cases:
-            log(f"{mb} MB of {kind} resident")
+        for mb in args.sizes:
+            log(f"{mb} MB resident")
             sb = Sandbox.create(IMAGE, node=node, memory_mb=mb + 512)
             try:
-                _hold(sb, mb, kind)
+                _hold(sb, mb)
                 snap, snap_run = timed(sb.snapshot)
                 snap_s = snap_run.seconds
                 before = _du(store / "packs")
@@ -118,7 +112,7 @@ def main() -> None:
             with Sandbox.create(IMAGE, node=node) as plain:
                 plain.exec("true")
                 plain_exec = time.perf_counter() - t0
-            case = {"mb": mb, "kind": kind, "checkpoint_s": ckpt_s, "dump_s": ckpt.dump_s,
+            case = {"mb": mb, "checkpoint_s": ckpt_s, "dump_s": ckpt.dump_s,
                     "frozen_s": ckpt.frozen_s, "memory_bytes": ckpt.memory_bytes,
                     "memory_bytes_new": ckpt.memory_bytes_new, "store_grew_bytes": grew,
                     "second_checkpoint_s": second_s,
@@ -127,7 +121,7 @@ def main() -> None:
                     "restore_s": restore_s, "restore_first_exec_s": restore_exec,
                     "plain_create_first_exec_s": plain_exec}
             res["cases"].append(case)
-            rows.append([f"{mb} MB {kind}", f2(ckpt_s), f2(ckpt.dump_s), f2(ckpt.frozen_s),
+            rows.append([f"{mb} MB", f2(ckpt_s), f2(ckpt.dump_s), f2(ckpt.frozen_s),
                          f"{ckpt.memory_bytes / 1e6:.1f}", f"{ckpt.memory_bytes_new / 1e6:.1f}",
                          f"{grew / 1e6:.1f}", f"{second.memory_bytes_new / 1e6:.2f}",
                          f2(snap_s), f2(restore_exec), f2(plain_exec)])
@@ -135,10 +129,9 @@ def main() -> None:
                 "(seconds; MB = 10^6 bytes)",
                 ["resident", "ckpt", "dump", "frozen", "images MB", "new MB", "disk MB",
                  "2nd new MB", "snapshot", "restore+exec", "create+exec"], rows,
-                ["resident: bytes a process holds (random, or repeated text), plus a counting "
-                 "shell",
+                ["resident: random bytes a process holds, plus a counting shell",
                  ("new MB: plain bytes the store did not hold; disk MB: what its packs grew "
-                  "(zstd: random bytes do not compress, text does)"),
+                  "(zstd; random bytes do not compress)"),
                  "2nd new MB: a second checkpoint 1 s later (deduplicated in 64 KiB chunks)",
                  "snapshot: files only, same sandbox; create+exec: a plain sandbox"]))
     write_json(args.json, res)
