@@ -22,6 +22,7 @@ from .errors import (
                      QuotaExceeded,
                      SandboxError,
                      SandboxNotFound,
+                     SandboxPreempted,
                      SandboxStateError,
                      Unsupported,
 )
@@ -30,7 +31,9 @@ from .spec import (
     CheckpointInfo,
     ExecResult,
     NetworkPolicy,
+    PreemptedSandbox,
     Rule,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -39,5 +42,6 @@ from .spec import (
 __all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
            "ExecResult", "ExecTimeout", "FileError", "ImageNotFound", "InvalidSpec",
            "NetworkPolicy", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
-           "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxInfo", "SandboxNotFound",
-           "SandboxSpec", "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]
+           "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox", "SandboxError",
+           "SandboxEvent", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",
+           "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]

@@ -10,6 +10,8 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     │                          not root, agent unreachable) or failed to start
     ├── QuotaExceeded          the node refuses more sandboxes
     ├── SandboxStateError      the call does not fit the state (exec while paused)
+    │   └── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
+    │                          its files wait in the image store; restore() it
     ├── NotCheckpointable      CRIU cannot save a process of the sandbox (a device,
     │                          a descriptor of a kind it cannot dump); it runs on
     ├── FileError              a files.* call failed (missing path, not a dir, escape)
@@ -69,6 +71,10 @@ class NotCheckpointable(SandboxError):
     status = 422
 
 
+class SandboxPreempted(SandboxStateError):
+    pass
+
+
 class FileError(SandboxError):
     status = 400
 
@@ -96,7 +102,6 @@ class OutOfMemory(ExecError):
 ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
-        BackendUnavailable, QuotaExceeded, SandboxStateError, NotCheckpointable, FileError,
-        ExecError,
-        ExecTimeout, OutputTruncated, OutOfMemory)
+        BackendUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
+        NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
 }

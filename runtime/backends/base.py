@@ -17,12 +17,12 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from ..files import SandboxFiles
-from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxSpec
+from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxEvent, SandboxSpec
 
 Sink = Callable[[bytes], None]
 
 OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "checkpoint",
-              "network_allowlist", "persistent")
+              "network_allowlist", "persistent", "events")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,13 @@ class Checkpointing(Protocol):
         ...
 
     def restore(self, handle: Handle[Any], images: Path) -> None: ...
+
+
+@runtime_checkable
+class Eventful(Protocol):
+    """A backend that records what its sandboxes were refused (events)."""
+
+    def events(self, handle: Handle[Any]) -> list[SandboxEvent]: ...
 
 
 class Backend(Protocol):
