@@ -220,9 +220,23 @@ class ContainerBackend:
         h.state.channel_name names the exec channel the images hold."""
         if h.state.channel_name is None:
             raise SandboxError(f"{h.id}: a checkpoint names its exec channel")
-        runc = self.runc
-        self._start(h, lambda: criu.restore(
-            runc or "runc", self.config.runc_root, h.id, h.dir, images, h.dir / "criu"))
+        runc, name = self.runc or "runc", h.state.channel_name
+
+        def run() -> None:
+            pid = criu.restore(runc, self.config.runc_root, h.id, h.dir, images,
+                               h.dir / "criu")
+            # the restored init holds no rw/ (the dump could not save it):
+            # the new sandbox's is handed over, as `runc run` does for create
+            rw = os.open(h.state.rw or h.dir / "rw", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                initexec.give_rw(initexec.AbstractChannel(Path(f"/proc/{pid}/ns/net"), name),
+                                 rw)
+            except initexec.ChannelError as e:
+                raise SandboxError(f"{h.id}: {e}") from e
+            finally:
+                os.close(rw)
+
+        self._start(h, run)
 
     def _start(self, h: Container, run: Callable[[], object]) -> None:
         """Compose the root, write the config, `run` (which leaves the
@@ -376,9 +390,10 @@ class ContainerBackend:
 
     # -- capture -------------------------------------------------------------
     @contextlib.contextmanager
-    def capture(self, h: Container) -> Iterator[Path]:
+    def capture(self, h: Container, rw: Path | None = None) -> Iterator[Path]:
         """The sandbox's upper with every process of the sandbox stopped
-        (frozen; a paused sandbox stays paused), thawed after."""
+        (frozen; a paused sandbox stays paused), thawed after; `rw`: where
+        its rw/ is reached when not through init."""
         freezer = cgroups.path("freezer", h.id) / "freezer.state"
         was_frozen = freezer.read_text().strip() == "FROZEN"
         if not was_frozen:
@@ -386,7 +401,7 @@ class ContainerBackend:
             while freezer.read_text().strip() == "FREEZING":
                 time.sleep(0.001)
         try:
-            yield self._rw(h) / "upper"
+            yield (rw or self._rw(h)) / "upper"
         finally:
             if not was_frozen:
                 freezer.write_text("THAWED")
@@ -411,10 +426,27 @@ class ContainerBackend:
                 raise SandboxError(f"{h.id}: {e}") from e
             h.state.channel_name = to.name
             (h.dir / CHANNEL).unlink(missing_ok=True)  # nothing listens there any more
-        with self.capture(h) as upper:
-            assert self.runc is not None
-            criu.dump(self.runc, self.config.runc_root, h.id, images, h.dir / "criu")
-            yield upper
+        # init's rw/ lives on a mount outside the sandbox, which CRIU cannot
+        # save: the node holds it during the dump and hands it back after
+        rw = os.open(self._rw(h), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            channel = self._channel(h)
+            try:
+                initexec.give_rw(channel, None)
+            except initexec.ChannelError as e:
+                raise SandboxError(f"{h.id}: {e}") from e
+            try:
+                with self.capture(h, Path(f"/proc/self/fd/{rw}")) as upper:
+                    assert self.runc is not None
+                    criu.dump(self.runc, self.config.runc_root, h.id, images, h.dir / "criu")
+                    yield upper
+            finally:
+                try:
+                    initexec.give_rw(channel, rw)
+                except initexec.ChannelError as e:
+                    log.error("%s: could not give rw/ back to init: %s", h.id, e)
+        finally:
+            os.close(rw)
 
     def _netns(self, h: Container) -> Path:
         return Path(f"/proc/{h.state.init_pid}/ns/net")

@@ -45,6 +45,7 @@ REPLY = struct.Struct("<IiQii")     # kind, value (wait status), id, pid, errno
 STARTED, EXITED, FORK_FAILED, BAD = (ord(c) for c in "SXFB")
 FLAG_IDLE = 1
 FLAG_LISTENER = 2  # the request's one descriptor becomes init's listening socket
+FLAG_RW = 4  # one descriptor: init's rw/ (RW_FD); none: init closes it
 MAX_PAYLOAD = 4 << 20
 START_TIMEOUT = 10.0
 _ids = itertools.count(1)
@@ -142,6 +143,32 @@ def move_channel(channel: Channel, to: AbstractChannel) -> None:
         raise ChannelError(f"moving the exec channel to {to.name}: {e}", e.errno or 0) from e
     finally:
         lsock.close()
+
+
+def _control(channel: Channel, flag: int, fds: list[int], what: str) -> None:
+    """One control request to init (no command): `flag` with `fds`; returns
+    once init answered and closed the connection."""
+    try:
+        with _open(channel) as s:
+            s.settimeout(START_TIMEOUT)
+            _connect(s, channel)
+            header = REQUEST.pack(MAGIC, 0, next(_ids), flag, 0)
+            socket.send_fds(s, [header], fds)
+            reply = s.recv(REPLY.size, socket.MSG_WAITALL)
+            if len(reply) != REPLY.size or REPLY.unpack(reply)[0] != STARTED:
+                raise ChannelError(f"the sandbox's init refused {what}")
+            while s.recv(64):  # init closes its end after the reply
+                pass
+    except OSError as e:
+        raise ChannelError(f"{what}: {e}", e.errno or 0) from e
+
+
+def give_rw(channel: Channel, rw: int | None) -> None:
+    """Give init the sandbox's rw/ as its descriptor RW_FD (`rw`), or make
+    it close that descriptor (None: before a checkpoint, which cannot save
+    a descriptor of a mount outside the sandbox)."""
+    _control(channel, FLAG_RW, [] if rw is None else [rw],
+             "handing rw/ to init" if rw is not None else "taking rw/ from init")
 
 
 def listen(path: Path) -> socket.socket:

@@ -193,6 +193,8 @@ static struct cmd cmds[CTL_MAX_CMDS];
 static int ncmds;
 static int listen_fd = -1;   /* the exec channel's listening socket */
 #define CTL_FLAG_LISTENER 2u  /* the request's one descriptor replaces listen_fd */
+#define CTL_FLAG_RW 4u        /* one descriptor: it becomes CTL_RW_FD; none: /dev/null there */
+#define CTL_RW_FD 3           /* the sandbox's rw/ the node gave init (never a command's) */
 
 static void reply(int conn, uint32_t kind, uint64_t id, int32_t value, int32_t pid, int32_t err) {
     struct ctl_reply r = {kind, value, id, pid, err};
@@ -227,6 +229,16 @@ static int own_domain(void) {
     return r;
 }
 
+/* CTL_RW_FD made /dev/null: the number stays taken (a connection accepted
+ * later must not land there), and CRIU can save what it holds */
+static int null_rw(void) {
+    int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (nul < 0) return -1;
+    int r = nul == CTL_RW_FD ? 0 : (dup3(nul, CTL_RW_FD, O_CLOEXEC) < 0 ? -1 : 0);
+    if (nul != CTL_RW_FD) close(nul);
+    return r;
+}
+
 static void start_command(int conn) {
     struct ctl_request rq;
     int fds[3] = {-1, -1, -1};
@@ -250,6 +262,19 @@ static void start_command(int conn) {
     }
     char *payload = NULL;
     uint64_t id = n == (ssize_t)sizeof rq ? rq.id : 0;
+    if (n == (ssize_t)sizeof rq && rq.magic == CTL_MAGIC && (rq.flags & CTL_FLAG_RW)) {
+        /* the node takes rw/ back for a checkpoint (CRIU cannot save a
+         * descriptor of a mount outside the sandbox) and gives one again */
+        if (nfds > 1 || rq.length != 0 || rq.nargs != 0 || listen_fd == CTL_RW_FD ||
+            (nfds == 1 && fds[0] != CTL_RW_FD && dup3(fds[0], CTL_RW_FD, O_CLOEXEC) < 0) ||
+            (nfds == 0 && null_rw() != 0)) {
+            reply(conn, REPLY_BAD, id, 0, 0, EINVAL);
+            goto fail;
+        }
+        if (nfds == 1 && fds[0] == CTL_RW_FD) nfds = 0;   /* it arrived in place: keep it */
+        reply(conn, REPLY_STARTED, id, 0, 0, 0);
+        goto fail;   /* not a failure: closes the descriptors and the connection */
+    }
     if (n == (ssize_t)sizeof rq && rq.magic == CTL_MAGIC && (rq.flags & CTL_FLAG_LISTENER)) {
         /* the node moves the channel to another listening socket (before a
          * checkpoint: one in the sandbox's own network namespace, which CRIU
