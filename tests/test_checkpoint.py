@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -40,7 +40,7 @@ from runtime.backends.container import ContainerBackend
 from runtime.config import RuntimeConfig
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
-from tests.helpers.support import wait_until
+from tests.helpers.support import Hello, wait_until
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
@@ -204,18 +204,8 @@ def test_sandbox_processes_cannot_use_the_moved_exec_channel(node: Node) -> None
         assert sb.exec("echo served").stdout == b"served\n"
 
 
-class _Hello(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b"mirror says hi")
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_an_allowlisted_sandbox_restores_into_a_network_of_its_own(node: Node) -> None:
-    srv = ThreadingHTTPServer(("0.0.0.0", 0), _Hello)
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), Hello)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
     try:
