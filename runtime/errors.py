@@ -68,7 +68,7 @@ class SandboxStateError(SandboxError):
 
 
 class NotCheckpointable(SandboxError):
-    status = 422
+    status = 409  # (not 422: the agent's clients read that as a request body FastAPI refused)
 
 
 class SandboxPreempted(SandboxStateError):
