@@ -35,7 +35,7 @@ from chunkstore.errors import LazyfsError
 
 from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing, Checkpointing, Eventful
+from .backends.base import Capturing, Checkpointing, Eventful, Networked
 from .backends.criu import CRIU_VERSION
 from .capture import MEMORY_CHUNK_SIZE, Captures, Packed
 from .config import RuntimeConfig
@@ -476,7 +476,7 @@ class Node:
         its writable layer on disk go back to the node. restore() makes it again,
         with the same id, on any node that sees the same image store."""
         info, h = self._get(sandbox_id)
-        self._capturing(info, "snapshot")
+        backend = self._capturing(info, "snapshot")
         was = info.state
         if was == "paused":
             memory = cgroups.memory_figures(sandbox_id)["usage"]
@@ -489,11 +489,13 @@ class Node:
                 self.resume(sandbox_id)
             raise
         info, h = self._get(sandbox_id)
+        with backend.capture(h) as upper:  # still frozen: no thaw in between
+            written = _disk_usage(upper)  # a tmpfs upper's are memory too
         record = PreemptedSandbox(
             id=sandbox_id, spec=info.spec, image=snap.image, tag=snap.tag,
             image_digest=info.image_digest, state="paused" if was == "paused" else "running",
             created=info.created, preempted=time.time(), node=info.node, memory_bytes=memory,
-            disk_bytes=_disk_usage(h.dir), snapshot=snap)
+            disk_bytes=written, snapshot=snap)
         self.preempted.put(record)  # after its image is tagged, before the sandbox goes
         try:
             self.kill(sandbox_id)
@@ -593,6 +595,20 @@ class Node:
 
     def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
         return self.files(sandbox_id).list(path)
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        """Change a running sandbox's network policy (task phases: setup with
+        a package mirror, the agent with none, ...); connections the new
+        policy refuses are cut. Returns the sandbox's info with the policy."""
+        with self._state_lock(sandbox_id):
+            info, h = self._get(sandbox_id)
+            backend = self._require(info, "network_allowlist")
+            assert isinstance(backend, Networked), backend
+            backend.set_network(h, policy)
+            spec = info.spec.model_copy(update={"network": policy})
+            new = self._touch(info, h, spec=spec, host_address=h.state.host_address())
+        log.info("network of %s: %s", sandbox_id, policy.mode)
+        return new
 
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         """What the sandbox was refused so far (runtime/denials.py)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from lazyfs import sysmount
-from runtime import NetworkPolicy, Sandbox
+from runtime import NetworkPolicy, Sandbox, denials
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 from tests.helpers.support import wait_until
@@ -226,6 +226,28 @@ def test_a_denied_system_call_is_an_event(node: Node) -> None:
         assert quiet.exec("true").exit_code == 0
 
 
+def test_a_denied_call_flood_is_rationed_to_the_flooder(node: Node, hog: bytes) -> None:
+    """Each denied call is answered by the node, on the node's CPU: a
+    sandbox looping on one (4 processes calling mount(2) for 3 s) gets at
+    most its ration answered (denials.BURST, then denials.RATE a second) and
+    waits inside its calls for the rest, while a neighbour's denied call is
+    answered at once and recorded. Without the ration the same loop got
+    ~35,000 answers a second (the control: it still gets more than half its
+    burst, so it really flooded)."""
+    with Sandbox.create(IMAGE, node=node) as a, Sandbox.create(IMAGE, node=node) as b:
+        a.files.write(HOG, hog, mode=0o755)
+        a.exec(f"setsid {HOG} denied 4 </dev/null >/tmp/hog.out 2>&1 &")
+        wait_until(lambda: any(e.count >= denials.BURST for e in a.events()), 30,
+                   "the flood to use its burst")
+        r = b.exec("mount -t tmpfs x /mnt; echo rc=$?", timeout=10)
+        assert r.stdout == b"rc=1\n", r  # answered (EPERM), not queued behind a's flood
+        assert {(e.kind, e.detail) for e in b.events()} == {("syscall", "mount")}
+        wait_until(lambda: b"total" in a.exec("cat /tmp/hog.out").stdout, 30, "the flood")
+        total = int(a.exec("cat /tmp/hog.out").stdout.split()[-1])
+        assert denials.BURST / 2 < total <= denials.BURST + denials.RATE * (3 + 2), total
+        assert a.exec("echo alive").stdout == b"alive\n"
+
+
 def test_a_refused_connection_is_an_event(node: Node) -> None:
     """With a network allowlist, each refused destination is counted inside
     the sandbox's own network namespace and shows in sb.events(); the
@@ -253,4 +275,51 @@ def test_a_refused_connection_is_an_event(node: Node) -> None:
             assert not [d for k, d in got if k == "connect" and d.endswith(f":{allowed}/tcp")]
     finally:
         server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        server.close()
+
+
+def test_the_network_policy_follows_the_task_phase(node: Node) -> None:
+    """set_network: a sandbox made without network gets one for its setup
+    phase, loses it for the agent's (new connects refused, and a connection
+    the setup left open is cut: its later data never arrives), and gets it
+    back (a verify phase). The kept connection's first line is the control
+    that it really worked before the change."""
+    server = socket.create_server(("0.0.0.0", 0))
+    port = server.getsockname()[1]
+
+    def echo(c: socket.socket) -> None:
+        with c, contextlib.suppress(OSError):
+            while data := c.recv(4096):
+                c.sendall(data)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=echo, args=(server.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with Sandbox.create(IMAGE, node=node) as s:
+            assert s.info.host_address is None
+            host = s.set_network(NetworkPolicy.allow_only(f"node:{port}")).host_address
+            assert host and s.info.spec.network.mode == "allowlist"
+            assert s.exec(f"echo hi | busybox nc -w 2 {host} {port}").stdout == b"hi\n"
+            s.exec(f"setsid sh -c '(echo first; sleep 3; echo second) | busybox nc -w 6 {host} "
+                   f"{port} >/tmp/got 2>/dev/null; echo $? >/tmp/done' </dev/null >/dev/null "
+                   "2>&1 &")
+            wait_until(lambda: s.exec("cat /tmp/got").stdout == b"first\n", 10,
+                       "the kept connection's first line")
+            s.set_network(NetworkPolicy.none())
+            r = s.exec(f"echo hi | busybox nc -w 2 {host} {port}; echo rc=$?")
+            assert r.stdout == b"rc=1\n", r
+            wait_until(lambda: s.exec("cat /tmp/done").exit_code == 0, 20,
+                       "the kept connection's nc to end")
+            assert s.exec("cat /tmp/got").stdout == b"first\n"  # "second" was cut
+            got = {(e.kind, e.detail): e.count for e in s.events()}
+            assert got.get(("connect", f"{host}:{port}/tcp"), 0) >= 1, got
+            s.set_network(NetworkPolicy.allow_only(f"node:{port}"))
+            assert s.exec(f"echo again | busybox nc -w 2 {host} {port}").stdout == b"again\n"
+            assert Sandbox.connect(s.id, node=node).info.spec.network.mode == "allowlist"
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
         server.close()

@@ -17,7 +17,14 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from ..files import SandboxFiles
-from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxEvent, SandboxSpec
+from ..spec import (
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    ResolvedImage,
+    SandboxEvent,
+    SandboxSpec,
+)
 
 Sink = Callable[[bytes], None]
 
@@ -90,6 +97,13 @@ class Checkpointing(Protocol):
         ...
 
     def restore(self, handle: Handle[Any], images: Path) -> None: ...
+
+
+@runtime_checkable
+class Networked(Protocol):
+    """A backend whose sandboxes' network policy can change while they run."""
+
+    def set_network(self, handle: Handle[Any], policy: NetworkPolicy) -> None: ...
 
 
 @runtime_checkable
