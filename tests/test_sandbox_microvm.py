@@ -24,15 +24,20 @@ from runtime import (
     BackendUnavailable,
     ExecTimeout,
     FileError,
+    NetworkPolicy,
     OutOfMemory,
     OutputTruncated,
     Sandbox,
     SandboxNotFound,
     SandboxStateError,
+    Unsupported,
+    cgroups,
 )
 from runtime.backends.microvm import MicrovmBackend
+from runtime.backends.qemubase import VMM_OVERHEAD_MB
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
+from runtime.spec import Backend
 from tests.helpers.sandboxes import (
     IMAGE,
     SECOND,
@@ -277,11 +282,70 @@ def test_guest_panic_is_a_typed_error(node: Node) -> None:
         s.kill()
 
 
+def _sandbox_cgroups() -> set[Path]:
+    return set(cgroups.CGROUP_ROOT.glob(f"*/{cgroups.PARENT}/sb-*"))
+
+
+def _vmm_threads(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+def test_the_vmm_is_in_its_own_cgroup_and_throttled_to_cpu(node: Node) -> None:
+    """QEMU runs in the sandbox's cgroups (as a container's processes do): a
+    guest spinning on its one vCPU gets no more than cpu=0.5 of a host core,
+    and kill removes the groups."""
+    with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256, cpu=0.5) as s:
+        pid = node._get(s.id)[1].state.pid
+        for procs in cgroups.procs_files(s.id):  # cpu, cpuacct, memory, pids
+            assert str(pid) in procs.read_text().split(), procs
+        assert set(_vmm_threads(pid)) <= {
+            int(x) for x in (cgroups.path("cpu", s.id) / "tasks").read_text().split()}
+        limit = int((cgroups.path("memory", s.id) / "memory.limit_in_bytes").read_text())
+        assert limit == (256 + VMM_OVERHEAD_MB) << 20
+        throttled0, used0, t0 = (cgroups.cpu_stat(s.id)["nr_throttled"],
+                                 cgroups.cpu_usage(s.id), time.monotonic())
+        r = s.exec("timeout 4 sh -c 'while :; do :; done'; echo spun", timeout=60)
+        used, wall = cgroups.cpu_usage(s.id) - used0, time.monotonic() - t0
+        assert r.stdout == b"spun\n"
+        # unthrottled, a spinning TCG vCPU uses a whole host core (or more)
+        assert used / wall < 0.5 * 1.25, (used, wall)
+        assert cgroups.cpu_stat(s.id)["nr_throttled"] > throttled0
+        sid = s.id
+    assert not any(p.name == sid for p in _sandbox_cgroups())
+
+
+def test_best_effort_vmm_is_idle_class(node: Node) -> None:
+    backend = _backend(node)
+    backend.boot_timeout = 300.0  # an idle-class VM boots only as fast as the node is quiet
+    try:
+        with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256,
+                            qos="best_effort") as s:
+            pid = node._get(s.id)[1].state.pid
+            assert {os.sched_getscheduler(t) for t in _vmm_threads(pid)} == {os.SCHED_IDLE}
+            assert cgroups.cpu_idle(s.id)
+            assert s.exec("echo up").stdout == b"up\n"
+    finally:
+        backend.boot_timeout = 90.0
+
+
+@pytest.mark.parametrize("backend", ["microvm", "vm"])
+def test_options_a_vm_cannot_honour_are_refused(node: Node, backend: Backend) -> None:
+    before = set(os.listdir(node.config.sandboxes)), _sandbox_cgroups()
+    with pytest.raises(Unsupported, match=f"^network: the {backend} backend cannot enforce"):
+        Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256,
+                       network=NetworkPolicy.allow_only("10.0.0.5:3128"))
+    if backend == "vm":
+        with pytest.raises(Unsupported, match="^disk_mb: the vm backend cannot size"):
+            Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, disk_mb=512)
+    assert (set(os.listdir(node.config.sandboxes)), _sandbox_cgroups()) == before
+
+
 def test_agent_that_never_comes_up(node: Node) -> None:
     backend = _backend(node)
     backend.extra_append = ["lazyfs.test=noagent"]
     backend.boot_timeout = 10.0
     before = set(os.listdir(node.config.sandboxes))
+    groups = _sandbox_cgroups()
     vmms = set(processes_with(str(node.config.sandboxes)))
     try:
         t0 = time.monotonic()
@@ -293,6 +357,7 @@ def test_agent_that_never_comes_up(node: Node) -> None:
         backend.boot_timeout = 90.0
     assert set(os.listdir(node.config.sandboxes)) == before  # nothing left of it
     assert set(processes_with(str(node.config.sandboxes))) == vmms
+    assert _sandbox_cgroups() == groups
 
 
 def test_a_fork_bomb_is_held_and_the_vm_stays_usable(sb: Sandbox) -> None:

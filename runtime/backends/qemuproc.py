@@ -85,15 +85,24 @@ class Vm:
         return self.proc.poll() is None
 
 
-def start(cfg: qemu.VmConfig, init: Path) -> subprocess.Popen[bytes]:
+def start(cfg: qemu.VmConfig, init: Path, cgroup_procs: list[Path] | None = None,
+          idle: bool = False) -> subprocess.Popen[bytes]:
     """Start the VMM of cfg (it dies with this process); its stderr goes to
-    qemu.log next to its sockets."""
+    qemu.log next to its sockets. It joins the cgroups whose cgroup.procs
+    files are given before it execs QEMU (so its first page is charged
+    there), and runs under SCHED_IDLE if `idle` (qos="best_effort")."""
     for s in (cfg.agent_socket, cfg.console_socket, cfg.qmp_socket):
         s.unlink(missing_ok=True)
-    with open(cfg.agent_socket.parent / "qemu.log", "ab") as errlog:
-        return _spawn([str(init), "pdeathsig", "--", *qemu.command(cfg)],
-                      stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog,
-                      start_new_session=True)
+    fds = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in cgroup_procs or []]
+    try:
+        opts = [*(["-i"] if idle else []), *(a for fd in fds for a in ("-j", str(fd)))]
+        with open(cfg.agent_socket.parent / "qemu.log", "ab") as errlog:
+            return _spawn([str(init), "pdeathsig", *opts, "--", *qemu.command(cfg)],
+                          stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog,
+                          start_new_session=True, pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def wait_sockets(proc: subprocess.Popen[bytes], cfg: qemu.VmConfig, deadline: float) -> None:
