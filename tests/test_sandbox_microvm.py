@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
+from lazyfs.node import request
 from runtime import (
     BackendUnavailable,
     ExecTimeout,
@@ -47,23 +51,43 @@ from tests.helpers.sandboxes import (
     retag,
     vm_missing,
 )
-from tests.helpers.support import processes_with, wait_until
+from tests.helpers.images import build_busybox_rootfs
+from tests.helpers.support import flip_byte, pack_path, processes_with, wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing()))]
 
 
+FAULT_IMAGE = "bb:fault"  # busybox + FAULT_FILE, read only by the fetch-fault test
+FAULT_FILE = "zz/fault.bin"
+
+
 @pytest.fixture(scope="module")
-def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, tuple[Path, int]]:
+    """The store, its directory, and where in a pack a chunk of FAULT_IMAGE's
+    /data/fault.bin lies (found now: once the node runs, this process holds
+    the store's catalog open)."""
     d = tmp_path_factory.mktemp("vm")
     store = busybox_store(d)
     add_second_image(store, d)
-    return store, d
+    root = build_busybox_rootfs(d / "rootfs-fault")
+    (root / "zz").mkdir()
+    # last in the blob, after a gap wider than the host's readahead around a
+    # page fault (1 MiB): only reading the file itself fetches its chunks
+    (root / "zz" / "a-gap.bin").write_bytes(os.urandom(4 << 20))
+    (root / FAULT_FILE).write_bytes(os.urandom(1 << 20))
+    with ChunkStore.open(store) as s, Catalog(s) as cat:
+        convert(s, cat, f"dir:{root}", FAULT_IMAGE)
+        m = cat.load_layer(cat.resolve(FAULT_IMAGE)[1].layers[-1])
+        cid = next(e for e in m.entries if e.path == FAULT_FILE).chunks[-1].id
+        assert cid is not None
+        info = s.stat(cid)
+    return store, d, (pack_path(store, info.pack), info.offset + info.stored_len - 3)
 
 
 @pytest.fixture(scope="module")
-def node(store_dir: tuple[Path, Path]) -> Iterator[Node]:
-    store, d = store_dir
+def node(store_dir: tuple[Path, Path, tuple[Path, int]]) -> Iterator[Node]:
+    store, d, _ = store_dir
     with node_for(store, d) as n:
         # this run's layers are new (random data): keep their pmem files with the run
         _backend(n).pmem_cache = d / "pmem"
@@ -110,7 +134,8 @@ def test_exec_output_exit_code_stdin_env_cwd(sb: Sandbox) -> None:
     assert r.exit_code == 127 and b"no-such-command: command not found" in r.stderr
 
 
-def test_layers_are_dax_erofs_on_pmem(sb: Sandbox, store_dir: tuple[Path, Path]) -> None:
+def test_layers_are_dax_erofs_on_pmem(sb: Sandbox, store_dir: tuple[Path, Path, tuple[Path, int]]
+                                      ) -> None:
     # /proc/1 is the agent, outside the sandbox's root: its mounts show the layers
     mounts = sb.exec("cat /proc/1/mounts").stdout.decode()
     erofs = [line.split() for line in mounts.splitlines() if " erofs " in line]
@@ -280,6 +305,30 @@ def test_guest_panic_is_a_typed_error(node: Node) -> None:
         assert time.monotonic() - t0 < 30
     finally:
         s.kill()
+
+
+def test_a_failed_fetch_under_a_pmem_page_is_a_bounded_typed_error(
+        node: Node, store_dir: tuple[Path, Path, tuple[Path, int]]) -> None:
+    """The image's data reaches the guest lazily: the VM boots without
+    reading /data/fault.bin; reading it is a page fault on the daemon's blob.
+    Fault injection (not a fake: a store that fails a chunk's check): a
+    flipped byte in the pack under one of its chunks, after the VM booted.
+    The daemon answers the fault with EIO, QEMU gets SIGBUS (a DAX load has
+    no way to return an error into the guest) and the call raises at once,
+    naming it, instead of a vCPU hanging on the page."""
+    pack, offset = store_dir[2]
+    with Sandbox.create(FAULT_IMAGE, backend="microvm", node=node, memory_mb=256) as s:
+        layer = node.images.resolve_image(FAULT_IMAGE).layers[-1]
+        assert s.exec("busybox | head -c 7").stdout == b"BusyBox"
+        trace = request(node.images.ensure_daemon(), {"op": "trace", "mount": None})["trace"]
+        read = {e["path"] for e in trace["events"] if e.get("layer", layer) == layer}
+        assert "bin/busybox" in read and FAULT_FILE not in read  # booted without its data
+        flip_byte(pack, offset)
+        t0 = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="SIGBUS: a page of its mapped image"):
+            s.exec(f"cat /{FAULT_FILE} > /dev/null; echo read-it", timeout=60)
+        assert time.monotonic() - t0 < 30
+    assert not processes_with(str(_vm_dir(node, s.id)))
 
 
 def _sandbox_cgroups() -> set[Path]:

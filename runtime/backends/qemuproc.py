@@ -213,6 +213,11 @@ def exit_text(proc: subprocess.Popen[bytes]) -> str:
     rc = proc.poll()
     if rc is None:
         return "running"
+    if rc == -signal.SIGBUS:
+        # a page of a file QEMU maps (the image's pmem blobs, served lazily
+        # by the node daemon) could not be read: the daemon failed the fetch
+        return (f"killed by signal {-rc}, SIGBUS: a page of its mapped image could not be "
+                "read (a chunk the node daemon failed to fetch; see its log)")
     return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
 
 
