@@ -42,6 +42,7 @@ from runtime.backends.qemubase import VMM_OVERHEAD_MB
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
 from runtime.spec import Backend
+from tests.helpers.images import build_busybox_rootfs
 from tests.helpers.sandboxes import (
     IMAGE,
     SECOND,
@@ -51,7 +52,6 @@ from tests.helpers.sandboxes import (
     retag,
     vm_missing,
 )
-from tests.helpers.images import build_busybox_rootfs
 from tests.helpers.support import flip_byte, pack_path, processes_with, wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
