@@ -139,7 +139,8 @@ class FetchEngine:
             head = await self.read_blob(BlobReader(b.blob, b.mount), off,
                                         max(0, b.blob.size - off)) if off < b.blob.size else b""
             return bytes(head) + bytes(max(0, end - max(off, b.blob.size)))
-        if self.options.blob_readahead_chunks and self.nursery is not None:
+        # (not for `.map`: the kernel reads around each page fault of a mapping itself)
+        if self.options.blob_readahead_chunks and self.nursery is not None and not b.mapped:
             self._blob_readahead(b, off, min(size, b.blob.size - off))
         tree = b.blob.tree
         pieces = b.blob.pieces(off, size)

@@ -45,7 +45,7 @@ from ..guest.initramfs import tools_missing
 from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
 from ..guest.protocol import EXEC_GRACE, AgentError
 from ..images import Images
-from ..native import sandbox_init
+from ..native import qemu_preload, sandbox_init
 from ..spec import ExecRequest, ExecResult, Qos, SandboxSpec
 from . import qemuproc, snapshots
 from .base import BackendState, Handle, Sink
@@ -186,7 +186,8 @@ class QemuBackend(Generic[Q]):
 
     def _start(self, h: Handle[Q], cfg: qemu.VmConfig, init: Path) -> subprocess.Popen[bytes]:
         proc = qemuproc.start(cfg, init, cgroups.procs_files(h.id) if h.state.cgroup else [],
-                              idle=h.spec.qos is Qos.best_effort)
+                              idle=h.spec.qos is Qos.best_effort,
+                              preload=qemu_preload(self.config.bin_dir))
         h.state.pid = proc.pid
         with self._lock:
             self._procs[h.id] = proc

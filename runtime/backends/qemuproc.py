@@ -86,11 +86,13 @@ class Vm:
 
 
 def start(cfg: qemu.VmConfig, init: Path, cgroup_procs: list[Path] | None = None,
-          idle: bool = False) -> subprocess.Popen[bytes]:
+          idle: bool = False, preload: Path | None = None) -> subprocess.Popen[bytes]:
     """Start the VMM of cfg (it dies with this process); its stderr goes to
     qemu.log next to its sockets. It joins the cgroups whose cgroup.procs
     files are given before it execs QEMU (so its first page is charged
-    there), and runs under SCHED_IDLE if `idle` (qos="best_effort")."""
+    there), runs under SCHED_IDLE if `idle` (qos="best_effort"), with
+    `preload` (runtime/native/qemu-preload.c: no MADV_HUGEPAGE on the lazily
+    served pmem files) as LD_PRELOAD."""
     for s in (cfg.agent_socket, cfg.console_socket, cfg.qmp_socket):
         s.unlink(missing_ok=True)
     fds = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in cgroup_procs or []]
@@ -99,7 +101,8 @@ def start(cfg: qemu.VmConfig, init: Path, cgroup_procs: list[Path] | None = None
         with open(cfg.agent_socket.parent / "qemu.log", "ab") as errlog:
             return _spawn([str(init), "pdeathsig", *opts, "--", *qemu.command(cfg)],
                           stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog,
-                          start_new_session=True, pass_fds=fds)
+                          start_new_session=True, pass_fds=fds,
+                          env={**os.environ, "LD_PRELOAD": str(preload)} if preload else None)
     finally:
         for fd in fds:
             os.close(fd)
