@@ -14,11 +14,18 @@
  * MADV_RANDOM: a fault reads just its page, and the daemon fetches just the
  * chunk behind it (later faults in that chunk hit the daemon's hot set or the
  * node cache). Guest RAM (private) keeps MADV_HUGEPAGE.
+ *
+ * LAZYFS_PMEM_READAROUND=kernel (in QEMU's environment) only drops
+ * MADV_HUGEPAGE, leaving the kernel's read-around: fewer, larger requests to
+ * the daemon for guests that read whole images, at the price of fetching
+ * neighbours.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 
 static int shared_mapping(void *addr) {
@@ -42,6 +49,9 @@ static int shared_mapping(void *addr) {
 int madvise(void *addr, size_t len, int advice) {
     static int (*real)(void *, size_t, int);
     if (!real) real = (int (*)(void *, size_t, int))dlsym(RTLD_NEXT, "madvise");
-    if (advice == MADV_HUGEPAGE && shared_mapping(addr)) return real(addr, len, MADV_RANDOM);
+    if (advice == MADV_HUGEPAGE && shared_mapping(addr)) {
+        const char *mode = getenv("LAZYFS_PMEM_READAROUND");
+        return mode && strcmp(mode, "kernel") == 0 ? 0 : real(addr, len, MADV_RANDOM);
+    }
     return real(addr, len, advice);
 }
