@@ -10,6 +10,8 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     │                          not root, agent unreachable) or failed to start
     ├── QuotaExceeded          the node refuses more sandboxes
     ├── SandboxStateError      the call does not fit the state (exec while paused)
+    │   └── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
+    │                          its files wait in the image store; restore() it
     ├── FileError              a files.* call failed (missing path, not a dir, escape)
     └── ExecError              a command did not finish normally; .result holds
         │                      what it printed before it was stopped
@@ -63,6 +65,10 @@ class SandboxStateError(SandboxError):
     status = 409
 
 
+class SandboxPreempted(SandboxStateError):
+    pass
+
+
 class FileError(SandboxError):
     status = 400
 
@@ -90,6 +96,6 @@ class OutOfMemory(ExecError):
 ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
-        BackendUnavailable, QuotaExceeded, SandboxStateError, FileError, ExecError,
-        ExecTimeout, OutputTruncated, OutOfMemory)
+        BackendUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted, FileError,
+        ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
 }
