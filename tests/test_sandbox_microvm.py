@@ -387,6 +387,8 @@ def test_options_a_vm_cannot_honour_are_refused(node: Node, backend: Backend) ->
     with pytest.raises(Unsupported, match=f"^network: the {backend} backend cannot enforce"):
         Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256,
                        network=NetworkPolicy.allow_only("10.0.0.5:3128"))
+    with pytest.raises(Unsupported, match=f"^open_files: the {backend} backend cannot limit"):
+        Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, open_files=4096)
     if backend == "vm":
         with pytest.raises(Unsupported, match="^disk_mb: the vm backend cannot size"):
             Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, disk_mb=512)

@@ -152,6 +152,9 @@ class QemuBackend(Generic[Q]):
     def _refused(self, spec: SandboxSpec) -> str | None:
         """A field of the spec this backend cannot honour, as the message of
         the Unsupported raised before anything starts (None: all honoured)."""
+        if spec.open_files != SandboxSpec.model_fields["open_files"].default:
+            return (f"open_files: the {self.name} backend cannot limit a guest's open files "
+                    "yet; leave open_files unset")
         return None
 
     def _kernel(self) -> GuestKernel:

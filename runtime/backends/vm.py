@@ -64,7 +64,7 @@ class VmBackend(QemuBackend[VmState]):
             return (f"disk_mb: the vm backend cannot size a VM's root file system yet (its free "
                     f"space is the base disk's headroom, {self.disk_headroom_mb} MiB); leave "
                     "disk_mb unset")
-        return None
+        return super()._refused(spec)
 
     def _tools_missing(self) -> str | None:
         return disk.tools_missing() or super()._tools_missing()
