@@ -395,7 +395,7 @@ class Node:
         its writable layer on disk go back to the node. restore() makes it again,
         with the same id, on any node that sees the same image store."""
         info, h = self._get(sandbox_id)
-        self._capturing(info, "snapshot")
+        backend = self._capturing(info, "snapshot")
         was = info.state
         if was == "paused":
             memory = cgroups.memory_figures(sandbox_id)["usage"]
@@ -408,11 +408,13 @@ class Node:
                 self.resume(sandbox_id)
             raise
         info, h = self._get(sandbox_id)
+        with backend.capture(h) as upper:  # still frozen: no thaw in between
+            written = _disk_usage(upper)  # a tmpfs upper's are memory too
         record = PreemptedSandbox(
             id=sandbox_id, spec=info.spec, image=snap.image, tag=snap.tag,
             image_digest=info.image_digest, state="paused" if was == "paused" else "running",
             created=info.created, preempted=time.time(), node=info.node, memory_bytes=memory,
-            disk_bytes=_disk_usage(h.dir), snapshot=snap)
+            disk_bytes=written, snapshot=snap)
         self.preempted.put(record)  # after its image is tagged, before the sandbox goes
         try:
             self.kill(sandbox_id)

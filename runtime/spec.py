@@ -300,8 +300,9 @@ class PreemptedSandbox(_Model):
     created: float
     preempted: float  # when
     node: str  # where it ran
-    # what the node got back: the sandbox's memory (cgroup usage) and its
-    # writable layer on disk, just before it was stopped
+    # what the node got back: the sandbox's memory (cgroup usage) and the
+    # bytes of its writable layer (on a tmpfs upper, the default, those are
+    # memory too, and part of memory_bytes), just before it was stopped
     memory_bytes: int = 0
     disk_bytes: int = 0
     snapshot: SnapshotInfo

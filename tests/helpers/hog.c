@@ -1,12 +1,14 @@
 /* hog: a hostile program that takes as much of a kernel table as the kernel
  * lets it (tests/test_sandbox_limits.py copies a static build into a sandbox).
  *
- *   hog files|inotify|watches PROCS
+ *   hog files|inotify|watches|denied PROCS
  *
  * forks PROCS children; each takes open files (open /dev/null), inotify
  * instances (inotify_init1) or inotify watches (one instance, a watch on each
  * of a growing set of new files under /tmp/hog-w) until the kernel refuses,
- * and reports "N ERRNO" on one line. Once all have reported, the parent prints
+ * and reports "N ERRNO" on one line; denied: each calls mount(2) (denied by
+ * the sandbox's seccomp policy) in a loop for DENIED_S seconds and reports how
+ * many calls came back. Once all have reported, the parent prints
  * "total N" and the children keep what they took until the sandbox goes. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -15,9 +17,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/inotify.h>
+#include <sys/mount.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#define DENIED_S 3
 
 static long take(const char *what, int child, int *err) {
     long n = 0;
@@ -39,6 +45,14 @@ static long take(const char *what, int child, int *err) {
             if (inotify_add_watch(fd, path, IN_MODIFY) < 0) break;
             n++;
         }
+    } else if (!strcmp(what, "denied")) {
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do {
+            if (mount("x", "/mnt", "tmpfs", 0, NULL) == 0) { *err = 0; return n; }
+            n++;
+            clock_gettime(CLOCK_MONOTONIC, &t);
+        } while (t.tv_sec - t0.tv_sec < DENIED_S);
     } else {
         *err = EINVAL;
         return -1;
@@ -48,7 +62,7 @@ static long take(const char *what, int child, int *err) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) { fprintf(stderr, "usage: hog files|inotify|watches PROCS\n"); return 2; }
+    if (argc != 3) { fprintf(stderr, "usage: hog files|inotify|watches|denied PROCS\n"); return 2; }
     int procs = atoi(argv[2]);
     int report[2];
     if (pipe(report) != 0) return 1;
