@@ -43,7 +43,7 @@ from ..files import SandboxFiles
 from ..guest import qemu
 from ..guest.initramfs import tools_missing
 from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
-from ..guest.protocol import EXEC_GRACE, AgentError
+from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError
 from ..images import Images
 from ..native import qemu_preload, sandbox_init
 from ..spec import ExecRequest, ExecResult, Qos, SandboxSpec
@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PAUSE_WAIT = 2.0  # how long pause waits for a call in the guest to end
+EXIT_WAIT = 2.0  # how long a call whose agent connection closed waits for the VMM's end
 GUEST_RESERVE_MB = 64  # guest RAM kept from the commands' cgroup: kernel, agent, init
 # Host memory a VMM may use beyond its guest's RAM: QEMU itself (~70 MiB), the
 # TCG translation cache (bounded by qemu.TCG_TB_MB; none under KVM), device
@@ -179,6 +180,13 @@ class QemuBackend(Generic[Q]):
         return vm
 
     def _unavailable(self, h: Handle[Q], vm: Vm, e: Exception) -> BackendUnavailable:
+        if isinstance(e, AgentClosed) and vm.alive():
+            # the VMM closed the channel as it exits: wait for how it ended
+            # (SIGBUS names a fetch that failed under a guest page)
+            try:
+                vm.proc.wait(timeout=EXIT_WAIT)
+            except subprocess.TimeoutExpired:
+                pass
         if not vm.alive():
             return BackendUnavailable(f"{h.id}: the VM exited ({qemuproc.exit_text(vm.proc)}): "
                                       f"{e}")
