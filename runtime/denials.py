@@ -108,10 +108,15 @@ def merged(recorded: list[SandboxEvent], counted: dict[tuple[EventKind, str], in
     """Recorded events plus kernel counters read now ((kind, detail) -> count;
     zero counts dropped), in one sorted list."""
     now = time.time()
-    out = list(recorded)
-    out += [SandboxEvent(kind=kind, detail=detail, count=n, first=None, last=now)
-            for (kind, detail), n in counted.items() if n > 0]
-    return sorted(out, key=lambda e: (e.kind, e.detail))
+    out = {(e.kind, e.detail): e for e in recorded}
+    for (kind, detail), n in counted.items():
+        if n <= 0:
+            continue
+        old = out.get((kind, detail))  # counted under an earlier rule set too
+        out[(kind, detail)] = SandboxEvent(kind=kind, detail=detail, count=n, first=None,
+                                           last=now) if old is None else \
+            old.model_copy(update={"count": old.count + n, "last": now})
+    return sorted(out.values(), key=lambda e: (e.kind, e.detail))
 
 
 class _Bucket:

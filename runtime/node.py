@@ -34,7 +34,7 @@ from chunkstore.errors import LazyfsError
 
 from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing, Eventful
+from .backends.base import Capturing, Eventful, Networked
 from .capture import Captures, Packed
 from .config import RuntimeConfig
 from .errors import (
@@ -514,6 +514,20 @@ class Node:
 
     def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
         return self.files(sandbox_id).list(path)
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        """Change a running sandbox's network policy (task phases: setup with
+        a package mirror, the agent with none, ...); connections the new
+        policy refuses are cut. Returns the sandbox's info with the policy."""
+        with self._state_lock(sandbox_id):
+            info, h = self._get(sandbox_id)
+            backend = self._require(info, "network_allowlist")
+            assert isinstance(backend, Networked), backend
+            backend.set_network(h, policy)
+            spec = info.spec.model_copy(update={"network": policy})
+            new = self._touch(info, h, spec=spec, host_address=h.state.host_address())
+        log.info("network of %s: %s", sandbox_id, policy.mode)
+        return new
 
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         """What the sandbox was refused so far (runtime/denials.py)."""

@@ -247,6 +247,13 @@ class Sandbox:
         self.info = self._t.get(self.id)
         return self.info
 
+    def set_network(self, policy: NetworkPolicy) -> SandboxInfo:
+        """The sandbox's network from now on, for a task's phases (setup with
+        a package mirror, the agent with `NetworkPolicy.none()`, ...):
+        connections the new policy refuses are cut. Containers only."""
+        self.info = self._t.set_network(self.id, policy)
+        return self.info
+
     def events(self) -> builtins.list[SandboxEvent]:
         """What the sandbox was refused so far: denied system calls, refused
         connections, OOM kills, forks refused at the pids limit; each a count
@@ -388,6 +395,10 @@ class AsyncSandbox:
 
     async def snapshot(self, tag: str | None = None) -> SnapshotInfo:
         out: SnapshotInfo = await _thread(self.sync.snapshot, tag)
+        return out
+
+    async def set_network(self, policy: NetworkPolicy) -> SandboxInfo:
+        out: SandboxInfo = await _thread(self.sync.set_network, policy)
         return out
 
     async def events(self) -> builtins.list[SandboxEvent]:

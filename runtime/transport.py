@@ -35,6 +35,7 @@ from .files import FileInfo
 from .spec import (
     ExecRequest,
     ExecResult,
+    NetworkPolicy,
     PreemptedSandbox,
     SandboxEvent,
     SandboxInfo,
@@ -80,6 +81,7 @@ class Transport(Protocol):
     def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]: ...
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult: ...
     def events(self, sandbox_id: str) -> list[SandboxEvent]: ...
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
 
 
 class Embedded:
@@ -159,6 +161,9 @@ class Embedded:
 
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         return self.node.events(sandbox_id)
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return self.node.set_network(sandbox_id, policy)
 
 
 def raise_for(body: Mapping[str, Any], status: int) -> None:
@@ -339,6 +344,11 @@ class Http:
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         return [SandboxEvent.model_validate(x) for x in self._call(
             "GET", f"/v1/sandboxes/{sandbox_id}/events").json()]
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return SandboxInfo.model_validate(self._call(
+            "PUT", f"/v1/sandboxes/{sandbox_id}/network",
+            json=policy.model_dump(mode="json")).json())
 
 
 _lock = threading.Lock()

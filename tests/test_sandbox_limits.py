@@ -276,3 +276,50 @@ def test_a_refused_connection_is_an_event(node: Node) -> None:
     finally:
         server.shutdown(socket.SHUT_RDWR)  # wakes the accept
         server.close()
+
+
+def test_the_network_policy_follows_the_task_phase(node: Node) -> None:
+    """set_network: a sandbox made without network gets one for its setup
+    phase, loses it for the agent's (new connects refused, and a connection
+    the setup left open is cut: its later data never arrives), and gets it
+    back (a verify phase). The kept connection's first line is the control
+    that it really worked before the change."""
+    server = socket.create_server(("0.0.0.0", 0))
+    port = server.getsockname()[1]
+
+    def echo(c: socket.socket) -> None:
+        with c, contextlib.suppress(OSError):
+            while data := c.recv(4096):
+                c.sendall(data)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=echo, args=(server.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with Sandbox.create(IMAGE, node=node) as s:
+            assert s.info.host_address is None
+            host = s.set_network(NetworkPolicy.allow_only(f"node:{port}")).host_address
+            assert host and s.info.spec.network.mode == "allowlist"
+            assert s.exec(f"echo hi | busybox nc -w 2 {host} {port}").stdout == b"hi\n"
+            s.exec(f"setsid sh -c '(echo first; sleep 3; echo second) | busybox nc -w 6 {host} "
+                   f"{port} >/tmp/got 2>/dev/null; echo $? >/tmp/done' </dev/null >/dev/null "
+                   "2>&1 &")
+            wait_until(lambda: s.exec("cat /tmp/got").stdout == b"first\n", 10,
+                       "the kept connection's first line")
+            s.set_network(NetworkPolicy.none())
+            r = s.exec(f"echo hi | busybox nc -w 2 {host} {port}; echo rc=$?")
+            assert r.stdout == b"rc=1\n", r
+            wait_until(lambda: s.exec("cat /tmp/done").exit_code == 0, 20,
+                       "the kept connection's nc to end")
+            assert s.exec("cat /tmp/got").stdout == b"first\n"  # "second" was cut
+            got = {(e.kind, e.detail): e.count for e in s.events()}
+            assert got.get(("connect", f"{host}:{port}/tcp"), 0) >= 1, got
+            s.set_network(NetworkPolicy.allow_only(f"node:{port}"))
+            assert s.exec(f"echo again | busybox nc -w 2 {host} {port}").stdout == b"again\n"
+            assert Sandbox.connect(s.id, node=node).info.spec.network.mode == "allowlist"
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()

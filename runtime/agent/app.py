@@ -46,6 +46,7 @@ from ..node import Node
 from ..spec import (
     ExecRequest,
     ExecResult,
+    NetworkPolicy,
     PreemptedSandbox,
     SandboxEvent,
     SandboxInfo,
@@ -222,6 +223,11 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:
         result: ExecResult = await run(node.verify, sandbox_id, req.exec, req.keep)
         return result
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network")
+    async def set_network(sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        out: SandboxInfo = await run(node.set_network, sandbox_id, policy)
+        return out
 
     @app.get("/v1/sandboxes/{sandbox_id}/events")
     async def events(sandbox_id: str) -> list[SandboxEvent]:

@@ -17,7 +17,14 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from ..files import SandboxFiles
-from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxEvent, SandboxSpec
+from ..spec import (
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    ResolvedImage,
+    SandboxEvent,
+    SandboxSpec,
+)
 
 Sink = Callable[[bytes], None]
 
@@ -77,6 +84,13 @@ class Capturing(Protocol):
     verify): the writable upper, with the sandbox's processes stopped."""
 
     def capture(self, handle: Handle[Any]) -> AbstractContextManager[Path]: ...
+
+
+@runtime_checkable
+class Networked(Protocol):
+    """A backend whose sandboxes' network policy can change while they run."""
+
+    def set_network(self, handle: Handle[Any], policy: NetworkPolicy) -> None: ...
 
 
 @runtime_checkable

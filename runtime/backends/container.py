@@ -59,7 +59,7 @@ from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxSta
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import EventKind, ExecRequest, ExecResult, Qos, SandboxEvent
+from ..spec import EventKind, ExecRequest, ExecResult, NetworkPolicy, Qos, SandboxEvent
 from . import initexec, netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
@@ -323,6 +323,32 @@ class ContainerBackend:
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
+
+    # -- network -------------------------------------------------------------
+    def set_network(self, h: Container, policy: NetworkPolicy) -> None:
+        """The sandbox's network from now on (a task's phases: setup with a
+        mirror, the agent with nothing, ...): a sandbox without network of its
+        own gets its veth and rules; one with them gets the new rules in one
+        nftables transaction, connections the new rules refuse are cut, and
+        the old rules' refused-destination counts are kept as events."""
+        st = h.state
+        if st.init_pid is None:
+            raise SandboxStateError(f"{h.id} is not running")
+        if st.net_slot is None:
+            if policy.mode == "none":
+                return
+            slot = netpolicy.allocate(h.id)
+            try:
+                st.netns = netpolicy.create(slot, policy, st.init_pid)
+            except BaseException:
+                netpolicy.remove(slot)
+                raise
+            st.net_slot, st.node_address = slot, netpolicy.addresses(slot)[0]
+            return
+        for dest, n in netpolicy.refused(st.net_slot).items():
+            if n:
+                self.denials.record(h.id, "connect", dest, n)
+        netpolicy.apply(st.net_slot, policy)
 
     # -- events --------------------------------------------------------------
     def events(self, h: Container) -> list[SandboxEvent]:

@@ -102,18 +102,25 @@ def _run(*cmd: str, stdin: str | None = None) -> None:
 def ruleset(policy: NetworkPolicy, node_address: str) -> str:
     """The nftables table of a sandbox whose node side is `node_address`
     (what a `node` rule allows)."""
+    # Replies are accepted per rule (not for any established connection), so
+    # when the policy changes (set_network) a connection opened under the
+    # old one to a destination the new one refuses is cut both ways.
+    ins, outs = [], []
+    for r in policy.allow:
+        cidr = f"{node_address}/32" if r.cidr == NODE else r.cidr
+        fam = "ip" if ipaddress.ip_network(cidr).version == 4 else "ip6"
+        dport = f" {r.protocol} dport {r.port}" if r.port else f" meta l4proto {r.protocol}"
+        sport = f" {r.protocol} sport {r.port}" if r.port else f" meta l4proto {r.protocol}"
+        outs.append(f"  {fam} daddr {cidr}{dport} accept")
+        ins.append(f"  {fam} saddr {cidr}{sport} ct state established,related accept")
     lines = ["table inet lazyfs_sandbox {",
              *(f" set {name} {{ type {addr} . inet_proto . inet_service; flags dynamic; "
                f"size {REFUSED_SET_SIZE}; counter; }}" for name, addr in REFUSED_SETS),
              " chain in {", "  type filter hook input priority 0; policy drop;",
-             '  iifname "lo" accept', "  ct state established,related accept", " }",
+             '  iifname "lo" accept',
+             "  meta l4proto { icmp, ipv6-icmp } ct state related accept", *ins, " }",
              " chain out {", "  type filter hook output priority 0; policy drop;",
-             '  oifname "lo" accept', "  ct state established,related accept"]
-    for r in policy.allow:
-        cidr = f"{node_address}/32" if r.cidr == NODE else r.cidr
-        fam = "ip" if ipaddress.ip_network(cidr).version == 4 else "ip6"
-        port = f" {r.protocol} dport {r.port}" if r.port else f" meta l4proto {r.protocol}"
-        lines.append(f"  {fam} daddr {cidr}{port} accept")
+             '  oifname "lo" accept', *outs]
     # each refused destination is counted (denials.py reads the sets)
     lines += [f"  meta l4proto {{ tcp, udp }} update @{name} {{ {fam} daddr . meta l4proto . "
               f"th dport }}" for (name, _), fam in zip(REFUSED_SETS, ("ip", "ip6"), strict=True)]
@@ -143,6 +150,18 @@ def create(slot: int, policy: NetworkPolicy, pid: int) -> Path:
         remove(slot, release=False)
         raise
     return NETNS_DIR / ns
+
+
+def apply(slot: int, policy: NetworkPolicy) -> None:
+    """Replace the rules of the slot's sandbox by `policy`'s, in one nftables
+    transaction (no moment without rules); mode none keeps the interface
+    and refuses everything but loopback. The refused-destination counts
+    start again from zero (read them first)."""
+    ns, _ = names(slot)
+    allow = policy.allow if policy.mode == "allowlist" else ()
+    rules = ruleset(NetworkPolicy(mode="allowlist", allow=allow), addresses(slot)[0])
+    _run("ip", "netns", "exec", ns, "nft", "-f", "-",
+         stdin=f"table inet {TABLE} {{}}\ndelete table inet {TABLE}\n{rules}")
 
 
 def refused(slot: int) -> dict[str, int]:
