@@ -173,6 +173,10 @@ class Node:
             self._pending += 1
         try:
             # the only time the name is looked up: backends get the digest
+            if spec.network.mode == "allowlist" and \
+                    "network_allowlist" not in capabilities(spec.backend):
+                raise Unsupported(f"network: the {spec.backend} backend cannot enforce a network "
+                                  "allowlist (it has no network at all; Sandbox.capabilities)")
             image = self.images.resolve_image(spec.image)
             if spec.hidden:
                 if "hidden" not in capabilities(spec.backend):

@@ -17,11 +17,14 @@
  *                                     end closes), kills the command's session so
  *                                     nothing outlives a dead agent.
  *
- *   sandbox-init pdeathsig -- ARGV... (on the host) runs ARGV so that it gets
+ *   sandbox-init pdeathsig [-i] [-j FD]... -- ARGV...
+ *                                     (on the host) runs ARGV so that it gets
  *                                     SIGKILL when the calling thread's process
  *                                     dies: the node's `runc exec` goes with the
  *                                     node agent, and the command then sees its
- *                                     output reader gone.
+ *                                     output reader gone. -j: join the cgroups
+ *                                     whose cgroup.procs are open at FD first
+ *                                     (a VM's QEMU: charged from its first page).
  *
  *   sandbox-init call [-j FD]... [-s FD] [-t SECS] [-u ID] [-r PATH]... [-w PATH]...
  *                     [-c DIR] -- ARGV...
@@ -495,7 +498,7 @@ static void seccomp_from(int fd) {
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: sandbox-init init [-i] [-l FD] | exec [-i] [-c DIR] -- ARGV... | "
-                        "pdeathsig -- ARGV...\n");
+                        "pdeathsig [-i] [-j FD]... -- ARGV...\n");
         return 2;
     }
     int i = 2;
@@ -540,6 +543,8 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "init") == 0) run_init(listen_fd);
     if (strcmp(argv[1], "exec") == 0) return run_exec(argc - i, argv + i, cwd);
     if (strcmp(argv[1], "pdeathsig") == 0 && i < argc) {
+        for (int k = 0; k < njoin; k++)
+            if (write(join[k], "0", 1) != 1) die("joining the sandbox's cgroup");
         pid_t parent = getppid();
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent) return 137;  /* the parent died before prctl */
