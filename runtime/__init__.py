@@ -16,6 +16,7 @@ from .errors import (
                      FileError,
                      ImageNotFound,
                      InvalidSpec,
+                     NotCheckpointable,
                      OutOfMemory,
                      OutputTruncated,
                      QuotaExceeded,
@@ -25,8 +26,9 @@ from .errors import (
                      SandboxStateError,
                      Unsupported,
 )
-from .sdk import AsyncSandbox, Sandbox, Snapshot
+from .sdk import AsyncSandbox, Checkpoint, Sandbox, Snapshot
 from .spec import (
+    CheckpointInfo,
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
@@ -37,10 +39,9 @@ from .spec import (
     SnapshotInfo,
 )
 
-__all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
-           "FileError", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "OutOfMemory",
-           "OutputTruncated", "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox",
-           "SandboxError", "SandboxEvent", "SandboxInfo", "SandboxNotFound",
-           "SandboxPreempted", "SandboxSpec", "SandboxStateError", "Snapshot",
-           "SnapshotInfo",
-           "Unsupported"]
+__all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
+           "ExecResult", "ExecTimeout", "FileError", "ImageNotFound", "InvalidSpec",
+           "NetworkPolicy", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
+           "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox", "SandboxError",
+           "SandboxEvent", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",
+           "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]
