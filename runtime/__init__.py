@@ -14,8 +14,10 @@ from .errors import (
                      ExecError,
                      ExecTimeout,
                      FileError,
+                     FleetUnavailable,
                      ImageNotFound,
                      InvalidSpec,
+                     NodeLost,
                      OutOfMemory,
                      OutputTruncated,
                      QuotaExceeded,
@@ -28,7 +30,7 @@ from .sdk import AsyncSandbox, Sandbox, Snapshot
 from .spec import ExecResult, NetworkPolicy, Rule, SandboxInfo, SandboxSpec, SnapshotInfo
 
 __all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
-           "FileError", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "OutOfMemory",
+           "FileError", "FleetUnavailable", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "NodeLost", "OutOfMemory",
            "OutputTruncated", "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxInfo",
            "SandboxNotFound", "SandboxSpec", "SandboxStateError", "Snapshot", "SnapshotInfo",
            "Unsupported"]
