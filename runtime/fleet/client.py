@@ -24,6 +24,7 @@ Light to import (httpx, pydantic): no node code.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import random
 import threading
@@ -156,6 +157,10 @@ class Fleet:
         if not node_labels:
             return self
         return Fleet(self.url, self.token, k=self.k, node_labels=node_labels, nodes=self.nodes)
+
+    def close(self) -> None:
+        """Close the connection to etcd (the agents' pools are the process's)."""
+        self.nodes.etcd.close()
 
     def agent(self, address: str) -> Http:
         from ..transport import agent_client
@@ -305,3 +310,13 @@ def fleet_client(url: str, token: str | None) -> Fleet:
         if key not in _fleets:
             _fleets[key] = Fleet(url, token)
         return _fleets[key]
+
+
+def _close_fleets() -> None:
+    with _lock:
+        for f in _fleets.values():
+            f.close()
+        _fleets.clear()
+
+
+atexit.register(_close_fleets)

@@ -98,7 +98,8 @@ def candidates(nodes: Sequence[NodeView], req: Request, *, k: int = K,
         best = max(ok, key=lambda n: len(layers & n.record.layers()))
         if layers & best.record.layers():
             sample.add(best.record.node_id)
-    first = sorted(sample, key=lambda i: scored[i])
+    # ties broken at random: clients reading the same records must not agree
+    first = sorted(sample, key=lambda i: (scored[i], rng.random()))
     chosen = set(first)
     rest = sorted((i for i in scored if i not in chosen), key=lambda i: scored[i])
     return first + rest

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,12 +28,15 @@ def _free_port() -> int:
 class Agent(ServerProcess):
     name = "lazyfs agent"  # ready when its Unix socket accepts a connection
 
-    def __init__(self, d: Path, store: Path, node_root: Path) -> None:
+    def __init__(self, d: Path, store: Path, node_root: Path,
+                 extra: Sequence[str] = ()) -> None:
+        """`extra`: more `lazyfs agent` options (e.g. --fleet, --node-id)."""
         super().__init__(d / "agent.log", startup_timeout=20, stop_grace=10)
         self.d, self.store, self.node_root = d, store, node_root
         self.sock = d / "agent.sock"
         self.port = _free_port()
         self.token_file = d / "token"
+        self.extra = list(extra)
 
     @property
     def unix(self) -> str:
@@ -52,7 +55,7 @@ class Agent(ServerProcess):
         self.spawn([sys.executable, "-m", "tools.cli", "--store", str(self.store), "agent",
                     "--socket", str(self.sock), "--state", str(self.d / "state"),
                     "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
-                    "--token-file", str(self.token_file)], cwd=REPO)
+                    "--token-file", str(self.token_file), *self.extra], cwd=REPO)
         self.wait_ready()
 
     def ready(self) -> bool:
