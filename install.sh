@@ -20,11 +20,12 @@ cd "$(dirname "$0")"
 #   container and fncall sandboxes (runc, seccomp, network namespaces and allowlists)
 #   qemu-system-x86: microVM sandboxes (the guest kernel is fetched below with apt-get download)
 #   qemu-utils, e2fsprogs: full-VM sandboxes (qemu-img overlays over an image's ext4 disk)
+#   etcd-server, etcd-client: the fleet (node agents register in etcd; tests run one on loopback)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
               docker-registry apache2-utils openssl debootstrap docker.io git
               fuse3 libfuse3-dev pkg-config erofs-utils
               runc libc6-dev libseccomp2 iproute2 nftables qemu-system-x86
-              qemu-utils e2fsprogs)
+              qemu-utils e2fsprogs etcd-server etcd-client)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
