@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from runtime import FleetUnavailable, NodeLost, QuotaExceeded, Sandbox
-from runtime.errors import BackendUnavailable, InvalidSpec, SandboxError
+from runtime.errors import InvalidSpec, SandboxError
 from runtime.fleet.client import Fleet, NodeList, read_nodes
 from runtime.fleet.etcd import Etcd, endpoints
 from runtime.fleet.records import (
@@ -36,12 +36,11 @@ from runtime.fleet.records import (
     node_of,
     sandbox_id,
 )
-from runtime.fleet.scheduler import Request, candidates
+from runtime.fleet.scheduler import Index, Request, candidates
 from runtime.spec import Qos
-from tests.helpers.agents import REPO, Agent
+from tests.helpers.agents import REPO, Agent, fleet_agent
 from tests.helpers.etcd import EtcdServer, etcd_missing
-from tests.helpers.lazynode import LazyNode
-from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+from tests.helpers.sandboxes import IMAGE, runtime_missing
 from tests.helpers.support import root_only, wait_until
 
 TOKEN = "fleet-test-token"
@@ -74,20 +73,20 @@ def test_placement_filters_what_cannot_take_the_sandbox() -> None:
              _node("drained", draining=True), _node("full", sandboxes=100),
              _node("no-memory", asked_mb=3500), _node("zone-b", labels={"zone": "b"})]
     assert set(candidates(nodes, _req())) == {"ok", "zone-b"}
-    assert candidates(nodes, _req(selector={"zone": "b"})) == ["zone-b"]
+    assert list(candidates(nodes, _req(selector={"zone": "b"}))) == ["zone-b"]
     # best-effort sandboxes are packed denser: the node short of latency memory takes them
     assert "no-memory" in candidates(nodes, _req(qos=Qos.best_effort))
-    assert candidates(nodes, _req(backend="vm")) == []
+    assert list(candidates(nodes, _req(backend="vm"))) == []
 
 
 def test_placement_prefers_the_less_loaded_of_k_and_the_node_with_the_image() -> None:
     rng = random.Random(7)
     light, heavy = _node("light", sandboxes=5), _node("heavy", sandboxes=90)
-    firsts = Counter(candidates([light, heavy], _req(), k=2, rng=rng)[0] for _ in range(200))
+    firsts = Counter(next(candidates([light, heavy], _req(), k=2, rng=rng)) for _ in range(200))
     assert firsts == {"light": 200}  # both sampled: the lighter wins every time
     cached = _node("cached", sandboxes=20, layers=("l1", "l2"))
     others = [_node(f"n{i}") for i in range(8)]
-    firsts = Counter(candidates([cached, *others], _req(), k=2, rng=rng)[0]
+    firsts = Counter(next(candidates([cached, *others], _req(), k=2, rng=rng))
                      for _ in range(200))
     assert firsts["cached"] == 200  # in every draw, and its layers outweigh its load
 
@@ -95,9 +94,9 @@ def test_placement_prefers_the_less_loaded_of_k_and_the_node_with_the_image() ->
 def test_power_of_k_spreads_clients_that_read_the_same_records() -> None:
     """1,000 clients placing at once on 10 equal nodes from the same (stale)
     records: no herd onto one node."""
-    nodes = [_node(f"n{i}") for i in range(10)]
+    index = Index([_node(f"n{i}") for i in range(10)])
     rng = random.Random(1)
-    firsts = Counter(candidates(nodes, _req(), rng=rng)[0] for _ in range(1000))
+    firsts = Counter(next(candidates(index, _req(), rng=rng)) for _ in range(1000))
     assert len(firsts) == 10 and max(firsts.values()) < 160  # 100 each on average
 
 
@@ -157,32 +156,6 @@ class FleetEnv:
         return [s.id for s in Sandbox.list(node=self.agents[node_id].unix)]
 
 
-def _agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack) -> Agent:
-    store = busybox_store(d)
-    lazy = stack.enter_context(LazyNode(d / "lazynode", store))
-    (d / "token").write_text(TOKEN + "\n")
-    a = Agent(d, store, lazy.paths.root, extra=[
-        "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
-        "--max-sandboxes", str(MAX_PER_NODE)])
-
-    def cleanup() -> None:
-        try:
-            Sandbox.kill_many(node=a.unix)
-        except BackendUnavailable:
-            pass
-        a.stop()
-        from runtime.config import RuntimeConfig
-        from runtime.node import Node
-        # whatever a killed agent left, a node on the same state cleans up
-        n = Node(RuntimeConfig(store=store, cluster=None, state_dir=d / "state",
-                               node_root=lazy.paths.root))
-        n.kill_many(None)
-        n.close()
-
-    stack.callback(cleanup)
-    return a
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
     why = runtime_missing() or etcd_missing()
@@ -191,7 +164,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
     d = tmp_path_factory.mktemp("fleet")
     with ExitStack() as stack:
         etcd = stack.enter_context(EtcdServer(d / "etcd"))
-        agents = {f"n{i}": _agent(d / f"n{i}", etcd.url, f"n{i}", stack) for i in range(3)}
+        agents = {f"n{i}": fleet_agent(d / f"n{i}", etcd.url, f"n{i}", stack, token=TOKEN,
+                                       max_sandboxes=MAX_PER_NODE) for i in range(3)}
         for a in agents.values():
             a.start()
         e = Etcd(etcd.url)

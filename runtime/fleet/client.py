@@ -48,7 +48,7 @@ from ..files import FileInfo
 from ..spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, SnapshotInfo, VerifyRequest
 from .etcd import Etcd
 from .records import DRAIN, NODES, NodeRecord, NodeView, check_node_id, drain_key, node_of
-from .scheduler import K, Request, candidates
+from .scheduler import Index, K, Request, candidates
 
 if TYPE_CHECKING:
     from ..backends.base import Sink
@@ -87,49 +87,48 @@ class NodeList:
         self.refresh, self.max_stale = refresh, max_stale
         self._clock = clock
         self._lock = threading.Lock()
-        self._nodes: list[NodeView] | None = None
-        self._by_id: dict[str, NodeView] = {}
+        self._index: Index | None = None
         self._read_at = -1e18
         self._addresses: dict[str, str] = {}  # every node seen, for calls by id
         self.reads = 0
 
     def nodes(self, *, fresh: bool = False) -> list[NodeView]:
+        return self.index(fresh=fresh).nodes
+
+    def index(self, *, fresh: bool = False) -> Index:
         """The current list: read again when older than `refresh` (or
         `fresh`); on an etcd failure the last one while younger than
         max_stale, else FleetUnavailable."""
         with self._lock:
             now = self._clock()
-            if self._nodes is not None and not fresh and now - self._read_at < self.refresh:
-                return self._nodes
+            if self._index is not None and not fresh and now - self._read_at < self.refresh:
+                return self._index
             try:
                 nodes = read_nodes(self.etcd)
             except FleetUnavailable as e:
                 age = now - self._read_at
-                if self._nodes is not None and age < self.max_stale:
+                if self._index is not None and age < self.max_stale:
                     log.warning("%s; placing on the node list of %.1f s ago", e, age)
-                    return self._nodes
+                    return self._index
                 raise FleetUnavailable(
                     f"cannot place a sandbox: {e} (and no node list younger than "
                     f"{self.max_stale:g} s); sandboxes already running can still be "
                     "called by id") from None
             self.reads += 1
-            self._nodes, self._read_at = nodes, now
-            self._by_id = {n.record.node_id: n for n in nodes}
+            self._index, self._read_at = Index(nodes), now
             self._addresses.update((n.record.node_id, n.record.address) for n in nodes)
-            return nodes
+            return self._index
 
     def address(self, node_id: str, sandbox_id: str) -> str:
         """Where `node_id`'s agent answers: NodeLost when etcd no longer
         lists it; its last known address when etcd does not answer."""
         try:
-            self.nodes()
+            view = self.index().by_id.get(node_id)
         except FleetUnavailable:
             with self._lock:
                 if node_id in self._addresses:
                     return self._addresses[node_id]
             raise
-        with self._lock:
-            view = self._by_id.get(node_id)
         if view is None:
             raise NodeLost(f"sandbox {sandbox_id}: its node {node_id} is not in the fleet "
                            "(its agent stopped renewing its lease)")
@@ -168,25 +167,26 @@ class Fleet:
 
     # -- create ------------------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxInfo:
-        nodes = self.nodes.nodes()
-        order = candidates(nodes, Request.of(spec, self.node_labels), k=self.k, rng=self._rng)
-        if not order:
-            raise FleetUnavailable(
+        index = self.nodes.index()
+        nodes = index.nodes
+        refusals: list[str] = []
+        for node_id in candidates(index, Request.of(spec, self.node_labels), k=self.k,
+                                  rng=self._rng):
+            try:
+                return self.agent(index.by_id[node_id].record.address).create(spec)
+            except QuotaExceeded as e:  # the node's final say: try the next
+                refusals.append(f"{node_id}: {e}")
+            except BackendUnavailable as e:
+                refusals.append(f"{node_id}: {e}")
+        if refusals:
+            raise QuotaExceeded("every candidate node refused the sandbox: "
+                                + "; ".join(refusals))
+        raise FleetUnavailable(
                 f"no node of the fleet {self.url} can take a {spec.backend} sandbox of "
                 f"{spec.memory_mb} MB ({spec.qos.value})"
                 + (f" with labels {self.node_labels}" if self.node_labels else "")
                 + f": {len(nodes)} nodes listed, "
                 f"{sum(n.draining for n in nodes)} drained")
-        by_id = {n.record.node_id: n for n in nodes}
-        refusals = []
-        for node_id in order:
-            try:
-                return self.agent(by_id[node_id].record.address).create(spec)
-            except QuotaExceeded as e:  # the node's final say: try the next
-                refusals.append(f"{node_id}: {e}")
-            except BackendUnavailable as e:
-                refusals.append(f"{node_id}: {e}")
-        raise QuotaExceeded(f"every candidate node refused the sandbox: {'; '.join(refusals)}")
 
     # -- by id -----------------------------------------------------------------
     def _on(self, sandbox_id: str, call: Callable[[Http], T]) -> T:

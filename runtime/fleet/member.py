@@ -40,7 +40,7 @@ from .records import (
 log = logging.getLogger(__name__)
 
 TTL = 5  # seconds: how long a dead agent still receives placements (at most)
-MIN_INTERVAL = 1.0  # seconds between two record writes, at least
+MIN_INTERVAL = 2.0  # seconds between two record writes, at least
 MAX_INTERVAL = 30.0  # seconds between two record writes, at most
 RETRY = 0.5  # seconds between two attempts while etcd does not answer
 

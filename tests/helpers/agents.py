@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from runtime import BackendUnavailable, Sandbox
@@ -89,10 +89,39 @@ def running_agent(d: Path) -> Iterator[Agent]:
             except BackendUnavailable:
                 pass
             a.stop()
-            from runtime.config import RuntimeConfig
-            from runtime.node import Node
-            # whatever a killed agent left, a node on the same state cleans up
-            n = Node(RuntimeConfig(store=store, cluster=None, state_dir=d / "state",
-                                   node_root=lazy.paths.root))
-            n.kill_many(None)
-            n.close()
+            _sweep(d / "state", store, lazy.paths.root)
+
+
+def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
+                max_sandboxes: int) -> Agent:
+    """An agent (not started) in the fleet of `etcd_url` as `node_id`, with
+    its own busybox store, lazyfs daemon and state in `d`, the fleet's
+    `token` and label zone=<node id>. `stack` stops it and its daemon and
+    kills its sandboxes, also what a killed agent left."""
+    store = busybox_store(d)
+    lazy = stack.enter_context(LazyNode(d / "lazynode", store))
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "token").write_text(token + "\n")
+    a = Agent(d, store, lazy.paths.root, extra=[
+        "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
+        "--max-sandboxes", str(max_sandboxes)])
+
+    def cleanup() -> None:
+        try:
+            Sandbox.kill_many(node=a.unix)
+        except BackendUnavailable:
+            pass
+        a.stop()
+        _sweep(d / "state", store, lazy.paths.root)
+
+    stack.callback(cleanup)
+    return a
+
+
+def _sweep(state: Path, store: Path, node_root: Path) -> None:
+    """Whatever a killed agent left, a node on the same state cleans up."""
+    from runtime.config import RuntimeConfig
+    from runtime.node import Node
+    n = Node(RuntimeConfig(store=store, cluster=None, state_dir=state, node_root=node_root))
+    n.kill_many(None)
+    n.close()
