@@ -122,7 +122,7 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
             extra[f"overcommit_{qos}"] = float(factor)
         except ValueError:
             raise QuietError(f"--overcommit {qos}={factor}: not a number", exit_code=2) from None
-    if fleet is not None:
+    if fleet is not None and not stop:
         if not node_id or not listen:
             raise QuietError("--fleet needs --node-id and --listen (clients reach the node "
                              "over TCP)", exit_code=2)

@@ -31,9 +31,10 @@ import httpx
 from ..errors import FleetUnavailable, InvalidSpec
 
 SCHEME = "etcd://"
-# a call to etcd that takes longer than this is etcd being down for us:
-# creations must fail fast rather than hang (docs/fleet.md, "etcd down")
-TIMEOUT = httpx.Timeout(2.0, connect=1.0)
+# a member that does not accept a connection within 1 s is down for us
+# (creations fail fast: docs/fleet.md, "Failures"); an answer may take
+# longer on a loaded member (a read of 1,000 node records is ~1 MiB)
+TIMEOUT = httpx.Timeout(10.0, connect=1.0)
 
 
 def _b64(data: bytes) -> str:

@@ -28,7 +28,9 @@ from ..spec import Qos, SandboxSpec
 from .records import NodeView
 
 K = 2  # power of two choices: the classic result (Mitzenmacher)
-LOCALITY_WEIGHT = 1.0  # a node holding all of the image's layers ≈ one fully loaded node
+# a node holding all of the image's layers wins over an idle one until it is
+# 25 % busier: locality attracts, without piling a whole burst onto one node
+LOCALITY_WEIGHT = 0.25
 # what a client assumes of overcommit when filtering; the node's own
 # configuration decides (a refusal only costs a retry)
 OVERCOMMIT = {Qos.latency: 1.0, Qos.best_effort: 4.0}
