@@ -81,6 +81,16 @@ def _full_pass(index: Index, req: Request, rng: random.Random) -> str | None:
     return best.record.node_id if best else None
 
 
+def _run_all(threads: list[threading.Thread]) -> float:
+    """Start the threads, wait for all; the wall time in seconds."""
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - t0
+
+
 def bench_placement(url: str, threads: int, seconds: float,
                     decide: Callable[[Index, Request, random.Random], str | None]
                     ) -> dict[str, Any]:
@@ -104,13 +114,7 @@ def bench_placement(url: str, threads: int, seconds: float,
         reads[t] = nodes.reads
         nodes.etcd.close()
 
-    ts = [threading.Thread(target=client, args=(t,)) for t in range(threads)]
-    t0 = time.monotonic()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = time.monotonic() - t0
+    wall = _run_all([threading.Thread(target=client, args=(t,)) for t in range(threads)])
     allv = [x * 1e3 for s in samples for x in s]
     return {"threads": threads, "decisions": len(allv), "per_s": len(allv) / wall,
             "p50_ms": quantile(allv, 0.5), "p99_ms": quantile(allv, 0.99),
@@ -193,14 +197,8 @@ def agents_part(quick: bool, burst_n: int) -> dict[str, Any]:
                         lat.append((time.perf_counter() - t0) * 1e3)
                         ids.append(sb.id)
 
-            ts = [threading.Thread(target=worker) for _ in range(8)]
             r0 = _revision(etcd)
-            t0 = time.monotonic()
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            wall = time.monotonic() - t0
+            wall = _run_all([threading.Thread(target=worker) for _ in range(8)])
             writes = _revision(etcd) - r0
             return {"n": len(ids), "wall_s": wall, "per_s": len(ids) / wall,
                     "p50_ms": quantile(lat, 0.5), "p99_ms": quantile(lat, 0.99),

@@ -15,14 +15,10 @@ from runtime import BackendUnavailable, Sandbox
 from .lazynode import LazyNode
 from .process import ServerProcess
 from .sandboxes import busybox_store
+from .support import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Agent(ServerProcess):
@@ -34,7 +30,7 @@ class Agent(ServerProcess):
         super().__init__(d / "agent.log", startup_timeout=20, stop_grace=10)
         self.d, self.store, self.node_root = d, store, node_root
         self.sock = d / "agent.sock"
-        self.port = _free_port()
+        self.port = free_port()
         self.token_file = d / "token"
         self.extra = list(extra)
 
@@ -84,12 +80,7 @@ def running_agent(d: Path) -> Iterator[Agent]:
         try:
             yield a
         finally:
-            try:
-                Sandbox.kill_many(node=a.unix)
-            except BackendUnavailable:
-                pass
-            a.stop()
-            _sweep(d / "state", store, lazy.paths.root)
+            _teardown(a)
 
 
 def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
@@ -106,22 +97,21 @@ def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token
         "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
         "--max-sandboxes", str(max_sandboxes)])
 
-    def cleanup() -> None:
-        try:
-            Sandbox.kill_many(node=a.unix)
-        except BackendUnavailable:
-            pass
-        a.stop()
-        _sweep(d / "state", store, lazy.paths.root)
-
-    stack.callback(cleanup)
+    stack.callback(_teardown, a)
     return a
 
 
-def _sweep(state: Path, store: Path, node_root: Path) -> None:
-    """Whatever a killed agent left, a node on the same state cleans up."""
+def _teardown(a: Agent) -> None:
+    """Kill the agent's sandboxes, stop it, and clean up whatever a killed
+    agent left (a node on the same state does)."""
+    try:
+        Sandbox.kill_many(node=a.unix)
+    except BackendUnavailable:
+        pass
+    a.stop()
     from runtime.config import RuntimeConfig
     from runtime.node import Node
-    n = Node(RuntimeConfig(store=store, cluster=None, state_dir=state, node_root=node_root))
+    n = Node(RuntimeConfig(store=a.store, cluster=None, state_dir=a.d / "state",
+                           node_root=a.node_root))
     n.kill_many(None)
     n.close()

@@ -11,7 +11,6 @@ parent-death signal so a killed test run leaves no etcd behind).
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ import httpx
 from runtime.errors import FleetUnavailable
 
 from .process import ServerProcess
+from .support import free_port
 
 
 def etcd_missing() -> str | None:
@@ -26,11 +26,6 @@ def etcd_missing() -> str | None:
         return "needs etcd (apt-get install etcd-server)"
     return None
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer(ServerProcess):
@@ -40,8 +35,8 @@ class EtcdServer(ServerProcess):
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir / "etcd.log", startup_timeout=20, stop_grace=5)
         self.workdir = workdir
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
 
     @property
     def client_url(self) -> str:
@@ -53,18 +48,13 @@ class EtcdServer(ServerProcess):
 
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
-        self.spawn(["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
+        self.launch(["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
                     "--listen-client-urls", self.client_url,
                     "--advertise-client-urls", self.client_url,
                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                     "--initial-cluster", f"test={peer}",
                     "--listen-metrics-urls", "", "--log-level", "warn"],
                    cwd=self.workdir)
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
 
     def ready(self) -> bool:
         try:
