@@ -45,6 +45,7 @@ from tests.helpers.support import root_only, wait_until
 
 TOKEN = "fleet-test-token"
 MAX_PER_NODE = 6
+MEMORY_MB = 16384  # each agent's memory admission (latency class: x1)
 
 
 # -- placement and records (no servers) ---------------------------------------
@@ -165,7 +166,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
     with ExitStack() as stack:
         etcd = stack.enter_context(EtcdServer(d / "etcd"))
         agents = {f"n{i}": fleet_agent(d / f"n{i}", etcd.url, f"n{i}", stack, token=TOKEN,
-                                       max_sandboxes=MAX_PER_NODE) for i in range(3)}
+                                       max_sandboxes=MAX_PER_NODE, memory_mb=MEMORY_MB)
+                  for i in range(3)}
         for a in agents.values():
             a.start()
         e = Etcd(etcd.url)
@@ -373,3 +375,48 @@ def test_etcd_down_calls_by_id_work_creates_fail_fast(fleet: FleetEnv) -> None:
             Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
         except SandboxError:
             pass
+
+
+@root_only
+def test_node_agent_metrics_scraped(fleet: FleetEnv) -> None:
+    """What an operator's Prometheus scrapes from an agent (with the token)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    agent = fleet.agents["n2"]
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        r = httpx.get(f"{agent.http}/metrics", headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+    assert httpx.get(f"{agent.http}/metrics").status_code == 401  # the token guards it too
+    before = scrape()
+    running = (("backend", "container"), ("qos", "latency"), ("state", "running"))
+    labels = {"test": "metrics"}
+    try:
+        sbs = [Sandbox.create(IMAGE, node=agent.http, token=TOKEN, labels=labels)
+               for _ in range(2)]
+        sbs[0].exec("true")
+        sbs[1].pause()
+        with pytest.raises(QuotaExceeded, match="admits 16384 MB of latency"):
+            Sandbox.create(IMAGE, node=agent.http, token=TOKEN, labels=labels,
+                           memory_mb=MEMORY_MB)  # with the two: past the node's memory
+        # best effort is packed denser (overcommit 4): the same size is admitted
+        Sandbox.create(IMAGE, node=agent.http, token=TOKEN, labels=labels,
+                       memory_mb=MEMORY_MB, qos="best_effort").kill()
+        after = scrape()
+        assert after[("lazyfs_sandboxes", running)] == before.get(("lazyfs_sandboxes", running),
+                                                                  0) + 1
+        paused = (("backend", "container"), ("qos", "latency"), ("state", "paused"))
+        assert after[("lazyfs_sandboxes", paused)] == 1
+        created = ("lazyfs_sandbox_creates_total", (("backend", "container"),))
+        assert after[created] == before.get(created, 0) + 3
+        refused = ("lazyfs_sandbox_create_refusals_total", (("error", "QuotaExceeded"),))
+        assert after[refused] == before.get(refused, 0) + 1
+        execs = ("lazyfs_exec_seconds_count", (("backend", "container"),))
+        assert after[execs] == before.get(execs, 0) + 1
+        assert after[("lazyfs_sandbox_memory_bytes", ())] > 0  # read from their cgroups
+    finally:
+        Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)

@@ -27,6 +27,7 @@ from ..fleet.etcd import Etcd
 from ..fleet.member import Member, Registration
 from ..node import Node
 from .app import make_app
+from .metrics import AgentMetrics
 from .launch import agent_socket, pid_file
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,13 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
     # The Unix socket is guarded by its permissions; TCP by the token: two
     # servers over one node.
     servers = []
+    metrics = AgentMetrics(node)
     if socket is not None:
         socket.parent.mkdir(parents=True, exist_ok=True)
         socket.unlink(missing_ok=True)
-        servers.append((make_app(node), config([f"unix:{socket}"])))
+        servers.append((make_app(node, metrics=metrics), config([f"unix:{socket}"])))
     if listen:
-        servers.append((make_app(node, token), config(list(listen))))
+        servers.append((make_app(node, token, metrics), config(list(listen))))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

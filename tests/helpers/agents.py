@@ -84,10 +84,10 @@ def running_agent(d: Path) -> Iterator[Agent]:
 
 
 def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
-                max_sandboxes: int) -> Agent:
+                max_sandboxes: int, memory_mb: int | None = None) -> Agent:
     """An agent (not started) in the fleet of `etcd_url` as `node_id`, with
     its own busybox store, lazyfs daemon and state in `d`, the fleet's
-    `token` and label zone=<node id>. `stack` stops it and its daemon and
+    `token` and label zone=<node id>; `memory_mb`: its memory admission. `stack` stops it and its daemon and
     kills its sandboxes, also what a killed agent left."""
     store = busybox_store(d)
     lazy = stack.enter_context(LazyNode(d / "lazynode", store))
@@ -95,7 +95,8 @@ def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token
     (d / "token").write_text(token + "\n")
     a = Agent(d, store, lazy.paths.root, extra=[
         "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
-        "--max-sandboxes", str(max_sandboxes)])
+        "--max-sandboxes", str(max_sandboxes),
+        *(["--memory-mb", str(memory_mb)] if memory_mb is not None else [])])
 
     stack.callback(_teardown, a)
     return a
