@@ -301,8 +301,11 @@ def set_holder(paths: NodePaths, digests: list[str], mountpoint: Path, pid: int,
                start: int) -> None:
     """Record that mountpoint's root is held by process pid (its mount
     namespace keeps the overlay after the host's mount is detached): the
-    layers stay in use while it lives. Call under `locked(paths)`."""
-    add_user(paths, digests, mountpoint, holder_target(mountpoint, pid, start))
+    layers stay in use while it lives (nothing to record before the user
+    index is built: building it reads the holders from the registry). Call
+    under `locked(paths)`."""
+    if digests and _index_ready(paths):
+        add_user(paths, digests, mountpoint, holder_target(mountpoint, pid, start))
 
 
 def _has_live_user(d: Path) -> bool:

@@ -33,6 +33,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,9 +136,26 @@ def _escape(path: Path) -> str:
     return str(path).replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
 
 
+@contextlib.contextmanager
+def _layer_names(dirs: list[Path], hide: bool) -> Iterator[list[str]]:
+    """The overlay option strings naming dirs: their escaped paths, or (hide)
+    /proc/self/fd/N of O_PATH descriptors open while the context lasts."""
+    if not hide:
+        yield [_escape(d) for d in dirs]
+        return
+    fds: list[int] = []
+    try:
+        for d in dirs:
+            fds.append(os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        yield [f"/proc/self/fd/{fd}" for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: Path, *,
                 writable: Path | None = None, allow_devices: bool = False,
-                kernel: bool | None = None) -> ComposedMount:
+                kernel: bool | None = None, hide_paths: bool = False) -> ComposedMount:
     """Mount image `name` (catalog name or digest) composed at `mountpoint`.
     The daemon must be running. Undone completely on failure.
 
@@ -150,7 +168,12 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
     somebody else chose, and its setuid binaries and device nodes must not
     work for users of this host (a container runtime that confines them in
     its own namespaces may allow them). The shared EROFS mounts are always
-    nosuid,nodev; the composed mount's flags are the ones that count."""
+    nosuid,nodev; the composed mount's flags are the ones that count.
+
+    hide_paths: name the layers in the overlay's options as /proc/self/fd/N
+    (descriptors held for the mount call only) instead of their host paths,
+    so /proc/self/mountinfo inside a sandbox on this root says nothing about
+    the host's directories; the registry still records which layers it has."""
     if not paths.layers.is_dir():
         raise MountError(f"no lazyfs daemon serving {paths.mnt}")
     digest, image = catalog.resolve(name)
@@ -179,11 +202,10 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
             except OSError as e:
                 raise MountError(f"cannot write directory fixups into {upper}: {e}") from e
             done.write_text(digest + "\n")
-        above = ""
-        below = f",upperdir={_escape(upper)},workdir={_escape(work)}"
+        above: list[Path] = []
+        rw_dirs: list[Path] = [upper, work]
     else:
-        above = _escape(_fixup_layer(paths, digest, fixups)) + ":"
-        below = ""
+        above, rw_dirs = [_fixup_layer(paths, digest, fixups)], []
         flags |= sysmount.MS_RDONLY
     # the shared EROFS mounts are looked up, made, and counted (in their user
     # index, and in the registry file written below) under one lock, so a
@@ -198,16 +220,19 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
                 erofsmounts.add_user(paths, layer_digests, mountpoint)
             else:
                 lowers = [paths.layers / d for d in reversed(layer_digests)]
-            data = f"lowerdir={above}{':'.join(_escape(p) for p in lowers)}{below}"
-            if len(data) > MAX_OPTIONS:
-                raise MountError(f"{name}: {len(image.layers)} layers make overlayfs options "
-                                 f"of {len(data)} bytes (limit {MAX_OPTIONS}); use a shorter "
-                                 "daemon root")
-            try:
-                sysmount.mount("overlay", mountpoint, "overlay", flags, data)
-            except OSError as e:
-                raise MountError(f"overlayfs mount of {name} on {mountpoint} failed: "
-                                 f"{e.strerror} (see dmesg)") from e
+            with _layer_names(above + lowers + rw_dirs, hide_paths) as names:
+                data = "lowerdir=" + ":".join(names[:len(above) + len(lowers)])
+                if rw_dirs:
+                    data += f",upperdir={names[-2]},workdir={names[-1]}"
+                if len(data) > MAX_OPTIONS:
+                    raise MountError(f"{name}: {len(image.layers)} layers make overlayfs "
+                                     f"options of {len(data)} bytes (limit {MAX_OPTIONS}); "
+                                     "use a shorter daemon root")
+                try:
+                    sysmount.mount("overlay", mountpoint, "overlay", flags, data)
+                except OSError as e:
+                    raise MountError(f"overlayfs mount of {name} on {mountpoint} failed: "
+                                     f"{e.strerror} (see dmesg)") from e
             try:
                 _register(paths, mountpoint, {
                     "mountpoint": str(mountpoint), "image": digest, "name": name,
@@ -307,8 +332,7 @@ def detach(paths: NodePaths, mountpoint: Path, holder_pid: int) -> None:
         record["holder"] = {"pid": holder_pid, "start": start}
         _register(paths, mountpoint, record)
         layers = [str(d) for d in record.get("erofs_layers") or []]
-        if layers and erofsmounts._index_ready(paths):
-            erofsmounts.set_holder(paths, layers, mountpoint, holder_pid, start)
+        erofsmounts.set_holder(paths, layers, mountpoint, holder_pid, start)
         try:
             sysmount.umount(mountpoint, lazy=True)
         except OSError as e:

@@ -87,3 +87,8 @@ class RuntimeConfig:
     @property
     def bin_dir(self) -> Path:
         return self.state_dir / "bin"
+
+    @property
+    def init_dir(self) -> Path:
+        """A small tmpfs holding the sandbox-init that containers bind."""
+        return self.state_dir / "init"

@@ -3,8 +3,9 @@
 What a sandbox can reach is decided here: its own mount, pid, uts, ipc,
 network and cgroup namespaces; a composed root whose writes land in its own
 upper layer; /proc and /sys masked the way runc's default spec masks them; no
-host path except the read-only sandbox-init binary (on /dev, a tmpfs of the
-container's own, so it adds nothing to the image's tree); a small capability
+host path except the read-only sandbox-init binary (bound from a tmpfs of the
+node's, so its mountinfo entry names no host directory, onto /dev, a tmpfs of
+the container's own, so it adds nothing to the image's tree); a small capability
 set; no new privileges; the default seccomp policy; cgroup limits.
 """
 

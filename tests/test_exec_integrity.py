@@ -143,6 +143,22 @@ def test_host_describing_kernel_files_read_as_nothing(sb: Sandbox) -> None:
     assert r.stdout.strip() == b"0"
 
 
+def test_the_mount_table_names_no_host_directory(node: Node, sb: Sandbox) -> None:
+    """The root's overlay options name its layers as /proc/self/fd/N, not
+    by the host directories they are (the node root, the state directory)."""
+    host_dirs = [str(node.config.state_dir), str(node.config.node_root)]
+    info = sb.info
+    rw = node.config.state_dir / "sandboxes" / info.id / "rw" / "upper"
+    assert rw.is_dir()  # the upper the root really uses lives under the state directory
+    sb.files.write("/probe", b"x")
+    assert (rw / "probe").read_bytes() == b"x"  # ... and is the one written to
+    for f in ("/proc/self/mountinfo", "/proc/self/mounts", "/proc/1/mountinfo"):
+        text = sb.exec(f"cat {f}").stdout.decode()
+        assert " / " in text and "overlay" in text, (f, text[:200])
+        for d in host_dirs:
+            assert d not in text, (f, d, text[:400])
+
+
 # -- microVM and full VM ------------------------------------------------------------
 # The guest agent (runtime/native/guest-agent.c) holds the VM's only channel to
 # the host, a virtio-serial port. A guest process that took its descriptor

@@ -84,6 +84,28 @@ class ContainerState(BackendState):
 Container = Handle[ContainerState]
 
 
+def _init_view(d: Path, built: Path) -> Path:
+    """sandbox-init as containers bind it: a copy on a small tmpfs of the
+    node's (d). The bind's source shows in every sandbox's mountinfo as a
+    path inside its filesystem; on this tmpfs that path names no host
+    directory."""
+    d.mkdir(mode=0o700, exist_ok=True)
+    if not sysmount.is_mount_point(d):
+        try:
+            sysmount.mount("tmpfs", d, "tmpfs", sysmount.MS_NOSUID | sysmount.MS_NODEV,
+                           "size=16m,mode=0755")
+        except OSError as e:
+            raise BackendUnavailable(f"cannot mount a tmpfs on {d} for sandbox-init: "
+                                     f"{e.strerror}") from e
+    out = d / built.name
+    if not out.exists():
+        tmp = d / f".{built.name}.tmp"
+        shutil.copyfile(built, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    return out
+
+
 class ContainerBackend:
     name = "container"
     state_type = ContainerState
@@ -106,7 +128,7 @@ class ContainerBackend:
         if os.geteuid() != 0:
             raise BackendUnavailable("the container backend needs root (cgroups, mounts)")
         if self._init is None:
-            self._init = sandbox_init(self.config.bin_dir)
+            self._init = _init_view(self.config.init_dir, sandbox_init(self.config.bin_dir))
         return self._init
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
@@ -151,7 +173,7 @@ class ContainerBackend:
                 st.rw_tmpfs = True
             try:  # by digest: content-addressed, whatever the tag names by now
                 mount_image(paths, self.images.catalog(), h.image.digest, rootfs, writable=rw,
-                            allow_devices=True)
+                            allow_devices=True, hide_paths=True)
             except MountError as e:
                 raise BackendUnavailable(f"composing {h.image.name} ({h.image.digest}): "
                                          f"{e}") from e
@@ -242,7 +264,13 @@ class ContainerBackend:
         return {"running": "running", "paused": "paused"}.get(st, "stopped")
 
     def close(self) -> None:
-        pass
+        # running containers keep their bind of init (their own mount
+        # namespaces hold the tmpfs); the next node mounts a fresh one
+        self._init = None
+        d = self.config.init_dir
+        if sysmount.is_mount_point(d):
+            with contextlib.suppress(OSError):
+                sysmount.umount(d, lazy=True)
 
     # -- pause ---------------------------------------------------------------
     def pause(self, h: Container) -> dict[str, Any]:
