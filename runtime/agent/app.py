@@ -40,8 +40,8 @@ from ..backends import capabilities
 from ..errors import ExecError, SandboxError
 from ..files import FileInfo
 from ..node import Node
-from .metrics import CONTENT_TYPE, AgentMetrics
 from ..spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, SnapshotInfo, VerifyRequest
+from .metrics import CONTENT_TYPE, AgentMetrics
 
 STREAM_BUFFER = 64
 EXEC_THREADS = 8192  # execs hold a thread for their whole run; control calls must not wait
@@ -245,6 +245,7 @@ async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest,
             msg = line({"result": r.model_dump(mode="json")})
         except SandboxError as e:
             msg = line(error_body(e))
+        backend: str
         try:
             backend = node.get(sandbox_id).spec.backend
         except SandboxError:  # killed meanwhile

@@ -27,8 +27,8 @@ from ..fleet.etcd import Etcd
 from ..fleet.member import Member, Registration
 from ..node import Node
 from .app import make_app
-from .metrics import AgentMetrics
 from .launch import agent_socket, pid_file
+from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
