@@ -127,12 +127,12 @@ class Member:
             load=load, images=_images(self.node), labels=self.reg.labels,
             started=self.started, reported=time.time())
 
-    @staticmethod
-    def _shape(r: NodeRecord) -> tuple[object, ...]:
+    def _shape(self) -> tuple[object, ...]:
         """What must reach etcd soon when it changes (usage figures wait
-        for max_interval)."""
-        return (r.load.sandboxes, r.load.requested_memory_mb,
-                tuple(i.digest for i in r.images), tuple(sorted(r.labels.items())))
+        for max_interval); cheap: no cgroup is read for it."""
+        census = self.node.census()
+        return (len(census), tuple(sorted(self.node.asked().values())),
+                frozenset(image.digest for _, image in census))
 
     # -- the loop --------------------------------------------------------------
     def start(self) -> None:
@@ -170,14 +170,13 @@ class Member:
                         self.lease = None
                         continue
                     renewed_at = now
-                record = self.record()
-                shape = self._shape(record)
+                shape = self._shape()
                 due = (written_shape is None
                        or (shape != written_shape and now - written_at >= self.min_interval)
                        or now - written_at >= self.max_interval)
                 if due:
                     self.etcd.put(node_key(self.reg.node_id),
-                                  record.model_dump_json().encode(), lease=self.lease)
+                                  self.record().model_dump_json().encode(), lease=self.lease)
                     self.writes += 1
                     written_shape, written_at = shape, now
             except SandboxError as e:
