@@ -57,8 +57,10 @@ def _node(node_id: str, *, sandboxes: int = 0, backends: tuple[str, ...] = ("con
     images = [ImageLocality(name=IMAGE, digest="d" * 64, layers=list(layers))] if layers else []
     return NodeView(draining=draining, record=NodeRecord(
         node_id=node_id, address=f"http://{node_id}:1", backends=list(backends),
-        capacity=Capacity(cores=2, memory_mb=4096, disk_mb=0, max_sandboxes=max_sandboxes),
-        load=Load(sandboxes=sandboxes, requested_memory_mb=asked_mb), images=images,
+        capacity=Capacity(cores=2, memory_mb=4096, disk_mb=0, max_sandboxes=max_sandboxes,
+                          overcommit={"latency": 1.0, "best_effort": 4.0}),
+        load=Load(sandboxes=sandboxes, requested_memory_mb=asked_mb,
+                  by_qos_memory_mb={"latency": asked_mb}), images=images,
         labels=labels or {}))
 
 
@@ -126,11 +128,15 @@ def test_etcd_lease_expiry_removes_a_record_and_a_stale_list_is_bounded(tmp_path
                  lease=lease)
         nodes = NodeList(etcd, refresh=0.0, max_stale=1.5)
         assert [n.record.node_id for n in nodes.nodes()] == ["n1"]
+        # a list past `refresh` is read again in the background: the next looks see it
+        etcd.put("/lazyfs/fleet/nodes/n3", _node("n3").record.model_dump_json().encode(),
+                 lease=lease)
+        wait_until(lambda: len(nodes.nodes()) == 2, 5, "the background read of the list")
         # not renewed: etcd drops it (no lease logic of ours)
         wait_until(lambda: not read_nodes(etcd), 10, "the record expires with its lease")
         assert not etcd.keepalive(lease)
         etcd.put("/lazyfs/fleet/nodes/n2", _node("n2").record.model_dump_json().encode())
-        assert [n.record.node_id for n in nodes.nodes()] == ["n2"]
+        assert [n.record.node_id for n in nodes.nodes(fresh=True)] == ["n2"]
         server.kill()
         t0 = time.monotonic()
         assert [n.record.node_id for n in nodes.nodes()] == ["n2"]  # younger than max_stale

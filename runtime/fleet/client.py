@@ -9,10 +9,10 @@ lists (`Sandbox.create(image, fleet="etcd://host:2379")` or $LAZYFS_FLEET).
     list, *_many  every live node at once, results together
 
 The node list comes from etcd at most every REFRESH seconds (one range read
-of the node records; placements in between use it as it is). When etcd does
-not answer, a list younger than MAX_STALE seconds is used still (nodes
-change slowly; the nodes' admission catches what it got wrong); older, a
-create fails at once with FleetUnavailable. Calls by id do not need etcd:
+of the node records, in a background thread: placements go on with the
+list they have). When etcd does not answer, a list younger than MAX_STALE
+seconds is used still (nodes change slowly; the nodes' admission catches
+what it got wrong); older, a create fails at once with FleetUnavailable. Calls by id do not need etcd:
 the address of a node seen once is remembered for the process's life.
 
 All agents of a fleet take the same bearer token (`token=` or
@@ -88,6 +88,7 @@ class NodeList:
         self._clock = clock
         self._lock = threading.Lock()
         self._index: Index | None = None
+        self._refreshing = False
         self._read_at = -1e18
         self._addresses: dict[str, str] = {}  # every node seen, for calls by id
         self.reads = 0
@@ -96,28 +97,46 @@ class NodeList:
         return self.index(fresh=fresh).nodes
 
     def index(self, *, fresh: bool = False) -> Index:
-        """The current list: read again when older than `refresh` (or
-        `fresh`); on an etcd failure the last one while younger than
-        max_stale, else FleetUnavailable."""
+        """The current list. Older than `refresh`: read again in the
+        background while placements go on with this one (a decision never
+        waits for etcd while the list is younger than max_stale); no list,
+        `fresh`, or one older than max_stale: read now, and if etcd does
+        not answer, FleetUnavailable."""
+        now = self._clock()
         with self._lock:
-            now = self._clock()
-            if self._index is not None and not fresh and now - self._read_at < self.refresh:
-                return self._index
-            try:
-                nodes = read_nodes(self.etcd)
-            except FleetUnavailable as e:
-                age = now - self._read_at
-                if self._index is not None and age < self.max_stale:
-                    log.warning("%s; placing on the node list of %.1f s ago", e, age)
-                    return self._index
-                raise FleetUnavailable(
-                    f"cannot place a sandbox: {e} (and no node list younger than "
-                    f"{self.max_stale:g} s); sandboxes already running can still be "
-                    "called by id") from None
+            index, age = self._index, now - self._read_at
+            if index is not None and not fresh and age < self.max_stale:
+                if age >= self.refresh and not self._refreshing:
+                    self._refreshing = True
+                    threading.Thread(target=self._refresh_in_background, daemon=True,
+                                     name="fleet-nodes").start()
+                return index
+        try:
+            return self._read()
+        except FleetUnavailable as e:
+            raise FleetUnavailable(
+                f"cannot place a sandbox: {e} (and no node list younger than "
+                f"{self.max_stale:g} s); sandboxes already running can still be "
+                "called by id") from None
+
+    def _refresh_in_background(self) -> None:
+        try:
+            self._read()
+        except FleetUnavailable as e:
+            log.warning("%s; placing on the node list of %.1f s ago", e,
+                        self._clock() - self._read_at)
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    def _read(self) -> Index:
+        nodes = read_nodes(self.etcd)
+        index = Index(nodes)
+        with self._lock:
             self.reads += 1
-            self._index, self._read_at = Index(nodes), now
+            self._index, self._read_at = index, self._clock()
             self._addresses.update((n.record.node_id, n.record.address) for n in nodes)
-            return self._index
+        return index
 
     def address(self, node_id: str, sandbox_id: str) -> str:
         """Where `node_id`'s agent answers: NodeLost when etcd no longer

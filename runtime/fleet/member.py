@@ -118,12 +118,16 @@ class Member:
                     by_qos=dict(Counter(i.spec.qos.value for i, _ in census)),
                     requested_cpu=sum(i.spec.cpu for i, _ in census),
                     requested_memory_mb=sum(asked.values()),
+                    by_qos_memory_mb={q.value: mb for q, mb in asked.items()},
                     memory_used_mb=memory >> 20, cpu_used=round(cpu_used, 2))
         return NodeRecord(
             node_id=self.reg.node_id, address=self.reg.address, backends=self.reg.backends,
-            capacity=Capacity(cores=self.reg.cores,
-                              memory_mb=self.node.memory_capacity_mb(),
-                              disk_mb=self.reg.disk_mb, max_sandboxes=config.max_sandboxes),
+            capacity=Capacity(
+                cores=self.reg.cores, memory_mb=self.node.memory_capacity_mb(),
+                disk_mb=self.reg.disk_mb, max_sandboxes=config.max_sandboxes,
+                overcommit={} if config.memory_mb is None else {
+                    "latency": config.overcommit_latency,
+                    "best_effort": config.overcommit_best_effort}),
             load=load, images=_images(self.node), labels=self.reg.labels,
             started=self.started, reported=time.time())
 

@@ -66,6 +66,9 @@ class Capacity(_Record):
     memory_mb: int
     disk_mb: int
     max_sandboxes: int
+    # the node's memory admission: overcommit per QoS class ({} = none: it
+    # admits by max_sandboxes only)
+    overcommit: dict[str, float] = {}
 
 
 class Load(_Record):
@@ -76,6 +79,7 @@ class Load(_Record):
     # what the sandboxes asked for (admission compares these with capacity)
     requested_cpu: float = 0.0
     requested_memory_mb: int = 0
+    by_qos_memory_mb: dict[str, int] = {}  # requested memory per QoS class
     # what they use, from their cgroups
     memory_used_mb: int = 0
     cpu_used: float = 0.0  # cores busy, averaged since the last report

@@ -1,8 +1,9 @@
 """Placement in the client: which nodes to ask, in order, for one sandbox.
 
     filter   the node runs the backend, is not drained, has room (sandbox
-             count, memory asked vs its capacity times the QoS class's
-             overcommit) and carries every label the caller requires
+             count; where the node admits by memory, the memory its
+             sandboxes of the class asked vs its memory times the class's
+             overcommit, as it reports them) and carries every label asked
     score    load (sandboxes and asked memory against capacity, memory and
              CPU in use) minus a bonus for the share of the image's layers
              the node holds already (its daemon and page cache serve them)
@@ -31,9 +32,6 @@ K = 2  # power of two choices: the classic result (Mitzenmacher)
 # a node holding all of the image's layers wins over an idle one until it is
 # 25 % busier: locality attracts, without piling a whole burst onto one node
 LOCALITY_WEIGHT = 0.25
-# what a client assumes of overcommit when filtering; the node's own
-# configuration decides (a refusal only costs a retry)
-OVERCOMMIT = {Qos.latency: 1.0, Qos.best_effort: 4.0}
 
 
 @dataclass(frozen=True)
@@ -86,8 +84,11 @@ def feasible(n: NodeView, req: Request) -> bool:
         return False
     if any(r.labels.get(k) != v for k, v in req.selector.items()):
         return False
-    budget = r.capacity.memory_mb * OVERCOMMIT[req.qos]
-    return r.load.requested_memory_mb + req.memory_mb <= budget
+    factor = r.capacity.overcommit.get(req.qos.value)
+    if factor is None:  # the node admits by sandbox count only
+        return True
+    asked = r.load.by_qos_memory_mb.get(req.qos.value, 0)
+    return asked + req.memory_mb <= r.capacity.memory_mb * factor
 
 
 def score(n: NodeView, layers: frozenset[str], node_layers: frozenset[str]) -> float:
