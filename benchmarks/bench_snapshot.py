@@ -14,9 +14,17 @@ random bytes and copies S/2 MB of the image's file, then:
 fork of N       sb.fork(N) vs one snapshot + N plain creates of it, timed
                 apart (the target: fork within 2x of the latter)
 
+With --cross-node (results in snapshot_cluster.json): SeaweedFS on
+loopback, the image pushed to it, node A and, per case, two fresh nodes
+with empty node caches (own state directory, daemon and cache each). A
+sandbox on A makes the changes and is preempted (snapshot pushed, record,
+stop: seconds, bytes uploaded, memory and disk freed); then restore on
+fresh node B + the first exec reading a changed file, vs a plain create +
+first exec of the image on fresh node C (page cache dropped before each).
+
 Run as root from the repo root:
 
-    python -m benchmarks.bench_snapshot [--quick]
+    python -m benchmarks.bench_snapshot [--quick] [--cross-node]
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +50,18 @@ from benchmarks.report import (
     write_json,
 )
 from chunkstore import ChunkStore
+from chunkstore.cluster import Cluster
+from chunkstore.objects import open_object_store
 from composer.catalog import Catalog
 from composer.convert import convert
+from composer.push import push
 from runtime import Sandbox
+from runtime.config import RuntimeConfig
+from runtime.node import Node
 from tests.helpers.images import build_busybox_rootfs
+from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import node_for
+from tests.helpers.seaweed import SeaweedFS
 
 QUICK = {"sizes": [1, 10, 100], "base_mb": 128, "fork": 4}
 FULL = {"sizes": [1, 100, 1000], "base_mb": 512, "fork": 16}
@@ -89,20 +105,93 @@ def _timed(fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def _cluster_node(d: Path, url: str) -> Iterator[Node]:
+    """A node of the cluster store at `url` with a state directory, lazyfs
+    daemon and (empty) node cache of its own."""
+    with LazyNode(d / "lazy", d / "no-store", cluster=url) as lazy:
+        node = Node(RuntimeConfig(store=d / "no-store", cluster=url, state_dir=d / "state",
+                                  node_root=lazy.paths.root))
+        try:
+            yield node
+        finally:
+            for info in node.sandboxes():
+                node.kill(info.id)
+            node.close()
+
+
+def cross_node(args: argparse.Namespace, res: dict[str, Any], stack: contextlib.ExitStack,
+               d: Path) -> list[list[str]]:
+    store = _store(d, args.base_mb)
+    url = stack.enter_context(SeaweedFS(d / "weed")).store_url("bench")
+    with ChunkStore.open(store) as s, Catalog(s) as cat, \
+            Cluster(open_object_store(url)) as cluster:
+        push(cluster, s, cat, IMAGE)
+    a = stack.enter_context(_cluster_node(d / "a", url))
+    rows = []
+    for mb in args.sizes:
+        log(f"{mb} MB of changes, preempted on node A")
+        sb = Sandbox.create(IMAGE, node=a, memory_mb=4096)
+        _change(sb, mb)
+        record, preempt_s = _timed(sb.preempt)
+        with _cluster_node(d / f"c{mb}", url) as c:
+            plain_s, plain_exec = _create_exec(c, IMAGE, "cat /etc/hostname")
+        with _cluster_node(d / f"b{mb}", url) as b:
+            drop_caches()
+            t0 = time.perf_counter()
+            back = Sandbox.restore(record.id, node=b)
+            t1 = time.perf_counter()
+            r = back.exec("md5sum /root/new.bin")
+            t2 = time.perf_counter()
+            assert r.exit_code == 0 and back.id == record.id, r.stderr
+            back.kill()
+        restore_s, first_exec = t1 - t0, t2 - t1
+        case = {"mb": mb, "preempt_s": preempt_s, "frozen_s": record.snapshot.frozen_s,
+                "bytes_uploaded": record.snapshot.bytes_new, "memory_freed": record.memory_bytes,
+                "disk_freed": record.disk_bytes, "restore_create_s": restore_s,
+                "restore_first_exec_s": first_exec, "plain_create_s": plain_s,
+                "plain_first_exec_s": plain_exec,
+                "ratio": (restore_s + first_exec) / (plain_s + plain_exec)}
+        res["cases"].append(case)
+        rows.append([f"{mb} MB", f2(preempt_s), f"{record.snapshot.bytes_new / 1e6:.1f}",
+                     f"{record.memory_bytes / 1e6:.1f}", f"{record.disk_bytes / 1e6:.1f}",
+                     f2(restore_s + first_exec), f2(plain_s + plain_exec),
+                     f"{case['ratio']:.2f}x"])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
                    help="MB of changes per case [1,100,1000; --quick 1,10,100]")
     p.add_argument("--base-mb", type=int, help="MB of image data to duplicate [512; --quick 128]")
     p.add_argument("--fork", type=int, help="children per fork [16; --quick 4]")
+    p.add_argument("--cross-node", action="store_true",
+                   help="preempt on one node of a SeaweedFS cluster store, restore on another "
+                        "(results in snapshot_cluster.json)")
     add_run_options(p, RESULTS / "snapshot.json", QUICK)
     args = p.parse_args()
     apply_profile(args, QUICK, FULL)
+    if args.cross_node and args.json == RESULTS / "snapshot.json":
+        args.json = RESULTS / "snapshot_cluster.json"
     res: dict[str, Any] = {"machine": machine_info(Path("/var/tmp")), "options": vars(args) | {
         "json": str(args.json)}, "cases": []}
     with contextlib.ExitStack() as stack:
         d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-snap-",
                                                                  dir="/var/tmp")))
+        if args.cross_node:
+            rows = cross_node(args, res, stack, d)
+            print(table("Preempted on one node, restored on another (seconds; MB = 10^6 "
+                        "bytes; SeaweedFS on loopback)",
+                        ["changes", "preempt", "uploaded MB", "memory freed MB",
+                         "disk freed MB", "restore+exec", "create+exec", "ratio"], rows,
+                        [("changes: half new random bytes, half a copy of the image's data; "
+                          "preempt: snapshot + push + record + stop on node A"),
+                         ("restore+exec: Sandbox.restore on a fresh node (empty node cache, "
+                          "page cache dropped) + reading the new half; create+exec: the plain "
+                          "image on another fresh node")]))
+            write_json(args.json, res)
+            return
         log(f"building an image with {args.base_mb} MB of data")
         node = stack.enter_context(node_for(_store(d, args.base_mb), d))
         rows = []

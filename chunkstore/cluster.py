@@ -366,18 +366,39 @@ class Cluster:
         of its serialized manifest, then `data_ids`) that `known` does not
         hold, then its location table. `known` (from `known_locations`) is
         updated with what was uploaded, so the next layer of the same push
-        dedups against it. Call `reuse_layer` first: this uploads a table
-        even if one is there."""
+        dedups against it. A chunk `store` does not hold must be in the
+        cluster already (in `domain`); one held in another domain with the
+        same BLAKE3 is shared, not uploaded again (the local store's rule).
+        Call `reuse_layer` first: this uploads a table even if one is there."""
         report = LayerPush()
         ids = list(dict.fromkeys([*manifest_ids, *data_ids]))
         locs: dict[ChunkId, Loc] = {}
         missing = []
-        strong = dict(zip(ids, store.strong_many(ids, domain), strict=True))
+        local = [c for c, has in zip(ids, store.has_many(ids, domain), strict=True) if has]
+        strong = dict(zip(local, store.strong_many(local, domain), strict=True))
+        others: dict[bytes, list[Loc]] | None = None
         for cid in ids:
             loc = known.get((str(domain), bytes(cid)))
+            if cid not in strong:
+                # not stored here (a layer made of entries of layers the cluster
+                # holds, e.g. a flattened snapshot chain): the cluster must have it
+                if loc is None:
+                    raise ChunkNotFound(cid, domain)
+                strong[cid] = loc.strong
             if loc is not None and loc.strong != strong[cid]:
                 # the cluster has another chunk under this id: never dedup on xxh3 alone
                 raise ChunkCollision(cid, str(domain))
+            if loc is None:
+                # the local store's rule across domains: share another domain's
+                # bytes only when their BLAKE3 digests match (identical content)
+                if others is None:
+                    others = defaultdict(list)
+                    for (_, raw_id), other in known.items():
+                        others[raw_id].append(other)
+                loc = next((o for o in others.get(bytes(cid), ()) if o.strong == strong[cid]),
+                           None)
+                if loc is not None:
+                    known[(str(domain), bytes(cid))] = loc
             if loc is not None:
                 locs[cid] = loc
                 report.chunks_deduped += 1

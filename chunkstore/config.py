@@ -26,7 +26,9 @@ class StoreConfig:
     batch_bytes: int = 64 << 20
     # Threads hashing, compressing and decompressing (these release the GIL).
     threads: int = field(default_factory=_default_threads)
-    # fsync packs before the index commit that makes their chunks visible.
+    # fsync packs before the index commit that makes their chunks visible,
+    # and the index commits (False: neither; a store whose loss on a crash
+    # does not matter, e.g. a snapshot staged for a push)
     durable: bool = True
     # First LMDB map size; it doubles whenever a write finds it full. It is
     # address space, not disk (the file grows with the data): 4 GiB holds

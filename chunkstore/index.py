@@ -167,9 +167,11 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
 
 
 class Index:
-    def __init__(self, path: Path, *, readonly: bool, initial_map_size: int) -> None:
+    def __init__(self, path: Path, *, readonly: bool, initial_map_size: int,
+                 durable: bool = True) -> None:
         self.path = path
         self.readonly = readonly
+        self.durable = durable
         self._pid = os.getpid()
         self.gate = _Gate()
         self._domain_cache: dict[str, int] = {TRUSTED: TRUSTED_NUMBER}
@@ -192,8 +194,10 @@ class Index:
         _open_indexes.add(self)
 
     def _open_env(self, map_size: int) -> lmdb.Environment:
+        # (not durable: commits are not fsynced either, as packs are not)
         kw: dict[str, Any] = {"subdir": True, "max_dbs": 8, "map_size": map_size,
-                              "max_readers": 1024, "readahead": False}
+                              "max_readers": 1024, "readahead": False,
+                              "sync": self.durable, "metasync": self.durable}
         try:
             if self.readonly:
                 # lock=True even here: LMDB copes with a read-only filesystem,

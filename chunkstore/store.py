@@ -208,7 +208,7 @@ class ChunkStore:
             raise StoreFormatError(f"{root} is not a chunk store (no index/)")
         backend = get_backend(root, readonly=readonly)
         index = Index(root / "index", readonly=readonly,
-                      initial_map_size=config.initial_map_size)
+                      initial_map_size=config.initial_map_size, durable=config.durable)
         return cls(root, backend, index, config, readonly)
 
     def __enter__(self) -> ChunkStore:
@@ -245,7 +245,8 @@ class ChunkStore:
             # handle is registered; closing the child's copy is allowed.
             self.index.close()
             self.index = Index(self.index.path, readonly=self.readonly,
-                               initial_map_size=self.config.initial_map_size)
+                               initial_map_size=self.config.initial_map_size,
+                               durable=self.config.durable)
             self.backend = get_backend(self.root, readonly=self.readonly)
 
     def _check_writable(self) -> None:

@@ -134,7 +134,10 @@ class Catalog:
         self.store = store
         path = Path(store.root) / "catalog"
         path.mkdir(exist_ok=True)
-        self.env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30)
+        # as durable as its store (StoreConfig.durable)
+        durable = store.config.durable
+        self.env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30, sync=durable,
+                             metasync=durable)
         self.layers = self.env.open_db(b"layers")
         self.images = self.env.open_db(b"images")
         self.tags = self.env.open_db(b"tags")
@@ -151,14 +154,18 @@ class Catalog:
 
     # -- layers --------------------------------------------------------------
 
-    def store_layer(self, manifest: LayerManifest) -> tuple[str, list[ChunkId]]:
+    def store_layer(self, manifest: LayerManifest, *, data_here: bool = True
+                    ) -> tuple[str, list[ChunkId]]:
         """Store a manifest's serialization as chunks and root the layer (its
-        manifest and data chunks). Returns (digest, manifest chunk ids)."""
+        manifest and data chunks; only the manifest's when `data_here` is
+        False: a layer staged for a push whose data the cluster holds).
+        Returns (digest, manifest chunk ids)."""
         raw = manifest.serialize()
         digest = Digest.of(raw)
         pieces = [raw[i:i + _MANIFEST_CHUNK] for i in range(0, len(raw), _MANIFEST_CHUNK)]
         ids = self.store.put_many(pieces, manifest.domain)
-        self.store.set_root(f"layer:{digest}", [*ids, *manifest.chunk_ids()], manifest.domain)
+        data = manifest.chunk_ids() if data_here else []
+        self.store.set_root(f"layer:{digest}", [*ids, *data], manifest.domain)
         return digest, ids
 
     def has_image(self, digest: str) -> bool:

@@ -1,7 +1,8 @@
 """Layers made from sandboxes: a writable overlayfs upper packed back into a
 layer (`pack_diff`), and the two small layers that hide some of an image's
 paths from a sandbox and show them again to a verifier (`hide_layer`,
-`reveal_layer`).
+`reveal_layer`), and a chain of such layers squashed into one (`squash`,
+what flattens a snapshot of a snapshot of ...).
 
 pack_diff reads an upper directory the way overlayfs wrote it: a character
 device 0/0 is a whiteout (the path is deleted), a directory with the xattr
@@ -24,6 +25,7 @@ mounting them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 import stat
@@ -193,3 +195,56 @@ def keep_only(diff: LayerManifest, paths: Iterable[str]) -> LayerManifest:
         entries[e.path] = copy
     ordered = sorted(entries.values(), key=lambda e: e.path.split("/"))
     return LayerManifest(ordered, diff.domain, diff.source + " kept " + ",".join(wanted))
+
+
+def squash(layers: list[LayerManifest], source: str = "") -> LayerManifest:
+    """One layer that, on top of any lowers, gives the tree `layers` (lowest
+    first, one trust domain) give on top of them: later entries replace
+    earlier ones, a whiteout stays a whiteout (it still hides the lowers'
+    path), a directory made again over a whiteout or over an opaque one is
+    opaque, and a hard link whose target a later layer replaced becomes a
+    copy (as composition shows it). No data is copied: entries keep their
+    chunk lists."""
+    if not layers:
+        raise DiffError("squash: no layers")
+    domains = {str(m.domain) for m in layers}
+    if len(domains) > 1:
+        raise DiffError(f"squash: layers of several trust domains ({', '.join(sorted(domains))})")
+    tree: dict[str, Entry] = {}
+    origin: dict[str, int] = {}
+
+    def drop_under(path: str) -> None:
+        prefix = path + "/" if path else ""
+        for p in [p for p in tree if p.startswith(prefix)]:
+            del tree[p]
+
+    for i, layer in enumerate(layers):
+        for e in layer.entries:
+            old = tree.get(e.path)
+            if e.kind == Kind.WHITEOUT or (e.kind == Kind.DIR and e.opaque):
+                drop_under(e.path)  # (then the entry itself replaces the old one)
+            elif e.kind == Kind.DIR:
+                if old is not None and old.kind == Kind.DIR:
+                    if e.implicit:
+                        continue  # the lower entry's metadata stays, and its opacity
+                    e = dataclasses.replace(e, opaque=old.opaque)
+                elif old is not None and old.kind == Kind.WHITEOUT:
+                    # the lowers' directory stays hidden, metadata and all
+                    e = dataclasses.replace(e, opaque=True, implicit=False)
+            elif old is not None and old.kind == Kind.DIR:
+                drop_under(e.path)
+            tree[e.path] = e
+            origin[e.path] = i
+    by_layer = [{e.path: e for e in layer.entries} for layer in layers]
+    out = []
+    for path in sorted(tree, key=lambda p: p.split("/")):
+        e = tree[path]
+        if e.kind == Kind.HARDLINK:
+            own = by_layer[origin[path]].get(e.target)
+            if own is None or tree.get(e.target) is not own:
+                t = own if own is not None else tree[e.target]
+                e = Entry(e.path, Kind.FILE, t.mode, t.uid, t.gid, t.mtime_ns, t.size,
+                          list(t.chunks), "", (0, 0), dict(t.xattrs))
+        out.append(e)
+    return LayerManifest(out, layers[0].domain,
+                         source or f"squash of {len(layers)} layers")

@@ -32,6 +32,8 @@ unknown sections or keys are errors, as are values of the wrong type:
     [runtime]                   # the sandbox runtime
     state_dir = "/var/lib/lazyfs-runtime"   # env LAZYFS_RUNTIME_DIR [as root; else
                                             #   $XDG_RUNTIME_DIR/lazyfs/runtime]
+    max_snapshot_layers = 4     # env LAZYFS_MAX_SNAPSHOT_LAYERS: sandbox-written layers
+                                #   an image keeps before a snapshot flattens them
 
 What it does not do: open anything (stores, daemons) — lazyfs.node does,
 from these values. Importing it is light (no pyfuse3, trio or LMDB): the
@@ -53,6 +55,7 @@ from chunkstore.config import StoreConfig
 from .errors import ConfigError
 
 DEFAULT_CACHE_SIZE = "4G"
+DEFAULT_MAX_SNAPSHOT_LAYERS = 4
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ _KEYS: dict[str, _Key] = {
     "cache_size": _Key("node", "cache_size", "LAZYFS_CACHE_SIZE", str, "--cache-size"),
     "lowers": _Key("mount", "lowers", "LAZYFS_LOWERS", str, "--kernel/--fuse"),
     "state_dir": _Key("runtime", "state_dir", "LAZYFS_RUNTIME_DIR", Path, "--state"),
+    "max_snapshot_layers": _Key("runtime", "max_snapshot_layers", "LAZYFS_MAX_SNAPSHOT_LAYERS",
+                                int, "runtime.max_snapshot_layers"),
 }
 _SECTIONS = sorted({k.section for k in _KEYS.values()})
 
@@ -161,6 +166,9 @@ class Settings:
     zstd_level: int | None = None
     pack_size_mib: int | None = None
     threads: int | None = None
+    # sandbox-written layers an image keeps on top of the image it was made
+    # from before a snapshot squashes them into one (runtime.capture)
+    max_snapshot_layers: int = DEFAULT_MAX_SNAPSHOT_LAYERS
     # the options this was loaded with (None values dropped), for override()
     options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # where each setting not left at its default came from ("environment
@@ -200,6 +208,10 @@ class Settings:
             parse_size(cache_size)
         except ValueError as e:
             raise ConfigError(f"{where('cache_size')}: cache size {e}") from None
+        max_layers = values.get("max_snapshot_layers", DEFAULT_MAX_SNAPSHOT_LAYERS)
+        if max_layers < 1:
+            raise ConfigError(f"{where('max_snapshot_layers')}: max_snapshot_layers must be "
+                              f"at least 1, got {max_layers}")
         node_root = Path(values.get("node_root") or default_root()).expanduser()
         settings = cls(
             store_path=Path(values.get("store_path") or default_store_path()).expanduser(),
@@ -212,6 +224,7 @@ class Settings:
             zstd_level=values.get("zstd_level"),
             pack_size_mib=values.get("pack_size_mib"),
             threads=values.get("threads"),
+            max_snapshot_layers=max_layers,
             options=given,
             sources={attr: src for attr, (_, src) in raw.items()})
         settings.store_config()  # checks the store's values now, naming them

@@ -23,14 +23,26 @@ from .errors import (
                      QuotaExceeded,
                      SandboxError,
                      SandboxNotFound,
+                     SandboxPreempted,
                      SandboxStateError,
                      Unsupported,
 )
 from .sdk import AsyncSandbox, Sandbox, Snapshot
-from .spec import ExecResult, NetworkPolicy, Rule, SandboxInfo, SandboxSpec, SnapshotInfo
+from .spec import (
+    ExecResult,
+    NetworkPolicy,
+    PreemptedSandbox,
+    Rule,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+)
 
 __all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
            "FileError", "FleetUnavailable", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "NodeLost", "OutOfMemory",
-           "OutputTruncated", "QuotaExceeded", "Rule", "Sandbox", "SandboxError", "SandboxInfo",
-           "SandboxNotFound", "SandboxSpec", "SandboxStateError", "Snapshot", "SnapshotInfo",
+           "OutputTruncated", "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox",
+           "SandboxError", "SandboxEvent", "SandboxInfo", "SandboxNotFound",
+           "SandboxPreempted", "SandboxSpec", "SandboxStateError", "Snapshot",
+           "SnapshotInfo",
            "Unsupported"]

@@ -20,9 +20,19 @@ paths and verify.
   them, whatever the sandbox wrote there): a fresh sandbox of that image, no
   process of the agent's in it, no network, runs the command and is killed.
 
-The writable store and catalog live here, opened on first use (the node's
-image catalog is read-only). A cluster store is refused for now
-(Unsupported): packing into the cluster needs a push of the new layer.
+- a chain: a sandbox made from a snapshot and snapshotted again runs one
+  layer more per generation; past `RuntimeConfig.max_snapshot_layers`
+  sandbox-written layers on top of an image, the chain and the new layer
+  are squashed into one (composer.snapshot.squash: no data copied).
+
+Where layers are written: with a local store, into it (opened on first use;
+the node's image catalog is a read-only view of the same environment), the
+image and tag committed in one LMDB transaction. With a cluster store, into
+a private staging store under the node's state directory (one per call),
+then pushed (composer.push: packs, location tables, image record, tag, each
+one atomic put) and the staging store removed: other nodes see the image
+only once its tag is there, and a snapshot killed midway leaves no tag and
+no image record (only unreferenced packs, which cluster gc collects).
 
 Not here: freezing and finding a backend's upper (the backend's
 `capture()`), creating sandboxes (runtime.node).
@@ -31,21 +41,29 @@ Not here: freezing and finding a backend's upper (the backend's
 from __future__ import annotations
 
 import contextlib
+import itertools
+import secrets
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-from chunkstore import ChunkStore
+from chunkstore import ChunkStore, StoreConfig
 from chunkstore.digests import Digest
-from composer.catalog import Catalog, Image
+from chunkstore.errors import LazyfsError
+from composer.catalog import Catalog, Image, ImageCatalog
 from composer.errors import ComposerError
 from composer.manifest import LayerManifest
-from composer.snapshot import hide_layer, keep_only, pack_diff, reveal_layer
+from composer.push import push
+from composer.remote import ClusterCatalog
+from composer.snapshot import UNTRUSTED, hide_layer, keep_only, pack_diff, reveal_layer, squash
 from lazyfs.node import open_images
 
 from .config import RuntimeConfig
 from .errors import InvalidSpec, SandboxError, Unsupported
+from .files import remove_tree
+from .images import Images
 from .spec import ResolvedImage, SnapshotInfo
 
 
@@ -53,19 +71,69 @@ def _short(digest: str) -> str:
     return Digest.parse(digest).hex[:24]
 
 
+class Stage:
+    """A private chunk store and catalog a layer is packed into before its
+    push to the cluster store; removed once pushed (or by the next node
+    start, after a kill)."""
+
+    def __init__(self, d: Path) -> None:
+        self.dir = d
+        d.parent.mkdir(parents=True, exist_ok=True)
+        # nothing of it must survive a crash (the next node start removes it)
+        self.store = ChunkStore.open(d, create=True, config=StoreConfig(durable=False))
+        try:
+            self.catalog = Catalog(self.store)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def close(self) -> None:
+        self.catalog.close()
+        self.store.close()
+        remove_tree(self.dir)
+
+
+@dataclass
+class Packed:
+    """A sandbox's upper packed into a layer: the manifest, the bytes the
+    store did not hold, and (with a cluster store) the stage holding its
+    chunks until the commit pushes them."""
+
+    manifest: LayerManifest
+    bytes_new: int
+    stage: Stage | None = None
+
+    def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
+
+
 class Captures:
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, images: Images) -> None:
         self.config = config
+        self.images = images
         self._lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         self._store: ChunkStore | None = None
         self._catalog: Catalog | None = None
         self._counts: dict[str, int] = {}
 
+    @property
+    def staging(self) -> Path:
+        return self.config.state_dir / "staging"
+
+    def sweep(self) -> None:
+        """Remove stages a killed node left (it never pushed them: nothing
+        of theirs is visible in the cluster store)."""
+        if self.staging.exists():
+            for d in self.staging.iterdir():
+                remove_tree(d)
+
     def _open(self) -> tuple[ChunkStore, Catalog]:
+        """The local store and catalog snapshots are committed into."""
         if self.config.cluster:
-            raise Unsupported("snapshots with a cluster store are not built yet: the packed "
-                              "layer would need a push (use a local store)")
+            raise AssertionError("with a cluster store layers are packed into a Stage")
         if self._store is None or self._catalog is None:
             if self.config.store is None:
                 raise Unsupported("snapshots need a local image store")
@@ -78,26 +146,66 @@ class Captures:
             self._store, self._catalog = store, catalog
         return self._store, self._catalog
 
+    def _images(self) -> ImageCatalog:
+        """Where the images and layers sandboxes run are read from."""
+        return self._open()[1] if not self.config.cluster else self.images.catalog()
+
+    def _cluster(self) -> ClusterCatalog:
+        catalog = self.images.catalog()
+        assert isinstance(catalog, ClusterCatalog), catalog
+        return catalog
+
+    def _stage(self) -> Stage:
+        try:
+            return Stage(self.staging / secrets.token_hex(8))
+        except (LazyfsError, OSError) as e:
+            raise SandboxError(f"cannot make a staging store under {self.staging}: {e}") from e
+
     def close(self) -> None:
         with self._lock:
             self._stack.close()
             self._store = self._catalog = None
 
     # -- images --------------------------------------------------------------
-    def _commit(self, catalog: Catalog, tag: str, base: ResolvedImage,
-                layers: list[str], new: dict[str, LayerManifest], source: str) -> str:
-        assert self._store is not None
-        _, base_image = catalog.resolve(base.digest)
-        stored = {}
-        for digest, m in new.items():
-            d, ids = catalog.store_layer(m)
-            assert d == digest
-            stored[digest] = (m, ids)
+    def _commit(self, tag: str, base: ResolvedImage, layers: list[str],
+                new: dict[str, LayerManifest], source: str, stage: Stage | None = None
+                ) -> tuple[str, int]:
+        """Commit image `layers` (with the `new` layers' manifests stored)
+        under `tag`; with a cluster store, push it from `stage` (one made
+        here when None). (image digest, bytes uploaded to the cluster)."""
+        _, base_image = self._images().resolve(base.digest)
         image = Image(layers, dict(base_image.config), source)
+        if not self.config.cluster:
+            _, catalog = self._open()
+            stored = {}
+            for digest, m in new.items():
+                d, ids = catalog.store_layer(m)
+                assert d == digest
+                stored[digest] = (m, ids)
+            try:
+                return catalog.commit_image(tag, image, stored), 0
+            except ComposerError as e:
+                raise InvalidSpec(f"snapshot tag {tag!r}: {e}") from None
+        own = stage is None
+        stage = stage or self._stage()
         try:
-            return catalog.commit_image(tag, image, stored)
-        except ComposerError as e:
-            raise InvalidSpec(f"snapshot tag {tag!r}: {e}") from None
+            stored = {}
+            for digest, m in new.items():
+                d, ids = stage.catalog.store_layer(m, data_here=False)
+                assert d == digest
+                stored[digest] = (m, ids)
+            try:
+                stage.catalog.commit_image(tag, image, stored)
+            except ComposerError as e:
+                raise InvalidSpec(f"snapshot tag {tag!r}: {e}") from None
+            try:
+                report = push(self._cluster().cluster, stage.store, stage.catalog, tag)
+            except (LazyfsError, OSError) as e:
+                raise SandboxError(f"pushing {tag} to the cluster store: {e}") from e
+            return report.image, report.bytes_uploaded
+        finally:
+            if own:
+                stage.close()
 
     def hide(self, image: ResolvedImage, paths: Iterable[str]) -> ResolvedImage:
         """`image` with `paths` whited out (the image a sandbox with hidden
@@ -108,7 +216,7 @@ class Captures:
         if digest in image.layers:  # a snapshot of a sandbox hiding the same paths
             return image
         with self._lock:
-            _, catalog = self._open()
+            catalog = self._images()
             layers = [catalog.load_layer(d) for d in image.layers]
             try:
                 reveal_layer(layers, paths)  # each path must be in the image
@@ -116,70 +224,120 @@ class Captures:
                 raise InvalidSpec(f"hidden: {e}") from None
             all_layers = [*image.layers, digest]
             tag = f"derived/{_short(image.digest)}:hide-{_short(str(Image(all_layers).digest))}"
-            out = self._commit(catalog, tag, image, all_layers, {digest: m},
-                               f"{image.name} hiding {', '.join(paths)}")
+            out, _ = self._commit(tag, image, all_layers, {digest: m},
+                                  f"{image.name} hiding {', '.join(paths)}")
         return ResolvedImage(name=image.name, digest=out, layers=tuple(all_layers))
 
-    def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot"
-             ) -> tuple[LayerManifest, int]:
-        """The sandbox's upper as a layer (call with the sandbox frozen), and
-        how many bytes the store did not hold before."""
+    def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot") -> Packed:
+        """The sandbox's upper as a layer (call with the sandbox frozen)."""
         with self._lock:
-            store, _ = self._open()
+            stage = self._stage() if self.config.cluster else None
+            store = stage.store if stage is not None else self._open()[0]
             before = store.counters.new_bytes
             try:
                 m = pack_diff(store, upper, source=f"{what}:{sandbox_id}")
             except (ComposerError, OSError) as e:
+                if stage is not None:
+                    stage.close()
                 raise SandboxError(f"packing the files of {sandbox_id}: {e}") from e
-            return m, store.counters.new_bytes - before
+            except BaseException:
+                if stage is not None:
+                    stage.close()
+                raise
+            return Packed(m, store.counters.new_bytes - before, stage)
 
-    def snapshot(self, sandbox_id: str, image: ResolvedImage, diff: LayerManifest,
-                 new_bytes: int, *, tag: str | None, frozen_s: float, started: float
-                 ) -> SnapshotInfo:
-        """Commit the packed upper over the sandbox's image."""
-        with self._lock:
-            _, catalog = self._open()
-            digest = str(diff.digest)
-            n = self._counts[sandbox_id] = self._counts.get(sandbox_id, 0) + 1
-            tag = tag or f"snapshots/{sandbox_id}:{n}"
-            layers = [*image.layers, digest]
-            out = self._commit(catalog, tag, image, layers, {digest: diff},
-                               f"snapshot of {sandbox_id} ({image.name})")
+    def _domain(self, layer: str) -> str:
+        """A layer's trust domain, from its record (no manifest read)."""
+        if self.config.cluster:
+            return str(self._cluster().cluster.table(layer).domain)
+        return str(self._open()[1].layer_info(layer)["domain"])
+
+    def _chain(self, image: ResolvedImage) -> list[str]:
+        """The sandbox-written layers on top of `image` (a snapshot of a
+        snapshot of ...), lowest first, up to the flattening limit."""
+        chain: list[str] = []
+        for digest in reversed(image.layers):
+            if len(chain) >= self.config.max_snapshot_layers or \
+                    self._domain(digest) != str(UNTRUSTED):
+                break
+            chain.insert(0, digest)
+        return chain
+
+    def snapshot(self, sandbox_id: str, image: ResolvedImage, packed: Packed, *,
+                 tag: str | None, frozen_s: float, started: float) -> SnapshotInfo:
+        """Commit the packed upper over the sandbox's image (the chain
+        flattened past the limit)."""
+        diff = packed.manifest
+        try:
+            with self._lock:
+                digest = str(diff.digest)
+                n = self._counts[sandbox_id] = self._counts.get(sandbox_id, 0) + 1
+                tag = tag or f"snapshots/{sandbox_id}:{n}"
+                layers = [*image.layers, digest]
+                new = {digest: diff}
+                chain = self._chain(image)
+                flattened = 0
+                if len(chain) + 1 > self.config.max_snapshot_layers:
+                    catalog = self._images()
+                    top = squash([*(catalog.load_layer(d) for d in chain), diff],
+                                 f"snapshot of {sandbox_id}, {len(chain) + 1} layers flattened")
+                    digest = str(top.digest)
+                    layers = [*image.layers[:len(image.layers) - len(chain)], digest]
+                    new = {digest: top}
+                    flattened = len(chain) + 1
+                out, uploaded = self._commit(tag, image, layers, new,
+                                             f"snapshot of {sandbox_id} ({image.name})",
+                                             packed.stage)
+        finally:
+            packed.close()
         return SnapshotInfo(image=out, tag=tag, sandbox_id=sandbox_id, layer=digest,
                             base_image=image.digest, entries=len(diff.entries),
-                            bytes=diff.data_size, bytes_new=new_bytes, frozen_s=frozen_s,
-                            seconds=time.monotonic() - started)
+                            bytes=diff.data_size,
+                            bytes_new=uploaded if self.config.cluster else packed.bytes_new,
+                            frozen_s=frozen_s, seconds=time.monotonic() - started,
+                            layers=len(layers), flattened=flattened)
 
     def verifier_image(self, sandbox_id: str, image: ResolvedImage, hidden: tuple[str, ...],
-                       diff: LayerManifest, keep: tuple[str, ...] | None = None
+                       packed: Packed, keep: tuple[str, ...] | None = None
                        ) -> tuple[str, str]:
         """(digest, tag) of the image a verifier of `sandbox_id` runs: the
         image's own layers (without the hiding layer), the packed upper (only
         its part under `keep` when given), and the hidden paths revealed on
-        top. The caller removes the tag."""
-        with self._lock:
-            _, catalog = self._open()
-            hiding = str(hide_layer(hidden).digest) if hidden else None
-            own = [d for d in image.layers if d != hiding]
-            try:
-                if keep is not None:
-                    diff = keep_only(diff, keep)
-                new = {str(diff.digest): diff}
-                layers = [*own, str(diff.digest)]
-                if hidden:
-                    reveal = reveal_layer([catalog.load_layer(d) for d in own], hidden)
-                    new[str(reveal.digest)] = reveal
-                    layers.append(str(reveal.digest))
-            except ComposerError as e:
-                raise SandboxError(f"revealing {hidden} for a verifier of {sandbox_id}: "
-                                   f"{e}") from e
-            n = self._counts[sandbox_id] = self._counts.get(sandbox_id, 0) + 1
-            tag = f"verify/{sandbox_id}:{n}"
-            base = ResolvedImage(name=image.name, digest=image.digest, layers=tuple(own))
-            return self._commit(catalog, tag, base, layers, new,
-                                f"verifier of {sandbox_id}"), tag
+        top, as the image's trusted layers have them (not as a snapshot the
+        sandbox was made from has them: sandbox-written). The caller removes
+        the tag."""
+        try:
+            with self._lock:
+                catalog = self._images()
+                diff = packed.manifest
+                hiding = str(hide_layer(hidden).digest) if hidden else None
+                own = [d for d in image.layers if d != hiding]
+                try:
+                    if keep is not None:
+                        diff = keep_only(diff, keep)
+                    new = {str(diff.digest): diff}
+                    layers = [*own, str(diff.digest)]
+                    if hidden:  # from the trusted layers under any sandbox-written one
+                        trusted = list(itertools.takewhile(
+                            lambda d: self._domain(d) != str(UNTRUSTED), own))
+                        reveal = reveal_layer([catalog.load_layer(d) for d in trusted], hidden)
+                        new[str(reveal.digest)] = reveal
+                        layers.append(str(reveal.digest))
+                except ComposerError as e:
+                    raise SandboxError(f"revealing {hidden} for a verifier of {sandbox_id}: "
+                                       f"{e}") from e
+                n = self._counts[sandbox_id] = self._counts.get(sandbox_id, 0) + 1
+                tag = f"verify/{sandbox_id}:{n}"
+                base = ResolvedImage(name=image.name, digest=image.digest, layers=tuple(own))
+                out, _ = self._commit(tag, base, layers, new, f"verifier of {sandbox_id}",
+                                      packed.stage)
+                return out, tag
+        finally:
+            packed.close()
 
     def remove_tag(self, tag: str) -> None:
         with self._lock:
-            _, catalog = self._open()
-            catalog.remove_tag(tag)
+            if self.config.cluster:
+                self._cluster().remove_tag(tag)
+            else:
+                self._open()[1].remove_tag(tag)

@@ -2,8 +2,8 @@
 
 Precedence: arguments > the machine's settings (lazyfs.settings: environment
 LAZYFS_STORE, LAZYFS_CLUSTER, LAZYFS_RUNTIME_DIR, LAZYFS_NODE_ROOT,
-LAZYFS_CACHE, LAZYFS_CACHE_SIZE, then the config file, then defaults that
-work on one machine). The `lazyfs` CLI reads the same settings, so an
+LAZYFS_CACHE, LAZYFS_CACHE_SIZE, LAZYFS_MAX_SNAPSHOT_LAYERS, then the config
+file, then defaults that work on one machine). The `lazyfs` CLI reads the same settings, so an
 embedded node and `lazyfs mount` find the same store and the same daemon.
 
 Light to import (no pyfuse3, trio or LMDB): the SDK imports it.
@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lazyfs.errors import ConfigError
 from lazyfs.settings import Settings
+
+from .hostlimits import Budgets
 
 
 class _FromSettings:
@@ -27,13 +30,15 @@ class _FromSettings:
 
 
 _FROM_SETTINGS: Any = _FromSettings()  # (Any: a default of every field's type)
-_SETTINGS_FIELDS = ("store", "cluster", "state_dir", "node_root", "cache_dir", "cache_size")
+_SETTINGS_FIELDS = ("store", "cluster", "state_dir", "node_root", "cache_dir", "cache_size",
+                    "max_snapshot_layers")
 
 
 def _from_settings(settings: Settings) -> dict[str, Any]:
     return {"store": settings.store_path, "cluster": settings.cluster,
             "state_dir": settings.state_dir, "node_root": settings.node_root,
-            "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size}
+            "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size,
+            "max_snapshot_layers": settings.max_snapshot_layers}
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,28 @@ class RuntimeConfig:
     max_sandboxes: int = 4096
     reap_interval: float = 1.0
     fncall_workers: int = 2
+    # MiB of writable layer (a tmpfs: in memory, counted in the sandbox's
+    # memory limit) of a container sandbox whose spec names no disk_mb: no
+    # sandbox writes into the host's disk, and none without a bound
+    disk_mb: int = 1024
+    # what each sandbox may hold of the host's per-user inotify tables
+    # (runtime/hostlimits.py); the node raises the host's own limits to fit
+    inotify_instances: int = 128
+    inotify_watches: int = 8192
+    # a user namespace per container sandbox (runtime/oci.py); off only where
+    # the host has none: then every sandbox's root shares the host root's
+    # inotify budget
+    user_namespaces: bool = True
     # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
     # process into a cgroup then no longer waits for an RCU grace period, but
     # every fork and exit on the host gets dearer; off by default (measured:
     # docs/runtime.md, "A node at full load")
     favor_dynmods: bool = False
+    # sandbox-written layers an image may carry on top of the image it was
+    # made from (a snapshot of a sandbox restored from a snapshot adds one);
+    # a snapshot going past this squashes them into one layer
+    # [settings: runtime.max_snapshot_layers, LAZYFS_MAX_SNAPSHOT_LAYERS]
+    max_snapshot_layers: int = _FROM_SETTINGS
     # this node's id in a fleet (runtime/fleet): its sandboxes' ids name it
     # (sb-<hex>.<node id>) so any client finds their node; None outside one
     node_id: str | None = None
@@ -70,11 +92,18 @@ class RuntimeConfig:
             values = _from_settings(Settings.load())
             for f in missing:
                 object.__setattr__(self, f, values[f])
+        if self.max_snapshot_layers < 1:
+            raise ConfigError(f"max_snapshot_layers must be at least 1, got "
+                              f"{self.max_snapshot_layers}")
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> RuntimeConfig:
         """The runtime of a machine with these settings (kw: other fields)."""
         return cls(**{**_from_settings(settings), **kw})
+
+    @property
+    def budgets(self) -> Budgets:
+        return Budgets(self.inotify_instances, self.inotify_watches)
 
     @property
     def sandboxes(self) -> Path:

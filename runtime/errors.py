@@ -14,6 +14,8 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     │                          can take the sandbox
     ├── QuotaExceeded          the node refuses more sandboxes
     ├── SandboxStateError      the call does not fit the state (exec while paused)
+    │   └── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
+    │                          its files wait in the image store; restore() it
     ├── FileError              a files.* call failed (missing path, not a dir, escape)
     └── ExecError              a command did not finish normally; .result holds
         │                      what it printed before it was stopped
@@ -75,6 +77,10 @@ class SandboxStateError(SandboxError):
     status = 409
 
 
+class SandboxPreempted(SandboxStateError):
+    pass
+
+
 class FileError(SandboxError):
     status = 400
 
@@ -102,6 +108,6 @@ class OutOfMemory(ExecError):
 ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
-        BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, FileError, ExecError,
-        ExecTimeout, OutputTruncated, OutOfMemory)
+        BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted, FileError,
+        ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
 }

@@ -30,31 +30,38 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import cgroups
+from chunkstore.errors import LazyfsError
+
+from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing
-from .capture import Captures
+from .backends.base import Capturing, Eventful, Networked
+from .capture import Captures, Packed
 from .config import RuntimeConfig
 from .errors import (
     BackendUnavailable,
     ExecTimeout,
+    InvalidSpec,
     OutOfMemory,
     OutputTruncated,
     QuotaExceeded,
     SandboxError,
     SandboxNotFound,
+    SandboxPreempted,
     SandboxStateError,
     Unsupported,
 )
 from .files import FileInfo, SandboxFiles, remove_tree
 from .fleet.records import sandbox_id as fleet_sandbox_id
 from .images import Images
+from .preempt import PreemptedSandboxes
 from .spec import (
     ExecRequest,
     ExecResult,
     NetworkPolicy,
+    PreemptedSandbox,
     Qos,
     ResolvedImage,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -79,7 +86,8 @@ class Node:
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         self.config = config or RuntimeConfig()
         self.images = Images(self.config)
-        self.captures = Captures(self.config)
+        self.captures = Captures(self.config, self.images)
+        self.preempted = PreemptedSandboxes(self.config, self.images)
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._sandboxes: dict[str, tuple[SandboxInfo, Handle[Any]]] = {}
@@ -96,6 +104,8 @@ class Node:
         # behind: close at interpreter exit if still open. (Killed, it
         # cannot; the next node start sweeps: fncall.sweep in recover().)
         self._at_exit = weakref.finalize(self, _close_at_exit, weakref.ref(self))
+        if os.geteuid() == 0:
+            hostlimits.prepare_host(self.config.max_sandboxes, self.config.budgets)
         if self.config.favor_dynmods and os.geteuid() == 0:
             changed = cgroups.favor_dynamic_modifications()
             if changed:
@@ -148,6 +158,12 @@ class Node:
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, spec: SandboxSpec) -> SandboxInfo:
+        return self._create(spec)
+
+    def _create(self, spec: SandboxSpec, sandbox_id: str | None = None,
+                created: float | None = None) -> SandboxInfo:
+        """A new sandbox; `sandbox_id` and `created` given for one restored
+        after a preemption."""
         backend = self.backend(spec.backend)
         with self._lock:  # creations under way count, so a burst cannot overshoot
             if len(self._sandboxes) + len(self._pending) >= self.config.max_sandboxes:
@@ -157,7 +173,7 @@ class Node:
             token = object()
             self._pending[token] = spec
             self._asked[spec.qos] += spec.memory_mb
-            created = False
+            made = False
         try:
             # the only time the name is looked up: backends get the digest
             image = self.images.resolve_image(spec.image)
@@ -166,9 +182,13 @@ class Node:
                     raise Unsupported(f"the {spec.backend} backend cannot hide paths "
                                       "(Sandbox.capabilities)")
                 image = self.captures.hide(image, spec.hidden)
-            sandbox_id = fleet_sandbox_id(f"sb-{secrets.token_hex(8)}", self.config.node_id)
+            sandbox_id = sandbox_id or fleet_sandbox_id(f"sb-{secrets.token_hex(8)}",
+                                                        self.config.node_id)
             d = self.config.sandboxes / sandbox_id
-            d.mkdir(mode=0o700)
+            try:
+                d.mkdir(mode=0o700)
+            except FileExistsError:
+                raise SandboxStateError(f"{sandbox_id} already runs on this node") from None
             h = Handle(sandbox_id, spec, image, d, backend.state_type())
             try:
                 backend.create(h)
@@ -177,16 +197,17 @@ class Node:
                 raise
             info = SandboxInfo(id=sandbox_id, spec=spec, image_digest=image.digest,
                                state="running", host_address=h.state.host_address(),
-                               node=os.uname().nodename)
+                               node=os.uname().nodename,
+                               **({"created": created} if created is not None else {}))
             with self._lock:
                 self._sandboxes[sandbox_id] = (info, h)
                 self._sandbox_locks[sandbox_id] = threading.Lock()
                 self._save(info, h)
-            created = True
+            made = True
         finally:
             with self._lock:
                 del self._pending[token]
-                if not created:
+                if not made:
                     self._asked[spec.qos] -= spec.memory_mb
         log.info("created %s (%s, %s = %s)", sandbox_id, spec.backend, spec.image, image.digest)
         return info
@@ -227,14 +248,37 @@ class Node:
             return [(i, h.image) for i, h in self._sandboxes.values()]
 
     def get(self, sandbox_id: str) -> SandboxInfo:
-        return self._get(sandbox_id)[0]
+        """The sandbox's info; SandboxPreempted when it waits in the image
+        store to be restored (here or on another node)."""
+        try:
+            return self._get(sandbox_id)[0]
+        except SandboxNotFound:
+            record = self._preempted_record(sandbox_id)
+            if record is None:
+                raise
+            raise SandboxPreempted(
+                f"{sandbox_id} was preempted (its files are the snapshot {record.image}): "
+                f"restore it (Sandbox.restore({sandbox_id!r}) or restore_many)") from None
+
+    def _preempted_record(self, sandbox_id: str) -> PreemptedSandbox | None:
+        try:
+            return self.preempted.get(sandbox_id)
+        except InvalidSpec:  # not even an id: not found
+            return None
 
     def sandboxes(self, labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
         with self._lock:
             return [i for i, _ in self._sandboxes.values() if _matches(i.spec.labels, labels)]
 
     def kill(self, sandbox_id: str) -> None:
-        info, h = self._get(sandbox_id)
+        """Stop the sandbox and remove what it has on the node; a preempted
+        one is discarded (its record and its snapshot's tag go)."""
+        try:
+            info, h = self._get(sandbox_id)
+        except SandboxNotFound:
+            if self._discard_preempted(sandbox_id):
+                return
+            raise
         with self._lock:
             if self._sandboxes.pop(sandbox_id, None) is not None:
                 self._asked[info.spec.qos] -= info.spec.memory_mb
@@ -266,7 +310,12 @@ class Node:
             self._require(info, "resume").resume(h)
             self._touch(info, h, state="running")
 
-    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
+    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
+                   ) -> list[str]:
+        """Pause the running sandboxes with these labels; with `snapshot`,
+        preempt every one with them instead (see preempt)."""
+        if snapshot:
+            return [r.id for r in self.preempt_many(labels)]
         done = []
         for info in self.sandboxes(labels):
             if info.state == "running":
@@ -315,26 +364,26 @@ class Node:
         assert isinstance(backend, Capturing), backend
         return backend
 
-    def _pack(self, sandbox_id: str, op: str) -> tuple[SandboxInfo, Handle[Any], Any, int,
+    def _pack(self, sandbox_id: str, op: str) -> tuple[SandboxInfo, Handle[Any], Packed,
                                                         float]:
         """The sandbox's upper packed with its processes stopped: (info,
-        handle, layer, new bytes, seconds frozen)."""
+        handle, the packed layer, seconds frozen)."""
         with self._state_lock(sandbox_id):  # no pause/resume meanwhile
             info, h = self._get(sandbox_id)
             backend = self._capturing(info, op)
             with backend.capture(h) as upper:
                 t0 = time.monotonic()
-                diff, new_bytes = self.captures.pack(sandbox_id, upper, op)
+                packed = self.captures.pack(sandbox_id, upper, op)
                 frozen = time.monotonic() - t0
         self._touch(info, h)
-        return info, h, diff, new_bytes, frozen
+        return info, h, packed, frozen
 
     def snapshot(self, sandbox_id: str, tag: str | None = None) -> SnapshotInfo:
         """The sandbox's files as an image (its layers + its upper packed),
         committed under `tag` (default snapshots/<id>:<n>)."""
         started = time.monotonic()
-        _, h, diff, new_bytes, frozen = self._pack(sandbox_id, "snapshot")
-        snap = self.captures.snapshot(sandbox_id, h.image, diff, new_bytes, tag=tag,
+        _, h, packed, frozen = self._pack(sandbox_id, "snapshot")
+        snap = self.captures.snapshot(sandbox_id, h.image, packed, tag=tag,
                                       frozen_s=frozen, started=started)
         log.info("snapshot of %s: %s (%d entries, %d bytes new, frozen %.3fs)", sandbox_id,
                  snap.image, snap.entries, snap.bytes_new, frozen)
@@ -367,9 +416,9 @@ class Node:
         (all of its writable layer, or what is under `keep`) over its image,
         with the hidden paths shown, no network and no process of this
         sandbox's: what a grader can trust."""
-        info, h, diff, _, _ = self._pack(sandbox_id, "verify")
-        digest, tag = self.captures.verifier_image(sandbox_id, h.image, info.spec.hidden, diff,
-                                                   keep)
+        info, h, packed, _ = self._pack(sandbox_id, "verify")
+        digest, tag = self.captures.verifier_image(sandbox_id, h.image, info.spec.hidden,
+                                                   packed, keep)
         spec = info.spec.model_copy(update={
             "image": digest, "hidden": (), "network": NetworkPolicy.none(),
             "labels": {"lazyfs.verifier-of": sandbox_id}, "idle_timeout": None,
@@ -382,6 +431,95 @@ class Node:
                 self.kill(verifier.id)
         finally:
             self.captures.remove_tag(tag)
+
+    # -- preemption ----------------------------------------------------------
+    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
+        """Pause the sandbox, snapshot it (tag preempted/<id>), record it
+        (spec, labels, snapshot: runtime.preempt) and stop it: its memory and
+        its writable layer on disk go back to the node. restore() makes it again,
+        with the same id, on any node that sees the same image store."""
+        info, h = self._get(sandbox_id)
+        backend = self._capturing(info, "snapshot")
+        was = info.state
+        if was == "paused":
+            memory = cgroups.memory_figures(sandbox_id)["usage"]
+        else:  # frozen from here on: nothing it writes after the snapshot is lost
+            memory = self.pause(sandbox_id)["before"]["usage"]
+        try:
+            snap = self.snapshot(sandbox_id, tag=f"preempted/{sandbox_id}")
+        except BaseException:
+            if was != "paused":
+                self.resume(sandbox_id)
+            raise
+        info, h = self._get(sandbox_id)
+        with backend.capture(h) as upper:  # still frozen: no thaw in between
+            written = _disk_usage(upper)  # a tmpfs upper's are memory too
+        record = PreemptedSandbox(
+            id=sandbox_id, spec=info.spec, image=snap.image, tag=snap.tag,
+            image_digest=info.image_digest, state="paused" if was == "paused" else "running",
+            created=info.created, preempted=time.time(), node=info.node, memory_bytes=memory,
+            disk_bytes=written, snapshot=snap)
+        self.preempted.put(record)  # after its image is tagged, before the sandbox goes
+        try:
+            self.kill(sandbox_id)
+        except BaseException:
+            self.preempted.delete(sandbox_id)  # it still runs here: not preempted
+            raise
+        log.info("preempted %s: snapshot %s, %d MB of memory and %d MB of disk freed",
+                 sandbox_id, snap.image, memory >> 20, record.disk_bytes >> 20)
+        return record
+
+    def preempt_many(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
+        """Preempt every sandbox with these labels (running or paused).
+        Unsupported, before any is touched, if one's backend cannot snapshot."""
+        infos = self.sandboxes(labels)
+        for info in infos:
+            self._capturing(info, "snapshot")
+        return [self.preempt(info.id) for info in infos]
+
+    def preempted_sandboxes(self, labels: Mapping[str, str] | None = None
+                            ) -> list[PreemptedSandbox]:
+        """The records of preempted sandboxes with these labels (every
+        node's, with a cluster store)."""
+        return self.preempted.list(labels)
+
+    def restore(self, sandbox_id: str) -> SandboxInfo:
+        """The preempted sandbox `sandbox_id` running again on this node:
+        same id, spec and labels, its files from the snapshot (a process
+        state is not kept: it starts afresh, running). Its lifetime goes on
+        from where it was preempted (the time preempted does not count)."""
+        record = self.preempted.get(sandbox_id)
+        if record is None:
+            if sandbox_id in self._sandboxes:
+                raise SandboxStateError(f"{sandbox_id} runs on this node: not preempted")
+            raise SandboxNotFound(f"no preempted sandbox {sandbox_id!r} "
+                                  f"in {self.config.cluster or self.config.state_dir}")
+        spec = record.spec.model_copy(update={"image": record.image})
+        info = self._create(spec, sandbox_id=record.id,
+                            created=time.time() - (record.preempted - record.created))
+        self.preempted.delete(sandbox_id)
+        try:  # the snapshot is the running sandbox's image now; the tag may go
+            self.captures.remove_tag(record.tag)
+        except (SandboxError, LazyfsError) as e:
+            log.warning("restored %s; its snapshot tag %s stays: %s", sandbox_id, record.tag, e)
+        log.info("restored %s from %s (preempted on %s)", sandbox_id, record.image, record.node)
+        return info
+
+    def _discard_preempted(self, sandbox_id: str) -> bool:
+        record = self._preempted_record(sandbox_id)
+        if record is None:
+            return False
+        self.preempted.delete(sandbox_id)
+        try:
+            self.captures.remove_tag(record.tag)
+        except (SandboxError, LazyfsError) as e:
+            log.warning("discarded %s; its snapshot tag %s stays: %s", sandbox_id, record.tag, e)
+        log.info("discarded the preempted sandbox %s", sandbox_id)
+        return True
+
+    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        """Restore every preempted sandbox with these labels on this node."""
+        return [self.restore(r.id).id for r in self.preempted.list(labels)]
 
     # -- exec and files ------------------------------------------------------
     def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
@@ -421,6 +559,27 @@ class Node:
     def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
         return self.files(sandbox_id).list(path)
 
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        """Change a running sandbox's network policy (task phases: setup with
+        a package mirror, the agent with none, ...); connections the new
+        policy refuses are cut. Returns the sandbox's info with the policy."""
+        with self._state_lock(sandbox_id):
+            info, h = self._get(sandbox_id)
+            backend = self._require(info, "network_allowlist")
+            assert isinstance(backend, Networked), backend
+            backend.set_network(h, policy)
+            spec = info.spec.model_copy(update={"network": policy})
+            new = self._touch(info, h, spec=spec, host_address=h.state.host_address())
+        log.info("network of %s: %s", sandbox_id, policy.mode)
+        return new
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        """What the sandbox was refused so far (runtime/denials.py)."""
+        info, h = self._get(sandbox_id)
+        backend = self._require(info, "events")
+        assert isinstance(backend, Eventful), backend
+        return backend.events(h)
+
     # -- timeouts and restarts -----------------------------------------------
     def reap(self, now: float | None = None) -> list[str]:
         """Kill sandboxes past their lifetime or idle for longer than their
@@ -456,6 +615,7 @@ class Node:
         backend no longer runs them are cleaned up."""
         from .backends.fncall import sweep
         sweep(self.config)
+        self.captures.sweep()
         for f in sorted(self.config.sandboxes.glob("*/sandbox.json")):
             try:
                 self._recover_one(f)
@@ -490,6 +650,22 @@ class Node:
             backend.kill(h)
             _remove(h.dir)
             return
+        try:
+            preempted = self._preempted_record(info.id) is not None
+        except SandboxError as e:  # the store is unreachable: keep it running
+            log.warning("cannot tell whether %s was preempted: %s", info.id, e)
+            preempted = False
+        if preempted:
+            # preempted (snapshot taken, recorded) but killed before it stopped
+            log.info("stopping %s: its preemption was cut short", info.id)
+            backend.kill(h)
+            _remove(h.dir)
+            return
+        if info.state == "running" and status == "paused":
+            # frozen by a snapshot that never thawed it (its node was killed)
+            log.info("thawing %s: a capture was cut short", info.id)
+            backend.resume(h)
+            status = "running"
         with self._lock:  # idle time restarts: activity was only kept in memory
             self._sandboxes[info.id] = (info.model_copy(
                 update={"state": status, "last_active": time.time()}), h)
@@ -541,6 +717,18 @@ def _close_at_exit(ref: weakref.ref[Node]) -> None:
             node.close()
         except Exception:  # exiting anyway: say what stayed, do not mask the exit
             log.exception("closing the node of %s at exit", node.config.state_dir)
+
+
+def _disk_usage(d: Path) -> int:
+    """Bytes of disk the files under d take (what removing them frees)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(d):
+        for name in dirnames + filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
 
 
 def _remove(d: Path) -> None:

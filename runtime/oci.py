@@ -80,17 +80,28 @@ def _mounts(init_binary: Path) -> list[dict[str, Any]]:
     ]
 
 
+# The sandbox's user namespace maps every id to itself: the image's files
+# (owned by the host's ids, in shared EROFS lowers) need no idmapped mount or
+# chown, while the sandbox's capabilities hold only in its own namespaces, and
+# the kernel's per-user budgets (inotify instances and watches) are counted
+# per sandbox at its namespace's level (runtime/hostlimits.py).
+ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
+
+
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
-           netns: Path | None = None) -> dict[str, Any]:
+           user_namespace: bool = True, seccomp_listener: Path | None = None
+           ) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
     stdin (runtime/backends/initexec.py)."""
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
     quota = math.ceil(spec.cpu * CPU_PERIOD)
-    namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount",
-                                                              "cgroup")]
-    namespaces.append({"type": "network", "path": str(netns)} if netns else {"type": "network"})
+    # the network namespace is the sandbox's own (made with its user
+    # namespace); an allowlist gives it a veth and rules once init runs
+    # (netpolicy.create)
+    namespaces = [{"type": t} for t in ("user", "pid", "ipc", "uts", "mount", "cgroup",
+                                        "network") if user_namespace or t != "user"]
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -101,6 +112,10 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
             "cwd": "/",
             "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
+            # per process; the kernel's file table is host-wide, and every
+            # open file's memory counts in the sandbox's memory limit
+            "rlimits": [{"type": "RLIMIT_NOFILE", "soft": spec.open_files,
+                         "hard": spec.open_files}],
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": sandbox_id[:63],
@@ -115,9 +130,10 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
                 "pids": {"limit": spec.pids},
             },
             "namespaces": namespaces,
+            **({"uidMappings": ID_MAP, "gidMappings": ID_MAP} if user_namespace else {}),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
-            "seccomp": seccomp.oci_section(),
+            "seccomp": seccomp.oci_section(seccomp_listener),
         },
     }
 

@@ -42,6 +42,8 @@ from .spec import (
     ExecRequest,
     ExecResult,
     NetworkPolicy,
+    PreemptedSandbox,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -123,7 +125,8 @@ class Sandbox:
     def create(cls, image: str | SnapshotInfo, *, backend: Backend = "container",
                cpu: float | None = None,
                memory_mb: int | None = None, disk_mb: int | None = None,
-               pids: int | None = None, timeout: float | None = None, idle_timeout: float | None = None,
+               pids: int | None = None, open_files: int | None = None,
+               timeout: float | None = None, idle_timeout: float | None = None,
                network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
                labels: Mapping[str, str] | None = None, qos: str | None = None,
                workdir: str | None = None, hidden: Sequence[str] | None = None,
@@ -137,7 +140,7 @@ class Sandbox:
         the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
         name = image.image if isinstance(image, SnapshotInfo) else image
         spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
-                     timeout=timeout, idle_timeout=idle_timeout, network=network,
+                     open_files=open_files, timeout=timeout, idle_timeout=idle_timeout, network=network,
                      env=dict(env) if env else None, labels=dict(labels) if labels else None,
                      qos=qos, workdir=workdir, hidden=tuple(hidden) if hidden else None)
         t = resolve(node, token, fleet)
@@ -152,6 +155,11 @@ class Sandbox:
     @classmethod
     def connect(cls, sandbox_id: str, *, node: NodeRef = None,
                 token: str | None = None, fleet: str | None = None) -> Sandbox:
+        """The sandbox `sandbox_id` on `node`. A sandbox lives on one node at
+        a time and keeps its id across a preemption: while preempted,
+        connect raises SandboxPreempted (restore it); once restored, connect
+        to the node that restored it (SandboxInfo.node), or name the
+        fleet: a fleet sandbox's id names its node."""
         t = resolve(node, token, fleet)
         return cls(t.get(sandbox_id), t)
 
@@ -162,9 +170,35 @@ class Sandbox:
         return [cls(i, t) for i in t.list_sandboxes(labels)]
 
     @staticmethod
-    def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                   token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
-        return resolve(node, token, fleet).pause_many(labels)
+    def pause_many(labels: Mapping[str, str] | None = None, *, snapshot: bool = False,
+                   node: NodeRef = None, token: str | None = None,
+                   fleet: str | None = None) -> builtins.list[str]:
+        """Pause the running sandboxes with these labels; returns their ids.
+        With `snapshot`, preempt them instead: each one's files are
+        snapshotted into the image store, a record of it kept there, and the
+        sandbox stopped (its memory and disk go back to the node);
+        restore_many / restore bring them back, here or on another node
+        sharing the store, with the same ids, labels and files."""
+        return resolve(node, token, fleet).pause_many(labels, snapshot)
+
+    @classmethod
+    def restore(cls, sandbox_id: str, *, node: NodeRef = None,
+                token: str | None = None) -> Sandbox:
+        """The preempted sandbox `sandbox_id`, running again on `node`."""
+        t = resolve(node, token)
+        return cls(t.restore(sandbox_id), t)
+
+    @staticmethod
+    def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                     token: str | None = None) -> builtins.list[str]:
+        """Restore the preempted sandboxes with these labels on `node`; their ids."""
+        return resolve(node, token).restore_many(labels)
+
+    @staticmethod
+    def preempted(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                  token: str | None = None) -> builtins.list[PreemptedSandbox]:
+        """The records of preempted sandboxes with these labels."""
+        return resolve(node, token).list_preempted(labels)
 
     @staticmethod
     def resume_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
@@ -223,12 +257,30 @@ class Sandbox:
         self.info = self._t.get(self.id)
         return self.info
 
+    def set_network(self, policy: NetworkPolicy) -> SandboxInfo:
+        """The sandbox's network from now on, for a task's phases (setup with
+        a package mirror, the agent with `NetworkPolicy.none()`, ...):
+        connections the new policy refuses are cut. Containers only."""
+        self.info = self._t.set_network(self.id, policy)
+        return self.info
+
+    def events(self) -> builtins.list[SandboxEvent]:
+        """What the sandbox was refused so far: denied system calls, refused
+        connections, OOM kills, forks refused at the pids limit; each a count
+        with the first and last time seen."""
+        return self._t.events(self.id)
+
     def pause(self) -> dict[str, Any]:
         """Freeze; returns memory figures before/after the reclaim."""
         return self._t.pause(self.id)
 
     def resume(self) -> None:
         self._t.resume(self.id)
+
+    def preempt(self) -> PreemptedSandbox:
+        """Snapshot, record and stop this sandbox (see pause_many's
+        `snapshot`); Sandbox.restore(sb.id) brings it back."""
+        return self._t.preempt(self.id)
 
     def kill(self) -> None:
         self._t.kill(self.id)
@@ -310,10 +362,23 @@ class AsyncSandbox:
                                               fleet=fleet)]
 
     @staticmethod
-    async def pause_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                         token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, node=node,
-                                                token=token, fleet=fleet)
+    async def pause_many(labels: Mapping[str, str] | None = None, *, snapshot: bool = False,
+                         node: NodeRef = None, token: str | None = None,
+                         fleet: str | None = None) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, snapshot=snapshot,
+                                                node=node, token=token, fleet=fleet)
+        return out
+
+    @classmethod
+    async def restore(cls, sandbox_id: str, *, node: NodeRef = None,
+                      token: str | None = None) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.restore, sandbox_id, node=node, token=token))
+
+    @staticmethod
+    async def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                           token: str | None = None) -> builtins.list[str]:
+        out: builtins.list[str] = await _thread(Sandbox.restore_many, labels, node=node,
+                                                token=token)
         return out
 
     @staticmethod
@@ -321,6 +386,13 @@ class AsyncSandbox:
                           token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
         out: builtins.list[str] = await _thread(Sandbox.resume_many, labels, node=node,
                                                 token=token, fleet=fleet)
+        return out
+
+    @staticmethod
+    async def preempted(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
+                        token: str | None = None) -> builtins.list[PreemptedSandbox]:
+        out: builtins.list[PreemptedSandbox] = await _thread(Sandbox.preempted, labels,
+                                                             node=node, token=token)
         return out
 
     @staticmethod
@@ -338,6 +410,14 @@ class AsyncSandbox:
         out: SnapshotInfo = await _thread(self.sync.snapshot, tag)
         return out
 
+    async def set_network(self, policy: NetworkPolicy) -> SandboxInfo:
+        out: SandboxInfo = await _thread(self.sync.set_network, policy)
+        return out
+
+    async def events(self) -> builtins.list[SandboxEvent]:
+        out: builtins.list[SandboxEvent] = await _thread(self.sync.events)
+        return out
+
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
         return [AsyncSandbox(s) for s in await _thread(self.sync.fork, n)]
 
@@ -351,6 +431,10 @@ class AsyncSandbox:
 
     async def resume(self) -> None:
         await _thread(self.sync.resume)
+
+    async def preempt(self) -> PreemptedSandbox:
+        out: PreemptedSandbox = await _thread(self.sync.preempt)
+        return out
 
     async def kill(self) -> None:
         await _thread(self.sync.kill)

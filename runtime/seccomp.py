@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from pathlib import Path
 from typing import Any
 
 DENIED = (
@@ -43,14 +44,21 @@ def _ns_bits() -> list[int]:
     return [1 << b for b in range(32) if CLONE_NS_FLAGS & (1 << b)]
 
 
-def oci_section() -> dict[str, Any]:
+def oci_section(listener: Path | None = None) -> dict[str, Any]:
+    """The policy for runc. With `listener` (the node's socket, runtime/
+    denials.py), a denied call raises a notification the node answers with
+    EPERM and records; without, the kernel answers EPERM itself. clone3's
+    ENOSYS is libc's cue to fall back to clone, not a denial: never notified."""
+    deny: dict[str, Any] = ({"action": "SCMP_ACT_NOTIFY"} if listener else
+                            {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        **({"listenerPath": str(listener)} if listener else {}),
         "syscalls": [
-            {"names": list(DENIED), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+            {"names": list(DENIED), **deny},
             {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
-            *({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+            *({"names": ["clone"], **deny,
                "args": [{"index": 0, "value": bit, "valueTwo": bit,
                          "op": "SCMP_CMP_MASKED_EQ"}]} for bit in _ns_bits()),
         ],

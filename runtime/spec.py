@@ -122,6 +122,8 @@ class SandboxSpec(_Model):
     memory_mb: int = Field(default=1024, ge=16, le=1 << 20)
     disk_mb: int | None = Field(default=None, ge=1, le=1 << 24)
     pids: int = Field(default=1024, ge=8, le=1 << 22)
+    # open files per process (RLIMIT_NOFILE; containers)
+    open_files: int = Field(default=1024, ge=64, le=1 << 20)
     timeout: float | None = Field(default=3600.0, gt=0, le=365 * 86400)  # lifetime
     idle_timeout: float | None = Field(default=None, gt=0, le=365 * 86400)  # since the last call
     network: NetworkPolicy = NetworkPolicy()
@@ -274,6 +276,55 @@ class SnapshotInfo(_Model):
     bytes_new: int  # of which the store did not hold yet (after dedup)
     frozen_s: float  # how long the sandbox's processes were stopped
     seconds: float  # the whole call
+    layers: int = 0  # of the snapshot image
+    # sandbox-written layers squashed into `layer` (0: none; see
+    # RuntimeConfig.max_snapshot_layers)
+    flattened: int = 0
+
+
+NODE_ID_PATTERN = r"[a-z0-9][a-z0-9-]{0,62}"  # a node's id in a fleet (runtime/fleet)
+# what the node hands out (secrets.token_hex(8)); in a fleet, with ".<node id>"
+SANDBOX_ID_PATTERN = rf"^sb-[0-9a-f]{{16}}(\.{NODE_ID_PATTERN})?$"
+
+
+class PreemptedSandbox(_Model):
+    """What is kept of a sandbox preempted with pause_many(snapshot=True):
+    enough to make it again, with the same id, labels and files, on any
+    node that sees the same image store (the record is JSON next to the
+    snapshot image: in the cluster store, or the node's state directory)."""
+
+    id: str = Field(pattern=SANDBOX_ID_PATTERN)
+    spec: SandboxSpec  # as it was created (spec.image: the name asked then)
+    image: str = Field(pattern=DIGEST_PATTERN)  # the snapshot of its files
+    tag: str  # the snapshot's tag (keeps it from image gc until restored)
+    image_digest: str = Field(pattern=DIGEST_PATTERN)  # what it ran before
+    state: Literal["running", "paused"]  # when it was preempted
+    created: float
+    preempted: float  # when
+    node: str  # where it ran
+    # what the node got back: the sandbox's memory (cgroup usage) and the
+    # bytes of its writable layer (on a tmpfs upper, the default, those are
+    # memory too, and part of memory_bytes), just before it was stopped
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+    snapshot: SnapshotInfo
+
+
+EventKind = Literal["syscall", "connect", "oom_kill", "process_limit"]
+
+
+class SandboxEvent(_Model):
+    """Something the sandbox was refused (runtime/denials.py), counted:
+    kind `syscall` (detail: the system call), `connect` (the refused
+    destination, ADDR:PORT/PROTO), `oom_kill`, `process_limit` (forks refused
+    at the pids limit). `first` is None for what the kernel counts (we learn
+    of it when asked)."""
+
+    kind: EventKind
+    detail: str
+    count: int = Field(ge=1)
+    first: float | None
+    last: float
 
 
 class SandboxInfo(_Model):

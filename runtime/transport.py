@@ -37,6 +37,9 @@ from .files import FileInfo
 from .spec import (
     ExecRequest,
     ExecResult,
+    NetworkPolicy,
+    PreemptedSandbox,
+    SandboxEvent,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -61,7 +64,12 @@ class Transport(Protocol):
     def kill(self, sandbox_id: str) -> None: ...
     def pause(self, sandbox_id: str) -> dict[str, Any]: ...
     def resume(self, sandbox_id: str) -> None: ...
-    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
+    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
+                   ) -> list[str]: ...
+    def preempt(self, sandbox_id: str) -> PreemptedSandbox: ...
+    def restore(self, sandbox_id: str) -> SandboxInfo: ...
+    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
+    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]: ...
     def resume_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
     def kill_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
     def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
@@ -74,6 +82,8 @@ class Transport(Protocol):
     def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo: ...
     def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]: ...
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult: ...
+    def events(self, sandbox_id: str) -> list[SandboxEvent]: ...
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
 
 
 class Embedded:
@@ -100,8 +110,21 @@ class Embedded:
     def resume(self, sandbox_id: str) -> None:
         self.node.resume(sandbox_id)
 
-    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self.node.pause_many(labels)
+    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
+                   ) -> list[str]:
+        return self.node.pause_many(labels, snapshot)
+
+    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
+        return self.node.preempt(sandbox_id)
+
+    def restore(self, sandbox_id: str) -> SandboxInfo:
+        return self.node.restore(sandbox_id)
+
+    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self.node.restore_many(labels)
+
+    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
+        return self.node.preempted_sandboxes(labels)
 
     def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
         return self.node.resume_many(labels)
@@ -137,6 +160,12 @@ class Embedded:
 
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
         return self.node.verify(sandbox_id, req.exec, req.keep)
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        return self.node.events(sandbox_id)
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return self.node.set_network(sandbox_id, policy)
 
 
 def raise_for(body: Mapping[str, Any], status: int) -> None:
@@ -237,9 +266,27 @@ class Http:
     def resume(self, sandbox_id: str) -> None:
         self._call("POST", f"/v1/sandboxes/{sandbox_id}/resume")
 
-    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return list(self._call("POST", "/v1/bulk/pause", json={"labels": dict(labels or {})}
+    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
+                   ) -> list[str]:
+        return list(self._call("POST", "/v1/bulk/pause",
+                               json={"labels": dict(labels or {}), "snapshot": snapshot}).json())
+
+    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
+        return PreemptedSandbox.model_validate(
+            self._call("POST", f"/v1/sandboxes/{sandbox_id}/preempt").json())
+
+    def restore(self, sandbox_id: str) -> SandboxInfo:
+        return SandboxInfo.model_validate(
+            self._call("POST", f"/v1/preempted/{sandbox_id}/restore").json())
+
+    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return list(self._call("POST", "/v1/bulk/restore", json={"labels": dict(labels or {})}
                                ).json())
+
+    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
+        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        return [PreemptedSandbox.model_validate(x)
+                for x in self._call("GET", "/v1/preempted", params=q).json()]
 
     def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
         return list(self._call("POST", "/v1/bulk/resume", json={"labels": dict(labels or {})}
@@ -295,6 +342,15 @@ class Http:
         r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/verify",
                        content=req.model_dump_json(), headers={"content-type": "application/json"})
         return ExecResult.model_validate(r.json())
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        return [SandboxEvent.model_validate(x) for x in self._call(
+            "GET", f"/v1/sandboxes/{sandbox_id}/events").json()]
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return SandboxInfo.model_validate(self._call(
+            "PUT", f"/v1/sandboxes/{sandbox_id}/network",
+            json=policy.model_dump(mode="json")).json())
 
 
 _lock = threading.Lock()

@@ -19,6 +19,7 @@ from runtime import (
     ExecTimeout,
     ImageNotFound,
     InvalidSpec,
+    NetworkPolicy,
     Sandbox,
     SandboxNotFound,
     Unsupported,
@@ -39,6 +40,21 @@ pytestmark = [pytest.mark.root,
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
     with running_agent(tmp_path_factory.mktemp("agent")) as a:
         yield a
+
+
+def test_set_network_over_http(agent: Agent) -> None:
+    """The task-phase network change through the agent: the policy and the
+    node-side address come back, and a bad backend is one typed error."""
+    with Sandbox.create(IMAGE, node=agent.unix) as sb:
+        info = sb.set_network(NetworkPolicy.allow_only("node:9"))
+        assert info.spec.network.mode == "allowlist" and info.host_address
+        assert Sandbox.connect(sb.id, node=agent.unix).info.host_address == info.host_address
+        r = sb.exec(f"busybox nc -w 2 {info.host_address} 9 </dev/null; echo rc=$?")
+        assert r.stdout.endswith(b"rc=1\n")  # nothing listens there; refused by the host
+        assert sb.set_network(NetworkPolicy.none()).spec.network.mode == "none"
+    with Sandbox.create(IMAGE, backend="fncall", node=agent.unix) as fn, \
+            pytest.raises(Unsupported, match="network"):
+        fn.set_network(NetworkPolicy.none())
 
 
 def test_sdk_over_the_unix_socket(agent: Agent) -> None:

@@ -14,20 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from chunkstore import ChunkStore
+from chunkstore import ChunkId, ChunkStore, TrustDomain
 from chunkstore.digests import Digest
 from composer.catalog import Catalog
+from composer.compose import compose
 from composer.convert import convert
 from composer.errors import (
     BadImageName,
     BadLayer,
     BadLink,
     BadSource,
+    DiffError,
     ImageNotFound,
     UnsafePath,
 )
 from composer.export import export_tree
+from composer.manifest import ChunkRef, Entry, Kind, LayerManifest
 from composer.refs import ImageRef, normalize_tag
+from composer.snapshot import squash
 from tests.helpers.images import (
     add_special_files,
     build_busybox_rootfs,
@@ -287,3 +291,55 @@ def test_image_references_normalize_once() -> None:
     assert ImageRef.parse("app") == ImageRef(tag="app:latest")
     d = "blake3:" + "ab" * 32
     assert ImageRef.parse(d) == ImageRef(digest=Digest(d)) and str(ImageRef.parse(d)) == d
+
+
+def _layer(*entries: tuple[str, str], domain: str = "untrusted") -> LayerManifest:
+    """A layer from (path, what): 'dir', 'opaque', 'implicit', 'wh', 'file:<n>'
+    (a file whose one chunk is id n), 'link:<target>' (a hard link)."""
+    out = {"": Entry("", Kind.DIR, 0o755, implicit=True)}
+    for path, what in entries:
+        kind, _, arg = what.partition(":")
+        if kind in ("dir", "opaque", "implicit"):
+            e = Entry(path, Kind.DIR, 0o700 if kind == "dir" else 0o755,
+                      opaque=kind == "opaque", implicit=kind == "implicit")
+        elif kind == "wh":
+            e = Entry(path, Kind.WHITEOUT, 0)
+        elif kind == "file":
+            e = Entry(path, Kind.FILE, 0o600 + int(arg), size=1,
+                      chunks=[ChunkRef(ChunkId(bytes([int(arg)]) * 16), 1)])
+        else:
+            e = Entry(path, Kind.HARDLINK, 0o644, target=arg)
+        out[path] = e
+    return LayerManifest(sorted(out.values(), key=lambda e: e.path.split("/")),
+                         TrustDomain(domain))
+
+
+def _view(layers: list[LayerManifest]) -> dict[str, tuple[object, ...]]:
+    # (a layer's opaque flag is how it hides lowers, not part of the view)
+    return {e.path: (e.kind, e.mode, [c.id for c in e.chunks], e.target)
+            for e, _ in compose(layers)}
+
+
+def test_a_squashed_chain_composes_like_the_chain() -> None:
+    """squash (what flattens a chain of snapshots): on top of the same lowers,
+    one layer shows what the chain showed, whiteouts, opaque directories,
+    directories made again and hard links whose target changed included."""
+    base = _layer(("etc", "dir"), ("etc/a", "file:1"), ("etc/b", "file:2"),
+                  ("d", "dir"), ("d/x", "file:3"), ("d/y", "file:4"), ("gone", "dir"),
+                  ("gone/z", "file:5"), domain="trusted")
+    chain = [
+        _layer(("etc", "implicit"), ("etc/a", "wh"), ("etc/c", "file:6"), ("etc/l", "link:etc/c"),
+               ("d", "opaque"), ("d/new", "file:7"), ("gone", "wh")),
+        _layer(("etc", "implicit"), ("etc/c", "file:8"), ("etc/a", "file:9"),
+               ("gone", "implicit"), ("gone/again", "file:10"), ("d", "implicit"),
+               ("d/new", "wh")),
+        _layer(("etc", "dir"), ("etc/b", "wh"), ("d", "implicit"), ("d/x", "file:11")),
+    ]
+    want = _view([base, *chain])
+    flat = squash(chain)
+    assert _view([base, flat]) == want
+    assert "gone/z" not in want and want["etc/l"][0] == Kind.FILE  # (the link kept "6")
+    for n in range(1, len(chain)):  # any prefix of the chain squashes as well
+        assert _view([base, squash(chain[:n]), *chain[n:]]) == want
+    with pytest.raises(DiffError, match="trust domains"):
+        squash([base, *chain])

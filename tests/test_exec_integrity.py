@@ -9,6 +9,7 @@ held, not that the attack was broken."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from runtime import Sandbox
+from runtime.backends.container import RW_FD
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing, vm_missing
 from tests.helpers.support import wait_until
@@ -148,8 +150,11 @@ def test_the_mount_table_names_no_host_directory(node: Node, sb: Sandbox) -> Non
     by the host directories they are (the node root, the state directory)."""
     host_dirs = [str(node.config.state_dir), str(node.config.node_root)]
     info = sb.info
-    rw = node.config.state_dir / "sandboxes" / info.id / "rw" / "upper"
-    assert rw.is_dir()  # the upper the root really uses lives under the state directory
+    # the upper the root really uses: rw/ left the host's mount table, the
+    # sandbox's init holds it (container.RW_FD) for the node
+    state = json.loads((node.config.sandboxes / info.id / "sandbox.json").read_text())["state"]
+    rw = Path(f"/proc/{state['init_pid']}/fd/{RW_FD}/upper")
+    assert rw.is_dir()
     sb.files.write("/probe", b"x")
     assert (rw / "probe").read_bytes() == b"x"  # ... and is the one written to
     for f in ("/proc/self/mountinfo", "/proc/self/mounts", "/proc/1/mountinfo"):

@@ -109,6 +109,8 @@ def test_sandbox_ids_name_their_node() -> None:
     assert node_of("sb-0123456789abcdef") is None  # a node outside a fleet
     with pytest.raises(InvalidSpec, match="expected sb-"):
         node_of("sb-xyz.node-7")
+    with pytest.raises(InvalidSpec, match="expected sb-"):
+        node_of("sb-0123456789abcdef.Node_7")
     with pytest.raises(InvalidSpec, match="etcd://HOST:PORT"):
         endpoints("http://127.0.0.1:2379")
     with pytest.raises(InvalidSpec, match="not HOST:PORT"):

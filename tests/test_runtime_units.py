@@ -136,7 +136,7 @@ def test_oci_config_confines_the_sandbox(tmp_path: Path) -> None:
                        qos=Qos.best_effort)
     c = oci.config("sb-1", spec, tmp_path / "rootfs", tmp_path / "init")
     ns = {n["type"] for n in c["linux"]["namespaces"]}
-    assert ns == {"pid", "ipc", "uts", "mount", "cgroup", "network"}
+    assert ns == {"user", "pid", "ipc", "uts", "mount", "cgroup", "network"}
     binds = [m for m in c["mounts"] if m["type"] == "bind"]
     assert binds == [{"destination": oci.INIT_PATH, "type": "bind",
                       "source": str(tmp_path / "init"),

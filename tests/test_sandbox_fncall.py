@@ -1,5 +1,5 @@
 """fncall sandboxes through the SDK: a warm pool of real restricted workers
-over a lazily loaded image. Each call is a fresh process: uid nobody, its own
+over a lazily loaded image. Each call is a fresh process: a uid of its sandbox's own, its own
 PID namespace, no network, a read-only image, a fresh /tmp, Landlock and
 seccomp; nothing of one call is visible to the next."""
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from runtime import ExecTimeout, OutOfMemory, OutputTruncated, Sandbox, Unsupported
+from runtime.hostlimits import fncall_uid
 from runtime.node import Node
 from tests.helpers.sandboxes import (
     IMAGE,
@@ -45,7 +46,8 @@ def fn(node: Node) -> Iterator[Sandbox]:
 
 def test_calls_run_restricted(fn: Sandbox) -> None:
     r = fn.exec("cat /etc/motd; id -u; echo $$")
-    assert r.stdout == b"hello from the image\n65534\n1\n"  # nobody, PID 1 of its own ns
+    # the sandbox's own uid (not root, not shared), PID 1 of its own namespace
+    assert r.stdout == f"hello from the image\n{fncall_uid(fn.id)}\n1\n".encode()
     assert fn.exec(["cat"], stdin=b"\x00binary\xff").stdout == b"\x00binary\xff"
     r = fn.exec("echo x > /etc/motd")
     assert r.exit_code != 0 and b"Read-only" in r.stderr

@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = f"""
 import os, signal, sys
 from runtime import Sandbox
+from runtime.hostlimits import fncall_uid
 fn = Sandbox.create({IMAGE!r}, backend="fncall")
-assert fn.exec("id -u").stdout == b"65534\\n"
+assert fn.exec("id -u").stdout == b"%d\\n" % fncall_uid(fn.id)
 print("made", fn.id, flush=True)
 if sys.argv[1] == "kill":
     os.kill(os.getpid(), signal.SIGKILL)

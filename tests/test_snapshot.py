@@ -19,12 +19,24 @@ from typing import Any
 
 import pytest
 
+from composer.errors import ImageNotFound
 from composer.manifest import Kind
 from composer.snapshot import UNTRUSTED
-from runtime import InvalidSpec, Sandbox, Unsupported
+from runtime import (
+    InvalidSpec,
+    Sandbox,
+    SandboxNotFound,
+    SandboxPreempted,
+    SandboxStateError,
+    SnapshotInfo,
+    Unsupported,
+)
 from runtime.backends.container import ContainerBackend
+from runtime.config import RuntimeConfig
 from runtime.node import Node
+from runtime.spec import ExecRequest, build
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.snapshots import kill_snapshot_midway
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
@@ -79,6 +91,13 @@ def tree(root: Path) -> dict[str, tuple[Any, ...]]:
     return out
 
 
+def same_tree(got: dict[str, tuple[Any, ...]], want: dict[str, tuple[Any, ...]]) -> None:
+    """The same paths, each the same in every respect (the first difference named)."""
+    assert set(got) == set(want), set(got) ^ set(want)
+    for path, value in want.items():
+        assert got[path] == value, path
+
+
 CHANGES = """
 set -e
 echo new > /root/new.txt
@@ -96,21 +115,26 @@ mkdir -p /opt/deep/er && echo x > /opt/deep/er/f
 """
 
 
+def changed_and_snapshotted(node: Node, sb: Sandbox) -> tuple[dict[str, tuple[Any, ...]],
+                                                              SnapshotInfo]:
+    """CHANGES (and a user xattr) made in sb, then (its tree as the host
+    sees it, its snapshot)."""
+    r = sb.exec(CHANGES)
+    assert r.exit_code == 0, r.stderr
+    os.setxattr(rootfs(node, sb) / "root" / "new.txt", "user.test", b"value")
+    want = tree(rootfs(node, sb))
+    return want, sb.snapshot()
+
+
 def test_a_restored_snapshot_shows_exactly_the_parents_files(node: Node) -> None:
     with Sandbox.create(IMAGE, node=node) as sb:
-        r = sb.exec(CHANGES)
-        assert r.exit_code == 0, r.stderr
-        os.setxattr(rootfs(node, sb) / "root" / "new.txt", "user.test", b"value")
-        want = tree(rootfs(node, sb))
-        snap = sb.snapshot()
+        want, snap = changed_and_snapshotted(node, sb)
         assert snap.frozen_s < 5 and snap.entries > 10 and snap.bytes >= 1 << 20
         assert snap.tag == f"snapshots/{sb.id}:1"
         with Sandbox.create(snap, node=node) as child:
             assert child.info.image_digest == snap.image
             got = tree(rootfs(node, child))
-    assert set(got) == set(want)
-    for path in want:
-        assert got[path] == want[path], path
+    same_tree(got, want)
     assert "etc/motd" not in got and "data/big.bin" not in got  # deletions held
 
 
@@ -187,6 +211,23 @@ def test_hidden_paths_and_a_verifier_the_agent_cannot_touch(node: Node) -> None:
         assert [i.id for i in Sandbox.list(node=node)] == [sb.id]
 
 
+def test_a_verifier_reveals_the_images_files_not_a_snapshots(node: Node) -> None:
+    """Hidden paths come back from the image's trusted layers only: what an
+    agent wrote at a hidden path before a snapshot (its layer is below the
+    new sandbox's, but sandbox-written) is not what the grader sees."""
+    with open(Path(node.config.store).parent / "rootfs" / "data" / "big.bin", "rb") as f:
+        real = hashlib.sha256(f.read()).hexdigest().encode()
+    with Sandbox.create(IMAGE, node=node) as sb:
+        sb.exec("echo forged > /data/big.bin; echo planted > /data/answer")
+        snap = sb.snapshot()
+    with Sandbox.create(snap, node=node, hidden=["/data"]) as sb:
+        assert sb.exec("ls /data").exit_code != 0
+        r = sb.verify("sha256sum /data/big.bin; ls /data")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.startswith(real), r.stdout  # the image's, not the snapshot's
+        assert b"answer" not in r.stdout
+
+
 def test_bad_requests(node: Node) -> None:
     with pytest.raises(InvalidSpec, match="hidden"):
         Sandbox.create(IMAGE, node=node, hidden=["relative"])
@@ -217,3 +258,104 @@ def test_pack_diff_entries_from_a_real_upper(node: Node) -> None:
     sparse = kinds["root/sparse"]  # a hole stays a hole: no chunk stored for it
     assert sparse.size == 1001 * 4096 and sparse.chunks[0].id is None
     assert sum(c.length for c in sparse.chunks if c.id is not None) <= 256 << 10
+
+
+def test_preempt_and_restore_on_one_node_with_a_local_store(node: Node) -> None:
+    labels = {"job": "local-preempt"}
+    sb = Sandbox.create(IMAGE, node=node, labels=labels)
+    sb.exec("echo kept > /root/kept; rm /etc/motd")
+    ids = Sandbox.pause_many(labels, snapshot=True, node=node)
+    assert ids == [sb.id]
+    assert Sandbox.list(labels, node=node) == []
+    assert not (node.config.sandboxes / sb.id).exists()  # its writable layer went
+    with pytest.raises(SandboxPreempted):
+        sb.refresh()
+    [record] = Sandbox.preempted(labels, node=node)
+    assert (record.id, record.spec.labels, record.image_digest) == (
+        sb.id, labels, sb.info.image_digest)
+    assert Sandbox.restore_many(labels, node=node) == [sb.id]
+    try:
+        back = Sandbox.connect(sb.id, node=node)
+        assert back.files.read("/root/kept") == b"kept\n"
+        assert back.exec("test -e /etc/motd").exit_code == 1
+        assert Sandbox.preempted(labels, node=node) == []
+        with pytest.raises(SandboxStateError, match="runs on this node"):
+            Sandbox.restore(sb.id, node=node)
+    finally:
+        Sandbox.kill_many(labels, node=node)
+    with pytest.raises(SandboxNotFound, match="no preempted sandbox"):
+        Sandbox.restore(sb.id, node=node)
+    # a preempted sandbox that is not wanted any more: kill discards it
+    again = Sandbox.create(IMAGE, node=node, labels=labels)
+    record = again.preempt()
+    again.kill()
+    assert Sandbox.preempted(labels, node=node) == []
+    with pytest.raises(ImageNotFound):
+        node.captures._open()[1].resolve(record.tag)
+    with pytest.raises(SandboxNotFound):
+        again.kill()
+
+
+def test_a_snapshot_killed_midway_leaves_no_tag_and_no_broken_chunk(
+        node: Node, tmp_path: Path) -> None:
+    store, catalog = node.captures._open()
+    tags = catalog.list_tags()
+    config = RuntimeConfig(store=node.config.store, cluster=None, state_dir=tmp_path / "state",
+                           node_root=node.config.node_root)
+    sandbox_id = kill_snapshot_midway(store=config.store, cluster=None,
+                                      state=config.state_dir, node_root=config.node_root,
+                                      image=IMAGE, tag="killed/midway:1", watch=config.store)
+    assert catalog.list_tags() == tags
+    with pytest.raises(ImageNotFound):
+        catalog.resolve("killed/midway:1")
+    report = store.verify()  # every chunk the index names is whole and matches its id
+    assert report.ok, report
+    other = Node(config)  # the killed node's sandbox: thawed, it runs on
+    try:
+        assert other.get(sandbox_id).state == "running"
+        assert other.exec(sandbox_id, build(ExecRequest, cmd=("cat", "/root/alive"))
+                          ).stdout == b"alive\n"
+    finally:
+        for info in other.sandboxes():
+            other.kill(info.id)
+        other.close()
+
+
+def test_a_preemption_killed_after_its_record_is_finished_at_the_next_start(
+        node: Node, tmp_path: Path) -> None:
+    config = RuntimeConfig(store=node.config.store, cluster=None, state_dir=tmp_path / "state",
+                           node_root=node.config.node_root)
+    records = config.state_dir / "preempted"  # where a local node keeps them
+
+    sandbox_id = kill_snapshot_midway(store=config.store, cluster=None,
+                                      state=config.state_dir, node_root=config.node_root,
+                                      image=IMAGE, tag="-", watch=records, preempt=True)
+    other = Node(config)  # the preemption is finished: the sandbox does not run here
+    try:
+        assert other.sandboxes() == []
+        assert not (config.sandboxes / sandbox_id).exists()
+        back = Sandbox.restore(sandbox_id, node=other)  # and it comes back whole
+        assert back.files.read("/root/alive") == b"alive\n"
+    finally:
+        for info in other.sandboxes():
+            other.kill(info.id)
+        other.close()
+
+
+def test_a_chain_is_flattened_with_a_local_store(node: Node, tmp_path: Path) -> None:
+    shallow = Node(RuntimeConfig(store=node.config.store, cluster=None,
+                                 state_dir=tmp_path / "state", node_root=node.config.node_root,
+                                 max_snapshot_layers=1))
+    try:
+        with Sandbox.create(IMAGE, node=shallow) as sb:
+            sb.exec("echo 1 > /root/one; rm /etc/motd")
+            first = sb.snapshot()
+        with Sandbox.create(first, node=shallow) as sb:
+            sb.exec("echo 2 > /root/two; rm /root/one")
+            want = tree(rootfs(shallow, sb))
+            second = sb.snapshot()
+        assert (first.layers, first.flattened, second.layers, second.flattened) == (2, 0, 2, 2)
+        with Sandbox.create(second, node=shallow) as sb:
+            same_tree(tree(rootfs(shallow, sb)), want)
+    finally:
+        shallow.close()

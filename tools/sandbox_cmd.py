@@ -1,5 +1,6 @@
 """Sandbox commands: `lazyfs agent` (the node agent) and `lazyfs sandbox …`
-(create, run, exec, ls, pause, resume, kill) through the SDK.
+(create, run, exec, ls, pause, resume, restore, kill, snapshot, fork, verify)
+through the SDK.
 
 Which node: --node / LAZYFS_NODE, else the SDK's rule (runtime.transport.local):
 the agent of the state directory when one answers, else the runtime embedded
@@ -174,7 +175,10 @@ def _create_options(f: Any) -> Any:
         click.option("--cpu", type=float, default=None, help="CPUs [1]."),
         click.option("--memory-mb", type=int, default=None, help="Memory limit [1024]."),
         click.option("--disk-mb", type=int, default=None,
-                     help="Writable layer size (tmpfs) [unlimited, on local disk]."),
+                     help="Writable layer size (a tmpfs, counted in memory) [the node's "
+                          "default, 1024]."),
+        click.option("--open-files", type=int, default=None,
+                     help="Open files per process (RLIMIT_NOFILE) [1024]."),
         click.option("--timeout", "lifetime", type=float, default=None,
                      help="Sandbox lifetime in seconds [3600]."),
         click.option("--allow", multiple=True, metavar="ADDR[:PORT][/PROTO]",
@@ -196,12 +200,13 @@ def _create_options(f: Any) -> Any:
 
 def _create(settings: Settings, node: str | None, detached: bool, image: str, backend: str,
             cpu: float | None, memory_mb: int | None, disk_mb: int | None,
-            lifetime: float | None, allow: tuple[str, ...], qos: str | None,
+            open_files: int | None, lifetime: float | None, allow: tuple[str, ...], qos: str | None,
             labels: tuple[str, ...], env: tuple[str, ...], hidden: tuple[str, ...]) -> Sandbox:
     # a bad rule raises InvalidSpec naming it: one line, like every error
     network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
     return Sandbox.create(image, backend=backend, cpu=cpu, memory_mb=memory_mb,  # type: ignore[arg-type]
-                          disk_mb=disk_mb, timeout=lifetime, network=network, qos=qos,
+                          disk_mb=disk_mb, open_files=open_files, timeout=lifetime,
+                          network=network, qos=qos,
                           labels=_labels(labels), env=_labels(env, "--env"),
                           hidden=hidden or None, node=_target(settings, node, detached=detached))
 
@@ -320,6 +325,22 @@ def verify(settings: Settings, node: str | None, timeout: float, keep: tuple[str
     sys.exit(r.exit_code)
 
 
+@sandbox.command()
+@_node_option
+@click.option("--json", "as_json", is_flag=True)
+@click.argument("sandbox_id")
+@click.pass_obj
+def events(settings: Settings, node: str | None, as_json: bool, sandbox_id: str) -> None:
+    """What SANDBOX_ID was refused so far (denied system calls, refused
+    connections, OOM kills, refused forks): one line each, with its count."""
+    evs = Sandbox.connect(sandbox_id, node=_target(settings, node)).events()
+    if as_json:
+        click.echo(json.dumps([e.model_dump(mode="json") for e in evs], indent=1))
+        return
+    for e in evs:
+        click.echo(f"{e.kind:13}  {e.detail}  x{e.count}")
+
+
 @sandbox.command("ls")
 @_node_option
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
@@ -345,13 +366,14 @@ def ls(settings: Settings, node: str | None, labels: tuple[str, ...], as_json: b
 @click.pass_obj
 def kill(settings: Settings, node: str | None, labels: tuple[str, ...],
          ids: tuple[str, ...]) -> None:
-    """Kill sandboxes by id or by label."""
+    """Kill sandboxes by id or by label; killing a preempted sandbox's id
+    discards it (its record and snapshot tag)."""
     target, want = _by_id_or_label(settings, node, labels, ids, "kill")
     if want:
         for i in Sandbox.kill_many(want, node=target):
             click.echo(f"killed {i}")
     for i in ids:
-        Sandbox.connect(i, node=target).kill()
+        target.kill(i)  # (no connect first: a preempted sandbox is discarded)
         click.echo(f"killed {i}")
 
 
@@ -367,13 +389,27 @@ def _by_id_or_label(settings: Settings, node: str | None, labels: tuple[str, ...
 @_node_option
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
               help="Pause every running sandbox with this label.")
+@click.option("--snapshot", is_flag=True,
+              help="Preempt instead: snapshot each sandbox into the image store, keep a "
+                   "record of it there and stop it (memory and disk freed); `sandbox "
+                   "restore` brings it back, with the same id, here or on another node.")
 @click.argument("ids", nargs=-1)
 @click.pass_obj
-def pause(settings: Settings, node: str | None, labels: tuple[str, ...],
+def pause(settings: Settings, node: str | None, labels: tuple[str, ...], snapshot: bool,
           ids: tuple[str, ...]) -> None:
     """Freeze sandboxes (by id or by label) and reclaim their page cache;
-    prints memory before/after for each one named by id."""
+    prints memory before/after for each one named by id. With --snapshot,
+    preempt them."""
     target, want = _by_id_or_label(settings, node, labels, ids, "pause")
+    if snapshot:
+        mb = 1 << 20
+        for i in Sandbox.pause_many(want, snapshot=True, node=target) if want else []:
+            click.echo(f"preempted {i}")
+        for i in ids:
+            r = Sandbox.connect(i, node=target).preempt()
+            click.echo(f"preempted {i}: snapshot {r.image}, {r.memory_bytes / mb:.1f} MB of "
+                       f"memory and {r.disk_bytes / mb:.1f} MB of disk freed")
+        return
     if want:
         for i in Sandbox.pause_many(want, node=target):
             click.echo(f"paused {i}")
@@ -400,3 +436,40 @@ def resume(settings: Settings, node: str | None, labels: tuple[str, ...],
     for i in ids:
         Sandbox.connect(i, node=target).resume()
         click.echo(f"resumed {i}")
+
+
+@sandbox.command()
+@_node_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Restore every preempted sandbox with this label.")
+@click.argument("ids", nargs=-1)
+@click.pass_obj
+def restore(settings: Settings, node: str | None, labels: tuple[str, ...],
+            ids: tuple[str, ...]) -> None:
+    """Start preempted sandboxes (`sandbox pause --snapshot`) again on this
+    node, by id or by label: same ids, labels and files; prints each one."""
+    target, want = _by_id_or_label(settings, node, labels, ids, "restore")
+    if want:
+        for i in Sandbox.restore_many(want, node=target):
+            click.echo(f"restored {i}")
+    for i in ids:
+        Sandbox.restore(i, node=target)
+        click.echo(f"restored {i}")
+
+
+@sandbox.command("preempted")
+@_node_option
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def preempted(settings: Settings, node: str | None, labels: tuple[str, ...],
+              as_json: bool) -> None:
+    """List preempted sandboxes (optionally by label): id, where it ran,
+    its snapshot image, labels."""
+    records = Sandbox.preempted(_labels(labels), node=_target(settings, node))
+    if as_json:
+        click.echo(json.dumps([r.model_dump(mode="json") for r in records], indent=1))
+        return
+    for r in records:
+        click.echo(f"{r.id}  {r.node}  {r.image}  "
+                   + " ".join(f"{k}={v}" for k, v in r.spec.labels.items()))

@@ -14,6 +14,11 @@
     GET|PUT|DELETE /v1/sandboxes/{id}/files?path=…   raw bytes
     GET    /v1/sandboxes/{id}/files/list?path=…
     POST   /v1/bulk/pause | /resume | /kill   {"labels": {…}} → [ids]
+    POST   /v1/bulk/pause                     {"labels": {…}, "snapshot": true}: preempt → [ids]
+    POST   /v1/bulk/restore                   {"labels": {…}} → [ids] restored here
+    GET    /v1/preempted?label=k=v            → [PreemptedSandbox]
+    POST   /v1/sandboxes/{id}/preempt         → PreemptedSandbox
+    POST   /v1/preempted/{id}/restore         → SandboxInfo (same id, on this node)
 
 Errors: {"error": {"type": <runtime.errors class>, "message": …}} with the
 class's HTTP status. A bearer token, when the agent has one, is required on
@@ -40,7 +45,17 @@ from ..backends import capabilities
 from ..errors import ExecError, SandboxError
 from ..files import FileInfo
 from ..node import Node
-from ..spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, SnapshotInfo, VerifyRequest
+from ..spec import (
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    PreemptedSandbox,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    VerifyRequest,
+)
 from .metrics import CONTENT_TYPE, AgentMetrics
 
 STREAM_BUFFER = 64
@@ -58,6 +73,10 @@ def exec_limiter() -> anyio.CapacityLimiter:
 
 class Labels(BaseModel):
     labels: dict[str, str] = {}
+
+
+class PauseMany(Labels):
+    snapshot: bool = False  # preempt: snapshot, record and stop them
 
 
 class SnapshotRequest(BaseModel):
@@ -145,7 +164,8 @@ def make_app(node: Node, token: str | None = None,
 
     @app.get("/v1/sandboxes/{sandbox_id}")
     async def get(sandbox_id: str) -> SandboxInfo:
-        return node.get(sandbox_id)
+        info: SandboxInfo = await run(node.get, sandbox_id)  # (a miss may read the store)
+        return info
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
     async def kill(sandbox_id: str) -> Response:
@@ -163,9 +183,31 @@ def make_app(node: Node, token: str | None = None,
         return {"ok": True}
 
     @app.post("/v1/bulk/pause")
-    async def pause_many(body: Labels) -> list[str]:
-        ids: list[str] = await run(node.pause_many, body.labels)
+    async def pause_many(body: PauseMany) -> list[str]:
+        ids: list[str] = await run(node.pause_many, body.labels, body.snapshot)
         return ids
+
+    @app.post("/v1/bulk/restore")
+    async def restore_many(body: Labels) -> list[str]:
+        ids: list[str] = await run(node.restore_many, body.labels)
+        return ids
+
+    @app.get("/v1/preempted")
+    async def list_preempted(label: Annotated[list[str] | None, Query()] = None
+                             ) -> list[PreemptedSandbox]:
+        out: list[PreemptedSandbox] = await run(node.preempted_sandboxes,
+                                                _labels(label or []))
+        return out
+
+    @app.post("/v1/sandboxes/{sandbox_id}/preempt")
+    async def preempt(sandbox_id: str) -> PreemptedSandbox:
+        record: PreemptedSandbox = await run(node.preempt, sandbox_id)
+        return record
+
+    @app.post("/v1/preempted/{sandbox_id}/restore")
+    async def restore(sandbox_id: str) -> SandboxInfo:
+        info: SandboxInfo = await run(node.restore, sandbox_id)
+        return info
 
     @app.post("/v1/bulk/resume")
     async def resume_many(body: Labels) -> list[str]:
@@ -197,6 +239,16 @@ def make_app(node: Node, token: str | None = None,
     async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:
         result: ExecResult = await run(node.verify, sandbox_id, req.exec, req.keep)
         return result
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network")
+    async def set_network(sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        out: SandboxInfo = await run(node.set_network, sandbox_id, policy)
+        return out
+
+    @app.get("/v1/sandboxes/{sandbox_id}/events")
+    async def events(sandbox_id: str) -> list[SandboxEvent]:
+        out: list[SandboxEvent] = await run(node.events, sandbox_id)
+        return out
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def read_file(sandbox_id: str, path: str) -> Response:

@@ -17,12 +17,19 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from ..files import SandboxFiles
-from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxSpec
+from ..spec import (
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    ResolvedImage,
+    SandboxEvent,
+    SandboxSpec,
+)
 
 Sink = Callable[[bytes], None]
 
 OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "network_allowlist",
-              "persistent")
+              "persistent", "events")
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,20 @@ class Capturing(Protocol):
     verify): the writable upper, with the sandbox's processes stopped."""
 
     def capture(self, handle: Handle[Any]) -> AbstractContextManager[Path]: ...
+
+
+@runtime_checkable
+class Networked(Protocol):
+    """A backend whose sandboxes' network policy can change while they run."""
+
+    def set_network(self, handle: Handle[Any], policy: NetworkPolicy) -> None: ...
+
+
+@runtime_checkable
+class Eventful(Protocol):
+    """A backend that records what its sandboxes were refused (events)."""
+
+    def events(self, handle: Handle[Any]) -> list[SandboxEvent]: ...
 
 
 class Backend(Protocol):

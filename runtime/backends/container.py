@@ -9,7 +9,14 @@ Per sandbox, under its directory:
                   host reaches it as /proc/INIT/root): the host's mount table
                   stays small however many sandboxes run, which keeps every
                   runc call (each reads the mount table) at constant cost
-    rw/           upper/ and work/ (a size-limited tmpfs when disk_mb is set)
+    rw/           upper/ and work/ on a tmpfs of the sandbox's disk_mb (the node's
+                  RuntimeConfig.disk_mb when the spec names none): its
+                  writable layer never lands on the host's disk, statvfs
+                  inside shows the size, writes past it get ENOSPC. Like
+                  rootfs/ it leaves the host's mount table once runc has
+                  started the sandbox; the sandbox's init holds it open
+                  (descriptor RW_FD, closed to every sandbox process), so
+                  the node still reaches the upper for snapshots
     config.json   the OCI config (runtime/oci.py)
 PID 1 is sandbox-init, so an idle sandbox costs one sleeping process of a few
 hundred KiB and its cgroups. Init also starts the node's commands: each exec
@@ -30,9 +37,11 @@ import errno
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,13 +52,14 @@ from pydantic import Field
 from lazyfs import sysmount
 from lazyfs.mounts import MountError, detach, mount_image, unmount
 
-from .. import cgroups, oci, procio
+from .. import cgroups, hostlimits, oci, procio
 from ..config import RuntimeConfig
+from ..denials import DenialLog, SeccompListener, merged
 from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import ExecRequest, ExecResult, Qos
+from ..spec import EventKind, ExecRequest, ExecResult, NetworkPolicy, Qos, SandboxEvent
 from . import initexec, netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
@@ -57,6 +67,10 @@ log = logging.getLogger(__name__)
 
 RUNC_TIMEOUT = 30.0
 CHANNEL = "ctl.sock"  # the exec channel, under the sandbox's directory
+SECCOMP_SOCKET = "seccomp.sock"  # the node's seccomp listener, in the state directory
+# init's descriptor of the sandbox's rw/ (runc --preserve-fds 1 hands it over):
+# how the node reaches the upper once rw/ left the host's mount table
+RW_FD = 3
 
 
 class ContainerState(BackendState):
@@ -67,6 +81,8 @@ class ContainerState(BackendState):
     rootfs: Path | None = None
     rw: Path | None = None
     rw_tmpfs: bool = False         # rw/ is a size-limited tmpfs (disk_mb)
+    # rw/ left the host's mount table; the upper is init's RW_FD
+    rw_held: bool = False
     mounted: bool = False          # rootfs/ holds the composed image
     # the composed root left the host's mount namespace once runc started the
     # sandbox (its init's mount namespace keeps it): the host's mount table
@@ -111,7 +127,7 @@ class ContainerBackend:
     state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
         {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent",
-         "snapshot", "fork", "verify", "hidden"}),
+         "snapshot", "fork", "verify", "hidden", "events"}),
         "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim; "
         "snapshot = the upper packed into a layer")
 
@@ -120,6 +136,9 @@ class ContainerBackend:
         self.images = images
         self.runc = shutil.which("runc")
         self._init: Path | None = None
+        self.denials = DenialLog()
+        self._listener: SeccompListener | None = None
+        self._listener_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
@@ -130,6 +149,18 @@ class ContainerBackend:
         if self._init is None:
             self._init = _init_view(self.config.init_dir, sandbox_init(self.config.bin_dir))
         return self._init
+
+    def _seccomp_listener(self) -> Path:
+        """The node's end of the sandboxes' seccomp notifications, started
+        with the first container."""
+        with self._listener_lock:
+            if self._listener is None:
+                path = self.config.state_dir / SECCOMP_SOCKET
+                if len(os.fsencode(path)) >= 100:
+                    raise BackendUnavailable(f"the state directory's path is too long for a "
+                                             f"unix socket: {path}")
+                self._listener = SeccompListener(path, self.denials)
+            return self._listener.path
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
               ) -> subprocess.CompletedProcess[str]:
@@ -145,17 +176,30 @@ class ContainerBackend:
         # The container's init inherits runc's stdio: its stdin is the exec
         # channel's listening socket; it replaces stdout and stderr (runc's
         # log) with /dev/null once it runs, so no sandbox process holds them.
+        # Its descriptor RW_FD is the sandbox's rw/ (--preserve-fds), which
+        # init keeps and never hands to a command.
         assert self.runc is not None
         errlog = h.dir / "runc.log"
-        with open(errlog, "wb") as err, initexec.listen(h.dir / CHANNEL) as channel:
-            p = subprocess.run([self.runc, "--root", str(self.config.runc_root), "run",
-                                "--detach", "--bundle", str(h.dir), "--pid-file",
-                                str(h.dir / "init.pid"), h.id],
-                               stdin=channel.fileno(), stdout=subprocess.DEVNULL, stderr=err,
-                               timeout=RUNC_TIMEOUT, check=False)
-        if p.returncode != 0:
+        argv = [self.runc, "--root", str(self.config.runc_root), "run", "--detach",
+                "--preserve-fds", "1", "--bundle", str(h.dir), "--pid-file",
+                str(h.dir / "init.pid"), h.id]
+        rw = os.open(h.state.rw or h.dir / "rw", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with open(errlog, "wb") as err, open(os.devnull, "wb") as null, \
+                    initexec.listen(h.dir / CHANNEL) as channel:
+                # posix_spawn: it places rw/ at exactly RW_FD (subprocess keeps
+                # a passed descriptor's own number), without a preexec hook
+                pid = os.posix_spawn(self.runc, argv, os.environ, file_actions=[
+                    (os.POSIX_SPAWN_DUP2, channel.fileno(), 0),
+                    (os.POSIX_SPAWN_DUP2, null.fileno(), 1),
+                    (os.POSIX_SPAWN_DUP2, err.fileno(), 2),
+                    (os.POSIX_SPAWN_DUP2, rw, RW_FD)])
+        finally:
+            os.close(rw)
+        code = _wait(pid, RUNC_TIMEOUT)
+        if code != 0:
             msg = errlog.read_text(errors="replace").strip()
-            raise SandboxError(f"runc run failed: {msg[-400:]}")
+            raise SandboxError(f"runc run failed: {msg[-400:] or f'exit status {code}'}")
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, h: Container) -> None:
@@ -167,10 +211,9 @@ class ContainerBackend:
         st = h.state
         st.rootfs, st.rw = rootfs, rw
         try:
-            if h.spec.disk_mb is not None:
-                sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
-                               f"size={h.spec.disk_mb}m,mode=0700")
-                st.rw_tmpfs = True
+            sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
+                           f"size={h.spec.disk_mb or self.config.disk_mb}m,mode=0700")
+            st.rw_tmpfs = True
             try:  # by digest: content-addressed, whatever the tag names by now
                 mount_image(paths, self.images.catalog(), h.image.digest, rootfs, writable=rw,
                             allow_devices=True, hide_paths=True)
@@ -178,21 +221,25 @@ class ContainerBackend:
                 raise BackendUnavailable(f"composing {h.image.name} ({h.image.digest}): "
                                          f"{e}") from e
             st.mounted = True
-            netns = None
-            if h.spec.network.mode == "allowlist":
-                slot = st.net_slot = netpolicy.allocate(h.id)
-                st.node_address = netpolicy.addresses(slot)[0]
-                netns = st.netns = netpolicy.create(slot, h.spec.network)
             (h.dir / "config.json").write_text(json.dumps(
-                oci.config(h.id, h.spec, rootfs, init, netns)))
+                oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces,
+                           self._seccomp_listener())))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self._run_detached(h)
             st.init_pid = int((h.dir / "init.pid").read_text())
+            if self.config.user_namespaces:
+                hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
+            if h.spec.network.mode == "allowlist":
+                slot = st.net_slot = netpolicy.allocate(h.id)
+                st.node_address = netpolicy.addresses(slot)[0]
+                st.netns = netpolicy.create(slot, h.spec.network, st.init_pid)
             try:
                 detach(paths, rootfs, st.init_pid)
             except MountError as e:
                 raise BackendUnavailable(f"{h.id}: {e}") from e
             st.held = True
+            sysmount.umount(rw, lazy=True)  # init's RW_FD keeps it for the node
+            st.rw_held = True
             if h.spec.qos is Qos.best_effort and not cgroups.set_cpu_idle(h.id):
                 log.warning("this kernel has no cpu.idle: best-effort sandboxes run "
                             "SCHED_IDLE inside their own cpu group only")
@@ -223,6 +270,7 @@ class ContainerBackend:
         known = [] if h.state.net_slot is None else [h.state.net_slot]
         for slot in {*netpolicy.slots_of(h.id), *known}:
             netpolicy.remove(slot)
+        self.denials.forget(h.id)
         _remove(h.dir)
 
     def _kill_init(self, h: Container, wait: float = 5.0) -> bool:
@@ -271,6 +319,48 @@ class ContainerBackend:
         if sysmount.is_mount_point(d):
             with contextlib.suppress(OSError):
                 sysmount.umount(d, lazy=True)
+        with self._listener_lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+
+    # -- network -------------------------------------------------------------
+    def set_network(self, h: Container, policy: NetworkPolicy) -> None:
+        """The sandbox's network from now on (a task's phases: setup with a
+        mirror, the agent with nothing, ...): a sandbox without network of its
+        own gets its veth and rules; one with them gets the new rules in one
+        nftables transaction, connections the new rules refuse are cut, and
+        the old rules' refused-destination counts are kept as events."""
+        st = h.state
+        if st.init_pid is None:
+            raise SandboxStateError(f"{h.id} is not running")
+        if st.net_slot is None:
+            if policy.mode == "none":
+                return
+            slot = netpolicy.allocate(h.id)
+            try:
+                st.netns = netpolicy.create(slot, policy, st.init_pid)
+            except BaseException:
+                netpolicy.remove(slot)
+                raise
+            st.net_slot, st.node_address = slot, netpolicy.addresses(slot)[0]
+            return
+        for dest, n in netpolicy.refused(st.net_slot).items():
+            if n:
+                self.denials.record(h.id, "connect", dest, n)
+        netpolicy.apply(st.net_slot, policy)
+
+    # -- events --------------------------------------------------------------
+    def events(self, h: Container) -> list[SandboxEvent]:
+        """What the sandbox was refused: recorded seccomp denials, plus the
+        kernel's counts of refused connections, OOM kills and refused forks."""
+        counted: dict[tuple[EventKind, str], int] = {
+            ("oom_kill", "memory limit"): cgroups.oom_kills(h.id),
+            ("process_limit", f"pids={h.spec.pids}"): cgroups.fork_refusals(h.id)}
+        if h.state.net_slot is not None:
+            counted |= {("connect", dest): n
+                        for dest, n in netpolicy.refused(h.state.net_slot).items()}
+        return merged(self.denials.events(h.id), counted)
 
     # -- pause ---------------------------------------------------------------
     def pause(self, h: Container) -> dict[str, Any]:
@@ -298,10 +388,16 @@ class ContainerBackend:
             while freezer.read_text().strip() == "FREEZING":
                 time.sleep(0.001)
         try:
-            yield (h.state.rw or h.dir / "rw") / "upper"
+            yield self._rw(h) / "upper"
         finally:
             if not was_frozen:
                 freezer.write_text("THAWED")
+
+    def _rw(self, h: Container) -> Path:
+        """Where the node reaches the sandbox's rw/ (upper/ and work/)."""
+        if h.state.rw_held and h.state.init_pid is not None:
+            return Path(f"/proc/{h.state.init_pid}/fd/{RW_FD}")
+        return h.state.rw or h.dir / "rw"
 
     # -- exec ----------------------------------------------------------------
     def exec(self, h: Container, req: ExecRequest, on_stdout: Sink | None,
@@ -380,6 +476,17 @@ class ContainerBackend:
 
     def files(self, h: Container) -> SandboxFiles:
         return SandboxFiles(self.root(h))
+
+
+def _wait(pid: int, timeout: float) -> int:
+    """The exit status of child `pid`, killed after `timeout` seconds."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        if not select.select([pidfd], [], [], timeout)[0]:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _fd_links(pid: int) -> list[str]:

@@ -3,7 +3,8 @@
 Per image, a pool of pre-forked workers (runtime/backends/fncall_worker.py)
 chrooted into the image's read-only lazy root, without network. Each exec is
 a fresh process in its own PID namespace under Landlock, seccomp, rlimits and
-uid nobody, with a fresh tmpfs /tmp as its only writable place; nothing of a
+a uid of its sandbox's own (hostlimits.fncall_uid: the kernel's per-user
+budgets, such as inotify's, are per sandbox), with a fresh tmpfs /tmp as its only writable place; nothing of a
 call survives into the next one. A "sandbox" here is a name for the pool plus
 its labels and timeouts: there is no state to pause, snapshot or browse.
 
@@ -35,7 +36,7 @@ from lazyfs import sysmount
 from lazyfs.mounts import MountError, mount_image, unmount
 from lazyfs.node import NodePaths
 
-from .. import cgroups
+from .. import cgroups, hostlimits
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, Unsupported
 from ..files import SandboxFiles
@@ -128,14 +129,15 @@ class Worker:
                 return False
         return self.proc.poll() is None
 
-    def call(self, req: ExecRequest, spec: SandboxSpec, on_stdout: Sink | None,
+    def call(self, req: ExecRequest, spec: SandboxSpec, uid: int, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(msgpack.packb({
                 "cmd": list(req.cmd), "cwd": req.cwd, "env": req.env, "stdin": req.stdin,
                 "timeout": req.timeout, "max_output": req.max_output_bytes,
-                "memory": spec.memory_mb << 20, "pids": spec.pids, "cpu": spec.cpu}))
+                "memory": spec.memory_mb << 20, "pids": spec.pids, "cpu": spec.cpu,
+                "uid": uid}))
             self.proc.stdin.flush()
         except OSError as e:
             raise BackendUnavailable(f"fncall worker {self.proc.pid} is gone: {e}") from e
@@ -210,7 +212,7 @@ class Pool:
         self.workers.append(w)
         self.idle.put(w)
 
-    def call(self, req: ExecRequest, spec: SandboxSpec, on_stdout: Sink | None,
+    def call(self, req: ExecRequest, spec: SandboxSpec, uid: int, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
         try:
             w = self.idle.get(timeout=WAIT_FOR_WORKER)
@@ -226,7 +228,7 @@ class Pool:
             w = self._worker(self.backend)
             self.workers.append(w)
         try:
-            r = w.call(req, spec, on_stdout, on_stderr)
+            r = w.call(req, spec, uid, on_stdout, on_stderr)
         except BaseException:
             self.workers.remove(w)
             w.proc.kill()
@@ -344,7 +346,10 @@ class FncallBackend:
 
     def exec(self, h: Fncall, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
-        return self._pool(h.image).call(req, h.spec, on_stdout, on_stderr)
+        # each sandbox's calls run as a uid of its own: the kernel's per-user
+        # budgets (inotify instances and watches) are the sandbox's
+        return self._pool(h.image).call(req, h.spec, hostlimits.fncall_uid(h.id), on_stdout,
+                                        on_stderr)
 
     def files(self, h: Fncall) -> SandboxFiles:
         raise Unsupported("fncall sandboxes are stateless: pass data through stdin/stdout")

@@ -10,7 +10,7 @@ and the worker trust each other, the output does not):
     limits of the calling sandbox written to the worker's cgroup
     vfork + exec of `sandbox-init call` (a copy in a root-owned /tmp/.lazyfs),
     which joins the cgroup → new PID namespace → rlimits → Landlock (read-only
-    image, writable /tmp, no TCP) → no_new_privs → seccomp → uid/gid nobody →
+    image, writable /tmp, no TCP) → no_new_privs → seccomp → the sandbox's uid →
     the command (PID 1 of its namespace); in C, so no Python runs in the
     child and the fork is a vfork
     after it: every process left in the cgroup (a setsid'd child escapes any
@@ -19,7 +19,7 @@ and the worker trust each other, the output does not):
     replaces it) rather than serve the next call dirty.
 
 Frames: request {cmd, cwd, env, stdin, timeout, max_output, memory, pids,
-cpu}; answers {"o": bytes} / {"e": bytes} while it runs, then {"x":
+cpu, uid}; answers {"o": bytes} / {"e": bytes} while it runs, then {"x":
 exit_code, "d": duration, "t": truncated, "to": timed_out, "oom": bool}.
 """
 
@@ -229,7 +229,7 @@ class Call:
                **self.req["env"]}
         joins = [a for fd in self.cgroup.join_fds for a in ("-j", str(fd))]
         argv = [INIT, "call", *joins, "-s", str(self.seccomp_fd),
-                "-t", str(int(self.req["timeout"]) + 1), "-u", str(NOBODY),
+                "-t", str(int(self.req["timeout"]) + 1), "-u", str(self.req.get("uid", NOBODY)),
                 "-r", "/", "-w", "/tmp", "-c", self.req.get("cwd") or "/tmp", "--",
                 *self.req["cmd"]]
         proc = subprocess.Popen(argv, env=env, cwd="/", stdin=subprocess.PIPE,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -34,6 +35,9 @@ NETWORK = ipaddress.ip_network("10.203.0.0/16")
 SLOTS = NETWORK.num_addresses // 4 - 1
 SLOT_DIR = Path("/run/lazyfs-netslots")
 NETNS_DIR = Path("/run/netns")
+TABLE = "lazyfs_sandbox"
+REFUSED_SETS = (("refused4", "ipv4_addr"), ("refused6", "ipv6_addr"))
+REFUSED_SET_SIZE = 256  # destinations recorded per sandbox (each with a counter)
 
 
 def names(slot: int) -> tuple[str, str]:
@@ -98,27 +102,42 @@ def _run(*cmd: str, stdin: str | None = None) -> None:
 def ruleset(policy: NetworkPolicy, node_address: str) -> str:
     """The nftables table of a sandbox whose node side is `node_address`
     (what a `node` rule allows)."""
-    lines = ["table inet lazyfs_sandbox {",
-             " chain in {", "  type filter hook input priority 0; policy drop;",
-             '  iifname "lo" accept', "  ct state established,related accept", " }",
-             " chain out {", "  type filter hook output priority 0; policy drop;",
-             '  oifname "lo" accept', "  ct state established,related accept"]
+    # Replies are accepted per rule (not for any established connection), so
+    # when the policy changes (set_network) a connection opened under the
+    # old one to a destination the new one refuses is cut both ways.
+    ins, outs = [], []
     for r in policy.allow:
         cidr = f"{node_address}/32" if r.cidr == NODE else r.cidr
         fam = "ip" if ipaddress.ip_network(cidr).version == 4 else "ip6"
-        port = f" {r.protocol} dport {r.port}" if r.port else f" meta l4proto {r.protocol}"
-        lines.append(f"  {fam} daddr {cidr}{port} accept")
+        dport = f" {r.protocol} dport {r.port}" if r.port else f" meta l4proto {r.protocol}"
+        sport = f" {r.protocol} sport {r.port}" if r.port else f" meta l4proto {r.protocol}"
+        outs.append(f"  {fam} daddr {cidr}{dport} accept")
+        ins.append(f"  {fam} saddr {cidr}{sport} ct state established,related accept")
+    lines = ["table inet lazyfs_sandbox {",
+             *(f" set {name} {{ type {addr} . inet_proto . inet_service; flags dynamic; "
+               f"size {REFUSED_SET_SIZE}; counter; }}" for name, addr in REFUSED_SETS),
+             " chain in {", "  type filter hook input priority 0; policy drop;",
+             '  iifname "lo" accept',
+             "  meta l4proto { icmp, ipv6-icmp } ct state related accept", *ins, " }",
+             " chain out {", "  type filter hook output priority 0; policy drop;",
+             '  oifname "lo" accept', *outs]
+    # each refused destination is counted (denials.py reads the sets)
+    lines += [f"  meta l4proto {{ tcp, udp }} update @{name} {{ {fam} daddr . meta l4proto . "
+              f"th dport }}" for (name, _), fam in zip(REFUSED_SETS, ("ip", "ip6"), strict=True)]
     lines += ["  meta l4proto tcp reject with tcp reset", "  reject", " }", "}"]
     return "\n".join(lines) + "\n"
 
 
-def create(slot: int, policy: NetworkPolicy) -> Path:
-    """The slot's namespace, veth pair, addresses, route and rules; undone on
-    failure."""
+def create(slot: int, policy: NetworkPolicy, pid: int) -> Path:
+    """The slot's name for the network namespace of process `pid` (the
+    sandbox's init: the namespace belongs to the sandbox's user namespace, so
+    the kernel lets its sysfs be mounted there), its veth pair, addresses,
+    route and rules; undone on failure. The sandbox runs no command before
+    this returns (the node asks for none until create is done)."""
     ns, host_if = names(slot)
     host_ip, sb_ip = addresses(slot)
     try:
-        _run("ip", "netns", "add", ns)
+        _run("ip", "netns", "attach", ns, str(pid))
         _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _run("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
         _run("ip", "link", "set", host_if, "up")
@@ -131,6 +150,36 @@ def create(slot: int, policy: NetworkPolicy) -> Path:
         remove(slot, release=False)
         raise
     return NETNS_DIR / ns
+
+
+def apply(slot: int, policy: NetworkPolicy) -> None:
+    """Replace the rules of the slot's sandbox by `policy`'s, in one nftables
+    transaction (no moment without rules); mode none keeps the interface
+    and refuses everything but loopback. The refused-destination counts
+    start again from zero (read them first)."""
+    ns, _ = names(slot)
+    allow = policy.allow if policy.mode == "allowlist" else ()
+    rules = ruleset(NetworkPolicy(mode="allowlist", allow=allow), addresses(slot)[0])
+    _run("ip", "netns", "exec", ns, "nft", "-f", "-",
+         stdin=f"table inet {TABLE} {{}}\ndelete table inet {TABLE}\n{rules}")
+
+
+def refused(slot: int) -> dict[str, int]:
+    """Refused destinations of the slot's sandbox so far, `ADDR:PORT/PROTO`
+    -> packets refused (a refused TCP connect is one, its retries more)."""
+    ns, _ = names(slot)
+    p = subprocess.run(["ip", "netns", "exec", ns, "nft", "-j", "list", "table", "inet", TABLE],
+                       capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        return {}
+    out: dict[str, int] = {}
+    for item in json.loads(p.stdout).get("nftables", []):
+        for elem in (item.get("set") or {}).get("elem", []):
+            e = elem.get("elem", {}) if isinstance(elem, dict) else {}
+            addr, proto, port = e.get("val", {}).get("concat", ("?", "?", 0))
+            host = f"[{addr}]" if ":" in str(addr) else addr
+            out[f"{host}:{port}/{proto}"] = int(e.get("counter", {}).get("packets", 0))
+    return out
 
 
 def remove(slot: int, *, release: bool = True, slots: Path = SLOT_DIR) -> None:

@@ -45,7 +45,17 @@ from ..errors import (
     SandboxNotFound,
 )
 from ..files import FileInfo
-from ..spec import ExecRequest, ExecResult, SandboxInfo, SandboxSpec, SnapshotInfo, VerifyRequest
+from ..spec import (
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    PreemptedSandbox,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    VerifyRequest,
+)
 from .etcd import Etcd
 from .records import DRAIN, NODES, NodeRecord, NodeView, check_node_id, drain_key, node_of
 from .scheduler import Index, K, Request, candidates
@@ -259,6 +269,19 @@ class Fleet:
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
         return self._on(sandbox_id, lambda a: a.verify(sandbox_id, req))
 
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        return self._on(sandbox_id, lambda a: a.events(sandbox_id))
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return self._on(sandbox_id, lambda a: a.set_network(sandbox_id, policy))
+
+    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
+        return self._on(sandbox_id, lambda a: a.preempt(sandbox_id))
+
+    def restore(self, sandbox_id: str) -> SandboxInfo:
+        """On the node the id names (its id is kept across a preemption)."""
+        return self._on(sandbox_id, lambda a: a.restore(sandbox_id))
+
     # -- fleet-wide ------------------------------------------------------------
     def _everywhere(self, call: Callable[[Http], list[T]]) -> list[T]:
         """`call` on every listed node at once; a node that does not answer
@@ -290,8 +313,20 @@ class Fleet:
     def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]:
         return self._everywhere(lambda a: a.list_sandboxes(labels))
 
-    def pause_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self._everywhere(lambda a: a.pause_many(labels))
+    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
+                   ) -> list[str]:
+        return self._everywhere(lambda a: a.pause_many(labels, snapshot))
+
+    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self._everywhere(lambda a: a.restore_many(labels))
+
+    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
+        """Every node's answer, once per sandbox (nodes sharing a cluster
+        store see the same records)."""
+        seen: dict[str, PreemptedSandbox] = {}
+        for p in self._everywhere(lambda a: a.list_preempted(labels)):
+            seen.setdefault(p.id, p)
+        return list(seen.values())
 
     def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
         return self._everywhere(lambda a: a.resume_many(labels))

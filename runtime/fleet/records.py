@@ -17,12 +17,13 @@ import re
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidSpec
+from ..spec import NODE_ID_PATTERN, SANDBOX_ID_PATTERN
 
 PREFIX = "/lazyfs/fleet/"
 NODES = PREFIX + "nodes/"
 DRAIN = PREFIX + "drain/"
-NODE_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
-_SANDBOX_ID = re.compile(r"sb-[0-9a-f]{16}")
+NODE_ID = re.compile(NODE_ID_PATTERN)
+_SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
 MAX_IMAGES = 64  # image locality kept per record (the most recently used)
 
 
@@ -49,12 +50,10 @@ def sandbox_id(local_id: str, node_id: str | None) -> str:
 def node_of(sandbox_id: str) -> str | None:
     """The node id a sandbox id names, None for an id of a node outside a
     fleet (no dot)."""
-    local, sep, node = sandbox_id.partition(".")
-    if not sep:
-        return None
-    if not _SANDBOX_ID.fullmatch(local) or not NODE_ID.fullmatch(node):
-        raise InvalidSpec(f"sandbox id {sandbox_id!r}: expected sb-<16 hex>.<node id>")
-    return node
+    if not _SANDBOX_ID.fullmatch(sandbox_id):
+        raise InvalidSpec(f"sandbox id {sandbox_id!r}: expected sb-<16 hex>[.<node id>]")
+    _, sep, node = sandbox_id.partition(".")
+    return node if sep else None
 
 
 class _Record(BaseModel):

@@ -49,6 +49,15 @@ class SeaweedFS(ServerProcess):
     def url(self, prefix: str, bucket: str = "lazyfs") -> str:
         return self.server.url(prefix, bucket)
 
+    def store_url(self, prefix: str, bucket: str = "lazyfs") -> str:
+        """url(prefix), its bucket made (S3 wants one before the first put)."""
+        from chunkstore.objects import S3ObjectStore, open_object_store
+        url = self.url(prefix, bucket)
+        objects = open_object_store(url)
+        assert isinstance(objects, S3ObjectStore)
+        objects.ensure_bucket()
+        return url
+
     def start(self) -> None:
         cmd = self.server.command()
         self.server.data.mkdir(parents=True, exist_ok=True)

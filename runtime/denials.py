@@ -1,0 +1,260 @@
+"""Denials as events: what a container sandbox was refused, counted where
+its caller (`sb.events()`, the node agent's `GET /v1/sandboxes/ID/events`,
+`lazyfs sandbox events ID`) and the node's operator (one log line per new
+kind of denial per sandbox) can see it. A denial never kills the sandbox: the
+refused call fails as it would without the record.
+
+Where each comes from:
+
+- system calls the seccomp policy denies (runtime/seccomp.py): the filter
+  answers them with a user notification instead of a plain errno; runc hands
+  the notification descriptor of each sandbox to the node's listener (a unix
+  socket in the node's state directory, the OCI `listenerPath`), and one
+  thread of the node answers every sandbox's notifications with EPERM and
+  counts them by system call. Should the node go away, the kernel answers
+  ENOSYS instead: still refused, no longer recorded.
+- connections the network allowlist refuses: the reject rule adds each
+  refused destination to an nftables set with counters inside the sandbox's
+  network namespace (runtime/backends/netpolicy.py), read when asked for.
+- OOM kills and forks refused at the pids limit: the kernel's counters of the
+  sandbox's cgroups, read when asked for.
+
+Events are counts per (kind, detail), with the first and last time seen;
+at most MAX_DETAILS details per sandbox and kind (more are counted under
+"other"), so a sandbox calling mount(2) in a loop costs the node a counter,
+not memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .spec import EventKind, SandboxEvent
+
+log = logging.getLogger(__name__)
+
+MAX_DETAILS = 64
+OTHER = "other"
+
+# Each denied call is a round trip to the node's listener thread, on the
+# node's CPU, not the sandbox's: a sandbox looping on a denied call would
+# spend the node's time (measured: ~35,000 per second from one sandbox
+# doubled a neighbour's exec latency). So answers are rationed: per sandbox
+# a bucket of BURST refilled at RATE per second, and all sandboxes together
+# ALL_RATE per second. A sandbox past its ration waits, inside its denied
+# call, until its turn: only the flooding sandbox slows down.
+RATE = 200.0
+BURST = 1000.0
+ALL_RATE = 4000.0
+
+# <linux/seccomp.h>: _IOWR('!', 0, struct seccomp_notif) and
+# _IOWR('!', 1, struct seccomp_notif_resp) on x86-64/aarch64
+NOTIF = struct.Struct("<QII iIQ6Q")  # id, pid, flags, data{nr, arch, ip, args[6]}
+NOTIF_RESP = struct.Struct("<QqiI")  # id, val, error, flags
+SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100
+SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101
+
+
+class DenialLog:
+    """Every sandbox's recorded denials, in memory (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_sandbox: dict[str, dict[tuple[EventKind, str], list[float]]] = {}
+
+    def record(self, sandbox_id: str, kind: EventKind, detail: str, n: int = 1) -> None:
+        now = time.time()
+        with self._lock:
+            seen = self._by_sandbox.setdefault(sandbox_id, {})
+            key = (kind, detail)
+            if key not in seen and sum(1 for k, _ in seen if k == kind) >= MAX_DETAILS:
+                key = (kind, OTHER)
+            entry = seen.get(key)
+            if entry is None:
+                seen[key] = [float(n), now, now]
+                new = True
+            else:
+                entry[0] += n
+                entry[2] = now
+                new = False
+        if new:
+            log.warning("sandbox %s: %s denied (%s)", sandbox_id, kind, detail)
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        with self._lock:
+            seen = dict(self._by_sandbox.get(sandbox_id, {}))
+        return [SandboxEvent(kind=kind, detail=detail, count=int(c), first=first, last=last)
+                for (kind, detail), (c, first, last) in sorted(seen.items())]
+
+    def forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._by_sandbox.pop(sandbox_id, None)
+
+
+def merged(recorded: list[SandboxEvent], counted: dict[tuple[EventKind, str], int]
+           ) -> list[SandboxEvent]:
+    """Recorded events plus kernel counters read now ((kind, detail) -> count;
+    zero counts dropped), in one sorted list."""
+    now = time.time()
+    out = {(e.kind, e.detail): e for e in recorded}
+    for (kind, detail), n in counted.items():
+        if n <= 0:
+            continue
+        old = out.get((kind, detail))  # counted under an earlier rule set too
+        out[(kind, detail)] = SandboxEvent(kind=kind, detail=detail, count=n, first=None,
+                                           last=now) if old is None else \
+            old.model_copy(update={"count": old.count + n, "last": now})
+    return sorted(out.values(), key=lambda e: (e.kind, e.detail))
+
+
+class _Bucket:
+    """A token bucket: take() is the time to wait before the next token."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.at = burst, time.monotonic()
+
+    def take(self, now: float) -> float:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return (1.0 - self.tokens) / self.rate
+        self.tokens -= 1.0
+        return 0.0
+
+
+class SeccompListener:
+    """The node's end of every container sandbox's seccomp notifications
+    (answers rationed: RATE, BURST, ALL_RATE)."""
+
+    def __init__(self, path: Path, denials: DenialLog) -> None:
+        self.path = path
+        self.denials = denials
+        self._poll = select.epoll()  # O(1) per wake however many sandboxes
+        self._sandbox_of: dict[int, str] = {}
+        self._buckets: dict[int, _Bucket] = {}
+        self._all = _Bucket(ALL_RATE, ALL_RATE)
+        self._held: dict[int, float] = {}  # fd -> when it may be answered again
+        self._stop_r, self._stop_w = os.pipe()
+        path.unlink(missing_ok=True)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(str(path))
+        finally:
+            os.umask(old)
+        self._sock.listen(128)
+        self._poll.register(self._sock.fileno(), select.EPOLLIN)
+        self._poll.register(self._stop_r, select.EPOLLIN)
+        self._syscall_name = _syscall_names()
+        self._thread = threading.Thread(target=self._serve, name="seccomp-notify", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            timeout = -1.0
+            if self._held:
+                now = time.monotonic()
+                for fd, at in list(self._held.items()):
+                    if at <= now:
+                        del self._held[fd]
+                        self._poll.modify(fd, select.EPOLLIN)
+                if self._held:
+                    timeout = max(0.0, min(self._held.values()) - now)
+            for fd, ev in self._poll.poll(timeout):
+                if fd == self._stop_r:
+                    return
+                try:
+                    if fd == self._sock.fileno():
+                        self._accept()
+                    elif ev & (select.EPOLLHUP | select.EPOLLERR):
+                        self._drop(fd)  # every process under the filter is gone
+                    else:
+                        self._answer(fd)
+                except OSError as e:  # one sandbox's trouble must not stop the others'
+                    log.warning("seccomp notifications: %s", e)
+
+    def _accept(self) -> None:
+        conn, _ = self._sock.accept()
+        with conn:
+            conn.settimeout(5)
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+        try:
+            state = json.loads(msg)
+            sandbox_id = str(state["state"]["id"])
+        except (ValueError, KeyError, TypeError):
+            for fd in fds:
+                os.close(fd)
+            raise OSError("runc sent an unreadable container state") from None
+        for fd in fds:
+            self._sandbox_of[fd] = sandbox_id
+            self._buckets[fd] = _Bucket(RATE, BURST)
+            self._poll.register(fd, select.EPOLLIN)
+
+    def _drop(self, fd: int) -> None:
+        self._poll.unregister(fd)
+        self._sandbox_of.pop(fd, None)
+        self._buckets.pop(fd, None)
+        self._held.pop(fd, None)
+        os.close(fd)
+
+    def _answer(self, fd: int) -> None:
+        now = time.monotonic()
+        wait = self._buckets[fd].take(now) if fd in self._buckets else 0.0
+        if not wait:
+            wait = self._all.take(now)
+            if wait:  # give the sandbox's token back: the node's ration ran out
+                self._buckets[fd].tokens += 1.0
+        if wait:  # not now: stop watching it until its turn (EPOLLHUP still comes)
+            self._held[fd] = now + wait
+            self._poll.modify(fd, 0)
+            return
+        buf = bytearray(NOTIF.size)
+        try:
+            fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_RECV, buf)
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # ENOENT: the caller died meanwhile
+                self._drop(fd)
+            return
+        nid, _, _, nr, arch, *_ = NOTIF.unpack(buf)
+        try:
+            fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_SEND, NOTIF_RESP.pack(nid, 0, -errno.EPERM, 0))
+        except OSError:
+            pass  # the caller died before the answer
+        self.denials.record(self._sandbox_of.get(fd, "?"), "syscall",
+                            self._syscall_name(arch, nr))
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(5)
+        for fd in list(self._sandbox_of):
+            os.close(fd)
+        self._sandbox_of.clear()
+        self._sock.close()
+        self._poll.close()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+        self.path.unlink(missing_ok=True)
+
+
+def _syscall_names() -> Callable[[int, int], str]:
+    import pyseccomp  # imported late: only a node that runs containers needs it
+
+    def name(arch: int, nr: int) -> str:
+        try:
+            return bytes(pyseccomp.resolve_syscall(arch, nr)).decode()
+        except (ValueError, OSError, ctypes.ArgumentError, TypeError):
+            return f"syscall {nr}"
+    return name
