@@ -27,6 +27,14 @@ latency   create + first exec("true"), one at a time: the first create (kernel,
           for microvm, vm and container, on the tests' busybox image
 memory    VMM PSS of one idle microVM and one idle full VM (256 MiB guests);
           microVM pause (snapshot to disk, VMM exits) and resume
+lazy      (--lazy) bytes the node fetches, and create-to-first-exec, for one
+          sandbox of the density image running LAZY_CMD on a node whose cache
+          has never seen the image: a microVM (pmem) and a container side by
+          side, each on a node of its own (fresh node cache, the store's page
+          cache dropped); kernel, initramfs and sandbox-init are made first by
+          a busybox sandbox on the same node, so only the image is cold.
+          --lazy-only runs just this (e.g. with PYTHONPATH at an older tree, to
+          compare with the code before; the script imports nothing new).
 
 Prints tables and writes benchmarks/results/microvm.json. Needs root,
 /dev/fuse, qemu-system-x86, qemu-utils, runc (container side), gcc,
@@ -48,9 +56,9 @@ from typing import Any
 
 from benchmarks.report import add_run_options, apply_profile, machine_info, write_json
 from chunkstore import ChunkStore
-from chunkstore.digests import digest_key
 from composer.catalog import Catalog
 from composer.convert import convert
+from lazyfs.node import request
 from runtime import Sandbox
 from runtime.backends.microvm import LayersOn, MicrovmBackend
 from runtime.backends.qemuproc import vmm_pss
@@ -62,6 +70,8 @@ from tests.helpers.sandboxes import IMAGE, busybox_store, node_for
 BIG_IMAGE = "big:1"
 MINBASE = Path(os.environ.get("LAZYFS_TEST_CACHE", "/var/cache/lazyfs-tests")) / "debian-minbase"
 WORKLOAD = "for i in 1 2; do find / -xdev -type f -exec cat {} + > /dev/null; done"
+LAZY_CMD = "dpkg -l | wc -l"
+BULK_CMD = "find / -xdev -type f -exec cat {} + > /dev/null"
 REFERENCE = -40.2  # % peak host memory, pmem + DAX vs virtio-blk (DSec)
 GUEST_MB = 512     # room for a blk guest to cache the whole image
 QUICK: dict[str, Any] = {"n": [2, 4], "rounds": 1}
@@ -190,6 +200,61 @@ def vm_disk(node: Node) -> dict[str, Any]:
     return out
 
 
+def fetched(node: Node) -> int:
+    """Bytes the node's lazyfs daemon has fetched into its cache so far."""
+    stats = request(node.images.ensure_daemon(), {"op": "stats"})["stats"]
+    return int(stats["cache"]["fetched_bytes"])
+
+
+def store_packs(store: Path) -> list[Path]:
+    return sorted((store / "packs").glob("*.pack"))
+
+
+def lazy_run(store: Path, d: Path, backend: Backend, bulk: bool = False) -> dict[str, Any]:
+    """One sandbox of BIG_IMAGE running LAZY_CMD on a node with a fresh cache."""
+    with node_for(store, d) as node:
+        mvm = node.backend("microvm")
+        assert isinstance(mvm, MicrovmBackend)
+        mvm.pmem_cache = d / "pmem"
+        warm = Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256)
+        warm.exec("true")
+        warm.kill()
+        drop_page_cache(store_packs(store))
+        before = fetched(node)
+        t0 = time.monotonic()
+        sb = Sandbox.create(BIG_IMAGE, backend=backend, node=node, memory_mb=GUEST_MB)
+        try:
+            created = time.monotonic() - t0
+            r = sb.exec(LAZY_CMD, timeout=600)
+            first_exec = time.monotonic() - t0
+            if r.exit_code != 0:
+                raise RuntimeError(f"{LAZY_CMD} failed in {backend}: {r.stderr[-300:]!r}")
+            out: dict[str, Any] = {
+                "backend": backend, "create_s": created, "create_to_first_exec_s": first_exec,
+                "fetched_bytes": fetched(node) - before, "output": r.text.strip(),
+                "pmem_cache_bytes": sum(f.stat().st_blocks * 512
+                                        for f in (d / "pmem").glob("*") if f.is_file())}
+            if bulk:  # then every file once, still cold: read throughput of a cold image
+                t1 = time.monotonic()
+                r = sb.exec(BULK_CMD, timeout=1800)
+                out["bulk_s"] = time.monotonic() - t1
+                out["bulk_fetched_bytes"] = fetched(node) - before - out["fetched_bytes"]
+            return out
+        finally:
+            sb.kill()
+
+
+def lazy(store: Path, d: Path, container: bool, bulk: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"cmd": LAZY_CMD, "bulk_cmd": BULK_CMD if bulk else None,
+                           "readaround": os.environ.get("LAZYFS_PMEM_READAROUND", "page"),
+                           "microvm": lazy_run(store, d / "lazy-microvm", "microvm", bulk)}
+    if container:
+        out["container"] = lazy_run(store, d / "lazy-container", "container", bulk)
+        out["fetched_ratio"] = out["microvm"]["fetched_bytes"] / \
+            max(1, out["container"]["fetched_bytes"])
+    return out
+
+
 def density(node: Node, mode: LayersOn, n: int) -> dict[str, Any]:
     backend = node.backend("microvm")
     assert isinstance(backend, MicrovmBackend)
@@ -198,10 +263,8 @@ def density(node: Node, mode: LayersOn, n: int) -> dict[str, Any]:
     try:
         t0 = time.monotonic()
         sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node, memory_mb=GUEST_MB))
-        layers = node._get(sbs[0].id)[1].state.layers
-        files = sorted(f for f in backend.pmem_cache.glob("*.pmem")
-                       if any(f.name.startswith(x if x.startswith("fixups-") else digest_key(x))
-                              for x in layers))
+        cfg = backend._vm(node._get(sbs[0].id)[1]).config
+        files = sorted({*cfg.pmem, *(x.path for x in cfg.drives)})  # the image's files
         for _ in range(n - 1):
             sbs.append(Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
                                       memory_mb=GUEST_MB))
@@ -234,6 +297,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--no-container", action="store_true")
     ap.add_argument("--no-latency", action="store_true", help="density only")
+    ap.add_argument("--lazy", action="store_true",
+                    help="also bytes fetched and first exec on a cold node cache")
+    ap.add_argument("--lazy-only", action="store_true", help="only that")
+    ap.add_argument("--lazy-bulk", action="store_true",
+                    help="--lazy, then every file of the image read once (cold)")
     add_run_options(ap, Path(__file__).parent / "results" / "microvm.json", QUICK)
     args = ap.parse_args()
     apply_profile(args, QUICK, FULL)
@@ -245,13 +313,17 @@ def main() -> None:
         d = Path(tmp)
         store = busybox_store(d)
         out["density_image"] = add_big_image(store, d)
+        if args.lazy or args.lazy_only:
+            out["lazy"] = lazy(store, d, not args.no_container, args.lazy_bulk)
+        if args.lazy_only:
+            args.n = []
         with node_for(store, d) as node:
             mvm = node.backend("microvm")
             vm = node.backend("vm")
             assert isinstance(mvm, MicrovmBackend) and isinstance(vm, VmBackend)
             mvm.pmem_cache = d / "pmem"  # on disk (not tmpfs), gone with the run
             vm.disk_cache = d / "disks"
-            if not args.no_latency:
+            if not (args.no_latency or args.lazy_only):
                 out["microvm"] = latency(node, "microvm", args.rounds)
                 out["vm"] = latency(node, "vm", args.rounds)
                 if not args.no_container:
@@ -267,8 +339,7 @@ def main() -> None:
             out["density"] = []
             for n in args.n:
                 for mode in ("pmem", "blk"):
-                    drop = sorted(mvm.pmem_cache.glob("*.pmem"))
-                    drop_page_cache(drop)
+                    drop_page_cache(sorted(mvm.pmem_cache.glob("*.pmem")))
                     r = density(node, mode, n)
                     out["density"].append(r)
                     print(f"  {mode:4} N={n}: {r['total_bytes'] / 2**20:.0f} MiB "
@@ -285,6 +356,25 @@ def main() -> None:
 
 def report(out: dict[str, Any]) -> None:
     mib = 2**20
+    if "lazy" in out:
+        lz = out["lazy"]
+        print(f"\n{lz['cmd']!r} in one sandbox of {out['density_image']}, cold node cache "
+              f"(pmem read-around: {lz.get('readaround', 'page')}):")
+        print(f"{'backend':10} {'fetched':>12} {'create':>9} {'create->first exec':>19} "
+              f"{'pmem files':>11}")
+        for name in ("microvm", "container"):
+            if name in lz:
+                r = lz[name]
+                print(f"{name:10} {r['fetched_bytes'] / 1e6:10.1f}MB {r['create_s']:8.2f}s "
+                      f"{r['create_to_first_exec_s']:18.2f}s "
+                      f"{r['pmem_cache_bytes'] / 1e6:9.1f}MB")
+        for name in ("microvm", "container"):
+            if "bulk_s" in lz.get(name, {}):
+                r = lz[name]
+                print(f"{name:10} then {lz['bulk_cmd']!r}: {r['bulk_s']:.1f}s, fetched "
+                      f"{r['bulk_fetched_bytes'] / 1e6:.1f} MB more")
+        if "fetched_ratio" in lz:
+            print(f"microvm fetched {lz['fetched_ratio']:.2f}x what the container fetched")
     if "microvm" in out:
         print(f"\naccelerator: {out['accel']}")
         print(f"{'backend':10} {'first create+exec':>18} {'median create->first exec':>26} "
@@ -305,7 +395,9 @@ def report(out: dict[str, Any]) -> None:
               f"{v['first_create_to_first_exec_s']:.2f}s, then {v['second_create_to_first_exec_s']:.2f}s;"
               f" base disk {v['base_disk_bytes'] / mib:.0f} MiB "
               f"({v['base_disk_allocated_bytes'] / mib:.0f} MiB allocated)")
-    rows = {(r["mode"], r["n"]): r for r in out["density"]}
+    rows = {(r["mode"], r["n"]): r for r in out.get("density", [])}
+    if not rows:
+        return
     print(f"\nhost memory, N microVMs reading {out['density_image']} "
           f"({GUEST_MB} MiB guests): VMM PSS without image mappings + image page cache")
     print(f"{'N':>3} {'pmem+DAX':>22} {'virtio-blk':>22} {'pmem vs blk':>12} "

@@ -75,6 +75,7 @@ class BlobReader:
 
     blob: LayerBlob
     mount: str
+    mapped: bool = False  # the `.map` file: zeros after the blob, up to blob.map_size
     # one open blob serves every reader of a shared EROFS mount: sequential
     # streams are told apart by where each one's next read starts
     streams: collections.OrderedDict[int, None] = field(
@@ -101,8 +102,8 @@ class FetchEngine:
         self.tracer.opened(tree, index, mount)
         return FileReader(tree, index, mount)
 
-    def open_blob(self, blob: LayerBlob, mount: str) -> BlobReader:
-        return BlobReader(blob, mount)
+    def open_blob(self, blob: LayerBlob, mount: str, mapped: bool = False) -> BlobReader:
+        return BlobReader(blob, mount, mapped)
 
     async def read(self, f: FileReader, off: int, size: int) -> bytes:
         """Bytes [off, off+size) of an open file (fewer at its end); a read
@@ -129,8 +130,17 @@ class FetchEngine:
         """Blob bytes: the files behind the range (fetched together, traced
         as reads of those files) and zeros for padding and holes. A read
         continuing an earlier one starts readahead first (the kernel has
-        several reads of a stream in flight at once)."""
-        if self.options.blob_readahead_chunks and self.nursery is not None:
+        several reads of a stream in flight at once). Reads of a `.map`
+        file past the blob are zeros up to its padded size, always whole: a
+        short read of a page-cached FUSE file would shrink it to the blob's
+        size and a mapping of the padding would then fault."""
+        if b.mapped and off + size > b.blob.size:
+            end = min(off + size, b.blob.map_size)
+            head = await self.read_blob(BlobReader(b.blob, b.mount), off,
+                                        max(0, b.blob.size - off)) if off < b.blob.size else b""
+            return bytes(head) + bytes(max(0, end - max(off, b.blob.size)))
+        # (not for `.map`: the kernel reads around each page fault of a mapping itself)
+        if self.options.blob_readahead_chunks and self.nursery is not None and not b.mapped:
             self._blob_readahead(b, off, min(size, b.blob.size - off))
         tree = b.blob.tree
         pieces = b.blob.pieces(off, size)

@@ -7,6 +7,8 @@ through the node cache.
     /layers/<digest>/...   the layer's tree, as overlayfs wants a lower
     /blobs/<digest>.data   the layer's data as one flat file: the data device
                            of its EROFS image (pmem/erofs.py, lazyfs/blob.py)
+    /blobs/<digest>.map    the same bytes, page-cached and zero-padded to 2 MiB
+                           units, to map shared (virtio-pmem backing of VMs)
 
 This module is the thin pyfuse3.Operations adapter: it translates FUSE
 requests into the layer table (lazyfs/layers.py: which layers are loaded,
@@ -34,7 +36,7 @@ import pyfuse3
 
 from composer.manifest import Kind
 
-from .blob import LayerBlob, blob_name, digest_of
+from .blob import LayerBlob, blob_entry, blob_name, map_name
 from .errors import FetchError, LayerLoadFailed
 from .fetch import BlobReader, FetchEngine, FileReader
 from .layers import Layers
@@ -115,12 +117,12 @@ class LazyFS(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = 1.0  # `layers/` grows as images arrive
         return a
 
-    def _blob_attr(self, blob: LayerBlob) -> pyfuse3.EntryAttributes:
+    def _blob_attr(self, blob: LayerBlob, mapped: bool = False) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
-        a.st_ino = blob.inode
+        a.st_ino = blob.map_inode if mapped else blob.inode
         a.st_mode = stat.S_IFREG | 0o444
         a.st_nlink = 1
-        a.st_size = blob.size
+        a.st_size = blob.map_size if mapped else blob.size
         a.st_blksize = 128 << 10
         a.st_blocks = blob.size // 512
         t = int(self.started * 1e9)
@@ -153,7 +155,7 @@ class LazyFS(pyfuse3.Operations):
             return self._dir_attr(inode)
         blob = self.layers.blob_of(inode)
         if blob is not None:
-            return self._blob_attr(blob)
+            return self._blob_attr(blob, inode == blob.map_inode)
         tree = self._tree_of(inode)
         return self._attr(tree, tree.index(inode))
 
@@ -169,10 +171,10 @@ class LazyFS(pyfuse3.Operations):
             tree = await self._lookup_layer(name.decode("utf-8", "replace"))
             return self._attr(tree, tree.root_index)
         if parent_inode == BLOBS:
-            digest = digest_of(name)
+            digest, mapped = blob_entry(name)
             if digest is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            return self._blob_attr(await self._lookup_blob(digest))
+            return self._blob_attr(await self._lookup_blob(digest), mapped)
         tree = self._tree_of(parent_inode)
         kids = tree.children.get(tree.index(parent_inode))
         if kids is None:
@@ -210,7 +212,8 @@ class LazyFS(pyfuse3.Operations):
             except Exception as e:  # noqa: BLE001 - a failing store must not end the session
                 log.error("cannot list layers: %s", e)
                 raise pyfuse3.FUSEError(errno.EIO) from None
-            d.names = [(x if inode == LAYERS else blob_name(x)).encode() for x in digests]
+            d.names = [x.encode() for x in digests] if inode == LAYERS else \
+                [n(x).encode() for x in digests for n in (blob_name, map_name)]
         else:
             tree = self._tree_of(inode)
             i = tree.index(inode)
@@ -252,8 +255,9 @@ class LazyFS(pyfuse3.Operations):
         if blob is not None:
             fh = self._next_fh
             self._next_fh += 1
-            self._handles[fh] = self.fetch.open_blob(blob, self.attribute(ctx.pid))
-            if self.options.blob_direct_io:
+            mapped = inode == blob.map_inode
+            self._handles[fh] = self.fetch.open_blob(blob, self.attribute(ctx.pid), mapped)
+            if self.options.blob_direct_io and not mapped:
                 return pyfuse3.FileInfo(fh=fh, direct_io=True)
             return pyfuse3.FileInfo(fh=fh, keep_cache=self.options.keep_cache)
         tree = self._tree_of(inode)

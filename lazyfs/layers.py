@@ -3,8 +3,8 @@ loaded once, however many requests ask at once) and LayerBlob (layout
 computed once), and inode number -> layer.
 
 Each layer takes the next free range of inode numbers when it loads: its
-entries take base+1 .. base+n, and base+n+1 (never an entry: the next
-layer's base) is its blob file. Layers stay loaded (inode numbers must stay
+entries take base+1 .. base+n, base+n+1 is its blob file and base+n+2
+(never an entry: the next layer's base) the blob's `.map` file. Layers stay loaded (inode numbers must stay
 stable while the kernel caches them).
 
 Owns no FUSE types: failures are the catalog's own errors, or
@@ -54,9 +54,10 @@ class Layers:
         try:
             manifest = await trio.to_thread.run_sync(self.catalog.load_layer, digest)
             tree = LayerTree.build(digest, manifest, self._next_base)
-            # entries take base+1 .. base+n; base+n+1 (the next layer's base,
-            # never an entry) is this layer's blob file
-            self._next_base += len(tree.entries) + 1
+            # entries take base+1 .. base+n; base+n+1 is this layer's blob
+            # file, base+n+2 (the next layer's base, never an entry) its
+            # `.map` file (lazyfs/blob.py)
+            self._next_base += len(tree.entries) + 2
             self.trees[tree.base] = tree
             self._bases.append(tree.base)  # increasing: bases only grow
             self.by_digest[digest] = tree
@@ -114,8 +115,8 @@ class Layers:
         return tree
 
     def blob_of(self, inode: int) -> LayerBlob | None:
-        """The blob whose file is this inode, if it is one."""
+        """The blob whose file (`.data` or `.map`) is this inode, if it is one."""
         tree = self._nearest(inode)
-        if tree is None or inode != tree.base + len(tree.entries) + 1:
+        if tree is None or inode - tree.base - len(tree.entries) not in (1, 2):
             return None
         return self.blobs.get(tree.digest)

@@ -18,6 +18,7 @@ from .errors import (
                      ImageNotFound,
                      InvalidSpec,
                      NodeLost,
+                     NotCheckpointable,
                      OutOfMemory,
                      OutputTruncated,
                      QuotaExceeded,
@@ -27,8 +28,9 @@ from .errors import (
                      SandboxStateError,
                      Unsupported,
 )
-from .sdk import AsyncSandbox, Sandbox, Snapshot
+from .sdk import AsyncSandbox, Checkpoint, Sandbox, Snapshot
 from .spec import (
+    CheckpointInfo,
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
@@ -39,10 +41,9 @@ from .spec import (
     SnapshotInfo,
 )
 
-__all__ = ["AsyncSandbox", "BackendUnavailable", "ExecError", "ExecResult", "ExecTimeout",
-           "FileError", "FleetUnavailable", "ImageNotFound", "InvalidSpec", "NetworkPolicy", "NodeLost", "OutOfMemory",
-           "OutputTruncated", "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox",
-           "SandboxError", "SandboxEvent", "SandboxInfo", "SandboxNotFound",
-           "SandboxPreempted", "SandboxSpec", "SandboxStateError", "Snapshot",
-           "SnapshotInfo",
-           "Unsupported"]
+__all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
+           "ExecResult", "ExecTimeout", "FileError", "FleetUnavailable", "ImageNotFound",
+           "InvalidSpec", "NetworkPolicy", "NodeLost", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
+           "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox", "SandboxError",
+           "SandboxEvent", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",
+           "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]

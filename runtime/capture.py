@@ -25,6 +25,15 @@ paths and verify.
   sandbox-written layers on top of an image, the chain and the new layer
   are squashed into one (composer.snapshot.squash: no data copied).
 
+- checkpoint: the packed upper committed as a snapshot image
+  (`checkpoints/<id>/files:<n>`), CRIU's images of the processes (dumped by
+  the backend at the same instant) packed the same way into a layer of their
+  own in 64 KiB chunks, and a record (CheckpointRecord: the files image, the
+  sandbox's spec, its exec channel) committed as an image whose one layer is
+  that memory layer (`checkpoints/<id>:<n>`; its digest is the checkpoint's
+  id). load_checkpoint writes the memory images back out for a restore. A
+  local store only for now (Unsupported with a cluster store).
+
 Where layers are written: with a local store, into it (opened on first use;
 the node's image catalog is a read-only view of the same environment), the
 image and tag committed in one LMDB transaction. With a cluster store, into
@@ -48,23 +57,38 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chunkstore import ChunkStore, StoreConfig
 from chunkstore.digests import Digest
 from chunkstore.errors import LazyfsError
+from composer.builder import DEFAULT_CHUNK_SIZE
 from composer.catalog import Catalog, Image, ImageCatalog
 from composer.errors import ComposerError
+from composer.export import export_tree
 from composer.manifest import LayerManifest
 from composer.push import push
+from composer.refs import normalize_tag
 from composer.remote import ClusterCatalog
 from composer.snapshot import UNTRUSTED, hide_layer, keep_only, pack_diff, reveal_layer, squash
 from lazyfs.node import open_images
 
 from .config import RuntimeConfig
-from .errors import InvalidSpec, SandboxError, Unsupported
+from .errors import ImageNotFound, InvalidSpec, SandboxError, Unsupported
 from .files import remove_tree
 from .images import Images
-from .spec import ResolvedImage, SnapshotInfo
+from .spec import (
+    CHECKPOINT_KEY,
+    CheckpointInfo,
+    CheckpointRecord,
+    ResolvedImage,
+    SnapshotInfo,
+)
+
+# CRIU's page images hold a process's pages in address order: smaller chunks
+# than a layer's files get, so that a second checkpoint stores only the
+# regions whose pages changed
+MEMORY_CHUNK_SIZE = 64 << 10
 
 
 def _short(digest: str) -> str:
@@ -228,14 +252,17 @@ class Captures:
                                   f"{image.name} hiding {', '.join(paths)}")
         return ResolvedImage(name=image.name, digest=out, layers=tuple(all_layers))
 
-    def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot") -> Packed:
-        """The sandbox's upper as a layer (call with the sandbox frozen)."""
+    def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot",
+             chunk_size: int = DEFAULT_CHUNK_SIZE) -> Packed:
+        """The sandbox's upper (or CRIU's images of its processes) as a layer
+        (call with the sandbox frozen)."""
         with self._lock:
             stage = self._stage() if self.config.cluster else None
             store = stage.store if stage is not None else self._open()[0]
             before = store.counters.new_bytes
             try:
-                m = pack_diff(store, upper, source=f"{what}:{sandbox_id}")
+                m = pack_diff(store, upper, source=f"{what}:{sandbox_id}",
+                              chunk_size=chunk_size)
             except (ComposerError, OSError) as e:
                 if stage is not None:
                     stage.close()
@@ -296,6 +323,69 @@ class Captures:
                             bytes_new=uploaded if self.config.cluster else packed.bytes_new,
                             frozen_s=frozen_s, seconds=time.monotonic() - started,
                             layers=len(layers), flattened=flattened)
+
+    # -- checkpoints ----------------------------------------------------------
+    def checkpoint(self, sandbox_id: str, image: ResolvedImage, files: Packed,
+                   memory: Packed, *, record: dict[str, Any], tag: str | None, dump_s: float,
+                   frozen_s: float, started: float) -> CheckpointInfo:
+        """Commit a checkpoint: the packed upper as a snapshot image (tag
+        checkpoints/<id>/files:<n>) and the record, whose one layer is the
+        memory images (tag `tag` or checkpoints/<id>:<n>); `record` is the
+        CheckpointRecord without `files`."""
+        with self._lock:
+            n = self._counts[f"checkpoint:{sandbox_id}"] = \
+                self._counts.get(f"checkpoint:{sandbox_id}", 0) + 1
+        try:
+            snap = self.snapshot(sandbox_id, image, files,
+                                 tag=f"checkpoints/{sandbox_id}/files:{n}", frozen_s=frozen_s,
+                                 started=started)
+        except BaseException:
+            memory.close()
+            raise
+        rec = CheckpointRecord.model_validate({**record, "files": snap.image})
+        with self._lock:
+            _, catalog = self._open()
+            digest = str(memory.manifest.digest)
+            d, ids = catalog.store_layer(memory.manifest)
+            assert d == digest
+            tag = tag or f"checkpoints/{sandbox_id}:{n}"
+            ckpt = Image([digest], {CHECKPOINT_KEY: rec.model_dump(mode="json")},
+                         f"checkpoint of {sandbox_id} ({image.name})")
+            try:
+                out = catalog.commit_image(tag, ckpt, {digest: (memory.manifest, ids)})
+            except ComposerError as e:
+                raise InvalidSpec(f"checkpoint tag {tag!r}: {e}") from None
+        return CheckpointInfo(id=out, tag=tag, sandbox_id=sandbox_id, files=snap,
+                              memory_layer=digest, memory_bytes=memory.manifest.data_size,
+                              memory_bytes_new=memory.bytes_new, dump_s=dump_s,
+                              frozen_s=frozen_s, seconds=time.monotonic() - started)
+
+    @staticmethod
+    def check_tag(tag: str, what: str) -> None:
+        """InvalidSpec unless `tag` is a tag (checked before any work, so a
+        bad one leaves nothing behind)."""
+        try:
+            normalize_tag(tag)
+        except ComposerError as e:
+            raise InvalidSpec(f"{what} tag {tag!r}: {e}") from None
+
+    def load_checkpoint(self, name: str, dest: Path) -> CheckpointRecord:
+        """The record of checkpoint `name` (its id or tag), its memory
+        images written under `dest` (empty or absent)."""
+        with self._lock:
+            store, catalog = self._open()
+            try:
+                _, ckpt = catalog.resolve(name)
+            except ComposerError as e:  # (ImageNotFound, a bad name)
+                raise ImageNotFound(f"no checkpoint {name!r}: {e}") from None
+            if CHECKPOINT_KEY not in ckpt.config or len(ckpt.layers) != 1:
+                raise InvalidSpec(f"{name} is an image, not a checkpoint (Sandbox.create it)")
+            try:
+                rec = CheckpointRecord.model_validate(ckpt.config[CHECKPOINT_KEY])
+                export_tree(store, [catalog.load_layer(ckpt.layers[0])], dest)
+            except (ComposerError, OSError) as e:
+                raise SandboxError(f"reading checkpoint {name}: {e}") from e
+            return rec
 
     def verifier_image(self, sandbox_id: str, image: ResolvedImage, hidden: tuple[str, ...],
                        packed: Packed, keep: tuple[str, ...] | None = None

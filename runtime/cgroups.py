@@ -1,21 +1,58 @@
 """cgroup v1 files of a sandbox (the controllers runc creates for
-cgroupsPath /lazyfs/<id>): memory figures, OOM kills, reclaim, process lists.
+cgroupsPath /lazyfs/<id>): memory figures, OOM kills, reclaim, process lists;
+the cpu limits of a sandbox's spec (cpu_limits, one place for containers and
+VMs); and the groups of a sandbox whose processes runc does not start (a VM's
+QEMU: create_group, remove_empty).
 
-Only reading and a few writes; runc creates, limits and removes the groups.
-On a cgroup v2 host the same questions map to memory.stat / memory.events /
-memory.reclaim; that port is not written yet (these machines run v1).
+For containers only reading and a few writes: runc creates, limits and
+removes their groups. On a cgroup v2 host the same questions map to
+memory.stat / memory.events / memory.reclaim; that port is not written yet
+(these machines run v1).
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = "lazyfs"
+CPU_PERIOD = 100_000  # microseconds: the CFS period of every sandbox's quota
+
+
+@dataclass(frozen=True)
+class CpuLimits:
+    """A sandbox's `cpu` as CFS bandwidth: `quota` microseconds of CPU time
+    per `period` (cpu=0.5: half a core, cpu=2: two cores), and a weight
+    against the other sandboxes (`shares`, 1024 per core)."""
+
+    quota: int
+    period: int
+    shares: int
+
+
+def cpu_limits(cpu: float) -> CpuLimits:
+    return CpuLimits(math.ceil(cpu * CPU_PERIOD), CPU_PERIOD, max(2, int(1024 * cpu)))
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """What create_group writes: cpu bandwidth and weight, a hard memory
+    limit (bytes), a pids limit."""
+
+    cpu: CpuLimits
+    memory: int
+    pids: int
+
+
+# the controllers of a group made by create_group; cpuacct for the CPU time
+# its processes used (a hierarchy of its own on these machines)
+GROUP_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids")
 
 
 def path(controller: str, sandbox_id: str) -> Path:
@@ -126,6 +163,54 @@ def pids(sandbox_id: str) -> list[int]:
 
 def exists(sandbox_id: str) -> bool:
     return path("memory", sandbox_id).is_dir()
+
+
+def create_group(sandbox_id: str, limits: GroupLimits) -> list[Path]:
+    """Make the sandbox's group in each of GROUP_CONTROLLERS with `limits`;
+    returns the cgroup.procs files a process writes "0" to in order to join
+    (before it execs what the limits are for, so that everything it
+    allocates is charged here). A failure removes what was made."""
+    made = []
+    try:
+        for controller in GROUP_CONTROLLERS:
+            d = path(controller, sandbox_id)
+            d.mkdir(parents=True)
+            made.append(d)
+        cpu = path("cpu", sandbox_id)
+        (cpu / "cpu.cfs_period_us").write_text(str(limits.cpu.period))
+        (cpu / "cpu.cfs_quota_us").write_text(str(limits.cpu.quota))
+        (cpu / "cpu.shares").write_text(str(limits.cpu.shares))
+        (path("memory", sandbox_id) / "memory.limit_in_bytes").write_text(str(limits.memory))
+        (path("pids", sandbox_id) / "pids.max").write_text(str(limits.pids))
+    except BaseException:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+    return procs_files(sandbox_id)
+
+
+def procs_files(sandbox_id: str) -> list[Path]:
+    """The cgroup.procs files of a group made by create_group."""
+    return [path(c, sandbox_id) / "cgroup.procs" for c in GROUP_CONTROLLERS]
+
+
+def cpu_usage(sandbox_id: str) -> float:
+    """CPU seconds the sandbox's processes have used (cpuacct.usage)."""
+    text = _read(path("cpuacct", sandbox_id) / "cpuacct.usage").strip()
+    return int(text) / 1e9 if text.isdigit() else 0.0
+
+
+def cpu_stat(sandbox_id: str) -> dict[str, int]:
+    """cpu.stat of the sandbox's cpu group: nr_periods, nr_throttled, throttled_time."""
+    out = {}
+    for line in _read(path("cpu", sandbox_id) / "cpu.stat").splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().isdigit():
+            out[k] = int(v)
+    return out
 
 
 def remove_empty(sandbox_id: str, wait: float = 5.0) -> None:

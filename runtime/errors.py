@@ -16,6 +16,8 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     ├── SandboxStateError      the call does not fit the state (exec while paused)
     │   └── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
     │                          its files wait in the image store; restore() it
+    ├── NotCheckpointable      CRIU cannot save a process of the sandbox (a device,
+    │                          a descriptor of a kind it cannot dump); it runs on
     ├── FileError              a files.* call failed (missing path, not a dir, escape)
     └── ExecError              a command did not finish normally; .result holds
         │                      what it printed before it was stopped
@@ -77,6 +79,10 @@ class SandboxStateError(SandboxError):
     status = 409
 
 
+class NotCheckpointable(SandboxError):
+    status = 409  # (not 422: the agent's clients read that as a request body FastAPI refused)
+
+
 class SandboxPreempted(SandboxStateError):
     pass
 
@@ -108,6 +114,6 @@ class OutOfMemory(ExecError):
 ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
-        BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted, FileError,
-        ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
+        BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
+        NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
 }

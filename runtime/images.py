@@ -20,8 +20,8 @@ from composer.errors import ImageNotFound as CatalogImageNotFound
 from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog
 
 from .config import RuntimeConfig
-from .errors import BackendUnavailable, ImageNotFound
-from .spec import ResolvedImage
+from .errors import BackendUnavailable, ImageNotFound, InvalidSpec
+from .spec import CHECKPOINT_KEY, ResolvedImage
 
 
 class Images:
@@ -57,6 +57,8 @@ class Images:
         except CatalogImageNotFound:
             raise ImageNotFound(f"no image {name!r} in {self.config.cluster or self.config.store}"
                                 " (lazyfs images lists them)") from None
+        if CHECKPOINT_KEY in image.config:  # its one layer is CRIU's images, not a root
+            raise InvalidSpec(f"{name} is a checkpoint, not an image: Sandbox.restore it")
         return ResolvedImage(name=name, digest=digest, layers=tuple(image.layers))
 
     def ensure_daemon(self) -> NodePaths:

@@ -1,6 +1,7 @@
 """The sandbox's own small programs, built on first use: sandbox-init
-(native/sandbox-init.c, containers and the host side of VMs) and the guest
-agent of VMs (native/guest-agent.c).
+(native/sandbox-init.c, containers and the host side of VMs), the guest
+agent of VMs (native/guest-agent.c) and the library preloaded into their
+QEMU (native/qemu-preload.c, a shared object: it runs in QEMU's process).
 
 They are compiled statically, so they run in any image (no libc needed there),
 and cached under the runtime's state directory by the hash of their source:
@@ -20,6 +21,7 @@ from .errors import BackendUnavailable
 
 SOURCE = Path(__file__).with_name("native") / "sandbox-init.c"
 GUEST_AGENT_SOURCE = Path(__file__).with_name("native") / "guest-agent.c"
+QEMU_PRELOAD_SOURCE = Path(__file__).with_name("native") / "qemu-preload.c"
 
 
 def sandbox_init(cache_dir: Path) -> Path:
@@ -32,11 +34,17 @@ def guest_agent(cache_dir: Path) -> Path:
     return build_static(GUEST_AGENT_SOURCE, cache_dir)
 
 
-def build_static(source: Path, cache_dir: Path) -> Path:
-    """Path of the static binary built from one C file (built now if missing)."""
+def qemu_preload(cache_dir: Path) -> Path:
+    """Path of the built qemu-preload.so (LD_PRELOAD of sandbox VMs' QEMU)."""
+    return build_static(QEMU_PRELOAD_SOURCE, cache_dir, shared=True)
+
+
+def build_static(source: Path, cache_dir: Path, shared: bool = False) -> Path:
+    """Path of the static binary built from one C file (built now if missing);
+    `shared`: a shared object instead, to preload into a dynamic program."""
     src = source.read_bytes()
     name = source.stem
-    out = cache_dir / f"{name}-{hashlib.sha256(src).hexdigest()[:16]}"
+    out = cache_dir / f"{name}-{hashlib.sha256(src).hexdigest()[:16]}{'.so' if shared else ''}"
     if out.exists():
         return out
     cc = shutil.which("gcc") or shutil.which("cc")
@@ -46,7 +54,8 @@ def build_static(source: Path, cache_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".build-")
     os.close(fd)
     try:
-        p = subprocess.run([cc, "-static", "-O2", "-Wall", "-o", tmp, str(source)],
+        kind = ["-shared", "-fPIC"] if shared else ["-static"]
+        p = subprocess.run([cc, *kind, "-O2", "-Wall", "-o", tmp, str(source)],
                            capture_output=True, text=True, check=False)
         if p.returncode != 0:
             raise BackendUnavailable(

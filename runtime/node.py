@@ -22,10 +22,11 @@ import json
 import logging
 import os
 import secrets
+import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,9 @@ from chunkstore.errors import LazyfsError
 
 from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing, Eventful, Networked
-from .capture import Captures, Packed
+from .backends.base import Capturing, Checkpointing, Eventful, Networked
+from .backends.criu import CRIU_VERSION
+from .capture import MEMORY_CHUNK_SIZE, Captures, Packed
 from .config import RuntimeConfig
 from .errors import (
     BackendUnavailable,
@@ -55,6 +57,7 @@ from .fleet.records import sandbox_id as fleet_sandbox_id
 from .images import Images
 from .preempt import PreemptedSandboxes
 from .spec import (
+    CheckpointInfo,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
@@ -161,9 +164,11 @@ class Node:
         return self._create(spec)
 
     def _create(self, spec: SandboxSpec, sandbox_id: str | None = None,
-                created: float | None = None) -> SandboxInfo:
-        """A new sandbox; `sandbox_id` and `created` given for one restored
-        after a preemption."""
+                created: float | None = None,
+                start: Callable[[Backend, Handle[Any]], None] | None = None) -> SandboxInfo:
+        """A new sandbox, brought up by `start` (default: the backend's
+        create; a checkpoint's restore); `sandbox_id` and `created` given for
+        one restored after a preemption."""
         backend = self.backend(spec.backend)
         with self._lock:  # creations under way count, so a burst cannot overshoot
             if len(self._sandboxes) + len(self._pending) >= self.config.max_sandboxes:
@@ -176,6 +181,10 @@ class Node:
             made = False
         try:
             # the only time the name is looked up: backends get the digest
+            if spec.network.mode == "allowlist" and \
+                    "network_allowlist" not in capabilities(spec.backend):
+                raise Unsupported(f"network: the {spec.backend} backend cannot enforce a network "
+                                  "allowlist (it has no network at all; Sandbox.capabilities)")
             image = self.images.resolve_image(spec.image)
             if spec.hidden:
                 if "hidden" not in capabilities(spec.backend):
@@ -191,7 +200,10 @@ class Node:
                 raise SandboxStateError(f"{sandbox_id} already runs on this node") from None
             h = Handle(sandbox_id, spec, image, d, backend.state_type())
             try:
-                backend.create(h)
+                if start is None:
+                    backend.create(h)
+                else:
+                    start(backend, h)
             except BaseException:
                 _remove(d)
                 raise
@@ -409,6 +421,83 @@ class Node:
                 self.kill(c.id)
             raise
         return snap, children
+
+    def checkpoint(self, sandbox_id: str, tag: str | None = None) -> CheckpointInfo:
+        """The sandbox's processes (CRIU) and files (its upper packed, as a
+        snapshot) at one instant, stored in the image store; the sandbox
+        runs on. Raises NotCheckpointable (naming CRIU's reason) when a
+        process cannot be saved; the sandbox is left as it was."""
+        started = time.monotonic()
+        if self.config.cluster:
+            raise Unsupported("checkpoints with a cluster store are not built yet (the memory "
+                              "layer and record would need a push; use a local store)")
+        if tag is not None:
+            self.captures.check_tag(tag, "checkpoint")
+        with self._state_lock(sandbox_id):  # no pause/resume meanwhile
+            info, h = self._get(sandbox_id)
+            backend = self._require(info, "checkpoint")
+            assert isinstance(backend, Checkpointing), backend
+            with self._lock:
+                if self._busy.get(sandbox_id):
+                    raise SandboxStateError(
+                        f"a command is running in {sandbox_id}: checkpoint between commands "
+                        "(a running command's pipes lead out of the sandbox, to the caller)")
+            images = h.dir / "checkpoint"
+            files: Packed | None = None
+            try:
+                t0 = time.monotonic()
+                with backend.checkpoint(h, images) as upper:
+                    dumped = time.monotonic()
+                    files = self.captures.pack(sandbox_id, upper, "checkpoint")
+                frozen = time.monotonic() - t0
+                memory = self.captures.pack(sandbox_id, images, "checkpoint-memory",
+                                            MEMORY_CHUNK_SIZE)
+            except BaseException:
+                if files is not None:
+                    files.close()
+                raise
+            finally:
+                with self._lock:  # the exec channel may have moved
+                    if sandbox_id in self._sandboxes:
+                        self._save(info, h)
+                remove_tree(images)
+            record = {"spec": info.spec.model_dump(mode="json"), "sandbox_id": sandbox_id,
+                      "channel_name": h.state.channel_name, "criu": CRIU_VERSION}
+            ckpt = self.captures.checkpoint(
+                sandbox_id, h.image, files, memory, record=record, tag=tag,
+                dump_s=dumped - t0, frozen_s=frozen, started=started)
+        self._touch(info, h)
+        log.info("checkpoint of %s: %s (memory %d bytes, %d new; frozen %.3fs)", sandbox_id,
+                 ckpt.id, ckpt.memory_bytes, ckpt.memory_bytes_new, frozen)
+        return ckpt
+
+    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None = None
+                           ) -> SandboxInfo:
+        """A new sandbox from a checkpoint (its id or tag): the checkpoint's
+        files under a fresh writable layer, its processes restored where
+        they were. `labels` replace the checkpointed sandbox's when given."""
+        with tempfile.TemporaryDirectory(dir=self.config.sandboxes) as tmp:
+            staged = Path(tmp) / "images"
+            record = self.captures.load_checkpoint(checkpoint, staged)
+            update: dict[str, Any] = {"image": record.files}
+            if labels is not None:
+                update["labels"] = dict(labels)
+            spec = record.spec.model_copy(update=update)
+
+            def start(backend: Backend, h: Handle[Any]) -> None:
+                if not isinstance(backend, Checkpointing):
+                    raise Unsupported(f"the {spec.backend} backend cannot restore checkpoints")
+                images = h.dir / "checkpoint"
+                os.replace(staged, images)
+                h.state.channel_name = record.channel_name
+                try:
+                    backend.restore(h, images)
+                finally:
+                    remove_tree(images)
+
+            info = self._create(spec, start=start)
+        log.info("restored %s from checkpoint %s", info.id, checkpoint)
+        return info
 
     def verify(self, sandbox_id: str, req: ExecRequest,
                keep: tuple[str, ...] | None = None) -> ExecResult:

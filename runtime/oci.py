@@ -11,7 +11,6 @@ set; no new privileges; the default seccomp policy; cgroup limits.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +55,6 @@ MASKED_PATHS = [
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
-CPU_PERIOD = 100_000
-
 
 def _mounts(init_binary: Path) -> list[dict[str, Any]]:
     return [
@@ -96,7 +93,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
     stdin (runtime/backends/initexec.py)."""
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
-    quota = math.ceil(spec.cpu * CPU_PERIOD)
+    cpu = cgroups.cpu_limits(spec.cpu)
     # the network namespace is the sandbox's own (made with its user
     # namespace); an allowlist gives it a veth and rules once init runs
     # (netpolicy.create)
@@ -125,8 +122,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
                 "memory": {"limit": spec.memory_mb << 20, "swap": spec.memory_mb << 20},
-                "cpu": {"quota": quota, "period": CPU_PERIOD,
-                        "shares": max(2, int(1024 * spec.cpu))},
+                "cpu": {"quota": cpu.quota, "period": cpu.period, "shares": cpu.shares},
                 "pids": {"limit": spec.pids},
             },
             "namespaces": namespaces,

@@ -18,7 +18,7 @@ Importing the SDK loads no node code; an embedded node is loaded when used.
 Errors are runtime.errors classes: ImageNotFound,
 SandboxNotFound, ExecTimeout / OutputTruncated / OutOfMemory (with `.result`),
 Unsupported (a backend that cannot do a call says so), BackendUnavailable,
-QuotaExceeded, InvalidSpec.
+QuotaExceeded, InvalidSpec, NotCheckpointable.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import builtins
 import functools
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -34,11 +35,14 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import anyio
 import anyio.to_thread
 
+from .errors import InvalidSpec
 from .files import FileInfo
 from .spec import (
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_MAX_OUTPUT,
+    SANDBOX_ID_PATTERN,
     Backend,
+    CheckpointInfo,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from .node import Node
 
 Snapshot = SnapshotInfo  # what sb.snapshot() returns; Sandbox.create(snapshot) runs it
+Checkpoint = CheckpointInfo  # what sb.checkpoint() returns; Sandbox.restore(checkpoint)
 
 # a string: Node is only a name here (importing it would load the node)
 NodeRef: TypeAlias = "str | Node | Transport | None"
@@ -182,11 +187,20 @@ class Sandbox:
         return resolve(node, token, fleet).pause_many(labels, snapshot)
 
     @classmethod
-    def restore(cls, sandbox_id: str, *, node: NodeRef = None,
-                token: str | None = None) -> Sandbox:
-        """The preempted sandbox `sandbox_id`, running again on `node`."""
+    def restore(cls, what: CheckpointInfo | str, *, labels: Mapping[str, str] | None = None,
+                node: NodeRef = None, token: str | None = None) -> Sandbox:
+        """Bring a sandbox back on `node`: a preempted sandbox (by its id:
+        the same id, labels and files), or a checkpoint (a CheckpointInfo,
+        or its id or tag: a new sandbox with its files and its processes
+        going on where they were; `labels` replace the checkpointed
+        sandbox's)."""
         t = resolve(node, token)
-        return cls(t.restore(sandbox_id), t)
+        if isinstance(what, str) and re.fullmatch(SANDBOX_ID_PATTERN, what):
+            if labels is not None:
+                raise InvalidSpec("labels= is for a checkpoint: a preempted sandbox keeps its own")
+            return cls(t.restore(what), t)
+        name = what.id if isinstance(what, CheckpointInfo) else what
+        return cls(t.restore_checkpoint(name, labels), t)
 
     @staticmethod
     def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
@@ -237,6 +251,12 @@ class Sandbox:
         with its own writable layer and identity; same spec otherwise."""
         _, children = self._t.fork(self.id, n)
         return [Sandbox(c, self._t) for c in children]
+
+    def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
+        """The sandbox's processes (CRIU) and files at one instant, stored as
+        a checkpoint (container backend); the sandbox runs on. Raises
+        NotCheckpointable naming why when a process cannot be saved."""
+        return self._t.checkpoint(self.id, tag)
 
     def verify(self, cmd: str | Sequence[str], *, cwd: str | None = None,
                env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
@@ -370,9 +390,10 @@ class AsyncSandbox:
         return out
 
     @classmethod
-    async def restore(cls, sandbox_id: str, *, node: NodeRef = None,
+    async def restore(cls, what: CheckpointInfo | str, *,
+                      labels: Mapping[str, str] | None = None, node: NodeRef = None,
                       token: str | None = None) -> AsyncSandbox:
-        return cls(await _thread(Sandbox.restore, sandbox_id, node=node, token=token))
+        return cls(await _thread(Sandbox.restore, what, labels=labels, node=node, token=token))
 
     @staticmethod
     async def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
@@ -420,6 +441,10 @@ class AsyncSandbox:
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
         return [AsyncSandbox(s) for s in await _thread(self.sync.fork, n)]
+
+    async def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
+        out: CheckpointInfo = await _thread(self.sync.checkpoint, tag)
+        return out
 
     async def verify(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
         r: ExecResult = await _thread(self.sync.verify, cmd, **kw)

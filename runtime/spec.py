@@ -327,6 +327,40 @@ class SandboxEvent(_Model):
     last: float
 
 
+class CheckpointInfo(_Model):
+    """A container sandbox's processes and files at one instant: its files
+    as a snapshot image (`files`) and CRIU's images of its processes packed
+    into a layer of their own (`memory_layer`, untrusted chunks, zstd,
+    deduplicated). `id` is the content digest of the checkpoint's record:
+    Sandbox.restore(checkpoint) (or its id) starts a sandbox from it."""
+
+    id: str = Field(pattern=DIGEST_PATTERN)
+    tag: str
+    sandbox_id: str
+    files: SnapshotInfo
+    memory_layer: str = Field(pattern=DIGEST_PATTERN)
+    memory_bytes: int  # CRIU's images, all files
+    memory_bytes_new: int  # of which the store did not hold yet (after dedup)
+    dump_s: float  # CRIU's dump, the sandbox stopped
+    frozen_s: float  # how long the sandbox's processes were stopped (dump + files)
+    seconds: float  # the whole call
+
+
+# the config key of a checkpoint's catalog entry, holding its CheckpointRecord
+CHECKPOINT_KEY = "lazyfs.checkpoint"
+
+
+class CheckpointRecord(_Model):
+    """What a checkpoint's record (the config of its catalog entry, under
+    CHECKPOINT_KEY) holds: what a restore needs besides the memory images."""
+
+    files: str = Field(pattern=DIGEST_PATTERN)  # the image of its files
+    spec: SandboxSpec  # the sandbox's, its image set to `files` on restore
+    channel_name: str = Field(pattern=r"^lazyfs-ctl-[0-9a-f]{16}$")
+    sandbox_id: str
+    criu: str
+
+
 class SandboxInfo(_Model):
     id: str
     spec: SandboxSpec

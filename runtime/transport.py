@@ -35,6 +35,7 @@ import httpx
 from .errors import ERRORS, BackendUnavailable, ExecError, SandboxError
 from .files import FileInfo
 from .spec import (
+    CheckpointInfo,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
@@ -81,6 +82,9 @@ class Transport(Protocol):
     def capabilities(self, backend: str) -> dict[str, Any]: ...
     def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo: ...
     def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]: ...
+    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo: ...
+    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
+                           ) -> SandboxInfo: ...
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult: ...
     def events(self, sandbox_id: str) -> list[SandboxEvent]: ...
     def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
@@ -157,6 +161,13 @@ class Embedded:
 
     def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
         return self.node.fork(sandbox_id, n)
+
+    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo:
+        return self.node.checkpoint(sandbox_id, tag)
+
+    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
+                           ) -> SandboxInfo:
+        return self.node.restore_checkpoint(checkpoint, labels)
 
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
         return self.node.verify(sandbox_id, req.exec, req.keep)
@@ -337,6 +348,16 @@ class Http:
         body = self._call("POST", f"/v1/sandboxes/{sandbox_id}/fork", json={"n": n}).json()
         return (SnapshotInfo.model_validate(body["snapshot"]),
                 [SandboxInfo.model_validate(c) for c in body["children"]])
+
+    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo:
+        r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/checkpoint", json={"tag": tag})
+        return CheckpointInfo.model_validate(r.json())
+
+    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
+                           ) -> SandboxInfo:
+        r = self._call("POST", "/v1/checkpoints/restore", json={
+            "checkpoint": checkpoint, "labels": dict(labels) if labels is not None else None})
+        return SandboxInfo.model_validate(r.json())
 
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
         r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/verify",

@@ -9,6 +9,7 @@ hang) when a chunk is corrupt or the daemon dies."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
 import shutil
@@ -28,6 +29,7 @@ from composer.convert import convert
 from composer.manifest import ChunkRef, Entry, Kind, LayerManifest
 from composer.tarlayer import import_tar
 from lazyfs import sysmount
+from lazyfs.blob import map_size
 from pmem.erofs import build_image, materialize_blob, write_image
 from pmem.errors import UnrepresentableEntry
 from tests.helpers.images import (
@@ -327,7 +329,8 @@ def test_kernel_mount_over_the_daemon_blob_is_lazy(store: ChunkStore, cat: Catal
     with LazyNode(tmp_path / "node", Path(store.root)) as node:
         blobs = {d: node.mnt / "blobs" / f"{d}.data" for d in image}
         assert os.path.getsize(blobs[image[0]]) == BlobLayout.build(base_m).size
-        assert sorted(os.listdir(node.mnt / "blobs")) == sorted(f"{d}.data" for d in image)
+        assert sorted(os.listdir(node.mnt / "blobs")) == sorted(
+            f"{d}{suffix}" for d in image for suffix in (".data", ".map"))
         with erofs_mount(metas[image[0]], blobs[image[0]], tmp_path / "base") as base, \
                 erofs_mount(metas[image[1]], blobs[image[1]], tmp_path / "upper") as up:
             subprocess.run(["ls", "-lR", str(base), str(up)], check=True, capture_output=True)
@@ -360,6 +363,50 @@ def test_kernel_mount_over_the_daemon_blob_is_lazy(store: ChunkStore, cat: Catal
                     assert a == b
                     if not a:
                         break
+
+
+@root_only
+@needs_fuse
+def test_map_file_is_the_blob_padded_and_mapped_lazily(store: ChunkStore, cat: Catalog,
+                                                       image: list[str], tmp_path: Path) -> None:
+    """blobs/<digest>.map (what VMs map as virtio-pmem): the blob's bytes, then
+    zeros up to whole 2 MiB units; it can be mapped shared (the direct_io
+    .data cannot), and touching one page of the mapping fetches only the
+    chunks behind that page."""
+    m = cat.load_layer(image[0])
+    layout = BlobLayout.build(m)
+    entry_index = next(i for i, e in enumerate(m.entries) if e.path == "posix/sizes/random_3mib")
+    entry = m.entries[entry_index]
+    start = next(layout.starts[k] for k in range(len(layout.starts))
+                 if layout.entries[k] == entry_index and layout.offsets[k] == 0)
+    with LazyNode(tmp_path / "node", Path(store.root)) as node:
+        data, mapped = (node.mnt / "blobs" / f"{image[0]}{s}" for s in (".data", ".map"))
+        assert os.path.getsize(mapped) == map_size(layout.size)
+        assert os.path.getsize(mapped) % (2 * MIB) == 0 and map_size(layout.size) > layout.size
+        with open(data, "rb") as f, pytest.raises(OSError):
+            mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        with open(mapped, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
+            try:
+                first_chunk = entry.chunks[0].id
+                assert first_chunk is not None
+                page = mm[start:start + 4096]  # a page fault on the FUSE file
+                assert page == store.get(first_chunk)[:4096]
+                st = node.stats()
+                # the fault read the chunk(s) behind that page (and FUSE readahead
+                # around it), not the layer
+                assert 0 < st["cache"]["fetched_bytes"] < layout.size // 2, st["cache"]
+                assert mm[layout.size:] == bytes(map_size(layout.size) - layout.size)
+            finally:
+                mm.close()
+            f.seek(0)
+            assert f.read(layout.size) == materialized(m, layout, store, tmp_path)
+
+
+def materialized(m: LayerManifest, layout: BlobLayout, store: ChunkStore, d: Path) -> bytes:
+    local = d / "local.data"
+    materialize_blob(m, layout, lambda ids: store.get_many(ids), local)
+    return local.read_bytes()
 
 
 @root_only

@@ -87,15 +87,21 @@ def test_fixups_take_metadata_from_the_layer_that_listed_the_directory() -> None
     assert (fixes["opt"].mode, fixes["opt"].uid, fixes["opt"].mtime_ns) == (0o700, 7, 9)
 
 
-def test_a_layer_blob_takes_the_inode_its_range_leaves_free() -> None:
-    from lazyfs.blob import LayerBlob, blob_name, digest_of
+def test_a_layer_blob_takes_the_inodes_its_range_leaves_free() -> None:
+    from lazyfs.blob import MAP_ALIGN, LayerBlob, blob_entry, blob_name, digest_of, map_name
     m = _layer(Entry("f", Kind.FILE, 0o644))
     tree = LayerTree.build("blake3:t", m, 3)
     blob = LayerBlob.build(tree)
-    assert blob.inode == tree.base + len(tree.entries) + 1  # the next layer's base
-    assert all(tree.inode(i) != blob.inode for i in range(len(tree.entries)))
+    assert blob.inode == tree.base + len(tree.entries) + 1
+    assert blob.map_inode == blob.inode + 1  # the next layer's base
+    assert all(tree.inode(i) not in (blob.inode, blob.map_inode)
+               for i in range(len(tree.entries)))
     assert digest_of(blob_name("blake3:t").encode()) == "blake3:t"
+    assert blob_entry(map_name("blake3:t").encode()) == ("blake3:t", True)
+    assert blob_entry(blob_name("blake3:t").encode()) == ("blake3:t", False)
     assert digest_of(b".data") is None and digest_of(b"blake3:t") is None
+    assert blob_entry(b".map") == (None, False)
+    assert blob.map_size % MAP_ALIGN == 0 and blob.map_size >= max(blob.size, MAP_ALIGN)
 
 
 def test_the_fetch_engine_serves_a_layer_without_a_mount(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from runtime import Sandbox
 from runtime.agent.launch import answers, pid_file
+from runtime.backends import criu
 from runtime.hostlimits import FNCALL_UID_BASE
 from runtime.transport import Http, resolve
 from tests.helpers.lazynode import LazyNode
@@ -258,6 +259,30 @@ def test_snapshot_fork_and_verify_as_typed(cli: Cli) -> None:
     assert cli("sandbox", "exec", p.stdout.strip(), "cat", "/root/x").stdout == "mine\n"
     p = cli("sandbox", "snapshot", "--tag", "Bad Name!", sid)
     assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.skipif(criu.missing() is not None, reason=str(criu.missing()))
+def test_checkpoint_and_restore_as_typed(cli: Cli) -> None:
+    sid = cli("sandbox", "create", "--label", "cli=test", IMAGE).stdout.strip()
+    assert cli("sandbox", "exec", sid, "sh", "-c",
+               "echo kept > /root/x; sleep 600 </dev/null >/dev/null 2>&1 &").returncode == 0
+    p = cli("sandbox", "checkpoint", "--tag", "cli/ckpt:1", sid)
+    assert p.returncode == 0 and " cli/ckpt:1 " in p.stdout and "frozen" in p.stdout, p.stderr
+    cli("sandbox", "kill", sid)
+    p = cli("sandbox", "restore", "cli/ckpt:1")  # (it keeps the label cli=test)
+    assert p.returncode == 0, p.stderr
+    again = p.stdout.strip()
+    assert cli("sandbox", "exec", again, "cat", "/root/x").stdout == "kept\n"
+    assert cli("sandbox", "exec", again, "sh", "-c", "ps | grep -q '[s]leep 600'").returncode == 0
+    # what CRIU refuses: one line naming it, the sandbox runs on
+    other = cli("sandbox", "create", "--label", "cli=test", IMAGE).stdout.strip()
+    cli("sandbox", "exec", other, "sh", "-c",
+        "echo m > /dev/mqueue/q; (exec 4</dev/mqueue/q; sleep 600) </dev/null >/dev/null 2>&1 &")
+    p = cli("sandbox", "checkpoint", other)
+    assert p.returncode != 0 and "mqueue" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert "{" not in p.stderr  # the message, not the agent's JSON
+    assert cli("sandbox", "exec", other, "echo", "alive").stdout == "alive\n"
 
 
 def test_preempt_and_restore_as_typed(cli: Cli) -> None:

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -47,7 +47,7 @@ from tests.helpers.sandboxes import (
     retag,
     runtime_missing,
 )
-from tests.helpers.support import gone, processes_with, tcp_listening, wait_until
+from tests.helpers.support import Hello, gone, processes_with, tcp_listening, wait_until
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
@@ -350,18 +350,8 @@ def test_async_sandbox_under_asyncio_and_trio(node: Node) -> None:
     assert asyncio.run(many()) == [0, 0, 0, 0]
 
 
-class _Hello(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b"mirror says hi")
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_network_allowlist(node: Node) -> None:
-    servers = [ThreadingHTTPServer(("0.0.0.0", 0), _Hello) for _ in range(2)]
+    servers = [ThreadingHTTPServer(("0.0.0.0", 0), Hello) for _ in range(2)]
     for srv in servers:
         threading.Thread(target=srv.serve_forever, daemon=True).start()
     allowed, denied = (srv.server_address[1] for srv in servers)

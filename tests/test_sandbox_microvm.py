@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,19 +21,29 @@ from pathlib import Path
 
 import pytest
 
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
+from lazyfs.node import request
 from runtime import (
     BackendUnavailable,
     ExecTimeout,
     FileError,
+    NetworkPolicy,
     OutOfMemory,
     OutputTruncated,
     Sandbox,
     SandboxNotFound,
     SandboxStateError,
+    Unsupported,
+    cgroups,
 )
 from runtime.backends.microvm import MicrovmBackend
+from runtime.backends.qemubase import VMM_OVERHEAD_MB
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
+from runtime.spec import Backend
+from tests.helpers.images import build_busybox_rootfs
 from tests.helpers.sandboxes import (
     IMAGE,
     SECOND,
@@ -42,23 +53,42 @@ from tests.helpers.sandboxes import (
     retag,
     vm_missing,
 )
-from tests.helpers.support import processes_with, wait_until
+from tests.helpers.support import flip_byte, pack_path, processes_with, wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing()))]
 
 
+FAULT_IMAGE = "bb:fault"  # busybox + FAULT_FILE, read only by the fetch-fault test
+FAULT_FILE = "zz/fault.bin"
+
+
 @pytest.fixture(scope="module")
-def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, tuple[Path, int]]:
+    """The store, its directory, and where in a pack a chunk of FAULT_IMAGE's
+    /data/fault.bin lies (found now: once the node runs, this process holds
+    the store's catalog open)."""
     d = tmp_path_factory.mktemp("vm")
     store = busybox_store(d)
     add_second_image(store, d)
-    return store, d
+    root = build_busybox_rootfs(d / "rootfs-fault")
+    (root / "zz").mkdir()
+    # last in the blob, after a gap wider than the host's readahead around a
+    # page fault (1 MiB): only reading the file itself fetches its chunks
+    (root / "zz" / "a-gap.bin").write_bytes(os.urandom(4 << 20))
+    (root / FAULT_FILE).write_bytes(os.urandom(1 << 20))
+    with ChunkStore.open(store) as s, Catalog(s) as cat:
+        convert(s, cat, f"dir:{root}", FAULT_IMAGE)
+        m = cat.load_layer(cat.resolve(FAULT_IMAGE)[1].layers[-1])
+        cid = next(e for e in m.entries if e.path == FAULT_FILE).chunks[-1].id
+        assert cid is not None
+        info = s.stat(cid)
+    return store, d, (pack_path(store, info.pack), info.offset + info.stored_len - 3)
 
 
 @pytest.fixture(scope="module")
-def node(store_dir: tuple[Path, Path]) -> Iterator[Node]:
-    store, d = store_dir
+def node(store_dir: tuple[Path, Path, tuple[Path, int]]) -> Iterator[Node]:
+    store, d, _ = store_dir
     with node_for(store, d) as n:
         # this run's layers are new (random data): keep their pmem files with the run
         _backend(n).pmem_cache = d / "pmem"
@@ -105,7 +135,8 @@ def test_exec_output_exit_code_stdin_env_cwd(sb: Sandbox) -> None:
     assert r.exit_code == 127 and b"no-such-command: command not found" in r.stderr
 
 
-def test_layers_are_dax_erofs_on_pmem(sb: Sandbox, store_dir: tuple[Path, Path]) -> None:
+def test_layers_are_dax_erofs_on_pmem(sb: Sandbox, store_dir: tuple[Path, Path, tuple[Path, int]]
+                                      ) -> None:
     # /proc/1 is the agent, outside the sandbox's root: its mounts show the layers
     mounts = sb.exec("cat /proc/1/mounts").stdout.decode()
     erofs = [line.split() for line in mounts.splitlines() if " erofs " in line]
@@ -277,6 +308,93 @@ def test_guest_panic_is_a_typed_error(node: Node) -> None:
         s.kill()
 
 
+def test_a_failed_fetch_under_a_pmem_page_is_a_bounded_typed_error(
+        node: Node, store_dir: tuple[Path, Path, tuple[Path, int]]) -> None:
+    """The image's data reaches the guest lazily: the VM boots without
+    reading /data/fault.bin; reading it is a page fault on the daemon's blob.
+    Fault injection (not a fake: a store that fails a chunk's check): a
+    flipped byte in the pack under one of its chunks, after the VM booted.
+    The daemon answers the fault with EIO, QEMU gets SIGBUS (a DAX load has
+    no way to return an error into the guest) and the call raises at once,
+    naming it, instead of a vCPU hanging on the page."""
+    pack, offset = store_dir[2]
+    with Sandbox.create(FAULT_IMAGE, backend="microvm", node=node, memory_mb=256) as s:
+        layer = node.images.resolve_image(FAULT_IMAGE).layers[-1]
+        assert s.exec("busybox | head -c 7").stdout == b"BusyBox"
+        trace = request(node.images.ensure_daemon(), {"op": "trace", "mount": None})["trace"]
+        read = {e["path"] for e in trace["events"] if e.get("layer", layer) == layer}
+        assert "bin/busybox" in read and FAULT_FILE not in read  # booted without its data
+        # and without its neighbours': a fault fetched its own page's chunk, no
+        # read-around (qemu-preload.c; with QEMU's MADV_HUGEPAGE, 4 MiB around)
+        assert "zz/a-gap.bin" not in read
+        flip_byte(pack, offset)
+        t0 = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="SIGBUS: a page of its mapped image"):
+            s.exec(f"cat /{FAULT_FILE} > /dev/null; echo read-it", timeout=60)
+        assert time.monotonic() - t0 < 30
+    assert not processes_with(str(_vm_dir(node, s.id)))
+
+
+def _sandbox_cgroups() -> set[Path]:
+    return set(cgroups.CGROUP_ROOT.glob(f"*/{cgroups.PARENT}/sb-*"))
+
+
+def _vmm_threads(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+def test_the_vmm_is_in_its_own_cgroup_and_throttled_to_cpu(node: Node) -> None:
+    """QEMU runs in the sandbox's cgroups (as a container's processes do): a
+    guest spinning on its one vCPU gets no more than cpu=0.5 of a host core,
+    and kill removes the groups."""
+    with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256, cpu=0.5) as s:
+        pid = node._get(s.id)[1].state.pid
+        for procs in cgroups.procs_files(s.id):  # cpu, cpuacct, memory, pids
+            assert str(pid) in procs.read_text().split(), procs
+        assert set(_vmm_threads(pid)) <= {
+            int(x) for x in (cgroups.path("cpu", s.id) / "tasks").read_text().split()}
+        limit = int((cgroups.path("memory", s.id) / "memory.limit_in_bytes").read_text())
+        assert limit == (256 + VMM_OVERHEAD_MB) << 20
+        throttled0, used0, t0 = (cgroups.cpu_stat(s.id)["nr_throttled"],
+                                 cgroups.cpu_usage(s.id), time.monotonic())
+        r = s.exec("timeout 4 sh -c 'while :; do :; done'; echo spun", timeout=60)
+        used, wall = cgroups.cpu_usage(s.id) - used0, time.monotonic() - t0
+        assert r.stdout == b"spun\n"
+        # unthrottled, a spinning TCG vCPU uses a whole host core (or more)
+        assert used / wall < 0.5 * 1.25, (used, wall)
+        assert cgroups.cpu_stat(s.id)["nr_throttled"] > throttled0
+        sid = s.id
+    assert not any(p.name == sid for p in _sandbox_cgroups())
+
+
+def test_best_effort_vmm_is_idle_class(node: Node) -> None:
+    backend = _backend(node)
+    backend.boot_timeout = 300.0  # an idle-class VM boots only as fast as the node is quiet
+    try:
+        with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256,
+                            qos="best_effort") as s:
+            pid = node._get(s.id)[1].state.pid
+            assert {os.sched_getscheduler(t) for t in _vmm_threads(pid)} == {os.SCHED_IDLE}
+            assert cgroups.cpu_idle(s.id)
+            assert s.exec("echo up").stdout == b"up\n"
+    finally:
+        backend.boot_timeout = 90.0
+
+
+@pytest.mark.parametrize("backend", ["microvm", "vm"])
+def test_options_a_vm_cannot_honour_are_refused(node: Node, backend: Backend) -> None:
+    before = set(os.listdir(node.config.sandboxes))
+    with pytest.raises(Unsupported, match=f"^network: the {backend} backend cannot enforce"):
+        Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256,
+                       network=NetworkPolicy.allow_only("10.0.0.5:3128"))
+    with pytest.raises(Unsupported, match=f"^open_files: the {backend} backend cannot limit"):
+        Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, open_files=4096)
+    if backend == "vm":
+        with pytest.raises(Unsupported, match="^disk_mb: the vm backend cannot size"):
+            Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, disk_mb=512)
+    assert set(os.listdir(node.config.sandboxes)) == before  # refused before it started
+
+
 def test_agent_that_never_comes_up(node: Node) -> None:
     backend = _backend(node)
     backend.extra_append = ["lazyfs.test=noagent"]
@@ -285,7 +403,7 @@ def test_agent_that_never_comes_up(node: Node) -> None:
     vmms = set(processes_with(str(node.config.sandboxes)))
     try:
         t0 = time.monotonic()
-        with pytest.raises(BackendUnavailable, match="did not come up"):
+        with pytest.raises(BackendUnavailable, match="did not come up") as e:
             Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)  # spec.MIN_GUEST_MB
         assert time.monotonic() - t0 < 25
     finally:
@@ -293,6 +411,9 @@ def test_agent_that_never_comes_up(node: Node) -> None:
         backend.boot_timeout = 90.0
     assert set(os.listdir(node.config.sandboxes)) == before  # nothing left of it
     assert set(processes_with(str(node.config.sandboxes))) == vmms
+    failed = re.search(r"sb-[0-9a-f]{16}", str(e.value))
+    assert failed is not None
+    assert not any(p.name == failed.group() for p in _sandbox_cgroups())  # its VMM's groups
 
 
 def test_a_fork_bomb_is_held_and_the_vm_stays_usable(sb: Sandbox) -> None:

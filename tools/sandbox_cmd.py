@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import click
 
 from runtime import Sandbox
 from runtime.config import RuntimeConfig
-from runtime.spec import BACKENDS, NetworkPolicy, Qos, parse_rule
+from runtime.spec import BACKENDS, SANDBOX_ID_PATTERN, NetworkPolicy, Qos, parse_rule
 from runtime.transport import Transport, close_embedded, local, resolve
 
 from .config import Settings
@@ -294,6 +295,26 @@ def snapshot(settings: Settings, node: str | None, tag: str | None, as_json: boo
 
 @sandbox.command()
 @_node_option
+@click.option("--tag", default=None, help="Tag of the checkpoint [checkpoints/ID:N].")
+@click.option("--json", "as_json", is_flag=True)
+@click.argument("sandbox_id")
+@click.pass_obj
+def checkpoint(settings: Settings, node: str | None, tag: str | None, as_json: bool,
+               sandbox_id: str) -> None:
+    """Checkpoint SANDBOX_ID's processes (CRIU) and files; prints the
+    checkpoint's id and tag. The sandbox runs on; `lazyfs sandbox restore ID`
+    starts a sandbox from the checkpoint."""
+    ckpt = Sandbox.connect(sandbox_id, node=_target(settings, node)).checkpoint(tag)
+    if as_json:
+        click.echo(ckpt.model_dump_json(indent=1))
+        return
+    click.echo(f"{ckpt.id}  {ckpt.tag}  (memory {ckpt.memory_bytes / 1e6:.1f} MB, "
+               f"{ckpt.memory_bytes_new / 1e6:.1f} MB new; files {ckpt.files.bytes / 1e6:.1f} "
+               f"MB; frozen {ckpt.frozen_s * 1e3:.0f} ms)")
+
+
+@sandbox.command()
+@_node_option
 @click.argument("sandbox_id")
 @click.argument("n", type=click.IntRange(1, 1024))
 @click.pass_obj
@@ -447,14 +468,20 @@ def resume(settings: Settings, node: str | None, labels: tuple[str, ...],
 def restore(settings: Settings, node: str | None, labels: tuple[str, ...],
             ids: tuple[str, ...]) -> None:
     """Start preempted sandboxes (`sandbox pause --snapshot`) again on this
-    node, by id or by label: same ids, labels and files; prints each one."""
+    node, by id or by label: same ids, labels and files; prints each one.
+    An argument that is a checkpoint's id or tag (`sandbox checkpoint`)
+    starts a new sandbox from it, its processes going on where they were;
+    prints the new sandbox's id."""
     target, want = _by_id_or_label(settings, node, labels, ids, "restore")
     if want:
         for i in Sandbox.restore_many(want, node=target):
             click.echo(f"restored {i}")
     for i in ids:
-        Sandbox.restore(i, node=target)
-        click.echo(f"restored {i}")
+        if re.fullmatch(SANDBOX_ID_PATTERN, i):
+            Sandbox.restore(i, node=target)
+            click.echo(f"restored {i}")
+        else:
+            click.echo(Sandbox.restore(i, node=target).id)
 
 
 @sandbox.command("preempted")

@@ -46,6 +46,7 @@ from ..errors import ExecError, SandboxError
 from ..files import FileInfo
 from ..node import Node
 from ..spec import (
+    CheckpointInfo,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
@@ -81,6 +82,11 @@ class PauseMany(Labels):
 
 class SnapshotRequest(BaseModel):
     tag: str | None = None
+
+
+class RestoreRequest(BaseModel):
+    checkpoint: str  # a checkpoint's id or tag
+    labels: dict[str, str] | None = None
 
 
 class ForkRequest(BaseModel):
@@ -234,6 +240,16 @@ def make_app(node: Node, token: str | None = None,
     async def fork(sandbox_id: str, body: ForkRequest) -> Forked:
         snap, children = await run(node.fork, sandbox_id, body.n)
         return Forked(snapshot=snap, children=children)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/checkpoint")
+    async def checkpoint(sandbox_id: str, body: SnapshotRequest) -> CheckpointInfo:
+        ckpt: CheckpointInfo = await run(node.checkpoint, sandbox_id, body.tag)
+        return ckpt
+
+    @app.post("/v1/checkpoints/restore")
+    async def restore_checkpoint(body: RestoreRequest) -> SandboxInfo:
+        info: SandboxInfo = await run(node.restore_checkpoint, body.checkpoint, body.labels)
+        return info
 
     @app.post("/v1/sandboxes/{sandbox_id}/verify")
     async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:

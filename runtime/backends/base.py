@@ -28,8 +28,8 @@ from ..spec import (
 
 Sink = Callable[[bytes], None]
 
-OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "network_allowlist",
-              "persistent", "events")
+OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "checkpoint",
+              "network_allowlist", "persistent", "events")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,19 @@ class Capturing(Protocol):
     verify): the writable upper, with the sandbox's processes stopped."""
 
     def capture(self, handle: Handle[Any]) -> AbstractContextManager[Path]: ...
+
+
+@runtime_checkable
+class Checkpointing(Protocol):
+    """A backend whose sandboxes' processes can be checkpointed with their
+    files, and restored into new sandboxes."""
+
+    def checkpoint(self, handle: Handle[Any], images: Path) -> AbstractContextManager[Path]:
+        """Dump the processes into `images`; yield the upper, every process
+        still stopped; the sandbox runs on after."""
+        ...
+
+    def restore(self, handle: Handle[Any], images: Path) -> None: ...
 
 
 @runtime_checkable

@@ -26,7 +26,10 @@ in a Landlock domain of its own so that no process of another command can
 reach its descriptors, memory or exit.
 
 Pause freezes the cgroup, then reclaims the sandbox's page cache; resume
-thaws. A command's timeout or output cap kills its process tree: freeze, kill
+thaws. Checkpoint freezes, dumps the processes with CRIU through runc
+(criu.py; the exec channel first moved into the sandbox's network namespace,
+initexec.move_channel), yields the upper for packing, thaws; restore is a
+create whose container runc restores from the images instead of starting. A command's timeout or output cap kills its process tree: freeze, kill
 every process of the sandbox in the command's session or below it, thaw.
 """
 
@@ -37,13 +40,14 @@ import errno
 import json
 import logging
 import os
+import secrets
 import select
 import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -60,7 +64,7 @@ from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
 from ..spec import EventKind, ExecRequest, ExecResult, NetworkPolicy, Qos, SandboxEvent
-from . import initexec, netpolicy
+from . import criu, initexec, netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,9 @@ class ContainerState(BackendState):
     netns: Path | None = None
     node_address: str | None = None  # the host's side of the sandbox's veth
     init_pid: int | None = None
+    # the abstract name of the exec channel in the sandbox's network
+    # namespace, once a checkpoint moved it there (None: ctl.sock)
+    channel_name: str | None = None
 
     def host_address(self) -> str | None:
         return self.node_address
@@ -127,9 +134,10 @@ class ContainerBackend:
     state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
         {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent",
-         "snapshot", "fork", "verify", "hidden", "events"}),
+         "snapshot", "fork", "verify", "hidden", "events", "checkpoint"}),
         "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim; "
-        "snapshot = the upper packed into a layer")
+        "snapshot = the upper packed into a layer; checkpoint = that + CRIU memory images "
+        "(runc --criu)")
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         self.config = config
@@ -203,6 +211,36 @@ class ContainerBackend:
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, h: Container) -> None:
+        self._start(h, lambda: self._run_detached(h))
+
+    def restore(self, h: Container, images: Path) -> None:
+        """A sandbox from a checkpoint: its root composed from h.image (the
+        checkpoint's files) with a fresh upper, and its processes restored
+        by runc and CRIU from the memory images in `images`;
+        h.state.channel_name names the exec channel the images hold."""
+        if h.state.channel_name is None:
+            raise SandboxError(f"{h.id}: a checkpoint names its exec channel")
+        runc, name = self.runc or "runc", h.state.channel_name
+
+        def run() -> None:
+            pid = criu.restore(runc, self.config.runc_root, h.id, h.dir, images,
+                               h.dir / "criu")
+            # the restored init holds no rw/ (the dump could not save it):
+            # the new sandbox's is handed over, as `runc run` does for create
+            rw = os.open(h.state.rw or h.dir / "rw", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                initexec.give_rw(initexec.AbstractChannel(Path(f"/proc/{pid}/ns/net"), name),
+                                 rw)
+            except initexec.ChannelError as e:
+                raise SandboxError(f"{h.id}: {e}") from e
+            finally:
+                os.close(rw)
+
+        self._start(h, run)
+
+    def _start(self, h: Container, run: Callable[[], object]) -> None:
+        """Compose the root, write the config, `run` (which leaves the
+        container's init pid in init.pid), then detach the root."""
         init = self._check()
         paths = self.images.ensure_daemon()
         rootfs, rw = h.dir / "rootfs", h.dir / "rw"
@@ -225,7 +263,7 @@ class ContainerBackend:
                 oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces,
                            self._seccomp_listener())))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
-            self._run_detached(h)
+            run()
             st.init_pid = int((h.dir / "init.pid").read_text())
             if self.config.user_namespaces:
                 hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
@@ -378,9 +416,10 @@ class ContainerBackend:
 
     # -- capture -------------------------------------------------------------
     @contextlib.contextmanager
-    def capture(self, h: Container) -> Iterator[Path]:
+    def capture(self, h: Container, rw: Path | None = None) -> Iterator[Path]:
         """The sandbox's upper with every process of the sandbox stopped
-        (frozen; a paused sandbox stays paused), thawed after."""
+        (frozen; a paused sandbox stays paused), thawed after; `rw`: where
+        its rw/ is reached when not through init."""
         freezer = cgroups.path("freezer", h.id) / "freezer.state"
         was_frozen = freezer.read_text().strip() == "FROZEN"
         if not was_frozen:
@@ -388,10 +427,60 @@ class ContainerBackend:
             while freezer.read_text().strip() == "FREEZING":
                 time.sleep(0.001)
         try:
-            yield self._rw(h) / "upper"
+            yield (rw or self._rw(h)) / "upper"
         finally:
             if not was_frozen:
                 freezer.write_text("THAWED")
+
+    # -- checkpoint ----------------------------------------------------------
+    @contextlib.contextmanager
+    def checkpoint(self, h: Container, images: Path) -> Iterator[Path]:
+        """Dump the sandbox's processes into `images` and yield its upper,
+        both with every process stopped (the files and the memory images
+        are of one instant); the sandbox runs on afterwards. The first
+        checkpoint moves the exec channel into the sandbox's network
+        namespace (h.state.channel_name: the caller saves the state)."""
+        criu.binary()  # built? (names what to run when not)
+        if self.status(h) != "running":
+            raise SandboxStateError(f"{h.id} is not running: only a running sandbox is "
+                                    "checkpointed")
+        if h.state.channel_name is None:
+            to = initexec.AbstractChannel(self._netns(h), f"lazyfs-ctl-{secrets.token_hex(8)}")
+            try:
+                initexec.move_channel(h.dir / CHANNEL, to)
+            except initexec.ChannelError as e:
+                raise SandboxError(f"{h.id}: {e}") from e
+            h.state.channel_name = to.name
+            (h.dir / CHANNEL).unlink(missing_ok=True)  # nothing listens there any more
+        # init's rw/ lives on a mount outside the sandbox, which CRIU cannot
+        # save: the node holds it during the dump and hands it back after
+        rw = os.open(self._rw(h), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            channel = self._channel(h)
+            try:
+                initexec.give_rw(channel, None)
+            except initexec.ChannelError as e:
+                raise SandboxError(f"{h.id}: {e}") from e
+            try:
+                with self.capture(h, Path(f"/proc/self/fd/{rw}")) as upper:
+                    assert self.runc is not None
+                    criu.dump(self.runc, self.config.runc_root, h.id, images, h.dir / "criu")
+                    yield upper
+            finally:
+                try:
+                    initexec.give_rw(channel, rw)
+                except initexec.ChannelError as e:
+                    log.error("%s: could not give rw/ back to init: %s", h.id, e)
+        finally:
+            os.close(rw)
+
+    def _netns(self, h: Container) -> Path:
+        return Path(f"/proc/{h.state.init_pid}/ns/net")
+
+    def _channel(self, h: Container) -> initexec.Channel:
+        if h.state.channel_name is None:
+            return h.dir / CHANNEL
+        return initexec.AbstractChannel(self._netns(h), h.state.channel_name)
 
     def _rw(self, h: Container) -> Path:
         """Where the node reaches the sandbox's rw/ (upper/ and work/)."""
@@ -408,7 +497,7 @@ class ContainerBackend:
         ooms, refusals = cgroups.oom_kills(h.id), cgroups.fork_refusals(h.id)
         holder: list[initexec.InitCommand] = []
         try:
-            proc = initexec.InitCommand(h.dir / CHANNEL, req.cmd, cwd=cwd, env=env,
+            proc = initexec.InitCommand(self._channel(h), req.cmd, cwd=cwd, env=env,
                                         idle=h.spec.qos is Qos.best_effort,
                                         on_kill=lambda: self._kill_tree(h, holder[0]))
         except (OSError, initexec.ChannelError) as e:

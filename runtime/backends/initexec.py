@@ -12,12 +12,21 @@ the sandbox can forge, drop or reorder what the caller receives, and an exec
 costs a fork in the sandbox instead of a `runc exec` (a Go process start and
 a tour of the sandbox's namespaces and cgroups).
 
+Before a checkpoint the node moves the channel (`move_channel`) to a
+listening socket it made in the sandbox's own network namespace under a
+random abstract name (an `AbstractChannel`): CRIU saves and restores that one
+with the sandbox, where a socket of the host's namespace cannot be saved.
+Sandbox processes can see and connect to an abstract name; init serves only
+peers outside the sandbox's PID namespace (SO_PEERCRED pid 0), so their
+connections are closed unanswered.
+
 What this module does not own: the command's deadline, output caps and tree
 kill (runtime/procio.py and the container backend).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import socket
@@ -30,10 +39,13 @@ from pathlib import Path
 from typing import IO
 
 MAGIC = 0x3158454C  # "LEX1", as init checks it
+CLONE_NEWNET = 0x40000000
 REQUEST = struct.Struct("<IIQII")   # magic, payload length, id, flags, nargs
 REPLY = struct.Struct("<IiQii")     # kind, value (wait status), id, pid, errno
 STARTED, EXITED, FORK_FAILED, BAD = (ord(c) for c in "SXFB")
 FLAG_IDLE = 1
+FLAG_LISTENER = 2  # the request's one descriptor becomes init's listening socket
+FLAG_RW = 4  # one descriptor: init's rw/ (RW_FD); none: init closes it
 MAX_PAYLOAD = 4 << 20
 START_TIMEOUT = 10.0
 _ids = itertools.count(1)
@@ -60,6 +72,103 @@ def _short_path(path: Path) -> Iterator[str]:
         yield f"/proc/self/fd/{dfd}/{path.name}"
     finally:
         os.close(dfd)
+
+
+@dataclass(frozen=True)
+class AbstractChannel:
+    """An exec channel under an abstract name in a sandbox's network
+    namespace (`netns`: /proc/INIT/ns/net), as it is after a checkpoint."""
+
+    netns: Path
+    name: str
+
+    @property
+    def address(self) -> bytes:
+        return b"\0" + self.name.encode()
+
+
+Channel = Path | AbstractChannel  # a host path (as runc started the sandbox) or abstract
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _socket_in(netns: Path) -> socket.socket:
+    """A unix stream socket of the network namespace `netns` (made by this
+    thread inside it; the thread goes back to its own namespace at once)."""
+    with open("/proc/thread-self/ns/net", "rb") as own, open(netns, "rb") as there:
+        if _libc.setns(there.fileno(), CLONE_NEWNET) != 0:
+            e = ctypes.get_errno()
+            raise ChannelError(f"entering the network namespace {netns}: {os.strerror(e)}", e)
+        try:
+            return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        finally:
+            if _libc.setns(own.fileno(), CLONE_NEWNET) != 0:  # cannot go on in theirs
+                os._exit(70)
+
+
+def _connect(s: socket.socket, channel: Channel) -> None:
+    if isinstance(channel, AbstractChannel):
+        s.connect(channel.address)
+        return
+    with _short_path(channel) as name:
+        s.connect(name)
+
+
+def _open(channel: Channel) -> socket.socket:
+    if isinstance(channel, AbstractChannel):
+        return _socket_in(channel.netns)
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+def move_channel(channel: Channel, to: AbstractChannel) -> None:
+    """Make init serve `to` instead of `channel`: a listening socket made in
+    to.netns under to.name is handed to init, which drops the old one. Returns
+    once init has closed the connection it came over (nothing of the host's
+    namespace is left in the sandbox)."""
+    lsock = _socket_in(to.netns)
+    try:
+        lsock.bind(to.address)
+        lsock.listen(128)
+        with _open(channel) as s:
+            s.settimeout(START_TIMEOUT)
+            _connect(s, channel)
+            header = REQUEST.pack(MAGIC, 0, next(_ids), FLAG_LISTENER, 0)
+            socket.send_fds(s, [header], [lsock.fileno()])
+            reply = s.recv(REPLY.size, socket.MSG_WAITALL)
+            if len(reply) != REPLY.size or REPLY.unpack(reply)[0] != STARTED:
+                raise ChannelError("the sandbox's init refused the new exec channel")
+            while s.recv(64):  # init closes its end after the reply
+                pass
+    except OSError as e:
+        raise ChannelError(f"moving the exec channel to {to.name}: {e}", e.errno or 0) from e
+    finally:
+        lsock.close()
+
+
+def _control(channel: Channel, flag: int, fds: list[int], what: str) -> None:
+    """One control request to init (no command): `flag` with `fds`; returns
+    once init answered and closed the connection."""
+    try:
+        with _open(channel) as s:
+            s.settimeout(START_TIMEOUT)
+            _connect(s, channel)
+            header = REQUEST.pack(MAGIC, 0, next(_ids), flag, 0)
+            socket.send_fds(s, [header], fds)
+            reply = s.recv(REPLY.size, socket.MSG_WAITALL)
+            if len(reply) != REPLY.size or REPLY.unpack(reply)[0] != STARTED:
+                raise ChannelError(f"the sandbox's init refused {what}")
+            while s.recv(64):  # init closes its end after the reply
+                pass
+    except OSError as e:
+        raise ChannelError(f"{what}: {e}", e.errno or 0) from e
+
+
+def give_rw(channel: Channel, rw: int | None) -> None:
+    """Give init the sandbox's rw/ as its descriptor RW_FD (`rw`), or make
+    it close that descriptor (None: before a checkpoint, which cannot save
+    a descriptor of a mount outside the sandbox)."""
+    _control(channel, FLAG_RW, [] if rw is None else [rw],
+             "handing rw/ to init" if rw is not None else "taking rw/ from init")
 
 
 def listen(path: Path) -> socket.socket:
@@ -98,7 +207,7 @@ class InitCommand:
     """One command started by the sandbox's init, shaped like the part of
     subprocess.Popen that procio.run drives (pipes, wait, kill)."""
 
-    def __init__(self, path: Path, argv: tuple[str, ...], *, cwd: str, env: dict[str, str],
+    def __init__(self, channel: Channel, argv: tuple[str, ...], *, cwd: str, env: dict[str, str],
                  idle: bool, on_kill: Callable[[], None]) -> None:
         payload = b"".join(os.fsencode(s) + b"\0" for s in (cwd, *argv)) + b"".join(
             os.fsencode(f"{k}={v}") + b"\0" for k, v in env.items())
@@ -108,13 +217,12 @@ class InitCommand:
         self._on_kill = on_kill
         self.returncode: int | None = None
         self.exec_errno = 0
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = _open(channel)
         ends: list[int] = []
         mine: list[int] = []
         try:
             self.sock.settimeout(START_TIMEOUT)
-            with _short_path(path) as name:
-                self.sock.connect(name)
+            _connect(self.sock, channel)
             for _ in range(3):
                 r, w = os.pipe()
                 ends.append(r)

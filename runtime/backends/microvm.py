@@ -3,8 +3,9 @@ mounted with DAX, so every VM on the node reads the same host page cache.
 
 Boot: the guest kernel (runtime/guest/kernel.py) with the project's
 initramfs (runtime/guest/initramfs.py) mounts the layers from their pmem
-devices (runtime/guest/pmemimages.py says how the files are made and why
-they are local copies) as EROFS with `-o dax`, overlays a tmpfs upper in
+devices (runtime/guest/pmemimages.py: a local metadata image per layer, and
+the node daemon's blob mapped shared, so guest page faults fetch lazily) as
+EROFS with `-o dax`, overlays a tmpfs upper in
 guest memory, and execs the guest agent as PID 1. The layers are those of
 the digest the node resolved when the sandbox was created (Handle.image):
 a resume after the tag moved maps the same files.
@@ -55,7 +56,8 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; image "
         "layers are virtio-pmem devices mounted EROFS -o dax (one host page-cache copy for "
         "all VMs), upper in guest memory; a static guest agent over virtio-serial; pause = "
-        "snapshot to disk and exit the VMM. No network (none or allowlist not built yet); "
+        "snapshot to disk and exit the VMM. QEMU in per-sandbox host cgroups (cpu, memory, "
+        "pids; best_effort = cpu.idle + SCHED_IDLE). No network (an allowlist is refused); "
         "VMs end with the node process (not persistent).")
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:

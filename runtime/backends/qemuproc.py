@@ -85,15 +85,27 @@ class Vm:
         return self.proc.poll() is None
 
 
-def start(cfg: qemu.VmConfig, init: Path) -> subprocess.Popen[bytes]:
+def start(cfg: qemu.VmConfig, init: Path, cgroup_procs: list[Path] | None = None,
+          idle: bool = False, preload: Path | None = None) -> subprocess.Popen[bytes]:
     """Start the VMM of cfg (it dies with this process); its stderr goes to
-    qemu.log next to its sockets."""
+    qemu.log next to its sockets. It joins the cgroups whose cgroup.procs
+    files are given before it execs QEMU (so its first page is charged
+    there), runs under SCHED_IDLE if `idle` (qos="best_effort"), with
+    `preload` (runtime/native/qemu-preload.c: no MADV_HUGEPAGE on the lazily
+    served pmem files) as LD_PRELOAD."""
     for s in (cfg.agent_socket, cfg.console_socket, cfg.qmp_socket):
         s.unlink(missing_ok=True)
-    with open(cfg.agent_socket.parent / "qemu.log", "ab") as errlog:
-        return _spawn([str(init), "pdeathsig", "--", *qemu.command(cfg)],
-                      stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog,
-                      start_new_session=True)
+    fds = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in cgroup_procs or []]
+    try:
+        opts = [*(["-i"] if idle else []), *(a for fd in fds for a in ("-j", str(fd)))]
+        with open(cfg.agent_socket.parent / "qemu.log", "ab") as errlog:
+            return _spawn([str(init), "pdeathsig", *opts, "--", *qemu.command(cfg)],
+                          stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog,
+                          start_new_session=True, pass_fds=fds,
+                          env={**os.environ, "LD_PRELOAD": str(preload)} if preload else None)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def wait_sockets(proc: subprocess.Popen[bytes], cfg: qemu.VmConfig, deadline: float) -> None:
@@ -204,6 +216,11 @@ def exit_text(proc: subprocess.Popen[bytes]) -> str:
     rc = proc.poll()
     if rc is None:
         return "running"
+    if rc == -signal.SIGBUS:
+        # a page of a file QEMU maps (the image's pmem blobs, served lazily
+        # by the node daemon) could not be read: the daemon failed the fetch
+        return (f"killed by signal {-rc}, SIGBUS: a page of its mapped image could not be "
+                "read (a chunk the node daemon failed to fetch; see its log)")
     return f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
 
 

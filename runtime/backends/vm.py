@@ -30,6 +30,7 @@ from ..config import RuntimeConfig
 from ..errors import BackendUnavailable
 from ..guest import disk, initramfs, qemu
 from ..images import Images
+from ..spec import SandboxSpec
 from .base import Capabilities, Handle
 from .qemubase import QemuBackend, QemuState
 
@@ -57,6 +58,13 @@ class VmBackend(QemuBackend[VmState]):
         super().__init__(config, images)
         self.disk_cache = disk.DEFAULT_CACHE
         self.disk_headroom_mb = disk.HEADROOM_MB  # free space of a new VM's root file system
+
+    def _refused(self, spec: SandboxSpec) -> str | None:
+        if spec.disk_mb is not None:
+            return (f"disk_mb: the vm backend cannot size a VM's root file system yet (its free "
+                    f"space is the base disk's headroom, {self.disk_headroom_mb} MiB); leave "
+                    "disk_mb unset")
+        return super()._refused(spec)
 
     def _tools_missing(self) -> str | None:
         return disk.tools_missing() or super()._tools_missing()

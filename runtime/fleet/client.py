@@ -43,9 +43,11 @@ from ..errors import (
     QuotaExceeded,
     SandboxError,
     SandboxNotFound,
+    Unsupported,
 )
 from ..files import FileInfo
 from ..spec import (
+    CheckpointInfo,
     ExecRequest,
     ExecResult,
     NetworkPolicy,
@@ -268,6 +270,14 @@ class Fleet:
 
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
         return self._on(sandbox_id, lambda a: a.verify(sandbox_id, req))
+
+    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo:
+        return self._on(sandbox_id, lambda a: a.checkpoint(sandbox_id, tag))
+
+    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
+                           ) -> SandboxInfo:
+        raise Unsupported("a checkpoint is restored on the node that holds it: "
+                          "node=<its agent's URL>, not fleet=")
 
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         return self._on(sandbox_id, lambda a: a.events(sandbox_id))

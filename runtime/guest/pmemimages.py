@@ -15,16 +15,18 @@ rather than one concatenated file because the guest kernel (Debian 12's
 6.1) does not map a multi-device image's blob flat after its metadata
 (that arrived in 6.12); `device=` works on both.
 
-Why a local copy of the blob, not the lazyfs daemon's blob file: virtio-pmem
-needs a shared file mapping (QEMU mmaps the file; guest page faults are then
-host page-cache faults), and the daemon opens blobs with direct_io, which
-refuses shared mmap (docs/erofs.md). So the first VM of a layer on a node
-copies the blob out of the daemon (through the node cache) into
-CACHE/<digest>-<fingerprint>.blob.pmem, sparse, and every later VM of the
-layer maps that same file: one host page-cache copy for all guests, but not
-lazy. Lazy serving would need the daemon to allow shared mmap of blobs
-(`Options.blob_direct_io = False`) at the price of FUSE readahead pulling in
-neighbouring files, and a guest vCPU stalled on a FUSE miss; not done yet.
+The metadata image is small and built locally, once per layer and node
+(CACHE/<digest>-<fingerprint>.meta.pmem, zero-padded to 2 MiB). The blob
+is not copied: the device is the node daemon's `blobs/<digest>.map`
+(lazyfs/blob.py), the blob page-cached and padded for mapping. QEMU maps it
+shared, so a guest's DAX load of a page nobody read yet is a host page
+fault on the FUSE file, which fetches just the chunks behind that page
+through the node cache, and every VM (and the host's own EROFS mounts of
+the layer's `.data`, for the chunks) shares what was fetched. A fetch
+that fails makes that page fault fail: the VMM gets SIGBUS and exits, and
+the call waiting on the guest raises BackendUnavailable (bounded by the
+daemon's fetch timeout); a DAX load has no way to return an I/O error to
+the guest (docs/microvm.md).
 
 The files are mapped read-only (memory-backend-file readonly=on): a guest
 that writes to its pmem device faults in the guest and cannot change the
@@ -48,7 +50,7 @@ from pathlib import Path
 from chunkstore.digests import digest_key
 from composer.compose import overlay_fixups
 from composer.manifest import LayerManifest
-from lazyfs.blob import blob_name
+from lazyfs.blob import MAP_ALIGN, map_name, map_size
 from pmem.erofs import build_image
 from pmem.errors import PmemError
 
@@ -57,8 +59,7 @@ from ..images import Images
 from ..spec import ResolvedImage
 from .cachelock import locked
 
-ALIGN = 2 << 20  # virtio-pmem regions are mapped in 2 MiB units
-COPY = 1 << 20
+ALIGN = MAP_ALIGN  # virtio-pmem regions are mapped in 2 MiB units
 _CODE = (Path(__file__).resolve().parents[2] / "pmem" / "erofs.py",
          Path(__file__).resolve().parents[2] / "composer" / "bloblayout.py")
 
@@ -67,7 +68,7 @@ _CODE = (Path(__file__).resolve().parents[2] / "pmem" / "erofs.py",
 class PmemLayer:
     digest: str  # the layer's, or "fixups:<image digest>"
     meta: Path
-    blob: Path
+    blob: Path  # the daemon's blobs/<digest>.map; for the fixup layer a local hole
 
     @property
     def files(self) -> tuple[Path, Path]:
@@ -81,10 +82,6 @@ def fingerprint() -> str:
     for p in _CODE:
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
-
-
-def padded(size: int) -> int:
-    return max(ALIGN, (size + ALIGN - 1) // ALIGN * ALIGN)
 
 
 def _publish(dest: Path, write: Callable[[int], None]) -> None:
@@ -108,25 +105,7 @@ def _write_meta(dest: Path, meta: bytes) -> None:
         view = memoryview(meta)
         while view:
             view = view[os.write(fd, view):]
-        os.ftruncate(fd, padded(len(meta)))
-    _publish(dest, write)
-
-
-def _copy_blob(dest: Path, src: Path, size: int) -> None:
-    """Copy the daemon's blob file, leaving all-zero stretches as holes."""
-    zero = bytes(COPY)
-
-    def write(fd: int) -> None:
-        os.ftruncate(fd, padded(size))
-        with open(src, "rb", buffering=0) as f:
-            pos = 0
-            while pos < size:
-                data = f.read(min(COPY, size - pos))
-                if not data:
-                    raise BackendUnavailable(f"{src} ended at {pos} of {size} bytes")
-                if data != zero[:len(data)]:
-                    os.pwrite(fd, data, pos)
-                pos += len(data)
+        os.ftruncate(fd, map_size(len(meta)))
     _publish(dest, write)
 
 
@@ -143,7 +122,8 @@ def _effective(manifests: list[LayerManifest], digests: list[str]
 
 def pmem_layers(images: Images, image: ResolvedImage, cache: Path) -> list[PmemLayer]:
     """The pmem files of the image, bottom layer first, the fixup layer
-    last; made where missing (needs the node's lazyfs daemon for blobs)."""
+    last: metadata images made where missing, blobs the node daemon's (started
+    if need be; nothing of the data is read here)."""
     catalog = images.catalog()
     name, image_digest = image.name, image.digest
     manifests, digests = _effective([catalog.load_layer(d) for d in image.layers],
@@ -157,21 +137,25 @@ def pmem_layers(images: Images, image: ResolvedImage, cache: Path) -> list[PmemL
     wanted.append((fixups_name, fixups_name, LayerManifest(fixups)))
     for digest, key, manifest in wanted:
         stem = cache / f"{key}-{fp}"
-        layer = PmemLayer(digest, stem.with_suffix(".meta.pmem"), stem.with_suffix(".blob.pmem"))
-        if not (layer.meta.exists() and layer.blob.exists()):
+        meta = stem.with_suffix(".meta.pmem")
+        if not meta.exists():
             with locked(cache):
-                if not (layer.meta.exists() and layer.blob.exists()):
+                if not meta.exists():
                     try:
                         built = build_image(manifest, layer=digest)
                     except PmemError as e:
                         raise BackendUnavailable(f"layer {digest} of {name} cannot be an "
                                                  f"EROFS image: {e}") from e
-                    if built.blob_size and not layer.blob.exists():
-                        if paths is None:
-                            paths = images.ensure_daemon()
-                        _copy_blob(layer.blob, paths.blobs / blob_name(digest), built.blob_size)
-                    elif not layer.blob.exists():
-                        _publish(layer.blob, lambda fd: os.ftruncate(fd, ALIGN))
-                    _write_meta(layer.meta, built.meta)
-        out.append(layer)
+                    _write_meta(meta, built.meta)
+        if digest == fixups_name:  # metadata only, not a layer of the daemon's: a hole
+            blob = stem.with_suffix(".blob.pmem")
+            if not blob.exists():
+                with locked(cache):
+                    if not blob.exists():
+                        _publish(blob, lambda fd: os.ftruncate(fd, ALIGN))
+        else:
+            if paths is None:
+                paths = images.ensure_daemon()
+            blob = paths.blobs / map_name(digest)
+        out.append(PmemLayer(digest, meta, blob))
     return out

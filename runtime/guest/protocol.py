@@ -46,6 +46,13 @@ class AgentError(SandboxError):
     connection to it is gone."""
 
 
+class AgentClosed(AgentError):
+    """The connection to the guest agent closed: the VM is most likely exiting."""
+
+
+CLOSED = "the guest agent's connection closed (the VM exited?)"
+
+
 @dataclass
 class ExitStatus:
     code: int
@@ -103,9 +110,9 @@ class AgentConnection:
             pass
 
     # -- frames --------------------------------------------------------------
-    def _fail(self, why: str) -> AgentError:
+    def _fail(self, why: str, closed: bool = False) -> AgentError:
         self.broken = why
-        return AgentError(why)
+        return AgentClosed(why) if closed else AgentError(why)
 
     def _send(self, kind: int, payload: bytes = b"", deadline: float | None = None) -> None:
         if len(payload) > MAX_FRAME:
@@ -133,7 +140,7 @@ class AgentConnection:
             try:
                 data = self.sock.recv(max(CHUNK, n - len(self._buf)))
                 if not data:
-                    raise self._fail("the guest agent's connection closed (the VM exited?)")
+                    raise self._fail(CLOSED, closed=True)
                 self._buf += data
                 continue
             except BlockingIOError:
@@ -179,7 +186,7 @@ class AgentConnection:
                 if r:
                     data = self.sock.recv(max(CHUNK, 1 << 16))
                     if not data:
-                        raise self._fail("the guest agent's connection closed (the VM exited?)")
+                        raise self._fail(CLOSED, closed=True)
                     self._buf += data
             except BlockingIOError:
                 pass

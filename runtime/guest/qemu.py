@@ -35,6 +35,10 @@ KVM_PROBE_TIMEOUT = 30.0
 # swiotlb=noforce: no 64 MiB DMA bounce buffer (virtio without an IOMMU never
 # bounces); measured: a 256 MiB guest's resident RAM after boot 192 -> 126 MiB.
 KERNEL_ARGS = ("console=ttyS0", "panic=-1", "loglevel=4", "swiotlb=noforce")
+# TCG's translation cache (MiB): QEMU's default is 1 GiB, filled as the guest
+# runs new code; bounded so a VMM's host memory stays within its cgroup's limit
+# (runtime/backends/qemubase.py VMM_OVERHEAD_MB)
+TCG_TB_MB = 128
 _accel_lock = threading.Lock()
 _accel: str | None = None
 
@@ -110,7 +114,7 @@ def command(c: VmConfig) -> list[str]:
     if c.accel == "kvm":
         accel = ["-accel", "kvm", "-cpu", "host"]
     else:
-        accel = ["-accel", "tcg,thread=multi", "-cpu", "max"]
+        accel = ["-accel", f"tcg,thread=multi,tb-size={TCG_TB_MB}", "-cpu", "max"]
     memory = f"{c.memory_mb}M,slots={len(sizes)},maxmem={maxmem}M" if sizes else f"{c.memory_mb}M"
     cmd = [c.qemu, "-M", "q35", *accel, "-smp", str(c.cpus), "-m", memory,
            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",

@@ -17,11 +17,14 @@
  *                                     end closes), kills the command's session so
  *                                     nothing outlives a dead agent.
  *
- *   sandbox-init pdeathsig -- ARGV... (on the host) runs ARGV so that it gets
+ *   sandbox-init pdeathsig [-i] [-j FD]... -- ARGV...
+ *                                     (on the host) runs ARGV so that it gets
  *                                     SIGKILL when the calling thread's process
  *                                     dies: the node's `runc exec` goes with the
  *                                     node agent, and the command then sees its
- *                                     output reader gone.
+ *                                     output reader gone. -j: join the cgroups
+ *                                     whose cgroup.procs are open at FD first
+ *                                     (a VM's QEMU: charged from its first page).
  *
  *   sandbox-init call [-j FD]... [-s FD] [-t SECS] [-u ID] [-r PATH]... [-w PATH]...
  *                     [-c DIR] -- ARGV...
@@ -172,6 +175,13 @@ static int run_exec(int argc, char **argv, const char *cwd) {
  *
  * When the node's end of a connection closes before the command ends (the
  * node died), init kills the command's session: nothing outlives its caller.
+ *
+ * A request with CTL_FLAG_LISTENER carries one descriptor instead: a new
+ * listening socket that replaces init's (before a checkpoint the node moves
+ * the channel to an abstract name in the sandbox's own network namespace,
+ * which CRIU saves with the sandbox). Every connection is checked first:
+ * only a peer outside the sandbox's PID namespace (pid 0 in SO_PEERCRED) is
+ * served, since any sandbox process can connect to an abstract name.
  */
 #define CTL_MAGIC 0x3158454cU           /* "LEX1" little-endian */
 #define CTL_MAX_PAYLOAD (4u << 20)
@@ -184,6 +194,10 @@ struct ctl_reply { uint32_t kind; int32_t value; uint64_t id; int32_t pid, err; 
 struct cmd { pid_t pid; int conn; int report; uint64_t id; };
 static struct cmd cmds[CTL_MAX_CMDS];
 static int ncmds;
+static int listen_fd = -1;   /* the exec channel's listening socket */
+#define CTL_FLAG_LISTENER 2u  /* the request's one descriptor replaces listen_fd */
+#define CTL_FLAG_RW 4u        /* one descriptor: it becomes CTL_RW_FD; none: /dev/null there */
+#define CTL_RW_FD 3           /* the sandbox's rw/ the node gave init (never a command's) */
 
 static void reply(int conn, uint32_t kind, uint64_t id, int32_t value, int32_t pid, int32_t err) {
     struct ctl_reply r = {kind, value, id, pid, err};
@@ -218,6 +232,16 @@ static int own_domain(void) {
     return r;
 }
 
+/* CTL_RW_FD made /dev/null: the number stays taken (a connection accepted
+ * later must not land there), and CRIU can save what it holds */
+static int null_rw(void) {
+    int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (nul < 0) return -1;
+    int r = nul == CTL_RW_FD ? 0 : (dup3(nul, CTL_RW_FD, O_CLOEXEC) < 0 ? -1 : 0);
+    if (nul != CTL_RW_FD) close(nul);
+    return r;
+}
+
 static void start_command(int conn) {
     struct ctl_request rq;
     int fds[3] = {-1, -1, -1};
@@ -241,6 +265,36 @@ static void start_command(int conn) {
     }
     char *payload = NULL;
     uint64_t id = n == (ssize_t)sizeof rq ? rq.id : 0;
+    if (n == (ssize_t)sizeof rq && rq.magic == CTL_MAGIC && (rq.flags & CTL_FLAG_RW)) {
+        /* the node takes rw/ back for a checkpoint (CRIU cannot save a
+         * descriptor of a mount outside the sandbox) and gives one again */
+        if (nfds > 1 || rq.length != 0 || rq.nargs != 0 || listen_fd == CTL_RW_FD ||
+            (nfds == 1 && fds[0] != CTL_RW_FD && dup3(fds[0], CTL_RW_FD, O_CLOEXEC) < 0) ||
+            (nfds == 0 && null_rw() != 0)) {
+            reply(conn, REPLY_BAD, id, 0, 0, EINVAL);
+            goto fail;
+        }
+        if (nfds == 1 && fds[0] == CTL_RW_FD) nfds = 0;   /* it arrived in place: keep it */
+        reply(conn, REPLY_STARTED, id, 0, 0, 0);
+        goto fail;   /* not a failure: closes the descriptors and the connection */
+    }
+    if (n == (ssize_t)sizeof rq && rq.magic == CTL_MAGIC && (rq.flags & CTL_FLAG_LISTENER)) {
+        /* the node moves the channel to another listening socket (before a
+         * checkpoint: one in the sandbox's own network namespace, which CRIU
+         * can save with the sandbox, under an abstract name) */
+        int acc = 0, dom = 0;
+        socklen_t sl = sizeof acc, dl = sizeof dom;
+        if (nfds != 1 || rq.length != 0 || rq.nargs != 0 ||
+            getsockopt(fds[0], SOL_SOCKET, SO_ACCEPTCONN, &acc, &sl) != 0 || !acc ||
+            getsockopt(fds[0], SOL_SOCKET, SO_DOMAIN, &dom, &dl) != 0 || dom != AF_UNIX ||
+            dup3(fds[0], listen_fd, O_CLOEXEC) < 0) {
+            reply(conn, REPLY_BAD, id, 0, 0, EINVAL);
+            goto fail;
+        }
+        fcntl(listen_fd, F_SETFL, O_NONBLOCK);
+        reply(conn, REPLY_STARTED, id, 0, 0, 0);
+        goto fail;   /* not a failure: closes the descriptors and the connection */
+    }
     if (n != (ssize_t)sizeof rq || rq.magic != CTL_MAGIC || rq.length > CTL_MAX_PAYLOAD ||
         rq.nargs < 1 || nfds != 3 || ncmds >= CTL_MAX_CMDS ||
         !(payload = malloc(rq.length + 1)) || read_full(conn, payload, rq.length) != 0) {
@@ -336,7 +390,7 @@ static void reap(void) {
 static __attribute__((noreturn)) void serve(int lfd) {
     /* the listening socket away from fd 0..2, which become /dev/null: no
      * process of the sandbox inherits a host file (runc's log) from init */
-    int l = fcntl(lfd, F_DUPFD_CLOEXEC, 3);
+    int l = listen_fd = fcntl(lfd, F_DUPFD_CLOEXEC, 3);
     if (l < 0) _exit(1);
     if (lfd != l) close(lfd);
     int devnull = open("/dev/null", O_RDWR);
@@ -352,7 +406,7 @@ static __attribute__((noreturn)) void serve(int lfd) {
     int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     static struct pollfd pfds[CTL_MAX_CMDS + 2];
     for (;;) {
-        pfds[0] = (struct pollfd){.fd = l, .events = POLLIN};
+        pfds[0] = (struct pollfd){.fd = listen_fd, .events = POLLIN};
         pfds[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
         for (int k = 0; k < ncmds; k++)
             pfds[2 + k] = (struct pollfd){.fd = cmds[k].conn, .events = POLLIN};
@@ -378,7 +432,18 @@ static __attribute__((noreturn)) void serve(int lfd) {
         }
         if (pfds[0].revents & POLLIN) {
             int c;
-            while ((c = accept4(l, NULL, NULL, SOCK_CLOEXEC)) >= 0) start_command(c);
+            while ((c = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC)) >= 0) {
+                /* only a peer outside the sandbox's PID namespace (the node):
+                 * its pid is 0 here. A sandbox process connecting to an
+                 * abstract listener shows its own pid (even once it exited) */
+                struct ucred uc;
+                socklen_t ul = sizeof uc;
+                if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &uc, &ul) != 0 || uc.pid != 0) {
+                    close(c);
+                    continue;
+                }
+                start_command(c);
+            }
         }
     }
 }
@@ -433,7 +498,7 @@ static void seccomp_from(int fd) {
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: sandbox-init init [-i] [-l FD] | exec [-i] [-c DIR] -- ARGV... | "
-                        "pdeathsig -- ARGV...\n");
+                        "pdeathsig [-i] [-j FD]... -- ARGV...\n");
         return 2;
     }
     int i = 2;
@@ -478,6 +543,8 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "init") == 0) run_init(listen_fd);
     if (strcmp(argv[1], "exec") == 0) return run_exec(argc - i, argv + i, cwd);
     if (strcmp(argv[1], "pdeathsig") == 0 && i < argc) {
+        for (int k = 0; k < njoin; k++)
+            if (write(join[k], "0", 1) != 1) die("joining the sandbox's cgroup");
         pid_t parent = getppid();
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent) return 137;  /* the parent died before prctl */

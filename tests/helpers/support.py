@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -176,3 +177,16 @@ def tcp_listening(pid: int, port: int) -> bool:
             if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 return True
     return False
+
+
+class Hello(BaseHTTPRequestHandler):
+    """An HTTP server's handler answering every GET with "mirror says hi"
+    (a destination sandboxes are allowed or refused)."""
+
+    def do_GET(self) -> None:  # (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"mirror says hi")
+
+    def log_message(self, *args: object) -> None:
+        pass
