@@ -22,6 +22,7 @@ cd "$(dirname "$0")"
 #   qemu-utils, e2fsprogs: full-VM sandboxes (qemu-img overlays over an image's ext4 disk)
 #   strace: benchmarks/bench_cold.py (which files a program opened)
 #   make, xz-utils and the -dev/protobuf packages: building CRIU (below) for checkpoints
+#   etcd-server, etcd-client: the fleet (node agents register in etcd; tests run one on loopback)
 APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
               docker-registry apache2-utils openssl debootstrap docker.io git
               fuse3 libfuse3-dev pkg-config erofs-utils
@@ -29,7 +30,7 @@ APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
               qemu-utils e2fsprogs strace
               make xz-utils libbsd-dev libcap-dev libnet1-dev libnftables-dev libnl-3-dev
               libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler
-              libgnutls28-dev uuid-dev)
+              libgnutls28-dev uuid-dev etcd-server etcd-client)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

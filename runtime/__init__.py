@@ -14,8 +14,10 @@ from .errors import (
                      ExecError,
                      ExecTimeout,
                      FileError,
+                     FleetUnavailable,
                      ImageNotFound,
                      InvalidSpec,
+                     NodeLost,
                      NotCheckpointable,
                      OutOfMemory,
                      OutputTruncated,
@@ -40,8 +42,8 @@ from .spec import (
 )
 
 __all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
-           "ExecResult", "ExecTimeout", "FileError", "ImageNotFound", "InvalidSpec",
-           "NetworkPolicy", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
+           "ExecResult", "ExecTimeout", "FileError", "FleetUnavailable", "ImageNotFound",
+           "InvalidSpec", "NetworkPolicy", "NodeLost", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
            "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox", "SandboxError",
            "SandboxEvent", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",
            "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]

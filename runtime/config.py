@@ -76,6 +76,15 @@ class RuntimeConfig:
     # a snapshot going past this squashes them into one layer
     # [settings: runtime.max_snapshot_layers, LAZYFS_MAX_SNAPSHOT_LAYERS]
     max_snapshot_layers: int = _FROM_SETTINGS
+    # this node's id in a fleet (runtime/fleet): its sandboxes' ids name it
+    # (sb-<hex>.<node id>) so any client finds their node; None outside one
+    node_id: str | None = None
+    # admission by memory: the memory the node's sandboxes may ask for in
+    # all is `memory_mb` times the overcommit of their QoS class (best-effort
+    # sandboxes packed denser); None: no memory admission, only max_sandboxes
+    memory_mb: int | None = None
+    overcommit_latency: float = 1.0
+    overcommit_best_effort: float = 4.0
 
     def __post_init__(self) -> None:
         missing = [f for f in _SETTINGS_FIELDS if getattr(self, f) is _FROM_SETTINGS]

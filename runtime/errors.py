@@ -7,7 +7,11 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     ├── InvalidSpec            a create/exec argument is out of range or unknown
     ├── Unsupported            the backend cannot do this call (capabilities())
     ├── BackendUnavailable     the backend cannot run on this node (runc missing,
-    │                          not root, agent unreachable) or failed to start
+    │   │                      not root, agent unreachable) or failed to start
+    │   ├── NodeLost           the sandbox's node left the fleet (its lease
+    │   │                      expired) or does not answer
+    │   └── FleetUnavailable   etcd does not answer, or no node of the fleet
+    │                          can take the sandbox
     ├── QuotaExceeded          the node refuses more sandboxes
     ├── SandboxStateError      the call does not fit the state (exec while paused)
     │   └── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
@@ -59,6 +63,14 @@ class BackendUnavailable(SandboxError):
     status = 503
 
 
+class NodeLost(BackendUnavailable):
+    pass
+
+
+class FleetUnavailable(BackendUnavailable):
+    pass
+
+
 class QuotaExceeded(SandboxError):
     status = 429
 
@@ -102,6 +114,6 @@ class OutOfMemory(ExecError):
 ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
-        BackendUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
+        BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
         NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
 }

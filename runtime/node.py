@@ -53,6 +53,7 @@ from .errors import (
     Unsupported,
 )
 from .files import FileInfo, SandboxFiles, remove_tree
+from .fleet.records import sandbox_id as fleet_sandbox_id
 from .images import Images
 from .preempt import PreemptedSandboxes
 from .spec import (
@@ -61,6 +62,7 @@ from .spec import (
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
+    Qos,
     ResolvedImage,
     SandboxEvent,
     SandboxInfo,
@@ -96,7 +98,9 @@ class Node:
         self.config.sandboxes.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.state_dir, 0o700)
         self._lockfile = _lock_state(self.config.state_dir)
-        self._pending = 0  # creations under way, counted against the quota
+        # creations under way, counted against the quota and admission
+        self._pending: dict[object, SandboxSpec] = {}
+        self._asked = {q: 0 for q in Qos}  # memory_mb asked, per QoS class
         self._sandbox_locks: dict[str, threading.Lock] = {}
         # A script that never closes its node (the embedded SDK's, typically)
         # must not leave fncall workers, their cgroups and root mounts
@@ -167,10 +171,14 @@ class Node:
         one restored after a preemption."""
         backend = self.backend(spec.backend)
         with self._lock:  # creations under way count, so a burst cannot overshoot
-            if len(self._sandboxes) + self._pending >= self.config.max_sandboxes:
+            if len(self._sandboxes) + len(self._pending) >= self.config.max_sandboxes:
                 raise QuotaExceeded(f"this node holds its maximum of "
                                     f"{self.config.max_sandboxes} sandboxes")
-            self._pending += 1
+            self._admit(spec)
+            token = object()
+            self._pending[token] = spec
+            self._asked[spec.qos] += spec.memory_mb
+            made = False
         try:
             # the only time the name is looked up: backends get the digest
             if spec.network.mode == "allowlist" and \
@@ -183,7 +191,8 @@ class Node:
                     raise Unsupported(f"the {spec.backend} backend cannot hide paths "
                                       "(Sandbox.capabilities)")
                 image = self.captures.hide(image, spec.hidden)
-            sandbox_id = sandbox_id or f"sb-{secrets.token_hex(8)}"
+            sandbox_id = sandbox_id or fleet_sandbox_id(f"sb-{secrets.token_hex(8)}",
+                                                        self.config.node_id)
             d = self.config.sandboxes / sandbox_id
             try:
                 d.mkdir(mode=0o700)
@@ -206,11 +215,49 @@ class Node:
                 self._sandboxes[sandbox_id] = (info, h)
                 self._sandbox_locks[sandbox_id] = threading.Lock()
                 self._save(info, h)
+            made = True
         finally:
             with self._lock:
-                self._pending -= 1
+                del self._pending[token]
+                if not made:
+                    self._asked[spec.qos] -= spec.memory_mb
         log.info("created %s (%s, %s = %s)", sandbox_id, spec.backend, spec.image, image.digest)
         return info
+
+    def _admit(self, spec: SandboxSpec) -> None:
+        """The node's final say (called under the lock) when it has a memory
+        budget: the memory asked by the sandboxes of spec's QoS class, this
+        one included, must fit in the budget times that class's overcommit
+        (best-effort sandboxes count against their own, larger allowance).
+        Running totals, not a scan: a full node admits as fast as an empty one."""
+        if self.config.memory_mb is None:
+            return
+        factor = (self.config.overcommit_best_effort if spec.qos == Qos.best_effort
+                  else self.config.overcommit_latency)
+        asked = self._asked[spec.qos] + spec.memory_mb
+        if asked > self.config.memory_mb * factor:
+            raise QuotaExceeded(
+                f"this node admits {self.config.memory_mb * factor:.0f} MB of "
+                f"{spec.qos.value} sandboxes' memory ({self.config.memory_mb} MB x "
+                f"overcommit {factor:g}); {asked} MB would be asked")
+
+    def asked(self) -> dict[Qos, int]:
+        """Memory (MB) asked by the sandboxes of each QoS class, creations
+        under way included."""
+        with self._lock:
+            return dict(self._asked)
+
+    def memory_capacity_mb(self) -> int:
+        """The memory this node gives its sandboxes (config, else the host's)."""
+        if self.config.memory_mb is not None:
+            return self.config.memory_mb
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20)
+
+    def census(self) -> list[tuple[SandboxInfo, ResolvedImage]]:
+        """Every sandbox with the image it runs (for the fleet's load and
+        image-locality reports)."""
+        with self._lock:
+            return [(i, h.image) for i, h in self._sandboxes.values()]
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         """The sandbox's info; SandboxPreempted when it waits in the image
@@ -245,7 +292,8 @@ class Node:
                 return
             raise
         with self._lock:
-            self._sandboxes.pop(sandbox_id, None)
+            if self._sandboxes.pop(sandbox_id, None) is not None:
+                self._asked[info.spec.qos] -= info.spec.memory_mb
             self._sandbox_locks.pop(sandbox_id, None)
         self.backend(info.spec.backend).kill(h)
         if h.dir.exists():  # (the container backend removes it itself)
@@ -710,6 +758,7 @@ class Node:
         with self._lock:  # idle time restarts: activity was only kept in memory
             self._sandboxes[info.id] = (info.model_copy(
                 update={"state": status, "last_active": time.time()}), h)
+            self._asked[info.spec.qos] += info.spec.memory_mb
 
     def close(self) -> None:
         """Stop the node's worker pools. Container sandboxes stay (a new

@@ -135,46 +135,56 @@ class Sandbox:
                network: NetworkPolicy | str | None = None, env: Mapping[str, str] | None = None,
                labels: Mapping[str, str] | None = None, qos: str | None = None,
                workdir: str | None = None, hidden: Sequence[str] | None = None,
-               node: NodeRef = None, token: str | None = None) -> Sandbox:
+               node: NodeRef = None, token: str | None = None, fleet: str | None = None,
+               node_labels: Mapping[str, str] | None = None) -> Sandbox:
         """A new sandbox from `image` (a name, a digest, or a Snapshot) on
-        `node` (see the module docstring); `hidden`: paths of the image this
-        sandbox does not see, which verify() shows; `token` is the bearer
-        token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
+        `node` (see the module docstring) or on a node of `fleet`
+        ("etcd://host:2379" [$LAZYFS_FLEET]: placed by load and image
+        locality, on a node carrying `node_labels`); `hidden`: paths of the
+        image this sandbox does not see, which verify() shows; `token` is
+        the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
         name = image.image if isinstance(image, SnapshotInfo) else image
         spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
                      open_files=open_files, timeout=timeout, idle_timeout=idle_timeout, network=network,
                      env=dict(env) if env else None, labels=dict(labels) if labels else None,
                      qos=qos, workdir=workdir, hidden=tuple(hidden) if hidden else None)
-        t = resolve(node, token)
+        t = resolve(node, token, fleet)
+        if node_labels:
+            from .fleet.client import Fleet
+            if not isinstance(t, Fleet):
+                from .errors import InvalidSpec
+                raise InvalidSpec("node_labels= places in a fleet: give fleet= or LAZYFS_FLEET")
+            t = t.with_labels(node_labels)
         return cls(t.create(spec), t)
 
     @classmethod
     def connect(cls, sandbox_id: str, *, node: NodeRef = None,
-                token: str | None = None) -> Sandbox:
+                token: str | None = None, fleet: str | None = None) -> Sandbox:
         """The sandbox `sandbox_id` on `node`. A sandbox lives on one node at
         a time and keeps its id across a preemption: while preempted,
         connect raises SandboxPreempted (restore it); once restored, connect
-        to the node that restored it (SandboxInfo.node; placement across
-        nodes is the fleet's)."""
-        t = resolve(node, token)
+        to the node that restored it (SandboxInfo.node), or name the
+        fleet: a fleet sandbox's id names its node."""
+        t = resolve(node, token, fleet)
         return cls(t.get(sandbox_id), t)
 
     @classmethod
     def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-             token: str | None = None) -> builtins.list[Sandbox]:
-        t = resolve(node, token)
+             token: str | None = None, fleet: str | None = None) -> builtins.list[Sandbox]:
+        t = resolve(node, token, fleet)
         return [cls(i, t) for i in t.list_sandboxes(labels)]
 
     @staticmethod
     def pause_many(labels: Mapping[str, str] | None = None, *, snapshot: bool = False,
-                   node: NodeRef = None, token: str | None = None) -> builtins.list[str]:
+                   node: NodeRef = None, token: str | None = None,
+                   fleet: str | None = None) -> builtins.list[str]:
         """Pause the running sandboxes with these labels; returns their ids.
         With `snapshot`, preempt them instead: each one's files are
         snapshotted into the image store, a record of it kept there, and the
         sandbox stopped (its memory and disk go back to the node);
         restore_many / restore bring them back, here or on another node
         sharing the store, with the same ids, labels and files."""
-        return resolve(node, token).pause_many(labels, snapshot)
+        return resolve(node, token, fleet).pause_many(labels, snapshot)
 
     @classmethod
     def restore(cls, what: CheckpointInfo | str, *, labels: Mapping[str, str] | None = None,
@@ -206,19 +216,19 @@ class Sandbox:
 
     @staticmethod
     def resume_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                    token: str | None = None) -> builtins.list[str]:
+                    token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
         """Resume the paused sandboxes with these labels; returns their ids."""
-        return resolve(node, token).resume_many(labels)
+        return resolve(node, token, fleet).resume_many(labels)
 
     @staticmethod
     def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                  token: str | None = None) -> builtins.list[str]:
-        return resolve(node, token).kill_many(labels)
+                  token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
+        return resolve(node, token, fleet).kill_many(labels)
 
     @staticmethod
     def capabilities(backend: str, *, node: NodeRef = None,
-                     token: str | None = None) -> dict[str, Any]:
-        return resolve(node, token).capabilities(backend)
+                     token: str | None = None, fleet: str | None = None) -> dict[str, Any]:
+        return resolve(node, token, fleet).capabilities(backend)
 
     def exec(self, cmd: str | Sequence[str], *, cwd: str | None = None,
              env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
@@ -361,19 +371,22 @@ class AsyncSandbox:
 
     @classmethod
     async def connect(cls, sandbox_id: str, *, node: NodeRef = None,
-                      token: str | None = None) -> AsyncSandbox:
-        return cls(await _thread(Sandbox.connect, sandbox_id, node=node, token=token))
+                      token: str | None = None, fleet: str | None = None) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.connect, sandbox_id, node=node, token=token, fleet=fleet))
 
     @classmethod
     async def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                   token: str | None = None) -> builtins.list[AsyncSandbox]:
-        return [cls(s) for s in await _thread(Sandbox.list, labels, node=node, token=token)]
+                   token: str | None = None, fleet: str | None = None
+                   ) -> builtins.list[AsyncSandbox]:
+        return [cls(s) for s in await _thread(Sandbox.list, labels, node=node, token=token,
+                                              fleet=fleet)]
 
     @staticmethod
     async def pause_many(labels: Mapping[str, str] | None = None, *, snapshot: bool = False,
-                         node: NodeRef = None, token: str | None = None) -> builtins.list[str]:
+                         node: NodeRef = None, token: str | None = None,
+                         fleet: str | None = None) -> builtins.list[str]:
         out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, snapshot=snapshot,
-                                                node=node, token=token)
+                                                node=node, token=token, fleet=fleet)
         return out
 
     @classmethod
@@ -391,9 +404,9 @@ class AsyncSandbox:
 
     @staticmethod
     async def resume_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                          token: str | None = None) -> builtins.list[str]:
+                          token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
         out: builtins.list[str] = await _thread(Sandbox.resume_many, labels, node=node,
-                                                token=token)
+                                                token=token, fleet=fleet)
         return out
 
     @staticmethod
@@ -405,9 +418,9 @@ class AsyncSandbox:
 
     @staticmethod
     async def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                        token: str | None = None) -> builtins.list[str]:
+                        token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
         out: builtins.list[str] = await _thread(Sandbox.kill_many, labels, node=node,
-                                                token=token)
+                                                token=token, fleet=fleet)
         return out
 
     async def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:

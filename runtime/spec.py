@@ -282,7 +282,9 @@ class SnapshotInfo(_Model):
     flattened: int = 0
 
 
-SANDBOX_ID_PATTERN = r"^sb-[0-9a-f]{16}$"  # what the node hands out (secrets.token_hex(8))
+NODE_ID_PATTERN = r"[a-z0-9][a-z0-9-]{0,62}"  # a node's id in a fleet (runtime/fleet)
+# what the node hands out (secrets.token_hex(8)); in a fleet, with ".<node id>"
+SANDBOX_ID_PATTERN = rf"^sb-[0-9a-f]{{16}}(\.{NODE_ID_PATTERN})?$"
 
 
 class PreemptedSandbox(_Model):

@@ -2,9 +2,11 @@
 node agent over HTTP (Unix socket or TCP + bearer token). Both answer the
 same calls with the same types and raise the same runtime.errors classes.
 
-Which node (`resolve`): the `node=` argument > $LAZYFS_NODE > `local()`.
-Forms: "unix:///PATH", "http://HOST:PORT" (token: `token=` > $LAZYFS_NODE_TOKEN),
-a Node, or a Transport.
+Which node (`resolve`): the `node=` argument > the `fleet=` argument >
+$LAZYFS_NODE > $LAZYFS_FLEET > `local()`. Node forms: "unix:///PATH",
+"http://HOST:PORT" (token: `token=` > $LAZYFS_NODE_TOKEN), a Node, or a
+Transport; a fleet is "etcd://HOST:PORT[,HOST:PORT...]" (runtime.fleet.client:
+placement over the nodes etcd lists, calls by id to the node the id names).
 
 `local()` is the one rule for a caller that names no node, the SDK's and the
 CLI's alike: if an agent serves the state directory (STATE/agent.sock
@@ -412,17 +414,17 @@ def local(config: RuntimeConfig | None = None, *, detached: bool = False) -> Tra
         state = config.state_dir
     sock = agent_socket(state)
     if answers(sock):
-        return _client(f"unix://{sock}", None)
+        return agent_client(f"unix://{sock}", None)
     if detached:
         from .config import RuntimeConfig
-        return _client(f"unix://{start(config or RuntimeConfig())}", None)
+        return agent_client(f"unix://{start(config or RuntimeConfig())}", None)
     return Embedded(embedded_node(config))
 
 
 _clients: dict[tuple[str, str | None], Http] = {}
 
 
-def _client(url: str, token: str | None) -> Http:
+def agent_client(url: str, token: str | None) -> Http:
     """One HTTP client (connection pool) per agent and token in this
     process, shared by every Sandbox and thread."""
     key = (url, token or os.environ.get("LAZYFS_NODE_TOKEN"))
@@ -442,18 +444,23 @@ def _close_clients() -> None:
 atexit.register(_close_clients)
 
 
-def resolve(node: str | Node | Transport | None, token: str | None = None) -> Transport:
-    """The transport for `node` (see the module docstring)."""
-    if node is None:
+def resolve(node: str | Node | Transport | None, token: str | None = None,
+            fleet: str | None = None) -> Transport:
+    """The transport for `node` or `fleet` (see the module docstring)."""
+    if node is None and fleet is None:
         node = os.environ.get("LAZYFS_NODE") or None
+        if node is None:
+            fleet = os.environ.get("LAZYFS_FLEET") or None
+    if node is None and fleet is not None:
+        from .fleet.client import fleet_client
+        return fleet_client(fleet, token or os.environ.get("LAZYFS_NODE_TOKEN"))
     if node is None:
         return local()
     if isinstance(node, str):
-        return _client(node, token)
+        return agent_client(node, token)
     if isinstance(node, Http | Embedded):
         return node
     from .node import Node  # loaded already: the caller made one
     if isinstance(node, Node):
         return Embedded(node)
     return node
-

@@ -69,14 +69,23 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
 
 
 def _register() -> None:
-    from . import cluster_cmd, daemon_cmd, demo_cmd, image_cmd, mount_cmd, sandbox_cmd, store_cmd
+    from . import (
+        cluster_cmd,
+        daemon_cmd,
+        demo_cmd,
+        fleet_cmd,
+        image_cmd,
+        mount_cmd,
+        sandbox_cmd,
+        store_cmd,
+    )
     cli.add_command(demo_cmd.demo)
     cli.add_command(store_cmd.store)
     for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
                 image_cmd.rm, image_cmd.gc, image_cmd.build, daemon_cmd.daemon,
                 mount_cmd.mount, mount_cmd.umount, daemon_cmd.stats, cluster_cmd.push,
                 cluster_cmd.seaweed, cluster_cmd.cluster, sandbox_cmd.agent,
-                sandbox_cmd.sandbox):
+                sandbox_cmd.sandbox, fleet_cmd.fleet):
         cli.add_command(cmd)
 
 

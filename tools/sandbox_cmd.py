@@ -11,6 +11,7 @@ background (logging to STATE/agent.log; `lazyfs agent --stop` stops it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -82,10 +83,27 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
 @click.option("--stop", is_flag=True,
               help="Stop the agent serving the socket instead (e.g. the one `lazyfs sandbox "
                    "create` started); container sandboxes stay, VMs end with it.")
+@click.option("--fleet", metavar="etcd://HOST:PORT", envvar="LAZYFS_FLEET", default=None,
+              help="Join this fleet: register the node in etcd under a lease "
+                   "(docs/fleet.md) [env LAZYFS_FLEET]; needs --listen and --node-id.")
+@click.option("--node-id", default=None, help="This node's id in the fleet ([a-z0-9-]).")
+@click.option("--advertise", metavar="URL", default=None,
+              help="The URL clients reach this agent at [default http://<first --listen>].")
+@click.option("--node-label", "node_labels", multiple=True, metavar="KEY=VALUE",
+              help="An operator label of this node (zone, hardware), for placement.")
+@click.option("--max-sandboxes", type=int, default=None,
+              help="Sandboxes this node admits at most [4096].")
+@click.option("--memory-mb", type=int, default=None,
+              help="Memory for sandboxes: admit sandboxes while the memory they ask for "
+                   "fits in it times the QoS class's overcommit [no memory admission].")
+@click.option("--overcommit", "overcommit", multiple=True, metavar="QOS=FACTOR",
+              help="Memory overcommit of a QoS class [latency=1, best_effort=4].")
 @click.pass_obj
 def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
           token_file: Path | None, state: Path | None, node_root: Path | None,
-          stop: bool) -> None:
+          stop: bool, fleet: str | None, node_id: str | None, advertise: str | None,
+          node_labels: tuple[str, ...], max_sandboxes: int | None, memory_mb: int | None,
+          overcommit: tuple[str, ...]) -> None:
     """Run the node agent: the HTTP API that creates and drives this node's
     sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
     a restarted agent finds them again. SDK and CLI calls that name no node
@@ -93,6 +111,26 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
     from runtime.agent import launch
 
     config = _config(settings, state, node_root)
+    extra: dict[str, Any] = {}
+    if max_sandboxes is not None:
+        extra["max_sandboxes"] = max_sandboxes
+    if memory_mb is not None:
+        extra["memory_mb"] = memory_mb
+    for qos, factor in _labels(overcommit, "--overcommit").items():
+        if qos not in ("latency", "best_effort"):
+            raise QuietError(f"--overcommit {qos}: the QoS classes are latency and best_effort",
+                             exit_code=2)
+        try:
+            extra[f"overcommit_{qos}"] = float(factor)
+        except ValueError:
+            raise QuietError(f"--overcommit {qos}={factor}: not a number", exit_code=2) from None
+    if fleet is not None and not stop:
+        if not node_id or not listen:
+            raise QuietError("--fleet needs --node-id and --listen (clients reach the node "
+                             "over TCP)", exit_code=2)
+        extra["node_id"] = node_id
+    if extra:
+        config = dataclasses.replace(config, **extra)
     sock = socket or launch.agent_socket(config.state_dir)
     if stop:
         pid = launch.stop(sock)
@@ -109,9 +147,21 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
             token_file.write_text(secrets.token_urlsafe(32) + "\n")
             token_file.chmod(0o600)
         token = token_file.read_text().strip()
-    run_agent(config, socket=sock, listen=list(listen), token=token,
+    membership = None
+    if fleet is not None:
+        from runtime.fleet.etcd import endpoints
+        from runtime.fleet.member import Registration, usable_backends
+
+        endpoints(fleet)  # a bad URL fails here, in one line
+        assert node_id is not None
+        membership = (fleet, Registration(
+            node_id=node_id, address=advertise or f"http://{listen[0]}",
+            backends=usable_backends(), labels=_labels(node_labels, "--node-label")))
+    run_agent(config, socket=sock, listen=list(listen), token=token, fleet=membership,
               on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
-                                          + "".join(f" http://{a}" for a in listen), err=True))
+                                          + "".join(f" http://{a}" for a in listen)
+                                          + (f" in the fleet {fleet} as {node_id}"
+                                             if fleet else ""), err=True))
 
 
 @click.group()

@@ -1,6 +1,7 @@
 """HTTP API of the node agent (OpenAPI schema at /openapi.json, docs at /docs).
 
     GET    /v1/health
+    GET    /metrics                           Prometheus text format (metrics.py)
     GET    /v1/capabilities/{backend}
     POST   /v1/sandboxes                      SandboxSpec → SandboxInfo
     GET    /v1/sandboxes?label=k=v            → [SandboxInfo]
@@ -29,6 +30,7 @@ from __future__ import annotations
 import base64
 import hmac
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -55,6 +57,7 @@ from ..spec import (
     SnapshotInfo,
     VerifyRequest,
 )
+from .metrics import CONTENT_TYPE, AgentMetrics
 
 STREAM_BUFFER = 64
 EXEC_THREADS = 8192  # execs hold a thread for their whole run; control calls must not wait
@@ -112,9 +115,13 @@ def error_body(e: SandboxError) -> dict[str, Any]:
     return {"error": body}
 
 
-def make_app(node: Node, token: str | None = None) -> FastAPI:
+def make_app(node: Node, token: str | None = None,
+             metrics: AgentMetrics | None = None) -> FastAPI:
+    """The API over `node`; `metrics`: shared by every app over the same
+    node (the agent's Unix-socket and TCP servers count into one)."""
     app = FastAPI(title="lazyfs node agent", version="1",
                   description="Sandboxes on this node: create, exec, files, pause, kill.")
+    m = metrics or AgentMetrics(node)
 
     async def run(fn: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args)
@@ -142,9 +149,18 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     async def caps(backend: str) -> dict[str, Any]:
         return capabilities(backend).as_dict()
 
+    @app.get("/metrics")
+    async def metrics_() -> Response:
+        return Response(m.render(), media_type=CONTENT_TYPE)
+
     @app.post("/v1/sandboxes", status_code=201)
     async def create(spec: SandboxSpec) -> SandboxInfo:
-        info: SandboxInfo = await run(node.create, spec)
+        try:
+            info: SandboxInfo = await run(node.create, spec)
+        except SandboxError as e:
+            m.refusals.labels(type(e).__name__).inc()
+            raise
+        m.creates.labels(spec.backend).inc()
         return info
 
     @app.get("/v1/sandboxes")
@@ -212,7 +228,7 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/exec")
     async def exec_(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
         node.get(sandbox_id)  # a missing sandbox is a 404, not a stream
-        return StreamingResponse(_exec_stream(node, sandbox_id, req),
+        return StreamingResponse(_exec_stream(node, sandbox_id, req, m),
                                  media_type="application/x-ndjson")
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshot")
@@ -278,7 +294,8 @@ def make_app(node: Node, token: str | None = None) -> FastAPI:
     return app
 
 
-async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest) -> AsyncIterator[bytes]:
+async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest,
+                       metrics: AgentMetrics) -> AsyncIterator[bytes]:
     send, receive = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
 
     def line(obj: dict[str, Any]) -> bytes:
@@ -290,11 +307,18 @@ async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest) -> AsyncIt
         return emit
 
     def work() -> None:
+        t0 = time.monotonic()
         try:
             r = node.exec(sandbox_id, req, sink("stdout"), sink("stderr"))
             msg = line({"result": r.model_dump(mode="json")})
         except SandboxError as e:
             msg = line(error_body(e))
+        backend: str
+        try:
+            backend = node.get(sandbox_id).spec.backend
+        except SandboxError:  # killed meanwhile
+            backend = "unknown"
+        metrics.exec_seconds.labels(backend).observe(time.monotonic() - t0)
         anyio.from_thread.run(send.send, msg)
 
     async def drive() -> None:

@@ -23,9 +23,12 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from ..config import RuntimeConfig
+from ..fleet.etcd import Etcd
+from ..fleet.member import Member, Registration
 from ..node import Node
 from .app import make_app
 from .launch import agent_socket, pid_file
+from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +59,13 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
     # The Unix socket is guarded by its permissions; TCP by the token: two
     # servers over one node.
     servers = []
+    metrics = AgentMetrics(node)
     if socket is not None:
         socket.parent.mkdir(parents=True, exist_ok=True)
         socket.unlink(missing_ok=True)
-        servers.append((make_app(node), config([f"unix:{socket}"])))
+        servers.append((make_app(node, metrics=metrics), config([f"unix:{socket}"])))
     if listen:
-        servers.append((make_app(node, token), config(list(listen))))
+        servers.append((make_app(node, token, metrics), config(list(listen))))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -96,19 +100,37 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
 
 def run_agent(config: RuntimeConfig, *, socket: Path | None = None,
               listen: list[str] | None = None, token: str | None = None,
-              on_ready: Callable[[], None] | None = None) -> None:
+              on_ready: Callable[[], None] | None = None,
+              fleet: tuple[str, Registration] | None = None) -> None:
     """The agent of `config.state_dir` until SIGINT/SIGTERM: its node (which
     refuses when another node process owns the state), a pid file next to
-    the socket (launch.stop reads it), serve, then close the node."""
+    the socket (launch.stop reads it), serve, then close the node. `fleet`:
+    (etcd URL, registration): the node joins the fleet (runtime.fleet.member)
+    once it serves and leaves it before it closes."""
     sock = socket or agent_socket(config.state_dir)
     node = Node(config)
     pid = pid_file(sock)
+    member: Member | None = None
+    if fleet is not None:
+        member = Member(node, Etcd(fleet[0]), fleet[1])
+
+    def ready() -> None:
+        if member is not None:
+            member.start()
+        if on_ready:
+            on_ready()
+
     try:
         sock.parent.mkdir(parents=True, exist_ok=True)
         pid.write_text(f"{os.getpid()}\n")
-        serve(node, socket=sock, listen=listen, token=token, on_ready=on_ready)
+        serve(node, socket=sock, listen=listen, token=token, on_ready=ready)
     finally:
         try:
-            node.close()
+            if member is not None:
+                member.stop()
+                member.etcd.close()
         finally:
-            pid.unlink(missing_ok=True)
+            try:
+                node.close()
+            finally:
+                pid.unlink(missing_ok=True)

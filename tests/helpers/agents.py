@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from runtime import BackendUnavailable, Sandbox
@@ -15,25 +15,24 @@ from runtime import BackendUnavailable, Sandbox
 from .lazynode import LazyNode
 from .process import ServerProcess
 from .sandboxes import busybox_store
+from .support import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Agent(ServerProcess):
     name = "lazyfs agent"  # ready when its Unix socket accepts a connection
 
-    def __init__(self, d: Path, store: Path, node_root: Path) -> None:
+    def __init__(self, d: Path, store: Path, node_root: Path,
+                 extra: Sequence[str] = ()) -> None:
+        """`extra`: more `lazyfs agent` options (e.g. --fleet, --node-id)."""
         super().__init__(d / "agent.log", startup_timeout=20, stop_grace=10)
         self.d, self.store, self.node_root = d, store, node_root
         self.sock = d / "agent.sock"
-        self.port = _free_port()
+        self.port = free_port()
         self.token_file = d / "token"
+        self.extra = list(extra)
 
     @property
     def unix(self) -> str:
@@ -52,7 +51,7 @@ class Agent(ServerProcess):
         self.spawn([sys.executable, "-m", "tools.cli", "--store", str(self.store), "agent",
                     "--socket", str(self.sock), "--state", str(self.d / "state"),
                     "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
-                    "--token-file", str(self.token_file)], cwd=REPO)
+                    "--token-file", str(self.token_file), *self.extra], cwd=REPO)
         self.wait_ready()
 
     def ready(self) -> bool:
@@ -81,15 +80,39 @@ def running_agent(d: Path) -> Iterator[Agent]:
         try:
             yield a
         finally:
-            try:
-                Sandbox.kill_many(node=a.unix)
-            except BackendUnavailable:
-                pass
-            a.stop()
-            from runtime.config import RuntimeConfig
-            from runtime.node import Node
-            # whatever a killed agent left, a node on the same state cleans up
-            n = Node(RuntimeConfig(store=store, cluster=None, state_dir=d / "state",
-                                   node_root=lazy.paths.root))
-            n.kill_many(None)
-            n.close()
+            _teardown(a)
+
+
+def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
+                max_sandboxes: int, memory_mb: int | None = None) -> Agent:
+    """An agent (not started) in the fleet of `etcd_url` as `node_id`, with
+    its own busybox store, lazyfs daemon and state in `d`, the fleet's
+    `token` and label zone=<node id>; `memory_mb`: its memory admission. `stack` stops it and its daemon and
+    kills its sandboxes, also what a killed agent left."""
+    store = busybox_store(d)
+    lazy = stack.enter_context(LazyNode(d / "lazynode", store))
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "token").write_text(token + "\n")
+    a = Agent(d, store, lazy.paths.root, extra=[
+        "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
+        "--max-sandboxes", str(max_sandboxes),
+        *(["--memory-mb", str(memory_mb)] if memory_mb is not None else [])])
+
+    stack.callback(_teardown, a)
+    return a
+
+
+def _teardown(a: Agent) -> None:
+    """Kill the agent's sandboxes, stop it, and clean up whatever a killed
+    agent left (a node on the same state does)."""
+    try:
+        Sandbox.kill_many(node=a.unix)
+    except BackendUnavailable:
+        pass
+    a.stop()
+    from runtime.config import RuntimeConfig
+    from runtime.node import Node
+    n = Node(RuntimeConfig(store=a.store, cluster=None, state_dir=a.d / "state",
+                           node_root=a.node_root))
+    n.kill_many(None)
+    n.close()

@@ -99,6 +99,16 @@ class ServerProcess:
                 env=dict(env) if env is not None else None, start_new_session=new_session,
                 preexec_fn=parent_death_signal())  # noqa: PLW1509 - one prctl() call
 
+    def launch(self, cmd: Sequence[str], *, cwd: Path) -> None:
+        """spawn() then wait_ready(); a server that does not get ready is
+        stopped before the error propagates."""
+        self.spawn(cmd, cwd=cwd)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
     def ready(self) -> bool:
         """One look: does the server serve yet? (May set `self.last` to what
         it saw, for the error if it never does.)"""

@@ -58,7 +58,6 @@ import io
 import json
 import secrets
 import shutil
-import socket
 import ssl
 import subprocess
 import threading
@@ -77,6 +76,7 @@ import requests
 import zstandard
 
 from .process import ServerProcess
+from .support import free_port
 
 DOCKER_REGISTRY = "docker-registry"
 OPENSSL = "openssl"
@@ -114,14 +114,6 @@ def tools_missing() -> str | None:
         if shutil.which(tool) is None:
             return f"needs `{tool}` on PATH (Debian package {pkg})"
     return None
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the registry binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _q(value: str | Path) -> str:

@@ -61,12 +61,7 @@ class SeaweedFS(ServerProcess):
     def start(self) -> None:
         cmd = self.server.command()
         self.server.data.mkdir(parents=True, exist_ok=True)
-        self.spawn(cmd, cwd=self.server.workdir)
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        self.launch(cmd, cwd=self.server.workdir)
 
     def ready(self) -> bool:
         if not self.server.s3_ready():

@@ -71,6 +71,15 @@ def start_worker(*args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (a server binds it a moment later)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def terminate(proc: subprocess.Popen[Any] | None, grace: float) -> None:
     """Stop a server the tests started: SIGTERM, then SIGKILL after `grace`
     seconds; reaped either way. Idempotent."""

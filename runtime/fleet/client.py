@@ -1,0 +1,386 @@
+"""The SDK's side of a fleet: a Transport over every node agent that etcd
+lists (`Sandbox.create(image, fleet="etcd://host:2379")` or $LAZYFS_FLEET).
+
+    create        placement (runtime.fleet.scheduler) over the node records,
+                  then the candidates' agents in order until one admits it
+    by id         the id names its node (records.node_of): straight to that
+                  node's agent; NodeLost when its record is gone (lease
+                  expired) or it does not answer
+    list, *_many  every live node at once, results together
+
+The node list comes from etcd at most every REFRESH seconds (one range read
+of the node records, in a background thread: placements go on with the
+list they have). When etcd does not answer, a list younger than MAX_STALE
+seconds is used still (nodes change slowly; the nodes' admission catches
+what it got wrong); older, a create fails at once with FleetUnavailable. Calls by id do not need etcd:
+the address of a node seen once is remembered for the process's life.
+
+All agents of a fleet take the same bearer token (`token=` or
+$LAZYFS_NODE_TOKEN); it is never written to etcd, where every reader of the
+records would find it.
+
+Light to import (httpx, pydantic): no node code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+from pydantic import ValidationError
+
+from ..errors import (
+    BackendUnavailable,
+    FleetUnavailable,
+    NodeLost,
+    QuotaExceeded,
+    SandboxError,
+    SandboxNotFound,
+    Unsupported,
+)
+from ..files import FileInfo
+from ..spec import (
+    CheckpointInfo,
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    PreemptedSandbox,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    VerifyRequest,
+)
+from .etcd import Etcd
+from .records import DRAIN, NODES, NodeRecord, NodeView, check_node_id, drain_key, node_of
+from .scheduler import Index, K, Request, candidates
+
+if TYPE_CHECKING:
+    from ..backends.base import Sink
+    from ..transport import Http
+
+log = logging.getLogger(__name__)
+
+REFRESH = 1.0  # seconds a node list is used before it is read again
+MAX_STALE = 10.0  # seconds a node list is used while etcd does not answer
+FANOUT = 32  # parallel calls of list/pause_many/kill_many
+T = TypeVar("T")
+
+
+def read_nodes(etcd: Etcd) -> list[NodeView]:
+    """Every node record and drain flag under the fleet's prefix (one read)."""
+    records: dict[str, NodeRecord] = {}
+    drained: set[str] = set()
+    for key, value in etcd.get_prefix(NODES.rsplit("/", 2)[0] + "/"):
+        if key.startswith(NODES):
+            try:
+                records[key[len(NODES):]] = NodeRecord.model_validate_json(value)
+            except ValidationError as e:
+                log.warning("ignoring the unreadable node record %s: %s", key,
+                            str(e).splitlines()[0])
+        elif key.startswith(DRAIN) and value == b"1":
+            drained.add(key[len(DRAIN):])
+    return [NodeView(record=r, draining=i in drained) for i, r in sorted(records.items())]
+
+
+class NodeList:
+    """The node records as this client last read them (thread-safe)."""
+
+    def __init__(self, etcd: Etcd, *, refresh: float = REFRESH, max_stale: float = MAX_STALE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.etcd = etcd
+        self.refresh, self.max_stale = refresh, max_stale
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index: Index | None = None
+        self._refreshing = False
+        self._read_at = -1e18
+        self._addresses: dict[str, str] = {}  # every node seen, for calls by id
+        self.reads = 0
+
+    def nodes(self, *, fresh: bool = False) -> list[NodeView]:
+        return self.index(fresh=fresh).nodes
+
+    def index(self, *, fresh: bool = False) -> Index:
+        """The current list. Older than `refresh`: read again in the
+        background while placements go on with this one (a decision never
+        waits for etcd while the list is younger than max_stale); no list,
+        `fresh`, or one older than max_stale: read now, and if etcd does
+        not answer, FleetUnavailable."""
+        now = self._clock()
+        with self._lock:
+            index, age = self._index, now - self._read_at
+            if index is not None and not fresh and age < self.max_stale:
+                if age >= self.refresh and not self._refreshing:
+                    self._refreshing = True
+                    threading.Thread(target=self._refresh_in_background, daemon=True,
+                                     name="fleet-nodes").start()
+                return index
+        try:
+            return self._read()
+        except FleetUnavailable as e:
+            raise FleetUnavailable(
+                f"cannot place a sandbox: {e} (and no node list younger than "
+                f"{self.max_stale:g} s); sandboxes already running can still be "
+                "called by id") from None
+
+    def _refresh_in_background(self) -> None:
+        try:
+            self._read()
+        except FleetUnavailable as e:
+            log.warning("%s; placing on the node list of %.1f s ago", e,
+                        self._clock() - self._read_at)
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    def _read(self) -> Index:
+        nodes = read_nodes(self.etcd)
+        index = Index(nodes)
+        with self._lock:
+            self.reads += 1
+            self._index, self._read_at = index, self._clock()
+            self._addresses.update((n.record.node_id, n.record.address) for n in nodes)
+        return index
+
+    def address(self, node_id: str, sandbox_id: str) -> str:
+        """Where `node_id`'s agent answers: NodeLost when etcd no longer
+        lists it; its last known address when etcd does not answer."""
+        try:
+            view = self.index().by_id.get(node_id)
+        except FleetUnavailable:
+            with self._lock:
+                if node_id in self._addresses:
+                    return self._addresses[node_id]
+            raise
+        if view is None:
+            raise NodeLost(f"sandbox {sandbox_id}: its node {node_id} is not in the fleet "
+                           "(its agent stopped renewing its lease)")
+        return view.record.address
+
+
+def _transport_failure(e: BackendUnavailable) -> bool:
+    return isinstance(e.__cause__, httpx.TransportError)
+
+
+class Fleet:
+    """A Transport over the fleet of the etcd at `url` (see the module
+    docstring). `node_labels`: labels a node must carry to get creations."""
+
+    def __init__(self, url: str, token: str | None = None, *, k: int = K,
+                 node_labels: Mapping[str, str] | None = None,
+                 nodes: NodeList | None = None) -> None:
+        self.url, self.token, self.k = url, token, k
+        self.node_labels = dict(node_labels or {})
+        self.nodes = nodes or NodeList(Etcd(url))
+        self._rng = random.Random()
+
+    def with_labels(self, node_labels: Mapping[str, str] | None) -> Fleet:
+        """This fleet (same node list) placing only on nodes with these labels."""
+        if not node_labels:
+            return self
+        return Fleet(self.url, self.token, k=self.k, node_labels=node_labels, nodes=self.nodes)
+
+    def close(self) -> None:
+        """Close the connection to etcd (the agents' pools are the process's)."""
+        self.nodes.etcd.close()
+
+    def agent(self, address: str) -> Http:
+        from ..transport import agent_client
+        return agent_client(address, self.token)
+
+    # -- create ------------------------------------------------------------------
+    def create(self, spec: SandboxSpec) -> SandboxInfo:
+        index = self.nodes.index()
+        nodes = index.nodes
+        refusals: list[str] = []
+        for node_id in candidates(index, Request.of(spec, self.node_labels), k=self.k,
+                                  rng=self._rng):
+            try:
+                return self.agent(index.by_id[node_id].record.address).create(spec)
+            except QuotaExceeded as e:  # the node's final say: try the next
+                refusals.append(f"{node_id}: {e}")
+            except BackendUnavailable as e:
+                refusals.append(f"{node_id}: {e}")
+        if refusals:
+            raise QuotaExceeded("every candidate node refused the sandbox: "
+                                + "; ".join(refusals))
+        raise FleetUnavailable(
+                f"no node of the fleet {self.url} can take a {spec.backend} sandbox of "
+                f"{spec.memory_mb} MB ({spec.qos.value})"
+                + (f" with labels {self.node_labels}" if self.node_labels else "")
+                + f": {len(nodes)} nodes listed, "
+                f"{sum(n.draining for n in nodes)} drained")
+
+    # -- by id -----------------------------------------------------------------
+    def _on(self, sandbox_id: str, call: Callable[[Http], T]) -> T:
+        node_id = node_of(sandbox_id)
+        if node_id is None:
+            raise SandboxNotFound(f"{sandbox_id!r} is not the id of a fleet sandbox "
+                                  "(sb-<hex>.<node id>)")
+        address = self.nodes.address(node_id, sandbox_id)
+        try:
+            return call(self.agent(address))
+        except BackendUnavailable as e:
+            if _transport_failure(e):
+                raise NodeLost(f"sandbox {sandbox_id}: its node {node_id} ({address}) does "
+                               f"not answer: {e.__cause__}") from e
+            raise
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._on(sandbox_id, lambda a: a.get(sandbox_id))
+
+    def kill(self, sandbox_id: str) -> None:
+        self._on(sandbox_id, lambda a: a.kill(sandbox_id))
+
+    def pause(self, sandbox_id: str) -> dict[str, Any]:
+        return self._on(sandbox_id, lambda a: a.pause(sandbox_id))
+
+    def resume(self, sandbox_id: str) -> None:
+        self._on(sandbox_id, lambda a: a.resume(sandbox_id))
+
+    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
+             on_stderr: Sink | None) -> ExecResult:
+        return self._on(sandbox_id, lambda a: a.exec(sandbox_id, req, on_stdout, on_stderr))
+
+    def read(self, sandbox_id: str, path: str) -> bytes:
+        return self._on(sandbox_id, lambda a: a.read(sandbox_id, path))
+
+    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        self._on(sandbox_id, lambda a: a.write(sandbox_id, path, data, mode))
+
+    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        self._on(sandbox_id, lambda a: a.remove(sandbox_id, path, recursive))
+
+    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
+        return self._on(sandbox_id, lambda a: a.list_files(sandbox_id, path))
+
+    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo:
+        return self._on(sandbox_id, lambda a: a.snapshot(sandbox_id, tag))
+
+    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
+        return self._on(sandbox_id, lambda a: a.fork(sandbox_id, n))
+
+    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
+        return self._on(sandbox_id, lambda a: a.verify(sandbox_id, req))
+
+    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo:
+        return self._on(sandbox_id, lambda a: a.checkpoint(sandbox_id, tag))
+
+    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
+                           ) -> SandboxInfo:
+        raise Unsupported("a checkpoint is restored on the node that holds it: "
+                          "node=<its agent's URL>, not fleet=")
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        return self._on(sandbox_id, lambda a: a.events(sandbox_id))
+
+    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
+        return self._on(sandbox_id, lambda a: a.set_network(sandbox_id, policy))
+
+    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
+        return self._on(sandbox_id, lambda a: a.preempt(sandbox_id))
+
+    def restore(self, sandbox_id: str) -> SandboxInfo:
+        """On the node the id names (its id is kept across a preemption)."""
+        return self._on(sandbox_id, lambda a: a.restore(sandbox_id))
+
+    # -- fleet-wide ------------------------------------------------------------
+    def _everywhere(self, call: Callable[[Http], list[T]]) -> list[T]:
+        """`call` on every listed node at once; a node that does not answer
+        is skipped (it is leaving: its lease expires within the TTL), any
+        other error is raised after the others finished."""
+        nodes = self.nodes.nodes(fresh=True)
+        errors: list[SandboxError] = []
+
+        def one(n: NodeView) -> list[T]:
+            try:
+                return call(self.agent(n.record.address))
+            except BackendUnavailable as e:
+                if not _transport_failure(e):
+                    errors.append(e)
+                log.warning("node %s does not answer: %s", n.record.node_id, e)
+                return []
+            except SandboxError as e:
+                errors.append(e)
+                return []
+
+        if not nodes:
+            return []
+        with ThreadPoolExecutor(min(FANOUT, len(nodes)), thread_name_prefix="fleet") as pool:
+            results = list(pool.map(one, nodes))
+        if errors:
+            raise errors[0]
+        return [x for r in results for x in r]
+
+    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]:
+        return self._everywhere(lambda a: a.list_sandboxes(labels))
+
+    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
+                   ) -> list[str]:
+        return self._everywhere(lambda a: a.pause_many(labels, snapshot))
+
+    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self._everywhere(lambda a: a.restore_many(labels))
+
+    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
+        """Every node's answer, once per sandbox (nodes sharing a cluster
+        store see the same records)."""
+        seen: dict[str, PreemptedSandbox] = {}
+        for p in self._everywhere(lambda a: a.list_preempted(labels)):
+            seen.setdefault(p.id, p)
+        return list(seen.values())
+
+    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self._everywhere(lambda a: a.resume_many(labels))
+
+    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
+        return self._everywhere(lambda a: a.kill_many(labels))
+
+    def capabilities(self, backend: str) -> dict[str, Any]:
+        for n in self.nodes.nodes():
+            if backend in n.record.backends:
+                return self.agent(n.record.address).capabilities(backend)
+        raise FleetUnavailable(f"no node of the fleet {self.url} runs the {backend} backend")
+
+
+def set_draining(etcd: Etcd, node_id: str, draining: bool) -> None:
+    """Drain (no new placements; the node's sandboxes run on) or undrain a
+    node. The flag has no lease: it outlives the agent, so a drained node
+    that restarts stays drained."""
+    check_node_id(node_id)
+    if draining:
+        etcd.put(drain_key(node_id), b"1")
+    else:
+        etcd.delete(drain_key(node_id))
+
+
+_lock = threading.Lock()
+_fleets: dict[tuple[str, str | None], Fleet] = {}
+
+
+def fleet_client(url: str, token: str | None) -> Fleet:
+    """One Fleet (node list, connection pools) per etcd URL and token in this
+    process, shared by every Sandbox and thread."""
+    key = (url, token)
+    with _lock:
+        if key not in _fleets:
+            _fleets[key] = Fleet(url, token)
+        return _fleets[key]
+
+
+def _close_fleets() -> None:
+    with _lock:
+        for f in _fleets.values():
+            f.close()
+        _fleets.clear()
+
+
+atexit.register(_close_fleets)

@@ -1,0 +1,72 @@
+"""A real etcd (Debian's etcd-server, v3 API) on loopback, one member in a
+temporary data directory, for the fleet tests and benchmarks: a
+ServerProcess (one log, one startup timeout, the log's tail in errors, a
+parent-death signal so a killed test run leaves no etcd behind).
+
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        etcd.url                    # etcd://127.0.0.1:PORT
+        etcd.kill(); etcd.start()   # down, then back with the same data
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+
+from runtime.errors import FleetUnavailable
+
+from .process import ServerProcess
+from .support import free_port
+
+
+def etcd_missing() -> str | None:
+    if shutil.which("etcd") is None:
+        return "needs etcd (apt-get install etcd-server)"
+    return None
+
+
+
+class EtcdServer(ServerProcess):
+    name = "etcd"
+    error = FleetUnavailable
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir / "etcd.log", startup_timeout=20, stop_grace=5)
+        self.workdir = workdir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.launch(["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
+                    "--listen-client-urls", self.client_url,
+                    "--advertise-client-urls", self.client_url,
+                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                    "--initial-cluster", f"test={peer}",
+                    "--listen-metrics-urls", "", "--log-level", "warn"],
+                   cwd=self.workdir)
+
+    def ready(self) -> bool:
+        try:
+            r = httpx.get(f"{self.client_url}/health", timeout=1.0)
+        except httpx.HTTPError as e:
+            self.last = str(e)
+            return False
+        self.last = r.text
+        return r.status_code == 200 and '"true"' in r.text
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: the data directory stays for start()."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()

@@ -1,0 +1,429 @@
+"""The fleet: node agents registered in a real etcd (on loopback) under
+leases, placement in the client, calls by id to the node an id names,
+failures (a node agent killed, etcd down), drain, the CLI.
+
+Unit tests of the placement and the records run anywhere; the rest start a
+real etcd and three real node agents (separate processes, each with its own
+state directory, store, lazyfs daemon and TCP port, one fleet token) and
+need root, runc and etcd."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from runtime import FleetUnavailable, NodeLost, QuotaExceeded, Sandbox
+from runtime.errors import InvalidSpec, SandboxError
+from runtime.fleet.client import Fleet, NodeList, read_nodes
+from runtime.fleet.etcd import Etcd, endpoints
+from runtime.fleet.records import (
+    Capacity,
+    ImageLocality,
+    Load,
+    NodeRecord,
+    NodeView,
+    node_of,
+    sandbox_id,
+)
+from runtime.fleet.scheduler import Index, Request, candidates
+from runtime.spec import Qos
+from tests.helpers.agents import REPO, Agent, fleet_agent
+from tests.helpers.etcd import EtcdServer, etcd_missing
+from tests.helpers.sandboxes import IMAGE, runtime_missing
+from tests.helpers.support import root_only, wait_until
+
+TOKEN = "fleet-test-token"
+MAX_PER_NODE = 6
+MEMORY_MB = 16384  # each agent's memory admission (latency class: x1)
+
+
+# -- placement and records (no servers) ---------------------------------------
+
+def _node(node_id: str, *, sandboxes: int = 0, backends: tuple[str, ...] = ("container",),
+          labels: dict[str, str] | None = None, draining: bool = False,
+          asked_mb: int = 0, layers: tuple[str, ...] = (), max_sandboxes: int = 100
+          ) -> NodeView:
+    images = [ImageLocality(name=IMAGE, digest="d" * 64, layers=list(layers))] if layers else []
+    return NodeView(draining=draining, record=NodeRecord(
+        node_id=node_id, address=f"http://{node_id}:1", backends=list(backends),
+        capacity=Capacity(cores=2, memory_mb=4096, disk_mb=0, max_sandboxes=max_sandboxes,
+                          overcommit={"latency": 1.0, "best_effort": 4.0}),
+        load=Load(sandboxes=sandboxes, requested_memory_mb=asked_mb,
+                  by_qos_memory_mb={"latency": asked_mb}), images=images,
+        labels=labels or {}))
+
+
+def _req(**kw: object) -> Request:
+    base: dict[str, object] = {"backend": "container", "image": IMAGE, "memory_mb": 1024,
+                               "qos": Qos.latency, "selector": {}}
+    base.update(kw)
+    return Request(**base)  # type: ignore[arg-type]
+
+
+def test_placement_filters_what_cannot_take_the_sandbox() -> None:
+    nodes = [_node("ok"), _node("vm-only", backends=("microvm",)),
+             _node("drained", draining=True), _node("full", sandboxes=100),
+             _node("no-memory", asked_mb=3500), _node("zone-b", labels={"zone": "b"})]
+    assert set(candidates(nodes, _req())) == {"ok", "zone-b"}
+    assert list(candidates(nodes, _req(selector={"zone": "b"}))) == ["zone-b"]
+    # best-effort sandboxes are packed denser: the node short of latency memory takes them
+    assert "no-memory" in candidates(nodes, _req(qos=Qos.best_effort))
+    assert list(candidates(nodes, _req(backend="vm"))) == []
+
+
+def test_placement_prefers_the_less_loaded_of_k_and_the_node_with_the_image() -> None:
+    rng = random.Random(7)
+    light, heavy = _node("light", sandboxes=5), _node("heavy", sandboxes=90)
+    firsts = Counter(next(candidates([light, heavy], _req(), k=2, rng=rng)) for _ in range(200))
+    assert firsts == {"light": 200}  # both sampled: the lighter wins every time
+    cached = _node("cached", sandboxes=20, layers=("l1", "l2"))
+    others = [_node(f"n{i}") for i in range(8)]
+    firsts = Counter(next(candidates([cached, *others], _req(), k=2, rng=rng))
+                     for _ in range(200))
+    assert firsts["cached"] == 200  # in every draw, and its layers outweigh its load
+
+
+def test_power_of_k_spreads_clients_that_read_the_same_records() -> None:
+    """1,000 clients placing at once on 10 equal nodes from the same (stale)
+    records: no herd onto one node."""
+    index = Index([_node(f"n{i}") for i in range(10)])
+    rng = random.Random(1)
+    firsts = Counter(next(candidates(index, _req(), rng=rng)) for _ in range(1000))
+    assert len(firsts) == 10 and max(firsts.values()) < 160  # 100 each on average
+
+
+def test_sandbox_ids_name_their_node() -> None:
+    sid = sandbox_id("sb-0123456789abcdef", "node-7")
+    assert sid == "sb-0123456789abcdef.node-7" and node_of(sid) == "node-7"
+    assert node_of("sb-0123456789abcdef") is None  # a node outside a fleet
+    with pytest.raises(InvalidSpec, match="expected sb-"):
+        node_of("sb-xyz.node-7")
+    with pytest.raises(InvalidSpec, match="expected sb-"):
+        node_of("sb-0123456789abcdef.Node_7")
+    with pytest.raises(InvalidSpec, match="etcd://HOST:PORT"):
+        endpoints("http://127.0.0.1:2379")
+    with pytest.raises(InvalidSpec, match="not HOST:PORT"):
+        endpoints("etcd://127.0.0.1")
+
+
+needs_etcd = pytest.mark.skipif(etcd_missing() is not None, reason=str(etcd_missing()))
+
+
+@needs_etcd
+def test_etcd_lease_expiry_removes_a_record_and_a_stale_list_is_bounded(tmp_path: Path
+                                                                         ) -> None:
+    with EtcdServer(tmp_path / "etcd") as server:
+        etcd = Etcd(server.url)
+        lease = etcd.grant(2)
+        etcd.put("/lazyfs/fleet/nodes/n1", _node("n1").record.model_dump_json().encode(),
+                 lease=lease)
+        nodes = NodeList(etcd, refresh=0.0, max_stale=1.5)
+        assert [n.record.node_id for n in nodes.nodes()] == ["n1"]
+        # a list past `refresh` is read again in the background: the next looks see it
+        etcd.put("/lazyfs/fleet/nodes/n3", _node("n3").record.model_dump_json().encode(),
+                 lease=lease)
+        wait_until(lambda: len(nodes.nodes()) == 2, 5, "the background read of the list")
+        # not renewed: etcd drops it (no lease logic of ours)
+        wait_until(lambda: not read_nodes(etcd), 10, "the record expires with its lease")
+        assert not etcd.keepalive(lease)
+        etcd.put("/lazyfs/fleet/nodes/n2", _node("n2").record.model_dump_json().encode())
+        assert [n.record.node_id for n in nodes.nodes(fresh=True)] == ["n2"]
+        server.kill()
+        t0 = time.monotonic()
+        assert [n.record.node_id for n in nodes.nodes()] == ["n2"]  # younger than max_stale
+        time.sleep(1.6)
+        with pytest.raises(FleetUnavailable, match="no node list younger than"):
+            nodes.nodes()
+        assert time.monotonic() - t0 < 5  # fails fast, does not hang
+        etcd.close()
+
+
+# -- three real node agents -----------------------------------------------------
+
+@dataclass
+class FleetEnv:
+    etcd: EtcdServer
+    agents: dict[str, Agent]
+
+    @property
+    def url(self) -> str:
+        return self.etcd.url
+
+    def on_node(self, node_id: str) -> list[str]:
+        """The ids the node itself holds (its agent's own answer)."""
+        return [s.id for s in Sandbox.list(node=self.agents[node_id].unix)]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
+    why = runtime_missing() or etcd_missing()
+    if why:
+        pytest.skip(why)
+    d = tmp_path_factory.mktemp("fleet")
+    with ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer(d / "etcd"))
+        agents = {f"n{i}": fleet_agent(d / f"n{i}", etcd.url, f"n{i}", stack, token=TOKEN,
+                                       max_sandboxes=MAX_PER_NODE, memory_mb=MEMORY_MB)
+                  for i in range(3)}
+        for a in agents.values():
+            a.start()
+        e = Etcd(etcd.url)
+        wait_until(lambda: len(read_nodes(e)) == 3, 20, "three nodes registered")
+        e.close()
+        yield FleetEnv(etcd, agents)
+
+
+_opened: list[Fleet] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
+def _fleet(env: FleetEnv, *, nodes: NodeList | None = None) -> Fleet:
+    """A client of its own (its own node list), as another process would
+    have; closed after the test."""
+    f = Fleet(env.url, TOKEN, nodes=nodes)
+    _opened.append(f)
+    return f
+
+
+def _where(ids: list[str]) -> Counter[str]:
+    return Counter(node_of(i) or "" for i in ids)
+
+
+@root_only
+def test_sandboxes_spread_over_nodes_and_any_client_reaches_them(fleet: FleetEnv) -> None:
+    labels = {"test": "spread"}
+    client = _fleet(fleet)
+    sbs = [Sandbox.create(IMAGE, node=client, labels=labels) for _ in range(9)]
+    try:
+        where = _where([s.id for s in sbs])
+        assert len(where) >= 2, where  # not all on one node
+        for node_id, n in where.items():  # each id names the node that holds it
+            assert sum(1 for i in fleet.on_node(node_id) if i in {s.id for s in sbs}) == n
+        # another client, knowing only the id and the fleet
+        other = Sandbox.connect(sbs[0].id, fleet=fleet.url, token=TOKEN)
+        assert other.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        listed = Sandbox.list(labels, fleet=fleet.url, token=TOKEN)
+        assert {s.id for s in listed} == {s.id for s in sbs}
+        paused = Sandbox.pause_many(labels, fleet=fleet.url, token=TOKEN)
+        assert set(paused) == {s.id for s in sbs}
+        assert Sandbox.resume_many(labels, fleet=fleet.url, token=TOKEN)
+    finally:
+        killed = Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
+    assert set(killed) == {s.id for s in sbs}
+    assert not Sandbox.list(labels, fleet=fleet.url, token=TOKEN)
+
+
+@root_only
+def test_node_labels_and_drain_steer_placement(fleet: FleetEnv) -> None:
+    labels = {"test": "drain"}
+    try:
+        sb = Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN, labels=labels,
+                            node_labels={"zone": "n2"})
+        assert node_of(sb.id) == "n2"
+        cli = [sys.executable, "-m", "tools.cli", "fleet"]
+        env = {**os.environ, "LAZYFS_FLEET": fleet.url}
+        subprocess.run([*cli, "drain", "n0"], cwd=REPO, env=env, check=True)
+        out = subprocess.run([*cli, "nodes"], cwd=REPO, env=env, check=True,
+                             capture_output=True, text=True).stdout
+        assert any(line.startswith("n0 ") and "draining" in line for line in out.splitlines())
+        client = _fleet(fleet)
+        ids = [Sandbox.create(IMAGE, node=client, labels=labels).id for _ in range(4)]
+        assert "n0" not in _where(ids)
+        with pytest.raises(FleetUnavailable, match="no node of the fleet"):
+            Sandbox.create(IMAGE, node=client, labels=labels, node_labels={"zone": "n0"})
+        subprocess.run([*cli, "undrain", "n0"], cwd=REPO, env=env, check=True)
+        assert node_of(Sandbox.create(IMAGE, node=_fleet(fleet), labels=labels,
+                                      node_labels={"zone": "n0"}).id) == "n0"
+        top = subprocess.run([*cli, "top"], cwd=REPO, env=env, check=True,
+                             capture_output=True, text=True).stdout
+        assert {line.split()[0] for line in top.splitlines()[1:]} == {"n0", "n1", "n2"}
+        bad = subprocess.run([*cli, "drain", "Bad_Node"], cwd=REPO, env=env, check=False,
+                             capture_output=True, text=True)
+        assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+        assert "node id 'Bad_Node'" in bad.stderr
+    finally:
+        Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
+        subprocess.run([sys.executable, "-m", "tools.cli", "fleet", "undrain", "--fleet",
+                        fleet.url, "n0"], cwd=REPO, check=False)
+
+
+@root_only
+def test_an_image_a_node_runs_attracts_its_sandboxes(fleet: FleetEnv) -> None:
+    labels = {"test": "locality"}
+    try:
+        # only n1 runs the image; wait until its record says so
+        Sandbox.create(IMAGE, node=fleet.agents["n1"].http, token=TOKEN, labels=labels)
+        e = Etcd(fleet.url)
+
+        def only_n1_lists_it() -> bool:  # (records lag their nodes by up to 2 s)
+            return all(bool(v.record.images) == (v.record.node_id == "n1")
+                       for v in read_nodes(e))
+
+        wait_until(only_n1_lists_it, 10, "only n1's record lists the image")
+        e.close()
+        ids = [Sandbox.create(IMAGE, node=_fleet(fleet), labels=labels).id for _ in range(4)]
+        assert _where(ids)["n1"] == 4
+    finally:
+        Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
+
+
+@root_only
+def test_eight_clients_at_once_never_push_a_node_past_its_limit(fleet: FleetEnv) -> None:
+    labels = {"test": "herd"}
+    created: list[str] = []
+    refused: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def client() -> None:
+        mine = _fleet(fleet)  # each client its own node list, as separate processes
+        mine.nodes.nodes()
+        start.wait()
+        for _ in range(3):
+            try:
+                sid = Sandbox.create(IMAGE, node=mine, labels=labels).id
+                with lock:
+                    created.append(sid)
+            except (QuotaExceeded, FleetUnavailable) as e:
+                with lock:
+                    refused.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        per_node = {n: len(fleet.on_node(n)) for n in fleet.agents}
+        assert all(v <= MAX_PER_NODE for v in per_node.values()), per_node
+        # 24 asked, 18 places: every place taken, the rest refused with a typed error
+        assert len(created) == 3 * MAX_PER_NODE and len(refused) == 24 - len(created)
+        assert per_node == dict.fromkeys(fleet.agents, MAX_PER_NODE)
+    finally:
+        Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
+
+
+@root_only
+def test_killed_node_agent_is_lost_then_rejoins(fleet: FleetEnv) -> None:
+    labels = {"test": "lost"}
+    victim = fleet.agents["n0"]
+    try:
+        sb = Sandbox.create(IMAGE, node=victim.http, token=TOKEN, labels=labels)
+        sb.exec("echo kept > /tmp/state")
+        client = _fleet(fleet)
+        assert Sandbox.connect(sb.id, node=client).exec("cat /tmp/state").stdout == b"kept\n"
+        victim.kill()  # SIGKILL: no goodbye to etcd
+        t0 = time.monotonic()
+        with pytest.raises(NodeLost, match="n0"):
+            Sandbox.connect(sb.id, node=client)
+        assert time.monotonic() - t0 < 2  # fast, not a timeout
+        e = Etcd(fleet.url)
+        wait_until(lambda: "n0" not in {v.record.node_id for v in read_nodes(e)}, 15,
+                   "n0's record expires with its lease")
+        with pytest.raises(NodeLost, match="not in the fleet"):
+            Sandbox.connect(sb.id, node=_fleet(fleet)).exec("true")
+        ids = [Sandbox.create(IMAGE, node=_fleet(fleet), labels=labels).id for _ in range(4)]
+        assert "n0" not in _where(ids)
+        victim.start()  # it recovers its sandbox and registers again
+        wait_until(lambda: "n0" in {v.record.node_id for v in read_nodes(e)}, 15,
+                   "n0 registered again")
+        e.close()
+        again = Sandbox.connect(sb.id, node=_fleet(fleet))
+        assert again.exec("cat /tmp/state").stdout == b"kept\n"
+    finally:
+        Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
+
+
+@root_only
+def test_etcd_down_calls_by_id_work_creates_fail_fast(fleet: FleetEnv) -> None:
+    labels = {"test": "etcd-down"}
+    client = _fleet(fleet, nodes=NodeList(Etcd(fleet.url), max_stale=2.0))
+    try:
+        sb = Sandbox.create(IMAGE, node=client, labels=labels)
+        fleet.etcd.kill()
+        try:
+            # a new client that never read the list: calls by id need no etcd
+            # once the node's address is known; this one knows it
+            assert sb.exec("echo up").stdout == b"up\n"
+            # within max_stale the last list still places
+            extra = Sandbox.create(IMAGE, node=client, labels=labels)
+            time.sleep(2.1)
+            t0 = time.monotonic()
+            with pytest.raises(FleetUnavailable, match="cannot place a sandbox"):
+                Sandbox.create(IMAGE, node=client, labels=labels)
+            assert time.monotonic() - t0 < 5
+            assert sb.exec("echo still").stdout == b"still\n"  # by id: still works
+            extra.kill()
+        finally:
+            fleet.etcd.start()
+        e = Etcd(fleet.url)
+        wait_until(lambda: len(read_nodes(e)) == 3, 20, "the nodes registered again")
+        e.close()
+        assert Sandbox.create(IMAGE, node=_fleet(fleet), labels=labels).exec("true")
+    finally:
+        try:
+            Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
+        except SandboxError:
+            pass
+
+
+@root_only
+def test_node_agent_metrics_scraped(fleet: FleetEnv) -> None:
+    """What an operator's Prometheus scrapes from an agent (with the token)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    agent = fleet.agents["n2"]
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        r = httpx.get(f"{agent.http}/metrics", headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+    assert httpx.get(f"{agent.http}/metrics").status_code == 401  # the token guards it too
+    before = scrape()
+    running = (("backend", "container"), ("qos", "latency"), ("state", "running"))
+    labels = {"test": "metrics"}
+    try:
+        sbs = [Sandbox.create(IMAGE, node=agent.http, token=TOKEN, labels=labels)
+               for _ in range(2)]
+        sbs[0].exec("true")
+        sbs[1].pause()
+        with pytest.raises(QuotaExceeded, match="admits 16384 MB of latency"):
+            Sandbox.create(IMAGE, node=agent.http, token=TOKEN, labels=labels,
+                           memory_mb=MEMORY_MB)  # with the two: past the node's memory
+        # best effort is packed denser (overcommit 4): the same size is admitted
+        Sandbox.create(IMAGE, node=agent.http, token=TOKEN, labels=labels,
+                       memory_mb=MEMORY_MB, qos="best_effort").kill()
+        after = scrape()
+        assert after[("lazyfs_sandboxes", running)] == before.get(("lazyfs_sandboxes", running),
+                                                                  0) + 1
+        paused = (("backend", "container"), ("qos", "latency"), ("state", "paused"))
+        assert after[("lazyfs_sandboxes", paused)] == 1
+        created = ("lazyfs_sandbox_creates_total", (("backend", "container"),))
+        assert after[created] == before.get(created, 0) + 3
+        refused = ("lazyfs_sandbox_create_refusals_total", (("error", "QuotaExceeded"),))
+        assert after[refused] == before.get(refused, 0) + 1
+        execs = ("lazyfs_exec_seconds_count", (("backend", "container"),))
+        assert after[execs] == before.get(execs, 0) + 1
+        assert after[("lazyfs_sandbox_memory_bytes", ())] > 0  # read from their cgroups
+    finally:
+        Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)

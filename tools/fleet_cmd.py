@@ -1,0 +1,91 @@
+"""`lazyfs fleet nodes|top|drain|undrain`: the fleet's nodes as etcd lists
+them (runtime.fleet), and the operator's drain flag."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from runtime.fleet.client import read_nodes, set_draining
+from runtime.fleet.etcd import Etcd
+from runtime.fleet.records import NodeView
+
+from .errors import QuietError
+
+
+def _fleet_option(f: click.decorators.FC) -> click.decorators.FC:
+    return click.option("--fleet", metavar="etcd://HOST:PORT", envvar="LAZYFS_FLEET",
+                        default=None, help="The fleet's etcd [env LAZYFS_FLEET].")(f)
+
+
+def _etcd(fleet: str | None) -> Etcd:
+    if not fleet:
+        raise QuietError("no fleet: give --fleet etcd://HOST:PORT or set LAZYFS_FLEET",
+                         exit_code=2)
+    return Etcd(fleet)
+
+
+@click.group()
+def fleet() -> None:
+    """The nodes of a fleet (node agents registered in etcd)."""
+
+
+def _state(n: NodeView) -> str:
+    return "draining" if n.draining else "ready"
+
+
+@fleet.command()
+@_fleet_option
+@click.option("--json", "as_json", is_flag=True, help="The node records as JSON lines.")
+def nodes(fleet: str | None, as_json: bool) -> None:
+    """List the nodes whose lease is alive: id, address, state, backends, labels."""
+    views = read_nodes(_etcd(fleet))
+    if as_json:
+        for n in views:
+            click.echo(json.dumps({"draining": n.draining, **n.record.model_dump(mode="json")}))
+        return
+    click.echo(f"{'NODE':20s} {'ADDRESS':28s} {'STATE':9s} {'BACKENDS':28s} LABELS")
+    for n in views:
+        r = n.record
+        labels = ",".join(f"{k}={v}" for k, v in sorted(r.labels.items())) or "-"
+        click.echo(f"{r.node_id:20s} {r.address:28s} {_state(n):9s} "
+                   f"{','.join(r.backends) or '-':28s} {labels}")
+
+
+@fleet.command()
+@_fleet_option
+def top(fleet: str | None) -> None:
+    """Load of every node: sandboxes, memory asked and used, CPU, images."""
+    views = read_nodes(_etcd(fleet))
+    click.echo(f"{'NODE':20s} {'STATE':9s} {'SANDBOXES':>12s} {'MEM ASKED':>12s} "
+               f"{'MEM USED':>10s} {'CPU':>11s} {'IMAGES':>6s} {'AGE':>5s}")
+    now = time.time()
+    for n in sorted(views, key=lambda v: -v.record.load.sandboxes):
+        r, load = n.record, n.record.load
+        click.echo(f"{r.node_id:20s} {_state(n):9s} "
+                   f"{f'{load.sandboxes}/{r.capacity.max_sandboxes}':>12s} "
+                   f"{f'{load.requested_memory_mb}/{r.capacity.memory_mb}':>12s} "
+                   f"{load.memory_used_mb:>7d} MB "
+                   f"{f'{load.cpu_used:.2f}/{r.capacity.cores:g}':>11s} "
+                   f"{len(r.images):>6d} {now - r.reported:>4.0f}s")
+
+
+@fleet.command()
+@_fleet_option
+@click.argument("node_id")
+def drain(fleet: str | None, node_id: str) -> None:
+    """Place no new sandbox on NODE_ID (its sandboxes run on; the flag stays
+    across agent restarts until `undrain`)."""
+    set_draining(_etcd(fleet), node_id, True)
+    click.echo(f"{node_id}: draining", err=True)
+
+
+@fleet.command()
+@_fleet_option
+@click.argument("node_id")
+def undrain(fleet: str | None, node_id: str) -> None:
+    """Place sandboxes on NODE_ID again."""
+    set_draining(_etcd(fleet), node_id, False)
+    click.echo(f"{node_id}: ready", err=True)
