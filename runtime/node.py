@@ -107,6 +107,7 @@ class Node:
         # behind: close at interpreter exit if still open. (Killed, it
         # cannot; the next node start sweeps: fncall.sweep in recover().)
         self._at_exit = weakref.finalize(self, _close_at_exit, weakref.ref(self))
+        hostlimits.raise_own_open_files()
         if os.geteuid() == 0:
             hostlimits.prepare_host(self.config.max_sandboxes, self.config.budgets)
         if self.config.favor_dynmods and os.geteuid() == 0:

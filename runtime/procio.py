@@ -9,15 +9,50 @@ backend's way (freeze + kill for containers, a process group for fncall).
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 Sink = Callable[[bytes], None]
+T = TypeVar("T", bound="int | HasFileno")
+
+
+class HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+def ready(read: Sequence[T], write: Sequence[T] = (), timeout: float | None = None
+          ) -> tuple[list[T], list[T]]:
+    """select(2)'s answer without its limit: the node holds a descriptor or
+    more per sandbox, and select() refuses any numbered 1024 or above
+    (FD_SETSIZE), so this polls. Which of `read` are readable (or hung up)
+    and which of `write` writable within `timeout` seconds (None: wait)."""
+    poll = select.poll()
+    fds: dict[int, tuple[T | None, T | None]] = {}
+    for obj in read:
+        fd = obj if isinstance(obj, int) else obj.fileno()
+        fds[fd] = (obj, fds.get(fd, (None, None))[1])
+    for obj in write:
+        fd = obj if isinstance(obj, int) else obj.fileno()
+        fds[fd] = (fds.get(fd, (None, None))[0], obj)
+    for fd, (r, w) in fds.items():
+        poll.register(fd, (select.POLLIN if r is not None else 0) |
+                      (select.POLLOUT if w is not None else 0))
+    events = poll.poll(None if timeout is None else max(0.0, timeout) * 1000)
+    readable: list[T] = []
+    writable: list[T] = []
+    for fd, ev in events:
+        r, w = fds[fd]
+        if r is not None and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            readable.append(r)
+        if w is not None and ev & (select.POLLOUT | select.POLLHUP | select.POLLERR):
+            writable.append(w)
+    return readable, writable
 
 
 class Pipe(Protocol):

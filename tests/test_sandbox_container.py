@@ -116,6 +116,24 @@ def test_sandbox_sees_nothing_of_the_host(sb: Sandbox) -> None:
     assert sb.exec("echo x > /sys/kernel/uevent_helper").exit_code != 0
 
 
+def test_a_node_holding_thousands_of_descriptors_still_works(node: Node) -> None:
+    """A full node holds a descriptor or more per sandbox; select() refuses
+    any numbered 1024 or above (it made every create fail past ~1,170 idle
+    sandboxes). With 1,500 extra descriptors open in the node's process, a
+    sandbox is created, runs commands (with stdin), and is killed."""
+    extra: list[int] = []
+    try:
+        while len(extra) < 1500:
+            extra.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        assert max(extra) >= 1024
+        with Sandbox.create(IMAGE, node=node) as s:
+            r = s.exec("cat; echo done", stdin=b"in\n")
+            assert (r.exit_code, r.stdout) == (0, b"in\ndone\n")
+    finally:
+        for fd in extra:
+            os.close(fd)
+
+
 def test_writes_stay_in_the_sandbox(node: Node) -> None:
     with Sandbox.create(IMAGE, node=node) as a, Sandbox.create(IMAGE, node=node) as b:
         assert a.exec("rm /bin/busybox; echo mine > /etc/motd").exit_code == 0

@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -571,7 +570,7 @@ def _wait(pid: int, timeout: float) -> int:
     """The exit status of child `pid`, killed after `timeout` seconds."""
     pidfd = os.pidfd_open(pid)
     try:
-        if not select.select([pidfd], [], [], timeout)[0]:
+        if not procio.ready([pidfd], timeout=timeout)[0]:
             os.kill(pid, signal.SIGKILL)
     finally:
         os.close(pidfd)

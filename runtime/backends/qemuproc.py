@@ -18,7 +18,6 @@ import concurrent.futures
 import logging
 import os
 import queue
-import select
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import procio
 from ..errors import BackendUnavailable
 from ..guest import qemu
 from ..guest.protocol import READY, AgentConnection, AgentError
@@ -140,7 +140,7 @@ def wait_ready(sandbox_id: str, proc: subprocess.Popen[bytes], cfg: qemu.VmConfi
                 raise BackendUnavailable(
                     f"the guest agent of {sandbox_id} did not come up within "
                     f"{timeout:g}s: {console_tail(log_buf)}")
-            ready, _, _ = select.select([console, agent.sock], [], [], min(left, 0.5))
+            ready, _ = procio.ready([console, agent.sock], timeout=min(left, 0.5))
             if console in ready:
                 drain(console, log_buf)
                 if b"lazyfs-init: FAILED" in log_buf or b"Kernel panic" in log_buf:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import os
-import select
 import socket
 import stat
 import struct
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import FileError, SandboxError
+from ..procio import ready
 
 MAX_FRAME = 1 << 20
 CHUNK = 1 << 16
@@ -133,7 +133,7 @@ class AgentConnection:
             left = deadline - time.monotonic()
             if left <= 0 or not self.alive():
                 raise self._fail("the guest agent stopped reading its requests")
-            select.select([], [self.sock], [], min(left, 0.5))
+            ready([], [self.sock], min(left, 0.5))
 
     def _fill(self, n: int, deadline: float) -> None:
         while len(self._buf) < n:
@@ -152,7 +152,7 @@ class AgentConnection:
                 raise self._fail("the guest agent did not answer in time")
             if not self.alive():
                 raise self._fail("the VM exited")
-            select.select([self.sock], [], [], min(left, 0.5))
+            ready([self.sock], timeout=min(left, 0.5))
 
     def _frame(self) -> tuple[int, bytes] | None:
         """A whole frame from what has been received, if there is one."""
@@ -178,8 +178,7 @@ class AgentConnection:
                 raise self._fail("the guest agent did not answer in time")
             if not self.alive():
                 raise self._fail("the VM exited")
-            r, w, _ = select.select([self.sock], [self.sock] if pending else [], [],
-                                    min(left, 0.5))
+            r, w = ready([self.sock], [self.sock] if pending else [], min(left, 0.5))
             try:
                 if w:
                     pending = pending[self.sock.send(pending):]
