@@ -567,13 +567,22 @@ class ContainerBackend:
 
 
 def _wait(pid: int, timeout: float) -> int:
-    """The exit status of child `pid`, killed after `timeout` seconds."""
-    pidfd = os.pidfd_open(pid)
+    """The exit status of child `pid`, killed after `timeout` seconds. Any
+    failure while waiting kills and reaps it first: a runc left running would
+    finish making its container after the caller's cleanup."""
     try:
-        if not procio.ready([pidfd], timeout=timeout)[0]:
+        pidfd = os.pidfd_open(pid)
+        try:
+            if not procio.ready([pidfd], timeout=timeout)[0]:
+                os.kill(pid, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    finally:
-        os.close(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        raise
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
