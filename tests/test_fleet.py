@@ -279,9 +279,15 @@ def test_an_image_a_node_runs_attracts_its_sandboxes(fleet: FleetEnv) -> None:
                        v.record.load.cpu_used < 0.05 for v in read_nodes(e))
 
         wait_until(only_n1_lists_it, 30, "only n1's record lists the image, all idle")
+        seen = []  # what each placement read (the failure message shows it)
+        ids = []
+        for _ in range(4):
+            seen.append([(v.record.node_id, v.draining, v.record.load.model_dump(),
+                          [(i.name, i.digest[:19]) for i in v.record.images])
+                         for v in read_nodes(e)])
+            ids.append(Sandbox.create(IMAGE, node=_fleet(fleet), labels=labels).id)
         e.close()
-        ids = [Sandbox.create(IMAGE, node=_fleet(fleet), labels=labels).id for _ in range(4)]
-        assert _where(ids)["n1"] == 4
+        assert _where(ids)["n1"] == 4, (ids, seen)
     finally:
         Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
 
