@@ -52,13 +52,14 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     name = "microvm"
     state_type = MicrovmState
     capabilities = Capabilities("microvm", frozenset(
-        {"exec", "stream", "files", "pause", "resume"}),
+        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "events"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; image "
         "layers are virtio-pmem devices mounted EROFS -o dax (one host page-cache copy for "
         "all VMs), upper in guest memory; a static guest agent over virtio-serial; pause = "
         "snapshot to disk and exit the VMM. QEMU in per-sandbox host cgroups (cpu, memory, "
-        "pids; best_effort = cpu.idle + SCHED_IDLE). No network (an allowlist is refused); "
-        "VMs end with the node process (not persistent).")
+        "pids; best_effort = cpu.idle + SCHED_IDLE). Network allowlists as containers' (a "
+        "virtio-net NIC on a tap in the VMM's own network namespace, the same nftables rules "
+        "there; none by default: no NIC). VMs end with the node process (not persistent).")
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         super().__init__(config, images)

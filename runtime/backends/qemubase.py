@@ -17,6 +17,15 @@ The QEMU processes themselves are runtime/backends/qemuproc.py's. The
 microvm and vm backends are siblings over it, differing only in how the
 image reaches the guest.
 
+Network: a sandbox created with an allowlist gets its own network namespace
+(runtime/backends/netpolicy.py: veth to the host, a tap, the rules, NAT),
+its VMM runs in it with one virtio-net NIC on the tap, and the guest's
+initramfs gives eth0 the fixed guest address (lazyfs.net); without one the
+VM has no NIC at all (only lo). set_network changes the rules of a VM that
+has a network (none keeps the NIC and refuses everything); a VM created
+without one cannot get one later (its VMM would need to move namespaces):
+Unsupported.
+
 Every call after boot goes through the agent with a deadline; an agent
 that stops answering or a VMM that exits makes the call raise
 BackendUnavailable and the sandbox unusable until killed. Calls into one VM
@@ -38,6 +47,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from .. import cgroups
 from ..config import RuntimeConfig
+from ..denials import DenialLog, merged
 from ..errors import BackendUnavailable, SandboxStateError, Unsupported
 from ..files import SandboxFiles
 from ..guest import qemu
@@ -46,8 +56,8 @@ from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
 from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError
 from ..images import Images
 from ..native import qemu_preload, sandbox_init
-from ..spec import ExecRequest, ExecResult, Qos, SandboxSpec
-from . import qemuproc, snapshots
+from ..spec import EventKind, ExecRequest, ExecResult, NetworkPolicy, Qos, SandboxEvent, SandboxSpec
+from . import netpolicy, qemuproc, snapshots
 from .base import BackendState, Handle, Sink
 from .guestfiles import GuestFiles
 from .qemuproc import Vm
@@ -83,6 +93,11 @@ class QemuState(BackendState):
     snapshot: Path | None = None      # while paused
     boot_s: float | None = None       # how long the first boot took
     cgroup: bool = False              # the VMM's host cgroups (lazyfs/<id>) exist
+    net_slot: int | None = None       # the VMM's network namespace (an allowlist only)
+    node_address: str | None = None
+
+    def host_address(self) -> str | None:
+        return self.node_address
 
 
 Q = TypeVar("Q", bound=QemuState)
@@ -109,6 +124,7 @@ class QemuBackend(Generic[Q]):
         self._vms: dict[str, Vm] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # every VMM we started, until killed
         self._lock = threading.Lock()
+        self.denials = DenialLog()
 
     # -- what a subclass says ------------------------------------------------
     def _tools_missing(self) -> str | None:
@@ -133,6 +149,10 @@ class QemuBackend(Generic[Q]):
         binary = qemu.qemu_binary()
         accel = (h.state.accel or "tcg") if incoming is not None else \
             qemu.accelerator(binary, kernel.vmlinuz)
+        nic, slot = None, h.state.net_slot
+        if slot is not None:
+            nic = qemu.Nic(netpolicy.GUEST_IF, netpolicy.guest_mac(slot))
+            append = [*append, f"lazyfs.net={netpolicy.GUEST_LINK}"]
         return qemu.VmConfig(
             qemu=binary, accel=accel, vmlinuz=kernel.vmlinuz, initrd=initrd,
             memory_mb=h.spec.memory_mb,  # >= spec.MIN_GUEST_MB, checked at validation
@@ -140,7 +160,7 @@ class QemuBackend(Generic[Q]):
             pmem=pmem, drives=drives, agent_socket=vmdir / "agent.sock",
             console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
             append=[*append, f"lazyfs.hostname={h.id}", *self.extra_append],
-            incoming=incoming)
+            incoming=incoming, nic=nic)
 
     @staticmethod
     def _limits(h: Handle[Q]) -> list[str]:
@@ -196,9 +216,12 @@ class QemuBackend(Generic[Q]):
         return h.state.vm_dir or h.dir / "vm"
 
     def _start(self, h: Handle[Q], cfg: qemu.VmConfig, init: Path) -> subprocess.Popen[bytes]:
+        slot = h.state.net_slot
         proc = qemuproc.start(cfg, init, cgroups.procs_files(h.id) if h.state.cgroup else [],
                               idle=h.spec.qos is Qos.best_effort,
-                              preload=qemu_preload(self.config.bin_dir))
+                              preload=qemu_preload(self.config.bin_dir),
+                              netns=None if slot is None else
+                              netpolicy.NETNS_DIR / netpolicy.names(slot)[0])
         h.state.pid = proc.pid
         with self._lock:
             self._procs[h.id] = proc
@@ -219,6 +242,10 @@ class QemuBackend(Generic[Q]):
                                          "socket; use a shorter runtime state directory")
             h.state.vm_dir = vmdir
             self._make_cgroup(h)
+            if h.spec.network.mode == "allowlist":
+                slot = h.state.net_slot = netpolicy.allocate(h.id)
+                h.state.node_address = netpolicy.addresses(slot)[0]
+                netpolicy.create_for_vm(slot, h.spec.network)
             self._prepare(h, vmdir)
             cfg = self._config(h, vmdir)
             h.state.accel = "kvm" if cfg.accel == "kvm" else "tcg"
@@ -268,6 +295,12 @@ class QemuBackend(Generic[Q]):
         snapshots.remove(h.id, h.state.snapshot)
         if h.state.cgroup or cgroups.exists(h.id):
             cgroups.remove_empty(h.id)
+        # the slot files name their sandbox: also finds a slot whose creation
+        # was cut short before the state recorded it
+        known = [] if h.state.net_slot is None else [h.state.net_slot]
+        for slot in {*netpolicy.slots_of(h.id), *known}:
+            netpolicy.remove(slot)
+        self.denials.forget(h.id)
         shutil.rmtree(vmdir, ignore_errors=True)
 
     def status(self, h: Handle[Q]) -> str:
@@ -279,6 +312,31 @@ class QemuBackend(Generic[Q]):
 
     def close(self) -> None:
         pass
+
+    # -- network -------------------------------------------------------------
+    def set_network(self, h: Handle[Q], policy: NetworkPolicy) -> None:
+        """New rules for a VM created with a network, in one nftables
+        transaction (connections they refuse are cut; the old rules'
+        refused-destination counts are kept as events)."""
+        slot = h.state.net_slot
+        if slot is None:
+            if policy.mode == "none":
+                return
+            raise Unsupported(f"network: {h.id} was created without a network and a "
+                              f"{self.name} sandbox cannot get one later; create it with "
+                              "an allowlist (it can be narrowed to none later)")
+        for dest, n in netpolicy.refused(slot).items():
+            if n:
+                self.denials.record(h.id, "connect", dest, n)
+        netpolicy.apply(slot, policy, netpolicy.GUEST_IF)
+
+    def events(self, h: Handle[Q]) -> list[SandboxEvent]:
+        """The guest's refused connections (counted by the rules in its
+        VMM's namespace)."""
+        slot = h.state.net_slot
+        counted: dict[tuple[EventKind, str], int] = {} if slot is None else {
+            ("connect", dest): n for dest, n in netpolicy.refused(slot).items()}
+        return merged(self.denials.events(h.id), counted)
 
     # -- pause: snapshot and exit --------------------------------------------
     def pause(self, h: Handle[Q]) -> dict[str, Any]:

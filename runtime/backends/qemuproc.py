@@ -86,18 +86,26 @@ class Vm:
 
 
 def start(cfg: qemu.VmConfig, init: Path, cgroup_procs: list[Path] | None = None,
-          idle: bool = False, preload: Path | None = None) -> subprocess.Popen[bytes]:
+          idle: bool = False, preload: Path | None = None,
+          netns: Path | None = None) -> subprocess.Popen[bytes]:
     """Start the VMM of cfg (it dies with this process); its stderr goes to
     qemu.log next to its sockets. It joins the cgroups whose cgroup.procs
     files are given before it execs QEMU (so its first page is charged
     there), runs under SCHED_IDLE if `idle` (qos="best_effort"), with
     `preload` (runtime/native/qemu-preload.c: no MADV_HUGEPAGE on the lazily
-    served pmem files) as LD_PRELOAD."""
+    served pmem files) as LD_PRELOAD, in the network namespace `netns` (a
+    VM with a network: its tap is there) if given."""
     for s in (cfg.agent_socket, cfg.console_socket, cfg.qmp_socket):
         s.unlink(missing_ok=True)
     fds = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in cgroup_procs or []]
     try:
         opts = [*(["-i"] if idle else []), *(a for fd in fds for a in ("-j", str(fd)))]
+        if netns is not None:
+            try:
+                fds.append(os.open(netns, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as e:
+                raise BackendUnavailable(f"the VM's network namespace {netns}: {e}") from e
+            opts += ["-n", str(fds[-1])]
         with open(cfg.agent_socket.parent / "qemu.log", "ab") as errlog:
             return _spawn([str(init), "pdeathsig", *opts, "--", *qemu.command(cfg)],
                           stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog,

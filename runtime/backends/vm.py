@@ -47,12 +47,12 @@ class VmBackend(QemuBackend[VmState]):
     boot_timeout_env = "LAZYFS_VM_BOOT_TIMEOUT"
     boot_timeout_default = 120.0
     capabilities = Capabilities("vm", frozenset(
-        {"exec", "stream", "files", "pause", "resume"}),
+        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "events"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel from "
         "a whole ext4 disk built from the image (cached per image, read once per node) with "
         "a qcow2 copy-on-write overlay per sandbox; the image's own init runs as PID 1 when "
         "it has one; the same guest agent as microvm; pause = snapshot to disk and exit the "
-        "VMM. No network; VMs end with the node process (not persistent).")
+        "VMM. Network allowlists as microvm's (none by default: no NIC); VMs end with the node process (not persistent).")
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         super().__init__(config, images)

@@ -37,6 +37,8 @@ Kernel command line parameters read by /init:
     lazyfs.upper_mb=M      (microvm) size of the writable upper (tmpfs in guest memory)
     lazyfs.init=PATH       (vm) the image's init, run as PID 1 after switch_root
     lazyfs.hostname=H
+    lazyfs.net=ADDR/PREFIX,GATEWAY   the NIC's (eth0) address and default route;
+                           without it the guest has only lo
     lazyfs.test=noagent    (tests only) never start the agent
 """
 
@@ -57,8 +59,8 @@ from .kernel import GuestKernel, load_order
 # virtio_blk: the microvm backend's blk mode (layers as disks, for the
 # benchmark against pmem + DAX); a few hundred KiB, loaded in every boot.
 MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "virtio_blk", "erofs", "overlay",
-           "virtio_console")
-VM_MODULES = ("virtio_pci", "virtio_blk", "ext4", "virtio_console")
+           "virtio_console", "virtio_net")
+VM_MODULES = ("virtio_pci", "virtio_blk", "ext4", "virtio_console", "virtio_net")
 BUSYBOX = Path("/bin/busybox")
 
 # What both flavours do first: API filesystems, the failure path, the
@@ -76,6 +78,7 @@ fail() {
     sleep 10
 }
 layers=0; upper_mb=256; host=sandbox; test=""; layers_on=pmem; init=""; pids=""; mem_mb=""
+net=""
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
         lazyfs.pids=*) pids=${arg#*=} ;;
@@ -86,6 +89,7 @@ for arg in $(cat /proc/cmdline); do
         lazyfs.hostname=*) host=${arg#*=} ;;
         lazyfs.init=*) init=${arg#*=} ;;
         lazyfs.test=*) test=${arg#*=} ;;
+        lazyfs.net=*) net=${arg#*=} ;;
     esac
 done
 for m in $(cat /modules/order); do
@@ -93,6 +97,14 @@ for m in $(cat /modules/order); do
 done
 hostname "$host"
 ip link set lo up 2>/dev/null
+if [ -n "$net" ]; then  # the sandbox's NIC: filtered on the host, in the VMM's namespace
+    n=0
+    while [ ! -e /sys/class/net/eth0 ]; do
+        n=$((n + 1)); [ $n -gt 500 ] && fail "no eth0 (lazyfs.net)"; sleep 0.02
+    done
+    ip addr add "${net%,*}" dev eth0 && ip link set eth0 up \
+        && ip route add default via "${net#*,}" || fail "eth0 $net"
+fi
 # the commands' cgroup: the sandbox's pids limit and a memory limit below the
 # guest's RAM, so bombs are held there and the agent (outside) answers on
 cgroup=""

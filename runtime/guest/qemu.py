@@ -6,7 +6,9 @@ Why q35 and not `-M microvm`: with `-M microvm` (QEMU 7.2, Debian 12), the
 virtio-pmem device's region is mapped at guest physical address 0, so the
 guest's nd_pmem driver cannot reserve it and no /dev/pmem appears; on q35
 the region sits above guest RAM and works. The configuration is trimmed to what a sandbox needs: -nodefaults (no
-VGA, no NIC, no default serial/parallel/monitor), no network unless asked,
+VGA, no NIC, no default serial/parallel/monitor), no network unless asked
+(then one virtio-net NIC on a tap device that already exists in the network
+namespace QEMU runs in: runtime/backends/netpolicy.py),
 one virtio-serial port for the agent, the 8250 console on a socket that the
 host reads only while booting (later output is dropped by QEMU, so a guest
 flooding its console costs CPU, never host disk), and QMP on a socket.
@@ -91,6 +93,14 @@ class Drive:
     readonly: bool = True
 
 
+@dataclass(frozen=True)
+class Nic:
+    """A virtio-net NIC on an existing tap device of QEMU's network namespace."""
+
+    tap: str
+    mac: str
+
+
 @dataclass
 class VmConfig:
     qemu: str
@@ -106,6 +116,7 @@ class VmConfig:
     append: list[str] = field(default_factory=list)
     incoming: str | None = None            # restore from a migration stream
     drives: list[Drive] = field(default_factory=list)  # virtio-blk, after the pmem devices
+    nic: Nic | None = None                 # no NIC at all without
 
 
 def command(c: VmConfig) -> list[str]:
@@ -137,6 +148,9 @@ def command(c: VmConfig) -> list[str]:
         mode = "readonly=on" if d.readonly else "readonly=off,discard=unmap"
         cmd += ["-drive", f"file={file},if=none,id=disk{i},format={d.format},{mode}",
                 "-device", f"virtio-blk-pci,drive=disk{i},serial={d.serial}"]
+    if c.nic is not None:  # last: auto-placed, after the pmem devices' fixed slots
+        cmd += ["-netdev", f"tap,id=net0,ifname={c.nic.tap},script=no,downscript=no",
+                "-device", f"virtio-net-pci,netdev=net0,mac={c.nic.mac}"]
     if c.incoming is not None:
         cmd += ["-incoming", c.incoming]
     return cmd

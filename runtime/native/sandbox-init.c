@@ -17,7 +17,7 @@
  *                                     end closes), kills the command's session so
  *                                     nothing outlives a dead agent.
  *
- *   sandbox-init pdeathsig [-i] [-j FD]... -- ARGV...
+ *   sandbox-init pdeathsig [-i] [-j FD]... [-n FD] -- ARGV...
  *                                     (on the host) runs ARGV so that it gets
  *                                     SIGKILL when the calling thread's process
  *                                     dies: the node's `runc exec` goes with the
@@ -25,6 +25,8 @@
  *                                     output reader gone. -j: join the cgroups
  *                                     whose cgroup.procs are open at FD first
  *                                     (a VM's QEMU: charged from its first page).
+ *                                     -n: enter the network namespace open at FD
+ *                                     (a VM's QEMU: its tap and rules are there).
  *
  *   sandbox-init call [-j FD]... [-s FD] [-t SECS] [-u ID] [-r PATH]... [-w PATH]...
  *                     [-c DIR] -- ARGV...
@@ -498,12 +500,12 @@ static void seccomp_from(int fd) {
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: sandbox-init init [-i] [-l FD] | exec [-i] [-c DIR] -- ARGV... | "
-                        "pdeathsig [-i] [-j FD]... -- ARGV...\n");
+                        "pdeathsig [-i] [-j FD]... [-n FD] -- ARGV...\n");
         return 2;
     }
     int i = 2;
     const char *cwd = NULL;
-    int idle = 0, listen_fd = -1, njoin = 0, nro = 0, nrw = 0, seccomp_fd = -1, uid = -1;
+    int idle = 0, listen_fd = -1, netns_fd = -1, njoin = 0, nro = 0, nrw = 0, seccomp_fd = -1, uid = -1;
     long cpu = -1;
     int join[MAX_OPT];
     char *ro[MAX_OPT], *rw[MAX_OPT];
@@ -513,6 +515,7 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "-c") == 0 && more) cwd = argv[++i];
         else if (strcmp(argv[i], "-l") == 0 && more) listen_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "-j") == 0 && more && njoin < MAX_OPT) join[njoin++] = atoi(argv[++i]);
+        else if (strcmp(argv[i], "-n") == 0 && more) netns_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "-s") == 0 && more) seccomp_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "-t") == 0 && more) cpu = atol(argv[++i]);
         else if (strcmp(argv[i], "-u") == 0 && more) uid = atoi(argv[++i]);
@@ -545,6 +548,10 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "pdeathsig") == 0 && i < argc) {
         for (int k = 0; k < njoin; k++)
             if (write(join[k], "0", 1) != 1) die("joining the sandbox's cgroup");
+        if (netns_fd >= 0) {
+            if (setns(netns_fd, CLONE_NEWNET) != 0) die("entering the sandbox's network namespace");
+            close(netns_fd);
+        }
         pid_t parent = getppid();
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent) return 137;  /* the parent died before prctl */
