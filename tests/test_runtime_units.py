@@ -179,6 +179,20 @@ def test_nft_ruleset_allows_only_listed_destinations() -> None:
     assert (host, sb) == ("10.203.0.5", "10.203.0.6")
 
 
+def test_nft_ruleset_of_a_vm_filters_what_is_forwarded() -> None:
+    from runtime.backends.netpolicy import GUEST_IF, nat_table
+    text = ruleset(NetworkPolicy.allow_only("node:8000"), "10.203.0.5", GUEST_IF)
+    # the guest's packets are forwarded: the allowlist is on the forward
+    # hook, from the tap only; the namespace itself accepts only loopback
+    fwd = text.split(" chain from_guest {")[1]
+    assert "hook forward priority 0; policy drop" in fwd
+    assert f'iifname != "{GUEST_IF}" drop' in fwd
+    assert "ip daddr 10.203.0.5/32 tcp dport 8000 accept" in fwd
+    chain_in = text.split(" chain in {")[1].split(" }")[0]
+    assert "policy drop" in chain_in and "saddr" not in chain_in
+    assert 'oifname "eth0" masquerade' in nat_table()
+
+
 def test_network_slots_are_never_shared(tmp_path: Path) -> None:
     from runtime.backends.netpolicy import allocate
     slots = [allocate("sb-same-hash", tmp_path) for _ in range(50)]
@@ -188,8 +202,8 @@ def test_network_slots_are_never_shared(tmp_path: Path) -> None:
 def test_capabilities_say_what_each_backend_does() -> None:
     assert "files" in capabilities("container") and "pause" in capabilities("container")
     assert "exec" in capabilities("fncall") and "files" not in capabilities("fncall")
-    assert "exec" in capabilities("microvm") and "network_allowlist" not in capabilities("microvm")
-    assert "exec" in capabilities("vm") and "network_allowlist" not in capabilities("vm")
+    assert "exec" in capabilities("microvm") and "network_allowlist" in capabilities("microvm")
+    assert "exec" in capabilities("vm") and "network_allowlist" in capabilities("vm")
     with pytest.raises(BackendUnavailable, match="unknown backend"):
         capabilities("kvm")
 

@@ -121,6 +121,12 @@ def test_vm_network_allowlist(node: Node, servers: tuple[int, int], backend: Bac
         s.set_network(policy)
         r = s.exec(f"busybox wget -O - http://{host}:{allowed}/", timeout=60)
         assert r.stdout == b"mirror says hi", r
+        s.pause()  # snapshot and exit: the restored VMM finds its tap where it was
+        s.resume()
+        r = s.exec(f"busybox wget -O - http://{host}:{allowed}/", timeout=60)
+        assert r.stdout == b"mirror says hi", r
+        r = s.exec(f"busybox wget -T 3 -O - http://{host}:{denied}/", timeout=60)
+        assert r.exit_code != 0 and b"mirror" not in r.stdout, r
         slot = _slot(s.id)
         assert netpolicy.names(slot)[0] in _netns()
         # QEMU runs in the sandbox's namespace (its tap is there), not the node's
