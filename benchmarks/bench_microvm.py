@@ -35,6 +35,13 @@ lazy      (--lazy) bytes the node fetches, and create-to-first-exec, for one
           a busybox sandbox on the same node, so only the image is cold.
           --lazy-only runs just this (e.g. with PYTHONPATH at an older tree, to
           compare with the code before; the script imports nothing new).
+network   (--network) create-to-first-exec of microvm and vm sandboxes with
+          no network (no NIC) and with an allowlist (the VMM's own network
+          namespace, a tap and rules: runtime/backends/netpolicy.py), rotated
+          over R rounds, and the first fetch of a node port from inside; plus
+          the host-side setup alone (namespace, veth, tap, rules) against a
+          container's (namespace attached to a process, veth, rules), 20 each.
+          --network-only runs just this.
 
 Prints tables and writes benchmarks/results/microvm.json. Needs root,
 /dev/fuse, qemu-system-x86, qemu-utils, runc (container side), gcc,
@@ -54,12 +61,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import add_run_options, apply_profile, machine_info, write_json
+from benchmarks.report import add_run_options, apply_profile, machine_info, rotate, write_json
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs.node import request
-from runtime import Sandbox
+from runtime import NetworkPolicy, Sandbox
+from runtime.backends import netpolicy
 from runtime.backends.microvm import LayersOn, MicrovmBackend
 from runtime.backends.qemuproc import vmm_pss
 from runtime.backends.vm import VmBackend
@@ -155,9 +163,11 @@ def add_big_image(store: Path, d: Path) -> str:
 
 # -- runs --------------------------------------------------------------------
 
-def timed_create(node: Node, backend: Backend) -> tuple[float, float, Sandbox]:
+def timed_create(node: Node, backend: Backend, network: NetworkPolicy | None = None
+                 ) -> tuple[float, float, Sandbox]:
     t0 = time.monotonic()
-    sb = Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256)
+    sb = Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256,
+                        network=network or NetworkPolicy.none())
     t1 = time.monotonic()
     sb.exec("true")
     return t1 - t0, time.monotonic() - t0, sb
@@ -177,6 +187,69 @@ def latency(node: Node, backend: Backend, rounds: int) -> dict[str, Any]:
             "create_s": creates, "create_to_first_exec_s": totals,
             "median_create_to_first_exec_s": statistics.median(totals),
             "idle_vmm_pss_bytes": idle}
+
+
+def network(node: Node, backend: Backend, rounds: int) -> dict[str, Any]:
+    """create-to-first-exec without and with an allowlist (rotated), and the
+    first fetch of an allowed node port from inside the guest."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from tests.helpers.support import Hello
+    srv = ThreadingHTTPServer(("0.0.0.0", 0), Hello)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    policy = NetworkPolicy.allow_only(f"node:{srv.server_address[1]}")
+    totals: dict[str, list[float]] = {"none": [], "allowlist": []}
+    fetch: list[float] = []
+    try:
+        timed_create(node, backend)[2].kill()  # kernel, initramfs, image files made
+        for r in range(rounds):
+            for variant in rotate(["none", "allowlist"], r):
+                _, total, sb = timed_create(node, backend,
+                                            policy if variant == "allowlist" else None)
+                totals[variant].append(total)
+                if variant == "allowlist":
+                    t0 = time.monotonic()
+                    res = sb.exec(f"busybox wget -O - http://{sb.info.host_address}:"
+                                  f"{srv.server_address[1]}/", timeout=60)
+                    assert res.stdout == b"mirror says hi", res
+                    fetch.append(time.monotonic() - t0)
+                sb.kill()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    med = {k: statistics.median(v) for k, v in totals.items()}
+    return {"create_to_first_exec_s": totals, "median_s": med,
+            "ratio": med["allowlist"] / med["none"], "first_fetch_s": fetch}
+
+
+def network_setup(n: int = 20) -> dict[str, Any]:
+    """The host side of a VM's network (namespace, veth, tap, rules, NAT)
+    against a container's (namespace attached to a process, veth, rules)."""
+    policy = NetworkPolicy.allow_only("node:3128")
+    vm, ct = [], []
+    for i in range(n):
+        slot = netpolicy.allocate(f"bench-net-vm-{i}")
+        try:
+            t0 = time.perf_counter()
+            netpolicy.create_for_vm(slot, policy)
+            vm.append(time.perf_counter() - t0)
+        finally:
+            netpolicy.remove(slot)
+        proc = subprocess.Popen(["unshare", "-n", "sleep", "60"])
+        slot = netpolicy.allocate(f"bench-net-ct-{i}")
+        try:
+            time.sleep(0.02)  # unshare has made its namespace
+            t0 = time.perf_counter()
+            netpolicy.create(slot, policy, proc.pid)
+            ct.append(time.perf_counter() - t0)
+        finally:
+            netpolicy.remove(slot)
+            proc.kill()
+            proc.wait()
+    return {"vm_s": vm, "container_s": ct, "median_vm_s": statistics.median(vm),
+            "median_container_s": statistics.median(ct),
+            "ratio": statistics.median(vm) / statistics.median(ct)}
 
 
 def vm_disk(node: Node) -> dict[str, Any]:
@@ -300,6 +373,9 @@ def main() -> None:
     ap.add_argument("--lazy", action="store_true",
                     help="also bytes fetched and first exec on a cold node cache")
     ap.add_argument("--lazy-only", action="store_true", help="only that")
+    ap.add_argument("--network", action="store_true",
+                    help="also create-to-first-exec with and without an allowlist")
+    ap.add_argument("--network-only", action="store_true", help="only that")
     ap.add_argument("--lazy-bulk", action="store_true",
                     help="--lazy, then every file of the image read once (cold)")
     add_run_options(ap, Path(__file__).parent / "results" / "microvm.json", QUICK)
@@ -312,10 +388,11 @@ def main() -> None:
     try:
         d = Path(tmp)
         store = busybox_store(d)
-        out["density_image"] = add_big_image(store, d)
+        if not args.network_only:
+            out["density_image"] = add_big_image(store, d)
         if args.lazy or args.lazy_only:
             out["lazy"] = lazy(store, d, not args.no_container, args.lazy_bulk)
-        if args.lazy_only:
+        if args.lazy_only or args.network_only:
             args.n = []
         with node_for(store, d) as node:
             mvm = node.backend("microvm")
@@ -323,7 +400,10 @@ def main() -> None:
             assert isinstance(mvm, MicrovmBackend) and isinstance(vm, VmBackend)
             mvm.pmem_cache = d / "pmem"  # on disk (not tmpfs), gone with the run
             vm.disk_cache = d / "disks"
-            if not (args.no_latency or args.lazy_only):
+            if args.network or args.network_only:
+                out["network_setup"] = network_setup()
+                out["network"] = {b: network(node, b, args.rounds) for b in ("microvm", "vm")}
+            if not (args.no_latency or args.lazy_only or args.network_only):
                 out["microvm"] = latency(node, "microvm", args.rounds)
                 out["vm"] = latency(node, "vm", args.rounds)
                 if not args.no_container:
@@ -375,6 +455,16 @@ def report(out: dict[str, Any]) -> None:
                       f"{r['bulk_fetched_bytes'] / 1e6:.1f} MB more")
         if "fetched_ratio" in lz:
             print(f"microvm fetched {lz['fetched_ratio']:.2f}x what the container fetched")
+    if "network" in out:
+        ns = out["network_setup"]
+        print(f"\nnetwork setup on the host: VM {ns['median_vm_s'] * 1e3:.0f} ms, container "
+              f"{ns['median_container_s'] * 1e3:.0f} ms ({ns['ratio']:.2f}x), medians of "
+              f"{len(ns['vm_s'])}")
+        print(f"{'backend':10} {'no network':>11} {'allowlist':>10} {'ratio':>6} "
+              f"{'first fetch':>12}  (create->first exec, medians)")
+        for name, r in out["network"].items():
+            print(f"{name:10} {r['median_s']['none']:10.2f}s {r['median_s']['allowlist']:9.2f}s "
+                  f"{r['ratio']:5.2f}x {statistics.median(r['first_fetch_s']):11.2f}s")
     if "microvm" in out:
         print(f"\naccelerator: {out['accel']}")
         print(f"{'backend':10} {'first create+exec':>18} {'median create->first exec':>26} "
