@@ -52,6 +52,10 @@ class RuntimeConfig:
     cache_dir: Path | None = _FROM_SETTINGS
     cache_size: str = _FROM_SETTINGS
     max_sandboxes: int = 4096
+    # the VM backends' node-wide caches (None: LAZYFS_PMEM_CACHE or
+    # /var/cache/lazyfs/pmem, LAZYFS_VM_DISK_CACHE or /var/cache/lazyfs/vm-disks)
+    pmem_cache: Path | None = None
+    vm_disk_cache: Path | None = None
     reap_interval: float = 1.0
     fncall_workers: int = 2
     # MiB of writable layer (a tmpfs: in memory, counted in the sandbox's

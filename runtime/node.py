@@ -706,6 +706,7 @@ class Node:
         from .backends.fncall import sweep
         sweep(self.config)
         self.captures.sweep()
+        self._sweep_vm_caches()
         for f in sorted(self.config.sandboxes.glob("*/sandbox.json")):
             try:
                 self._recover_one(f)
@@ -720,6 +721,42 @@ class Node:
                 except Exception:
                     log.exception("cleaning up the cut-short creation %s", d.name)
                     _remove(d)
+
+    def _vm_cache_dirs(self) -> list[Path]:
+        """The VM backends' node-wide cache directories (pmem images, VM disks)."""
+        from .backends.microvm import MicrovmBackend
+        from .backends.vm import VmBackend
+        mvm, vm = self.backend("microvm"), self.backend("vm")
+        assert isinstance(mvm, MicrovmBackend) and isinstance(vm, VmBackend)
+        return [mvm.pmem_cache, vm.disk_cache]
+
+    def _sweep_vm_caches(self) -> None:
+        """What VM image builds cut short by a node that died left in the
+        caches (runtime/guest/caches.py): mounts, temporary files, mkfs."""
+        from .guest import caches
+        try:
+            caches.sweep(self._vm_cache_dirs(), self.images.paths)
+        except OSError as e:  # a broken cache must not keep the node from starting
+            log.warning("sweeping the VM caches: %s", e)
+
+    def collect_vm_caches(self, max_age: float | None = None) -> list[Path]:
+        """Remove the VM backends' cache files (pmem metadata images, VM base
+        disks) of images and layers no tag of the catalog names any more, laid
+        out by another version of the code, or (max_age, seconds) unused for
+        longer; never those of this node's live sandboxes (paused ones
+        included). Returns the files removed; they are rebuilt when needed."""
+        from chunkstore.digests import digest_key
+
+        from .guest import caches
+        catalog = self.images.catalog()
+        keep: set[str] = set()
+        for _, digest in catalog.list_tags():
+            _, image = catalog.resolve(digest)
+            keep |= {digest_key(digest), *(digest_key(d) for d in image.layers)}
+        with self._lock:
+            images = [h.image for _, h in self._sandboxes.values()]
+        in_use = {digest_key(d) for im in images for d in (im.digest, *im.layers)}
+        return caches.collect(self._vm_cache_dirs(), keep, in_use, max_age)
 
     def _recover_one(self, f: Path) -> None:
         try:

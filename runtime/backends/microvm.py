@@ -63,7 +63,7 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         super().__init__(config, images)
-        self.pmem_cache = PMEM_CACHE
+        self.pmem_cache = config.pmem_cache or PMEM_CACHE
         # where the layers are attached: "pmem" (virtio-pmem + DAX: one host page-cache
         # copy for all VMs) or "blk" (virtio-blk, each guest caches its own copy: only
         # for comparing the two; LAZYFS_MICROVM_LAYERS)

@@ -56,7 +56,7 @@ class VmBackend(QemuBackend[VmState]):
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         super().__init__(config, images)
-        self.disk_cache = disk.DEFAULT_CACHE
+        self.disk_cache = config.vm_disk_cache or disk.DEFAULT_CACHE
         self.disk_headroom_mb = disk.HEADROOM_MB  # free space of a new VM's root file system
 
     def _refused(self, spec: SandboxSpec) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
@@ -20,3 +20,9 @@ def locked(cache: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def mark_used(path: Path) -> None:
+    """A cache file is used now: caches.collect counts its age from here."""
+    with suppress(OSError):
+        os.utime(path)

@@ -46,7 +46,7 @@ from lazyfs.mounts import MountError, mount_image, unmount
 from ..errors import BackendUnavailable
 from ..images import Images
 from ..spec import ResolvedImage
-from .cachelock import locked
+from .cachelock import locked, mark_used
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,8 @@ def base_disk(images: Images, image: ResolvedImage, cache: Path = DEFAULT_CACHE,
     raw, meta = stem.with_name(stem.name + ".ext4"), stem.with_name(stem.name + ".json")
     found = _load(raw, meta)
     if found is not None:
+        mark_used(raw)
+        mark_used(meta)
         return found
     with locked(cache):
         found = _load(raw, meta)

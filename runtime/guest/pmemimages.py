@@ -57,7 +57,7 @@ from pmem.errors import PmemError
 from ..errors import BackendUnavailable
 from ..images import Images
 from ..spec import ResolvedImage
-from .cachelock import locked
+from .cachelock import locked, mark_used
 
 ALIGN = MAP_ALIGN  # virtio-pmem regions are mapped in 2 MiB units
 _CODE = (Path(__file__).resolve().parents[2] / "pmem" / "erofs.py",
@@ -147,12 +147,14 @@ def pmem_layers(images: Images, image: ResolvedImage, cache: Path) -> list[PmemL
                         raise BackendUnavailable(f"layer {digest} of {name} cannot be an "
                                                  f"EROFS image: {e}") from e
                     _write_meta(meta, built.meta)
+        mark_used(meta)
         if digest == fixups_name:  # metadata only, not a layer of the daemon's: a hole
             blob = stem.with_suffix(".blob.pmem")
             if not blob.exists():
                 with locked(cache):
                     if not blob.exists():
                         _publish(blob, lambda fd: os.ftruncate(fd, ALIGN))
+            mark_used(blob)
         else:
             if paths is None:
                 paths = images.ensure_daemon()

@@ -1,0 +1,130 @@
+"""Housekeeping of the VM backends' cache files (runtime/guest/caches.py):
+a node start sweeps what interrupted builds left (a mount, temporary
+files, a builder still running) and leaves a build under way alone;
+collect_vm_caches removes the files of images no longer in the catalog,
+of other code versions and unused ones, never a live sandbox's. The pmem
+files are made by the real code (pmemimages.pmem_layers, on a real node
+daemon); the sandbox that keeps its image's files is a real container."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from chunkstore.digests import digest_key
+from lazyfs import sysmount
+from runtime import Sandbox
+from runtime.guest import caches, disk, pmemimages
+from runtime.guest.cachelock import locked
+from runtime.node import Node
+from tests.helpers.sandboxes import (
+    IMAGE,
+    SECOND,
+    add_second_image,
+    busybox_store,
+    node_for,
+    retag,
+    runtime_missing,
+)
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
+
+
+def _leftovers(pmem: Path, disks: Path) -> tuple[list[Path], subprocess.Popen[bytes]]:
+    """What a node killed in the middle of builds leaves: a pmem image's
+    temporary file, a VM disk's temporary file and its metadata's, the image
+    mounted to build the disk (a tmpfs stands in for the lazy mount: the
+    same mount point, what the sweep must undo), and the builder still
+    writing (a process whose command line names the temporary disk, as
+    mkfs.ext4 -d ... TMP does; a sleeping shell stands in, so it lasts)."""
+    for d in (pmem, disks):
+        d.mkdir(parents=True, exist_ok=True)
+    tmp_meta = pmem / f".blake3-{'ab' * 32}-{pmemimages.fingerprint()}.meta.pmem.x1y2z3"
+    tmp_disk = disks / f".blake3-{'cd' * 32}-{disk.fingerprint()}-64.ext4.q9w8e7"
+    tmp_json = disks / f".blake3-{'cd' * 32}-{disk.fingerprint()}-64.json.4242"
+    for f in (tmp_meta, tmp_disk, tmp_json):
+        f.write_bytes(b"half written")
+    mnt = disks / ".mnt-k3j4h5"
+    mnt.mkdir()
+    sysmount.mount("tmpfs", mnt, "tmpfs", 0, "size=1m")
+    builder = subprocess.Popen(["sh", "-c", "sleep 600", str(tmp_disk)],
+                               start_new_session=True)
+    return [tmp_meta, tmp_disk, tmp_json, mnt], builder
+
+
+def test_node_start_sweeps_interrupted_builds(tmp_path: Path) -> None:
+    store = busybox_store(tmp_path)
+    pmem, disks = tmp_path / "pmem", tmp_path / "disks"
+    left, builder = _leftovers(pmem, disks)
+    published = pmem / f"blake3-{'ef' * 32}-{pmemimages.fingerprint()}.meta.pmem"
+    published.write_bytes(b"\0" * 4096)
+    try:
+        with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
+            assert builder.wait(timeout=10) is not None  # killed by the sweep
+            for p in left:
+                assert not p.exists(), p
+            assert not [m for m in sysmount.mounts() if m.mount_point.startswith(str(disks))]
+            assert published.exists()  # a finished file is not a leftover
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+        for p in left:
+            if sysmount.is_mount_point(p):
+                sysmount.umount(p, lazy=True)
+
+
+def test_a_build_under_way_is_not_swept(tmp_path: Path) -> None:
+    store = busybox_store(tmp_path)
+    pmem, disks = tmp_path / "pmem", tmp_path / "disks"
+    pmem.mkdir()
+    building = pmem / f".blake3-{'ab' * 32}-{pmemimages.fingerprint()}.meta.pmem.b1u2i3"
+    building.write_bytes(b"being written")
+    with locked(pmem):  # what a build in another node process holds while it writes
+        with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
+            assert building.exists()
+    with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
+        assert not building.exists()  # its builder is gone: the next start sweeps it
+
+
+def _files(node: Node, name: str) -> list[Path]:
+    image = node.images.resolve_image(name)
+    layers = pmemimages.pmem_layers(node.images, image, node.backend("microvm").pmem_cache)
+    # the fixup layer's files and the metadata images are the cache's (blobs: the daemon's)
+    return [f for layer in layers for f in layer.files if f.parent != node.images.paths.blobs]
+
+
+def test_collect_removes_files_of_removed_images_and_unused_ones(tmp_path: Path) -> None:
+    store = busybox_store(tmp_path)
+    add_second_image(store, tmp_path)
+    pmem, disks = tmp_path / "pmem", tmp_path / "disks"
+    with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks) as node:
+        first, second = _files(node, IMAGE), _files(node, SECOND)
+        assert first and second and not set(first) & set(second)
+        # a file laid out by another version of the code is collected even
+        # though its image is still there
+        key = digest_key(node.images.resolve(IMAGE))
+        stale = disks / f"{key}-000000000000-64.ext4"
+        stale.write_bytes(b"old layout")
+        assert node.collect_vm_caches() == [stale]
+        sb = Sandbox.create(SECOND, backend="container", node=node)
+        try:
+            retag(store, SECOND, None)
+            assert node.collect_vm_caches() == []  # a live sandbox still uses SECOND
+        finally:
+            sb.kill()
+        removed = node.collect_vm_caches()
+        assert sorted(removed) == sorted(second)
+        assert all(f.exists() for f in first) and not any(f.exists() for f in second)
+        # by age: IMAGE is still tagged, but nobody used its files for a day
+        day_ago = time.time() - 86400
+        for f in first:
+            os.utime(f, (day_ago, day_ago))
+        assert sorted(node.collect_vm_caches(max_age=3600)) == sorted(first)
+        # they are made again when a sandbox needs them
+        assert all(f.exists() for f in _files(node, IMAGE))
