@@ -736,7 +736,7 @@ class Node:
         from .guest import caches
         try:
             caches.sweep(self._vm_cache_dirs(), self.images.paths)
-        except OSError as e:  # a broken cache must not keep the node from starting
+        except (OSError, SandboxError) as e:  # a broken cache must not keep the node from starting
             log.warning("sweeping the VM caches: %s", e)
 
     def collect_vm_caches(self, max_age: float | None = None) -> list[Path]:

@@ -18,7 +18,7 @@ import pytest
 from chunkstore.digests import digest_key
 from lazyfs import sysmount
 from runtime import Sandbox
-from runtime.guest import caches, disk, pmemimages
+from runtime.guest import disk, pmemimages
 from runtime.guest.cachelock import locked
 from runtime.node import Node
 from tests.helpers.sandboxes import (
@@ -85,9 +85,9 @@ def test_a_build_under_way_is_not_swept(tmp_path: Path) -> None:
     pmem.mkdir()
     building = pmem / f".blake3-{'ab' * 32}-{pmemimages.fingerprint()}.meta.pmem.b1u2i3"
     building.write_bytes(b"being written")
-    with locked(pmem):  # what a build in another node process holds while it writes
-        with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
-            assert building.exists()
+    # locked: what a build in another node process holds while it writes
+    with locked(pmem), node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
+        assert building.exists()
     with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
         assert not building.exists()  # its builder is gone: the next start sweeps it
 
@@ -110,6 +110,7 @@ def test_collect_removes_files_of_removed_images_and_unused_ones(tmp_path: Path)
         # though its image is still there
         key = digest_key(node.images.resolve(IMAGE))
         stale = disks / f"{key}-000000000000-64.ext4"
+        disks.mkdir()
         stale.write_bytes(b"old layout")
         assert node.collect_vm_caches() == [stale]
         sb = Sandbox.create(SECOND, backend="container", node=node)
