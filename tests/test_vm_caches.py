@@ -18,6 +18,7 @@ import pytest
 from chunkstore.digests import digest_key
 from lazyfs import sysmount
 from runtime import Sandbox
+from runtime.backends.microvm import MicrovmBackend
 from runtime.guest import disk, pmemimages
 from runtime.guest.cachelock import locked
 from runtime.node import Node
@@ -94,7 +95,9 @@ def test_a_build_under_way_is_not_swept(tmp_path: Path) -> None:
 
 def _files(node: Node, name: str) -> list[Path]:
     image = node.images.resolve_image(name)
-    layers = pmemimages.pmem_layers(node.images, image, node.backend("microvm").pmem_cache)
+    mvm = node.backend("microvm")
+    assert isinstance(mvm, MicrovmBackend)
+    layers = pmemimages.pmem_layers(node.images, image, mvm.pmem_cache)
     # the fixup layer's files and the metadata images are the cache's (blobs: the daemon's)
     return [f for layer in layers for f in layer.files if f.parent != node.images.paths.blobs]
 
