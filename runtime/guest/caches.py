@@ -88,23 +88,27 @@ def current_fingerprint(f: CacheFile) -> str:
         pmemimages.fingerprint()
 
 
-@contextlib.contextmanager
-def _try_lock(cache: Path) -> Iterator[bool]:
-    """The cache's lock if nobody holds it (True), else False at once."""
-    try:
-        fd = os.open(cache / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        yield False
-        return
-    try:
+def _unlocked(dirs: Iterable[Path], doing: str) -> Iterator[Path]:
+    """Each existing cache directory, its lock held while the caller works
+    on it; a directory whose lock another process holds (a build under way)
+    is skipped at once."""
+    for cache in dirs:
+        if not cache.is_dir():
+            continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)
+            fd = os.open(cache / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            log.warning("not %s %s: %s", doing, cache, e)
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("not %s %s: a build holds its lock", doing, cache)
+                continue
+            yield cache
+        finally:
+            os.close(fd)
 
 
 def _builders(cache: Path) -> list[int]:
@@ -130,38 +134,32 @@ def sweep(dirs: Iterable[Path], paths: NodePaths | None) -> list[Path]:
     module docstring); returns what was removed. `paths`: the node's
     daemon, whose registry records a build's image mount."""
     removed: list[Path] = []
-    for cache in dirs:
-        if not cache.is_dir():
-            continue
-        with _try_lock(cache) as got:
-            if not got:
-                log.info("not sweeping %s: a build holds its lock", cache)
+    for cache in _unlocked(dirs, "sweeping"):
+        for pid in _builders(cache):
+            log.warning("killing %d: a builder left writing into %s", pid, cache)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid)
+        prefix = f"{cache.resolve()}/.mnt-"
+        for m in sorted((m for m in sysmount.mounts() if m.mount_point.startswith(prefix)),
+                        key=lambda m: -len(m.mount_point)):
+            _unmount(paths, Path(m.mount_point))
+        for p in cache.iterdir():
+            if not p.name.startswith(".") or p.name == LOCK:
                 continue
-            for pid in _builders(cache):
-                log.warning("killing %d: a builder left writing into %s", pid, cache)
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                _wait_gone(pid)
-            prefix = f"{cache.resolve()}/.mnt-"
-            for m in sorted((m for m in sysmount.mounts() if m.mount_point.startswith(prefix)),
-                            key=lambda m: -len(m.mount_point)):
-                _unmount(paths, Path(m.mount_point))
-            for p in cache.iterdir():
-                if not p.name.startswith(".") or p.name == LOCK:
-                    continue
-                try:
-                    if p.is_dir() and not p.is_symlink():
-                        if sysmount.is_mount_point(p):
-                            log.warning("%s is still mounted; left for the next start", p)
-                            continue
-                        p.rmdir()
-                    else:
-                        p.unlink()
-                except OSError as e:
-                    log.warning("cannot remove the leftover %s: %s", p, e)
-                    continue
-                log.info("removed %s, left by an interrupted build", p)
-                removed.append(p)
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    if sysmount.is_mount_point(p):
+                        log.warning("%s is still mounted; left for the next start", p)
+                        continue
+                    p.rmdir()
+                else:
+                    p.unlink()
+            except OSError as e:
+                log.warning("cannot remove the leftover %s: %s", p, e)
+                continue
+            log.info("removed %s, left by an interrupted build", p)
+            removed.append(p)
     return removed
 
 
@@ -197,28 +195,22 @@ def collect(dirs: Iterable[Path], keep: set[str], in_use: set[str],
     Returns what was removed."""
     now = time.time() if now is None else now
     removed: list[Path] = []
-    for cache in dirs:
-        if not cache.is_dir():
-            continue
-        with _try_lock(cache) as got:
-            if not got:
-                log.info("not collecting %s: a build holds its lock", cache)
+    for cache in _unlocked(dirs, "collecting"):
+        for p in sorted(cache.iterdir()):
+            f = parse(p)
+            if f is None or f.key in in_use:
                 continue
-            for p in sorted(cache.iterdir()):
-                f = parse(p)
-                if f is None or f.key in in_use:
-                    continue
-                try:
-                    age = now - p.stat().st_mtime
-                except OSError:
-                    continue
-                gone = f.key not in keep
-                stale = f.fingerprint != current_fingerprint(f)
-                old = max_age is not None and age > max_age
-                if gone or stale or old:
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-                        removed.append(p)
-                        log.info("collected %s (%s)", p, "image gone" if gone else
-                                 "laid out by other code" if stale else f"unused {age:.0f}s")
+            try:
+                age = now - p.stat().st_mtime
+            except OSError:
+                continue
+            gone = f.key not in keep
+            stale = f.fingerprint != current_fingerprint(f)
+            old = max_age is not None and age > max_age
+            if gone or stale or old:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                    removed.append(p)
+                    log.info("collected %s (%s)", p, "image gone" if gone else
+                             "laid out by other code" if stale else f"unused {age:.0f}s")
     return removed
