@@ -35,7 +35,7 @@ from chunkstore.errors import LazyfsError
 
 from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing, Checkpointing, Eventful, Networked
+from .backends.base import Capturing, Checkpointing, Eventful, Networked, Progress
 from .backends.criu import CRIU_VERSION
 from .capture import MEMORY_CHUNK_SIZE, Captures, Packed
 from .config import RuntimeConfig
@@ -161,12 +161,16 @@ class Node:
         return new
 
     # -- lifecycle -----------------------------------------------------------
-    def create(self, spec: SandboxSpec) -> SandboxInfo:
-        return self._create(spec)
+    def create(self, spec: SandboxSpec, progress: Progress | None = None) -> SandboxInfo:
+        """A new sandbox; `progress` is told each long step of the create
+        (VM backends: building an image's pmem metadata or disk, booting),
+        from the calling thread."""
+        return self._create(spec, progress=progress)
 
     def _create(self, spec: SandboxSpec, sandbox_id: str | None = None,
                 created: float | None = None,
-                start: Callable[[Backend, Handle[Any]], None] | None = None) -> SandboxInfo:
+                start: Callable[[Backend, Handle[Any]], None] | None = None,
+                progress: Progress | None = None) -> SandboxInfo:
         """A new sandbox, brought up by `start` (default: the backend's
         create; a checkpoint's restore); `sandbox_id` and `created` given for
         one restored after a preemption."""
@@ -199,7 +203,7 @@ class Node:
                 d.mkdir(mode=0o700)
             except FileExistsError:
                 raise SandboxStateError(f"{sandbox_id} already runs on this node") from None
-            h = Handle(sandbox_id, spec, image, d, backend.state_type())
+            h = Handle(sandbox_id, spec, image, d, backend.state_type(), progress)
             try:
                 if start is None:
                     backend.create(h)
@@ -208,6 +212,8 @@ class Node:
             except BaseException:
                 _remove(d)
                 raise
+            finally:
+                h.progress = None  # the handle outlives the create; the callback does not
             info = SandboxInfo(id=sandbox_id, spec=spec, image_digest=image.digest,
                                state="running", host_address=h.state.host_address(),
                                node=os.uname().nodename,

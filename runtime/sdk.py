@@ -27,7 +27,7 @@ import builtins
 import functools
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
@@ -136,13 +136,17 @@ class Sandbox:
                labels: Mapping[str, str] | None = None, qos: str | None = None,
                workdir: str | None = None, hidden: Sequence[str] | None = None,
                node: NodeRef = None, token: str | None = None, fleet: str | None = None,
-               node_labels: Mapping[str, str] | None = None) -> Sandbox:
+               node_labels: Mapping[str, str] | None = None,
+               on_progress: Callable[[str], None] | None = None) -> Sandbox:
         """A new sandbox from `image` (a name, a digest, or a Snapshot) on
         `node` (see the module docstring) or on a node of `fleet`
         ("etcd://host:2379" [$LAZYFS_FLEET]: placed by load and image
         locality, on a node carrying `node_labels`); `hidden`: paths of the
         image this sandbox does not see, which verify() shows; `token` is
-        the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]."""
+        the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]; `on_progress`
+        is told each long step of the create, one line each (a first VM of an
+        image: building its pmem metadata or disk, booting), from the thread
+        that creates (an embedded node; over HTTP only that it waits)."""
         name = image.image if isinstance(image, SnapshotInfo) else image
         spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
                      open_files=open_files, timeout=timeout, idle_timeout=idle_timeout, network=network,
@@ -155,7 +159,7 @@ class Sandbox:
                 from .errors import InvalidSpec
                 raise InvalidSpec("node_labels= places in a fleet: give fleet= or LAZYFS_FLEET")
             t = t.with_labels(node_labels)
-        return cls(t.create(spec), t)
+        return cls(t.create(spec, on_progress), t)
 
     @classmethod
     def connect(cls, sandbox_id: str, *, node: NodeRef = None,

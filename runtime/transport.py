@@ -27,7 +27,7 @@ import base64
 import json
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
@@ -59,7 +59,8 @@ LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
 
 
 class Transport(Protocol):
-    def create(self, spec: SandboxSpec) -> SandboxInfo: ...
+    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
+               ) -> SandboxInfo: ...
     def get(self, sandbox_id: str) -> SandboxInfo: ...
     def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]: ...
     def kill(self, sandbox_id: str) -> None: ...
@@ -96,8 +97,9 @@ class Embedded:
     def __init__(self, node: Node) -> None:
         self.node = node
 
-    def create(self, spec: SandboxSpec) -> SandboxInfo:
-        return self.node.create(spec)
+    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
+               ) -> SandboxInfo:
+        return self.node.create(spec, progress)
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         return self.node.get(sandbox_id)
@@ -254,7 +256,10 @@ class Http:
         except httpx.TransportError as e:
             raise BackendUnavailable(f"node agent {self.url}: {e}") from e
 
-    def create(self, spec: SandboxSpec) -> SandboxInfo:
+    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
+               ) -> SandboxInfo:
+        if progress is not None:  # the agent's create is one request: no steps yet
+            progress(f"waiting for the node agent {self.url} (it reports no steps over HTTP)")
         r = self._call("POST", "/v1/sandboxes", content=spec.model_dump_json(),
                        headers={"content-type": "application/json"})
         return SandboxInfo.model_validate(r.json())

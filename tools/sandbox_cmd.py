@@ -194,6 +194,10 @@ def _create_options(f: Any) -> Any:
         click.option("--hidden", multiple=True, metavar="PATH",
                      help="A path of the image the sandbox does not see (a task's hidden "
                           "tests); `sandbox verify` shows it."),
+        click.option("--progress/--no-progress", default=None,
+                     help="Print each long step of the create on stderr (a first VM of an "
+                          "image: its pmem metadata or disk built, the boot) [default: when "
+                          "stderr is a terminal]."),
     ]):
         f = opt(f)
     return f
@@ -202,14 +206,21 @@ def _create_options(f: Any) -> Any:
 def _create(settings: Settings, node: str | None, detached: bool, image: str, backend: str,
             cpu: float | None, memory_mb: int | None, disk_mb: int | None,
             open_files: int | None, lifetime: float | None, allow: tuple[str, ...], qos: str | None,
-            labels: tuple[str, ...], env: tuple[str, ...], hidden: tuple[str, ...]) -> Sandbox:
+            labels: tuple[str, ...], env: tuple[str, ...], hidden: tuple[str, ...],
+            progress: bool | None) -> Sandbox:
     # a bad rule raises InvalidSpec naming it: one line, like every error
     network = NetworkPolicy.allow_only(*[parse_rule(a) for a in allow]) if allow else None
     return Sandbox.create(image, backend=backend, cpu=cpu, memory_mb=memory_mb,  # type: ignore[arg-type]
                           disk_mb=disk_mb, open_files=open_files, timeout=lifetime,
                           network=network, qos=qos,
                           labels=_labels(labels), env=_labels(env, "--env"),
-                          hidden=hidden or None, node=_target(settings, node, detached=detached))
+                          hidden=hidden or None, node=_target(settings, node, detached=detached),
+                          on_progress=_progress_line if (
+                              sys.stderr.isatty() if progress is None else progress) else None)
+
+
+def _progress_line(step: str) -> None:
+    click.echo(f"lazyfs: {step}", err=True)
 
 
 def _stream(sb: Sandbox, cmd: tuple[str, ...], timeout: float) -> int:

@@ -27,6 +27,9 @@ from ..spec import (
 )
 
 Sink = Callable[[bytes], None]
+# what a long create is doing now, one line at a time ("building the EROFS
+# metadata of layer 1/2", "booting the guest (tcg)"): the caller's on_progress
+Progress = Callable[[str], None]
 
 OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "checkpoint",
               "network_allowlist", "persistent", "events")
@@ -76,6 +79,12 @@ class Handle(Generic[S]):
     image: ResolvedImage
     dir: Path
     state: S
+    progress: Progress | None = None  # during create only
+
+    def step(self, what: str) -> None:
+        """Tell the creator what this create does now (a long step)."""
+        if self.progress is not None:
+            self.progress(what)
 
 
 @runtime_checkable

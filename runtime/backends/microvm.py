@@ -78,7 +78,7 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     def _config(self, h: Handle[MicrovmState], vmdir: Path, incoming: str | None = None
                 ) -> qemu.VmConfig:
         kernel = self._kernel()
-        layers = pmem_layers(self.images, h.image, self.pmem_cache)
+        layers = pmem_layers(self.images, h.image, self.pmem_cache, h.progress)
         h.state.layers = [x.digest for x in layers]
         upper_mb = h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
         on = h.state.layers_on

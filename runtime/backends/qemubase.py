@@ -269,12 +269,14 @@ class QemuBackend(Generic[Q]):
                         "inside their own cpu group only")
 
     def _boot(self, h: Handle[Q], cfg: qemu.VmConfig, init: Path) -> None:
+        h.step(f"booting the guest ({cfg.accel}, {cfg.memory_mb} MiB)")
         t0 = time.monotonic()
         deadline = t0 + self.boot_timeout
         proc = self._start(h, cfg, init)
         qemuproc.wait_sockets(proc, cfg, deadline)
         agent = qemuproc.wait_ready(h.id, proc, cfg, deadline, self.boot_timeout)
         h.state.boot_s = time.monotonic() - t0
+        h.step(f"guest agent ready after {h.state.boot_s:.1f}s")
         with self._lock:
             self._vms[h.id] = Vm(proc, agent, cfg)
         log.info("%s booted in %.2fs (%s, %s)", h.id, h.state.boot_s, cfg.accel, agent.version)

@@ -70,7 +70,8 @@ class VmBackend(QemuBackend[VmState]):
         return disk.tools_missing() or super()._tools_missing()
 
     def _prepare(self, h: Handle[VmState], vmdir: Path) -> None:
-        base = disk.base_disk(self.images, h.image, self.disk_cache, self.disk_headroom_mb)
+        base = disk.base_disk(self.images, h.image, self.disk_cache, self.disk_headroom_mb,
+                              h.progress)
         overlay = vmdir / "disk.qcow2"
         disk.make_overlay(base.path, overlay)
         h.state.base_disk, h.state.init, h.state.disk = base.path, base.init, overlay

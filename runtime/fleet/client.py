@@ -197,14 +197,15 @@ class Fleet:
         return agent_client(address, self.token)
 
     # -- create ------------------------------------------------------------------
-    def create(self, spec: SandboxSpec) -> SandboxInfo:
+    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
+               ) -> SandboxInfo:
         index = self.nodes.index()
         nodes = index.nodes
         refusals: list[str] = []
         for node_id in candidates(index, Request.of(spec, self.node_labels), k=self.k,
                                   rng=self._rng):
             try:
-                return self.agent(index.by_id[node_id].record.address).create(spec)
+                return self.agent(index.by_id[node_id].record.address).create(spec, progress)
             except QuotaExceeded as e:  # the node's final say: try the next
                 refusals.append(f"{node_id}: {e}")
             except BackendUnavailable as e:

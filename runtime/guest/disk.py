@@ -37,6 +37,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,9 +157,11 @@ def _tree_size(root: Path) -> tuple[int, int]:
 
 
 def base_disk(images: Images, image: ResolvedImage, cache: Path = DEFAULT_CACHE,
-              headroom_mb: int = HEADROOM_MB) -> BaseDisk:
-    """The cached base disk of the image (built now if missing; needs the
-    node's lazyfs daemon then). Safe to call concurrently (a lock file)."""
+              headroom_mb: int = HEADROOM_MB,
+              progress: Callable[[str], None] | None = None) -> BaseDisk:
+    """The cached base disk of the image (built now if missing, told to
+    `progress`; needs the node's lazyfs daemon then). Safe to call
+    concurrently (a lock file)."""
     name, digest = image.name, image.digest
     stem = cache / f"{digest_key(digest)}-{fingerprint()}-{headroom_mb}"
     raw, meta = stem.with_name(stem.name + ".ext4"), stem.with_name(stem.name + ".json")
@@ -171,6 +174,9 @@ def base_disk(images: Images, image: ResolvedImage, cache: Path = DEFAULT_CACHE,
         found = _load(raw, meta)
         if found is not None:
             return found
+        if progress is not None:
+            progress(f"building the VM disk of {name} (mkfs.ext4 over the lazy mount: "
+                     "reads the whole image, once per node)")
         init, size = _build(images, image, raw, headroom_mb)
         tmp = meta.with_name(f".{meta.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"image": digest, "init": init}))

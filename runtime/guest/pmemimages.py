@@ -120,10 +120,12 @@ def _effective(manifests: list[LayerManifest], digests: list[str]
     return manifests[start:], digests[start:]
 
 
-def pmem_layers(images: Images, image: ResolvedImage, cache: Path) -> list[PmemLayer]:
+def pmem_layers(images: Images, image: ResolvedImage, cache: Path,
+                progress: Callable[[str], None] | None = None) -> list[PmemLayer]:
     """The pmem files of the image, bottom layer first, the fixup layer
-    last: metadata images made where missing, blobs the node daemon's (started
-    if need be; nothing of the data is read here)."""
+    last: metadata images made where missing (each told to `progress`),
+    blobs the node daemon's (started if need be; nothing of the data is
+    read here)."""
     catalog = images.catalog()
     name, image_digest = image.name, image.digest
     manifests, digests = _effective([catalog.load_layer(d) for d in image.layers],
@@ -135,12 +137,15 @@ def pmem_layers(images: Images, image: ResolvedImage, cache: Path) -> list[PmemL
     wanted = [(d, digest_key(d), m) for d, m in zip(digests, manifests, strict=True)]
     fixups_name = f"fixups-{digest_key(image_digest)}"
     wanted.append((fixups_name, fixups_name, LayerManifest(fixups)))
-    for digest, key, manifest in wanted:
+    for i, (digest, key, manifest) in enumerate(wanted):
         stem = cache / f"{key}-{fp}"
         meta = stem.with_suffix(".meta.pmem")
         if not meta.exists():
             with locked(cache):
                 if not meta.exists():
+                    if progress is not None:
+                        progress(f"building the EROFS metadata of layer {i + 1}/{len(wanted)} "
+                                 f"of {name} ({len(manifest.entries)} entries)")
                     try:
                         built = build_image(manifest, layer=digest)
                     except PmemError as e:
