@@ -1,11 +1,18 @@
 """The first create of a VM image says what it is doing: the SDK's
 on_progress gets each long step (the image's pmem metadata or VM disk
 built, the boot) from a real node and real QEMU; a later create of the same
-image builds nothing and says only that it boots."""
+image builds nothing and says only that it boots. `lazyfs sandbox run
+--progress` prints them."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,11 +21,13 @@ from runtime.backends.microvm import MicrovmBackend
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
 from runtime.spec import Backend
+from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, vm_missing
 
 MISSING = vm_missing(("qemu-img", "qemu-utils"), ("mkfs.ext4", "e2fsprogs"))
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +63,31 @@ def test_first_create_shows_its_build_and_boot(node: Node, backend: Backend, bui
     second = _create(node, backend)
     assert not any(s.startswith("building") for s in second), second
     assert any(s.startswith("booting the guest") for s in second), second
+
+
+def test_the_cli_prints_the_steps(tmp_path: Path) -> None:
+    store = busybox_store(tmp_path)
+    rt = Path(tempfile.mkdtemp(prefix="lzp-"))  # short: the VM's sockets live under it
+    try:
+        with LazyNode(tmp_path / "lazynode", store) as lazy:
+            env = {**os.environ, "LAZYFS_STORE": str(store), "LAZYFS_RUNTIME_DIR": str(rt),
+                   "LAZYFS_NODE_ROOT": str(lazy.paths.root),
+                   "LAZYFS_PMEM_CACHE": str(tmp_path / "pmem")}  # fresh: the first VM builds
+            env.pop("LAZYFS_NODE", None)
+
+            def run(*args: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run(
+                    [sys.executable, "-m", "tools.cli", "sandbox", "run", "--backend", "microvm",
+                     "--memory-mb", "256", *args, IMAGE, "--", "cat", "/etc/motd"],
+                    cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+            p = run("--progress")
+            assert p.returncode == 0 and p.stdout == "hello from the image\n", p.stderr
+            lines = p.stderr.splitlines()
+            assert any(x.startswith("lazyfs: building the EROFS metadata of layer") for x in lines), \
+                lines
+            assert any(x.startswith("lazyfs: booting the guest") for x in lines), lines
+            p = run()  # stderr is not a terminal: no steps by default
+            assert p.returncode == 0 and "lazyfs:" not in p.stderr, p.stderr
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
