@@ -302,11 +302,7 @@ class ContainerBackend:
         rw = h.state.rw or h.dir / "rw"
         if sysmount.is_mount_point(rw):
             sysmount.umount(rw, lazy=True)
-        # the slot files name their sandbox: also finds a slot whose creation
-        # was cut short before the state recorded it
-        known = [] if h.state.net_slot is None else [h.state.net_slot]
-        for slot in {*netpolicy.slots_of(h.id), *known}:
-            netpolicy.remove(slot)
+        netpolicy.remove_all(h.id, h.state.net_slot)
         self.denials.forget(h.id)
         _remove(h.dir)
 

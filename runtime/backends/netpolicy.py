@@ -251,6 +251,13 @@ def refused(slot: int) -> dict[str, int]:
     return out
 
 
+def remove_all(sandbox_id: str, known: int | None) -> None:
+    """Remove every slot of a sandbox: `known` (its state's) and the one its
+    record names (a creation cut short before the state recorded it)."""
+    for slot in {*slots_of(sandbox_id), *([] if known is None else [known])}:
+        remove(slot)
+
+
 def remove(slot: int, *, release: bool = True, slots: Path = SLOT_DIR) -> None:
     ns, host_if = names(slot)
     subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)

@@ -297,11 +297,7 @@ class QemuBackend(Generic[Q]):
         snapshots.remove(h.id, h.state.snapshot)
         if h.state.cgroup or cgroups.exists(h.id):
             cgroups.remove_empty(h.id)
-        # the slot files name their sandbox: also finds a slot whose creation
-        # was cut short before the state recorded it
-        known = [] if h.state.net_slot is None else [h.state.net_slot]
-        for slot in {*netpolicy.slots_of(h.id), *known}:
-            netpolicy.remove(slot)
+        netpolicy.remove_all(h.id, h.state.net_slot)
         self.denials.forget(h.id)
         shutil.rmtree(vmdir, ignore_errors=True)
 
