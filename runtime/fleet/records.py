@@ -81,7 +81,7 @@ class Load(_Record):
     by_qos_memory_mb: dict[str, int] = {}  # requested memory per QoS class
     # what they use, from their cgroups
     memory_used_mb: int = 0
-    cpu_used: float = 0.0  # cores busy, averaged since the last report
+    cpu_used: float = 0.0  # cores busy, smoothed over ~10 s (member.CpuMeter)
 
 
 class ImageLocality(_Record):
