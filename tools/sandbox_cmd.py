@@ -28,6 +28,7 @@ from runtime.transport import Transport, close_embedded, local, resolve
 
 from .config import Settings
 from .errors import QuietError
+from .options import parse_labels as _labels
 
 
 def _config(settings: Settings, state: Path | None, node_root: Path | None) -> RuntimeConfig:
@@ -48,16 +49,6 @@ NODE_HELP = ("Node agent: unix:///PATH or http://HOST:PORT [env LAZYFS_NODE]. De
 def _node_option(f: Any) -> Any:
     return click.option("--node", "node", metavar="URL", envvar="LAZYFS_NODE", default=None,
                         help=NODE_HELP)(f)
-
-
-def _labels(items: tuple[str, ...], option: str = "--label") -> dict[str, str]:
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise QuietError(f"{option} {item!r}: expected KEY=VALUE", exit_code=2)
-        out[k] = v
-    return out
 
 
 def _target(settings: Settings, node: str | None, *, detached: bool = False) -> Transport:

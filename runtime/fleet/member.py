@@ -42,6 +42,7 @@ from .records import (
     NodeRecord,
     check_node_id,
     node_key,
+    store_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,8 @@ class Member:
                     "latency": config.overcommit_latency,
                     "best_effort": config.overcommit_best_effort}),
             load=load, images=_images(self.node), labels=self.reg.labels,
-            started=self.started, reported=time.time())
+            started=self.started, reported=time.time(),
+            store=store_identity(config.cluster))
 
     def _shape(self) -> tuple[object, ...]:
         """What must reach etcd soon when it changes (usage figures wait
