@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import secrets
 import sys
@@ -148,6 +149,8 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
         membership = (fleet, Registration(
             node_id=node_id, address=advertise or f"http://{listen[0]}",
             backends=usable_backends(), labels=_labels(node_labels, "--node-label")))
+    root_logger = logging.getLogger()
+    root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
     run_agent(config, socket=sock, listen=list(listen), token=token, fleet=membership,
               on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
                                           + "".join(f" http://{a}" for a in listen)
