@@ -13,6 +13,7 @@ sandbox; killing a moved sandbox leaves nothing behind in etcd or the store.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoveFleet]:
             push(c, store, cat, IMAGE)
         etcd = stack.enter_context(EtcdServer(d / "etcd"))
         agents = {n: fleet_agent(d / n, etcd.url, n, stack, token=TOKEN, max_sandboxes=10,
-                                 cluster=cluster) for n in ("m0", "m1")}
+                                 cluster=cluster, log_json=True) for n in ("m0", "m1")}
         for a in agents.values():
             a.start()
         e = Etcd(etcd.url)
@@ -121,6 +122,12 @@ def test_drain_move_restores_sandboxes_elsewhere_under_their_ids(fleet: MoveFlee
             == b"written on m0 by 1\n"
         listed = Sandbox.list(labels, fleet=fleet.url, token=TOKEN)
         assert {s.id for s in listed} == ids
+        # the agents log JSON lines (lazyfs --log-json): m0 said what it preempted
+        logged = [json.loads(line) for line in source.log_path.read_text().splitlines()
+                  if line.startswith("{")]
+        preempted = {d["msg"].split()[1].rstrip(":") for d in logged
+                     if d["logger"] == "runtime.node" and d["msg"].startswith("preempted ")}
+        assert preempted == ids, logged[-20:]
 
         # drained: a new sandbox goes to m1
         fresh = Fleet(fleet.url, TOKEN)

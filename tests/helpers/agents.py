@@ -25,9 +25,11 @@ class Agent(ServerProcess):
     name = "lazyfs agent"  # ready when its Unix socket accepts a connection
 
     def __init__(self, d: Path, store: Path, node_root: Path,
-                 extra: Sequence[str] = (), cluster: str | None = None) -> None:
+                 extra: Sequence[str] = (), cluster: str | None = None,
+                 log_json: bool = False) -> None:
         """`extra`: more `lazyfs agent` options (e.g. --fleet, --node-id);
-        `cluster`: the cluster store it serves images from."""
+        `cluster`: the cluster store it serves images from; `log_json`: its
+        log as JSON lines, at INFO (`lazyfs --log-json -v`)."""
         super().__init__(d / "agent.log", startup_timeout=20, stop_grace=10)
         self.d, self.store, self.node_root = d, store, node_root
         self.sock = d / "agent.sock"
@@ -35,6 +37,7 @@ class Agent(ServerProcess):
         self.token_file = d / "token"
         self.extra = list(extra)
         self.cluster = cluster
+        self.log_json = log_json
 
     @property
     def unix(self) -> str:
@@ -51,8 +54,9 @@ class Agent(ServerProcess):
     def start(self) -> None:
         self.sock.unlink(missing_ok=True)
         cluster = ["--cluster", self.cluster] if self.cluster else []
+        logs = ["--log-json", "-v"] if self.log_json else []
         self.spawn([sys.executable, "-m", "tools.cli", "--store", str(self.store), *cluster,
-                    "agent",
+                    *logs, "agent",
                     "--socket", str(self.sock), "--state", str(self.d / "state"),
                     "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
                     "--token-file", str(self.token_file), *self.extra], cwd=REPO)
@@ -89,7 +93,7 @@ def running_agent(d: Path) -> Iterator[Agent]:
 
 def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
                 max_sandboxes: int, memory_mb: int | None = None,
-                cluster: str | None = None) -> Agent:
+                cluster: str | None = None, log_json: bool = False) -> Agent:
     """An agent (not started) in the fleet of `etcd_url` as `node_id`, with
     its own busybox store (or, with `cluster`, the cluster store the fleet
     shares), lazyfs daemon and state in `d`, the fleet's `token` and label
@@ -103,7 +107,7 @@ def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token
         "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
         "--max-sandboxes", str(max_sandboxes),
         *(["--memory-mb", str(memory_mb)] if memory_mb is not None else [])],
-        cluster=cluster)
+        cluster=cluster, log_json=log_json)
 
     stack.callback(_teardown, a)
     return a
