@@ -24,7 +24,6 @@ from tests.helpers.lazynode import REPO, LazyNode, fuse_missing
 from tests.helpers.support import free_port
 from tests.test_lazyfs import make_image
 
-
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -113,8 +113,8 @@ def test_cpu_figure_is_smoothed_over_a_fixed_window() -> None:
     meter.sample(0.0, {"a": 0})
     # one create: 0.3 CPU-seconds in 0.1 s (averaged over 0.1 s: 3 cores)
     meter.sample(0.1, {"a": 300_000_000})
-    for t in range(1, 6):
-        meter.sample(0.1 + 1.7 * t, {"a": 300_000_000})
+    for i in range(1, 6):
+        meter.sample(0.1 + 1.7 * i, {"a": 300_000_000})
     assert meter.value < 0.05
     # a sandbox busy on one core for 30 s (3 windows), sampled every 1.7 s
     ns, t = 300_000_000, 8.6
