@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import FleetUnavailable, NodeLost, QuotaExceeded, Sandbox
+from runtime import FleetUnavailable, NodeLost, QuotaExceeded, Sandbox, Unsupported
 from runtime.errors import InvalidSpec, SandboxError
-from runtime.fleet.client import Fleet, NodeList, read_nodes
+from runtime.fleet.client import Fleet, NodeList, read_nodes, set_draining
 from runtime.fleet.etcd import Etcd, endpoints
 from runtime.fleet.member import CpuMeter
 from runtime.fleet.records import (
@@ -344,6 +344,24 @@ def test_an_image_a_node_runs_attracts_its_sandboxes(fleet: FleetEnv) -> None:
             settled(2)
     finally:
         e.close()
+        Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
+
+
+@root_only
+def test_drain_move_needs_a_shared_cluster_store(fleet: FleetEnv) -> None:
+    """These nodes each keep a local store: no other node would see the
+    snapshots, so a move refuses before it stops anything (the move itself:
+    tests/test_fleet_move.py, on a shared SeaweedFS)."""
+    labels = {"test": "move-local"}
+    client = _fleet(fleet)
+    try:
+        sb = Sandbox.create(IMAGE, node=fleet.agents["n2"].http, token=TOKEN, labels=labels)
+        with pytest.raises(Unsupported, match="local store no other node sees"):
+            client.move("n2")
+        assert sb.id in fleet.on_node("n2")
+        assert sb.exec("echo still").stdout == b"still\n"  # nothing was stopped
+    finally:
+        set_draining(client.nodes.etcd, "n2", False)
         Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
 
 
