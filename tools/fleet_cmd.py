@@ -107,7 +107,8 @@ def drain(fleet: str | None, move: bool, labels: tuple[str, ...], token_file: Pa
     finally:
         client.close()
     for m in moves:
-        click.echo(f"{m.sandbox_id} {m.to}" if m.to else f"{m.sandbox_id} - {m.error}")
+        click.echo(f"{m.sandbox_id} {m.to} {m.seconds:.2f}s" if m.to
+                   else f"{m.sandbox_id} - {m.error}")
         if m.to and m.error:
             click.echo(f"{m.sandbox_id}: {m.error}", err=True)
     stayed = sum(m.to is None for m in moves)

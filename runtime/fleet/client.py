@@ -25,6 +25,7 @@ Light to import (httpx, pydantic): no node code.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import random
 import threading
@@ -438,12 +439,14 @@ class Fleet:
         source = self.agent(view.record.address)
         out = []
         for info in source.list_sandboxes(labels):
+            t0 = time.monotonic()
             try:  # one at a time: each is stopped only for its own snapshot + restore
                 record = source.preempt(info.id)
             except SandboxError as e:  # e.g. a backend that cannot snapshot: it runs on
                 out.append(Moved(info.id, node_id, None, f"not preempted: {e}"))
                 continue
-            out.append(self._restore_elsewhere(record, view.record))
+            moved = self._restore_elsewhere(record, view.record)
+            out.append(dataclasses.replace(moved, seconds=time.monotonic() - t0))
         return out
 
     def _restore_elsewhere(self, record: PreemptedSandbox, source: NodeRecord) -> Moved:
@@ -490,6 +493,7 @@ class Moved:
     source: str
     to: str | None
     error: str = ""
+    seconds: float = 0.0  # from the preempt to running on `to` (or giving up)
 
 
 def set_draining(etcd: Etcd, node_id: str, draining: bool) -> None:
