@@ -506,5 +506,11 @@ def test_node_agent_metrics_scraped(fleet: FleetEnv) -> None:
         execs = ("lazyfs_exec_seconds_count", (("backend", "container"),))
         assert after[execs] == before.get(execs, 0) + 1
         assert after[("lazyfs_sandbox_memory_bytes", ())] > 0  # read from their cgroups
+        # the node's lazyfs daemon's own metrics, in the same scrape
+        assert after[("lazyfs_daemon_up", ())] == 1
+        assert after[("lazyfs_node_cache_misses_total", ())] >= \
+            before.get(("lazyfs_node_cache_misses_total", ()), 0)
+        touched = {k[1]: v for k, v in after.items() if k[0] == "lazyfs_layer_touched_bytes"}
+        assert touched and any(v > 0 for v in touched.values())  # the image's layers were read
     finally:
         Sandbox.kill_many(labels, fleet=fleet.url, token=TOKEN)
