@@ -53,10 +53,20 @@ MASKED_PATHS = [
     # kernel debugging and tracing interfaces
     "/sys/kernel/debug", "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf",
 ]
+# Directories of MASKED_PATHS under /sys, masked by one read-only bind each
+# of a single empty directory of the node's instead (mask_dir): runc's mask
+# for a directory is a tmpfs of its own, a superblock per path and sandbox,
+# and the kernel walks every superblock's memcg-aware lists whenever a memory
+# cgroup goes (each kill), so those walks grew with the sandboxes on the node
+# (5 of a sandbox's 15 superblocks were these masks). runc allows no bind
+# inside /proc: /proc/acpi stays a tmpfs.
+SYS_MASKED_DIRS = ["/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
+                   "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf"]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 
-def _mounts(init_binary: Path) -> list[dict[str, Any]]:
+def _mounts(init_binary: Path, masks: list[str], mask_dir: Path | None
+            ) -> list[dict[str, Any]]:
     return [
         {"destination": "/proc", "type": "proc", "source": "proc",
          "options": ["nosuid", "noexec", "nodev"]},
@@ -74,6 +84,8 @@ def _mounts(init_binary: Path) -> list[dict[str, Any]]:
          "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
         {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
          "options": ["bind", "ro", "nosuid", "nodev"]},
+        *({"destination": d, "type": "bind", "source": str(mask_dir),
+           "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in masks),
     ]
 
 
@@ -86,11 +98,15 @@ ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
 
 
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
-           user_namespace: bool = True, seccomp_listener: Path | None = None
-           ) -> dict[str, Any]:
+           user_namespace: bool = True, seccomp_listener: Path | None = None,
+           mask_dir: Path | None = None) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
-    stdin (runtime/backends/initexec.py)."""
+    stdin (runtime/backends/initexec.py). mask_dir: an empty directory of the
+    node's that masks SYS_MASKED_DIRS (those this host has: a bind needs its
+    mount point, where runc skips a missing masked path); None: runc's tmpfs
+    masks."""
+    masks = [d for d in SYS_MASKED_DIRS if Path(d).is_dir()] if mask_dir else []
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
     cpu = cgroups.cpu_limits(spec.cpu)
@@ -116,7 +132,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": sandbox_id[:63],
-        "mounts": _mounts(init_binary),
+        "mounts": _mounts(init_binary, masks, mask_dir),
         "linux": {
             "cgroupsPath": cgroups.cgroups_path(sandbox_id),
             "resources": {
@@ -127,7 +143,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
             },
             "namespaces": namespaces,
             **({"uidMappings": ID_MAP, "gidMappings": ID_MAP} if user_namespace else {}),
-            "maskedPaths": MASKED_PATHS,
+            "maskedPaths": [p for p in MASKED_PATHS if p not in masks],
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp.oci_section(seccomp_listener),
         },

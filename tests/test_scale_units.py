@@ -8,9 +8,27 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from runtime import Sandbox, oci
 from runtime.denials import DenialLog, SeccompListener
+from runtime.node import Node
+from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+
+needs_runtime = [pytest.mark.root,
+                 pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    if runtime_missing() is not None:
+        pytest.skip(str(runtime_missing()))
+    d = tmp_path_factory.mktemp("scale")
+    with node_for(busybox_store(d), d) as n:
+        yield n
 
 
 def _child_fds() -> set[str]:
@@ -49,3 +67,39 @@ def test_seccomp_listener_descriptors_are_not_inherited(tmp_path: Path) -> None:
         listener.close()
         for r, w in pipes:
             os.close(w)
+
+
+def _superblocks(mountinfo: str) -> dict[str, list[str]]:
+    """device (major:minor) -> the mount points with a mount of it"""
+    out: dict[str, list[str]] = {}
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        out.setdefault(fields[2], []).append(fields[4])
+    return out
+
+
+@pytest.mark.root
+def test_masked_sys_directories_add_no_superblock_per_sandbox(node: Node) -> None:
+    """Whenever a memory cgroup goes (every kill), the kernel walks every
+    superblock's memcg-aware lists (memcg_reparent_list_lrus): the more
+    superblocks the node's sandboxes hold, the dearer each kill, and the walk
+    runs in kernel workers that take CPU from the next creates. runc masks
+    each directory with a tmpfs of its own (5 of a sandbox's 15 superblocks
+    here); the /sys ones are binds of one empty directory of the node's now.
+    A sandbox adds at most its overlay, proc, sysfs, /dev, devpts, shm,
+    mqueue, /sys/fs/cgroup and /proc/acpi (a tmpfs: runc binds nothing
+    inside /proc); the masks still read as empty and refuse writes."""
+    masked = [d for d in oci.SYS_MASKED_DIRS if Path(d).is_dir()]
+    assert masked  # the host has some of them: the test checks their masks
+    with Sandbox.create(IMAGE, node=node) as sb:
+        init = node._sandboxes[sb.id][1].state.init_pid
+        host = set(_superblocks(Path("/proc/self/mountinfo").read_text()))
+        mounts = _superblocks(Path(f"/proc/{init}/mountinfo").read_text())
+        own = {dev: points for dev, points in mounts.items() if dev not in host}
+        mask_devs = {dev for dev, points in mounts.items() if set(points) & set(masked)}
+        # one superblock for every mask, and the node's, not the sandbox's
+        assert len(mask_devs) == 1 and mask_devs <= host, mask_devs
+        assert len(own) <= 9, own
+        for d in masked:
+            r = sb.exec(f"ls -A {d} | wc -l; touch {d}/x 2>/dev/null; echo rc=$?")
+            assert r.stdout.split() == [b"0", b"rc=1"], (d, r)
