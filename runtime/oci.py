@@ -65,7 +65,7 @@ SYS_MASKED_DIRS = ["/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kerne
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 
-def _mounts(init_binary: Path, masks: list[str], mask_dir: Path | None
+def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], mask_dir: Path | None
             ) -> list[dict[str, Any]]:
     return [
         {"destination": "/proc", "type": "proc", "source": "proc",
@@ -80,8 +80,18 @@ def _mounts(init_binary: Path, masks: list[str], mask_dir: Path | None
          "options": ["nosuid", "noexec", "nodev"]},
         {"destination": "/sys", "type": "sysfs", "source": "sysfs",
          "options": ["nosuid", "noexec", "nodev", "ro"]},
-        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
-         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+        # the sandbox's own groups, read-only, as binds: runc's "cgroup"
+        # mount is a cgroup1 mount(2) per hierarchy, and each walks every
+        # cgroup of the host's v2 tree (one per sandbox) and waits until the
+        # dying ones (those of sandboxes just killed) are gone
+        # (cgroup_lock_and_drain_offline): 9 walks and waits per create,
+        # growing with the sandboxes on the node
+        {"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]},
+        *({"destination": f"/sys/fs/cgroup/{h}", "type": "bind",
+           "source": str(cgroups.path(h, sandbox_id)),
+           "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}
+          for h in cgroups.v1_hierarchies()),
         {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
          "options": ["bind", "ro", "nosuid", "nodev"]},
         *({"destination": d, "type": "bind", "source": str(mask_dir),
@@ -132,7 +142,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": sandbox_id[:63],
-        "mounts": _mounts(init_binary, masks, mask_dir),
+        "mounts": _mounts(sandbox_id, init_binary, masks, mask_dir),
         "linux": {
             "cgroupsPath": cgroups.cgroups_path(sandbox_id),
             "resources": {
