@@ -112,8 +112,12 @@ def limit_sandbox(init_pid: int, budgets: Budgets) -> None:
     nsenter = shutil.which("nsenter")
     if nsenter is None:
         raise BackendUnavailable("container sandboxes need nsenter (util-linux)")
-    script = (f"echo {budgets.inotify_instances} > /proc/sys/user/max_inotify_instances && "
-              f"echo {budgets.inotify_watches} > /proc/sys/user/max_inotify_watches")
+    # one lookup of /proc/sys/user: the host's proc holds a "user" entry per
+    # user namespace that looked there (one per sandbox), all in one dcache
+    # hash chain, so each lookup of it walks one entry per sandbox
+    # (proc_sys_compare: 2.7 % of CPU samples at 3,000 idle sandboxes)
+    script = (f"cd /proc/sys/user && echo {budgets.inotify_instances} > max_inotify_instances"
+              f" && echo {budgets.inotify_watches} > max_inotify_watches")
     p = subprocess.run([nsenter, f"--user=/proc/{init_pid}/ns/user", "--", "/bin/sh", "-c",
                         script], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                        timeout=10, check=False)
