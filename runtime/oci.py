@@ -54,7 +54,7 @@ MASKED_PATHS = [
     "/sys/kernel/debug", "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf",
 ]
 # Directories of MASKED_PATHS under /sys, masked by one read-only bind each
-# of a single empty directory of the node's instead (mask_dir): runc's mask
+# of a single empty directory of the node's instead (config's node_dir): runc's mask
 # for a directory is a tmpfs of its own, a superblock per path and sandbox,
 # and the kernel walks every superblock's memcg-aware lists whenever a memory
 # cgroup goes (each kill), so those walks grew with the sandboxes on the node
@@ -62,11 +62,31 @@ MASKED_PATHS = [
 # inside /proc: /proc/acpi stays a tmpfs.
 SYS_MASKED_DIRS = ["/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
                    "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf"]
+MASK_DIR = "empty"  # under config's node_dir
+CGROUP_DIR = "cgroup"
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 
-def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], mask_dir: Path | None
+def make_node_dirs(d: Path) -> None:
+    """The directories of the node's that config's node_dir names, in d (a
+    tmpfs of the node's: a bind's source then names no host directory in a
+    sandbox's mountinfo)."""
+    (d / MASK_DIR).mkdir(mode=0o555, exist_ok=True)
+    (d / CGROUP_DIR).mkdir(mode=0o755, exist_ok=True)
+    for h in cgroups.v1_hierarchies():
+        (d / CGROUP_DIR / h).mkdir(mode=0o555, exist_ok=True)
+
+
+def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], node_dir: Path | None
             ) -> list[dict[str, Any]]:
+    # the mount points of the sandbox's groups: empty directories of the
+    # node's, bound read-only (one superblock less than a tmpfs of its own)
+    cgroup_root: dict[str, Any] = {
+        "destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs",
+        "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]} \
+        if node_dir is None else {
+        "destination": "/sys/fs/cgroup", "type": "bind", "source": str(node_dir / CGROUP_DIR),
+        "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}
     return [
         {"destination": "/proc", "type": "proc", "source": "proc",
          "options": ["nosuid", "noexec", "nodev"]},
@@ -86,15 +106,14 @@ def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], mask_dir: Path
         # dying ones (those of sandboxes just killed) are gone
         # (cgroup_lock_and_drain_offline): 9 walks and waits per create,
         # growing with the sandboxes on the node
-        {"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]},
+        cgroup_root,
         *({"destination": f"/sys/fs/cgroup/{h}", "type": "bind",
            "source": str(cgroups.path(h, sandbox_id)),
            "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}
           for h in cgroups.v1_hierarchies()),
         {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
          "options": ["bind", "ro", "nosuid", "nodev"]},
-        *({"destination": d, "type": "bind", "source": str(mask_dir),
+        *({"destination": d, "type": "bind", "source": str(node_dir / MASK_DIR),
            "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in masks),
     ]
 
@@ -109,14 +128,15 @@ ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
 
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
            user_namespace: bool = True, seccomp_listener: Path | None = None,
-           mask_dir: Path | None = None) -> dict[str, Any]:
+           node_dir: Path | None = None) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
-    stdin (runtime/backends/initexec.py). mask_dir: an empty directory of the
-    node's that masks SYS_MASKED_DIRS (those this host has: a bind needs its
-    mount point, where runc skips a missing masked path); None: runc's tmpfs
-    masks."""
-    masks = [d for d in SYS_MASKED_DIRS if Path(d).is_dir()] if mask_dir else []
+    stdin (runtime/backends/initexec.py). node_dir (make_node_dirs): its
+    empty directory masks SYS_MASKED_DIRS (those this host has: a bind needs
+    its mount point, where runc skips a missing masked path), its cgroup
+    directory holds the mount points of the sandbox's groups; None: a tmpfs
+    for each (runc's masks)."""
+    masks = [d for d in SYS_MASKED_DIRS if Path(d).is_dir()] if node_dir else []
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
     cpu = cgroups.cpu_limits(spec.cpu)
@@ -142,7 +162,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": sandbox_id[:63],
-        "mounts": _mounts(sandbox_id, init_binary, masks, mask_dir),
+        "mounts": _mounts(sandbox_id, init_binary, masks, node_dir),
         "linux": {
             "cgroupsPath": cgroups.cgroups_path(sandbox_id),
             "resources": {

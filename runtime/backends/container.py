@@ -74,9 +74,6 @@ SECCOMP_SOCKET = "seccomp.sock"  # the node's seccomp listener, in the state dir
 # init's descriptor of the sandbox's rw/ (runc --preserve-fds 1 hands it over):
 # how the node reaches the upper once rw/ left the host's mount table
 RW_FD = 3
-# an empty directory on the sandbox-init tmpfs: bound read-only over the
-# masked directories of /sys (oci.SYS_MASKED_DIRS)
-MASK_DIR = "empty"
 
 
 class ContainerState(BackendState):
@@ -122,7 +119,7 @@ def _init_view(d: Path, built: Path) -> Path:
         except OSError as e:
             raise BackendUnavailable(f"cannot mount a tmpfs on {d} for sandbox-init: "
                                      f"{e.strerror}") from e
-    (d / MASK_DIR).mkdir(mode=0o555, exist_ok=True)  # oci.config's mask_dir
+    oci.make_node_dirs(d)  # oci.config's node_dir
     out = d / built.name
     if not out.exists():
         tmp = d / f".{built.name}.tmp"
@@ -264,7 +261,7 @@ class ContainerBackend:
             st.mounted = True
             (h.dir / "config.json").write_text(json.dumps(
                 oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces,
-                           self._seccomp_listener(), init.parent / MASK_DIR)))
+                           self._seccomp_listener(), init.parent)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             run()
             st.init_pid = int((h.dir / "init.pid").read_text())
