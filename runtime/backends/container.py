@@ -223,6 +223,10 @@ class ContainerBackend:
         runc, name = self.runc or "runc", h.state.channel_name
 
         def run() -> None:
+            # the sandbox's groups are bind sources in its config (oci.py),
+            # and runc restore looks for them before it makes them
+            for hierarchy in cgroups.v1_hierarchies():
+                cgroups.path(hierarchy, h.id).mkdir(parents=True, exist_ok=True)
             pid = criu.restore(runc, self.config.runc_root, h.id, h.dir, images,
                                h.dir / "criu")
             # the restored init holds no rw/ (the dump could not save it):
