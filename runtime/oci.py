@@ -87,6 +87,9 @@ def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], node_dir: Path
         if node_dir is None else {
         "destination": "/sys/fs/cgroup", "type": "bind", "source": str(node_dir / CGROUP_DIR),
         "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}
+    mask_mounts = [] if node_dir is None else [
+        {"destination": d, "type": "bind", "source": str(node_dir / MASK_DIR),
+         "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in masks]
     return [
         {"destination": "/proc", "type": "proc", "source": "proc",
          "options": ["nosuid", "noexec", "nodev"]},
@@ -113,8 +116,7 @@ def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], node_dir: Path
           for h in cgroups.v1_hierarchies()),
         {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
          "options": ["bind", "ro", "nosuid", "nodev"]},
-        *({"destination": d, "type": "bind", "source": str(node_dir / MASK_DIR),
-           "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in masks),
+        *mask_mounts,
     ]
 
 
