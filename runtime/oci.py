@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import cgroups, seccomp
+from . import cgroups, hostlimits, seccomp
 from .spec import SandboxSpec
 
 INIT_PATH = "/dev/.sandbox-init"
@@ -130,14 +130,19 @@ ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
 
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
            user_namespace: bool = True, seccomp_listener: Path | None = None,
-           node_dir: Path | None = None) -> dict[str, Any]:
+           node_dir: Path | None = None, budgets: hostlimits.Budgets | None = None
+           ) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
     stdin (runtime/backends/initexec.py). node_dir (make_node_dirs): its
     empty directory masks SYS_MASKED_DIRS (those this host has: a bind needs
     its mount point, where runc skips a missing masked path), its cgroup
     directory holds the mount points of the sandbox's groups; None: a tmpfs
-    for each (runc's masks)."""
+    for each (runc's masks). budgets (with a user namespace): the
+    namespace's inotify budgets, set by a createContainer hook, which runc
+    runs in the sandbox's namespaces with every capability there, after the
+    mounts and before /proc/sys turns read-only: through the sandbox's own
+    proc, a lookup costs the same however many sandboxes the node holds."""
     masks = [d for d in SYS_MASKED_DIRS if Path(d).is_dir()] if node_dir else []
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
@@ -163,6 +168,10 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
                          "hard": spec.open_files}],
         },
         "root": {"path": str(rootfs), "readonly": False},
+        **({"hooks": {"createContainer": [
+            {"path": "/bin/sh",
+             "args": ["sh", "-c", hostlimits.budget_script(budgets, f"{rootfs}/proc")]}]}}
+           if budgets is not None and user_namespace else {}),
         "hostname": sandbox_id[:63],
         "mounts": _mounts(sandbox_id, init_binary, masks, node_dir),
         "linux": {

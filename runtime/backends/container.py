@@ -240,9 +240,10 @@ class ContainerBackend:
             finally:
                 os.close(rw)
 
-        self._start(h, run)
+        self._start(h, run, restoring=True)
 
-    def _start(self, h: Container, run: Callable[[], object]) -> None:
+    def _start(self, h: Container, run: Callable[[], object], restoring: bool = False
+               ) -> None:
         """Compose the root, write the config, `run` (which leaves the
         container's init pid in init.pid), then detach the root."""
         init = self._check()
@@ -265,11 +266,12 @@ class ContainerBackend:
             st.mounted = True
             (h.dir / "config.json").write_text(json.dumps(
                 oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces,
-                           self._seccomp_listener(), init.parent)))
+                           self._seccomp_listener(), init.parent,
+                           None if restoring else self.config.budgets)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             run()
             st.init_pid = int((h.dir / "init.pid").read_text())
-            if self.config.user_namespaces:
+            if self.config.user_namespaces and restoring:  # (created: the config's hook)
                 hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
             if h.spec.network.mode == "allowlist":
                 slot = st.net_slot = netpolicy.allocate(h.id)
