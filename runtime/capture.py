@@ -70,7 +70,15 @@ from composer.manifest import LayerManifest
 from composer.push import push
 from composer.refs import normalize_tag
 from composer.remote import ClusterCatalog
-from composer.snapshot import UNTRUSTED, hide_layer, keep_only, pack_diff, reveal_layer, squash
+from composer.snapshot import (
+    UNTRUSTED,
+    HostIds,
+    hide_layer,
+    keep_only,
+    pack_diff,
+    reveal_layer,
+    squash,
+)
 from lazyfs.node import open_images
 
 from .config import RuntimeConfig
@@ -253,16 +261,17 @@ class Captures:
         return ResolvedImage(name=image.name, digest=out, layers=tuple(all_layers))
 
     def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot",
-             chunk_size: int = DEFAULT_CHUNK_SIZE) -> Packed:
+             chunk_size: int = DEFAULT_CHUNK_SIZE, ids: HostIds | None = None) -> Packed:
         """The sandbox's upper (or CRIU's images of its processes) as a layer
-        (call with the sandbox frozen)."""
+        (call with the sandbox frozen); ids: the host ids its processes write
+        (owners recorded as the sandbox sees them)."""
         with self._lock:
             stage = self._stage() if self.config.cluster else None
             store = stage.store if stage is not None else self._open()[0]
             before = store.counters.new_bytes
             try:
                 m = pack_diff(store, upper, source=f"{what}:{sandbox_id}",
-                              chunk_size=chunk_size)
+                              chunk_size=chunk_size, ids=ids)
             except (ComposerError, OSError) as e:
                 if stage is not None:
                     stage.close()

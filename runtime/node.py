@@ -386,7 +386,7 @@ class Node:
             backend = self._capturing(info, op)
             with backend.capture(h) as upper:
                 t0 = time.monotonic()
-                packed = self.captures.pack(sandbox_id, upper, op)
+                packed = self.captures.pack(sandbox_id, upper, op, ids=h.state.host_ids())
                 frozen = time.monotonic() - t0
         self._touch(info, h)
         return info, h, packed, frozen
@@ -449,7 +449,8 @@ class Node:
                 t0 = time.monotonic()
                 with backend.checkpoint(h, images) as upper:
                     dumped = time.monotonic()
-                    files = self.captures.pack(sandbox_id, upper, "checkpoint")
+                    files = self.captures.pack(sandbox_id, upper, "checkpoint",
+                                               ids=h.state.host_ids())
                 frozen = time.monotonic() - t0
                 memory = self.captures.pack(sandbox_id, images, "checkpoint-memory",
                                             MEMORY_CHUNK_SIZE)
@@ -463,7 +464,8 @@ class Node:
                         self._save(info, h)
                 remove_tree(images)
             record = {"spec": info.spec.model_dump(mode="json"), "sandbox_id": sandbox_id,
-                      "channel_name": h.state.channel_name, "criu": CRIU_VERSION}
+                      "channel_name": h.state.channel_name, "criu": CRIU_VERSION,
+                      "id_base": h.state.id_base}
             ckpt = self.captures.checkpoint(
                 sandbox_id, h.image, files, memory, record=record, tag=tag,
                 dump_s=dumped - t0, frozen_s=frozen, started=started)
@@ -491,6 +493,7 @@ class Node:
                 images = h.dir / "checkpoint"
                 os.replace(staged, images)
                 h.state.channel_name = record.channel_name
+                h.state.id_base = record.id_base  # CRIU restores the dumped id map
                 try:
                     backend.restore(h, images)
                 finally:

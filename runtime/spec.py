@@ -359,6 +359,9 @@ class CheckpointRecord(_Model):
     channel_name: str = Field(pattern=r"^lazyfs-ctl-[0-9a-f]{16}$")
     sandbox_id: str
     criu: str
+    # the first host id of the checkpointed sandbox's user namespace
+    # (runtime/idmap.py); None: ids mapped to themselves
+    id_base: int | None = None
 
 
 class SandboxInfo(_Model):

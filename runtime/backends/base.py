@@ -16,6 +16,8 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from composer.snapshot import HostIds
+
 from ..files import SandboxFiles
 from ..spec import (
     ExecRequest,
@@ -59,6 +61,11 @@ class BackendState(BaseModel):
     def host_address(self) -> str | None:
         """The node's side of the sandbox's network (SandboxInfo.host_address);
         None when the sandbox has no network of its own."""
+        return None
+
+    def host_ids(self) -> HostIds | None:
+        """The host ids the sandbox's processes write files with, when they
+        are not the ids the sandbox sees (a container's user namespace)."""
         return None
 
 
