@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,16 +79,24 @@ def test_root_inside_is_an_unprivileged_host_range(node: Node) -> None:
         assert os.stat(upper / "work" / "made").st_uid == base
 
 
-def test_an_escaped_process_is_not_host_root(node: Node, tmp_path: Path) -> None:
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A host directory every user can reach (the test's tmp_path is under
+    pytest's root-only directory)."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="lazyfs-userns-") as d:
+        os.chmod(d, 0o755)
+        yield Path(d)
+
+
+def test_an_escaped_process_is_not_host_root(node: Node, host_dir: Path) -> None:
     """Through a host path (what a leaked descriptor or a mount-namespace
     escape gives): root's files refuse it, what it creates is its range's."""
-    protected = tmp_path / "root-owned"
+    protected = host_dir / "root-owned"
     protected.write_text("host\n")
     os.chmod(protected, 0o644)
-    drop = tmp_path / "drop"
-    drop.mkdir(mode=0o1777)
+    drop = host_dir / "drop"
+    drop.mkdir()
     os.chmod(drop, 0o1777)
-    os.chmod(tmp_path, 0o755)
     with Sandbox.create(IMAGE, node=node) as sb:
         r = _escaped(node, sb, f"echo forged >> {protected}")
         assert r.returncode != 0 and "denied" in r.stderr.lower(), (r.returncode, r.stderr)
@@ -102,7 +111,7 @@ def test_sandboxes_get_ranges_of_their_own(node: Node) -> None:
     an escaped process would reach every other sandbox's."""
     with Sandbox.create(IMAGE, node=node) as a, Sandbox.create(IMAGE, node=node) as b:
         assert _base(node, a) != _base(node, b)
-        assert b.exec("sleep 600 & echo started").exit_code == 0
+        assert b.exec("sleep 600 </dev/null >/dev/null 2>&1 & echo started").exit_code == 0
         victims = [p for p in _pids_of(_base(node, b)) if p != _init(node, b)]
         assert victims
         r = _escaped(node, a, f"kill -0 {victims[0]}")
