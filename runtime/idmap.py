@@ -27,6 +27,7 @@ import errno
 import hashlib
 import os
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,75 @@ def holders(slots: Path = SLOT_DIR) -> dict[int, list[str]]:
         if d.name.isdigit():
             out[int(d.name)] = sorted(f.name for f in d.iterdir())
     return out
+
+
+class RangePool:
+    """Ranges and their user namespaces for one node process. A released
+    range's namespace is kept (up to `spare` of them) and the range is the
+    first tried by the next sandbox: under create/kill churn a create then
+    starts no process for its namespace (measured: 7 ms p50 on a loaded
+    2-core host, docs/security.md). Thread-safe."""
+
+    def __init__(self, slots: Path = SLOT_DIR, spare: int = 256) -> None:
+        self.slots = slots
+        self.spare = spare
+        self._lock = threading.Lock()
+        self._userns: dict[int, int] = {}  # slot -> its namespace (held ranges and spares)
+        self._free: list[int] = []  # spare slots, most recently released last
+
+    def acquire(self, sandbox_id: str) -> IdRange:
+        """A range of the sandbox's own (a spare one first)."""
+        while True:
+            with self._lock:
+                slot = self._free.pop() if self._free else None
+            if slot is None:
+                return allocate(sandbox_id, self.slots)
+            try:
+                os.mkdir(self.slots / str(slot), 0o700)
+            except FileExistsError:  # another node on this host took it meanwhile
+                self._forget(slot)
+                continue
+            (self.slots / str(slot) / sandbox_id).touch()
+            return IdRange(slot)
+
+    def user_namespace(self, r: IdRange) -> int:
+        """A user namespace with r's map, owned by the pool (do not close)."""
+        with self._lock:
+            fd = self._userns.get(r.slot)
+        if fd is not None:
+            return fd
+        fd = user_namespace(r)
+        with self._lock:
+            if r.slot in self._userns:  # made twice at once: keep one
+                os.close(fd)
+                return self._userns[r.slot]
+            self._userns[r.slot] = fd
+        return fd
+
+    def release(self, r: IdRange, sandbox_id: str) -> None:
+        release(r, sandbox_id, self.slots)
+        if (self.slots / str(r.slot)).exists():
+            return  # still used (a restore shares it)
+        with self._lock:
+            if r.slot in self._userns and r.slot not in self._free \
+                    and len(self._free) < self.spare:
+                self._free.append(r.slot)
+                return
+        self._forget(r.slot)
+
+    def _forget(self, slot: int) -> None:
+        with self._lock:
+            fd = self._userns.pop(slot, None)
+            if slot in self._free:
+                self._free.remove(slot)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._userns, self._free = list(self._userns.values()), {}, []
+        for fd in fds:
+            os.close(fd)
 
 
 def user_namespace(r: IdRange) -> int:

@@ -154,3 +154,24 @@ def test_a_snapshot_keeps_the_owners_the_sandbox_saw(node: Node) -> None:
         r = child.exec("stat -c '%n %u:%g' /work/r /work/u /bin/busybox")
         assert r.stdout.decode().split("\n")[:3] == ["/work/r 0:0", "/work/u 1000:100",
                                                      "/bin/busybox 0:0"], r.stdout
+
+
+def test_a_released_range_and_its_namespace_serve_the_next(tmp_path: Path) -> None:
+    pool = idmap.RangePool(tmp_path / "slots", spare=1)
+    try:
+        a = pool.acquire("sb-a")
+        ns = pool.user_namespace(a)
+        maps = Path(f"/proc/self/fd/{ns}")  # a user namespace's descriptor
+        assert maps.exists()
+        shared = pool.acquire("sb-b")
+        assert shared != a
+        pool.release(a, "sb-a")
+        c = pool.acquire("sb-c")  # the spare: same range, same namespace
+        assert c == a and pool.user_namespace(c) == ns
+        assert idmap.holders(tmp_path / "slots") == {a.slot: ["sb-c"], shared.slot: ["sb-b"]}
+        idmap.join(c, "sb-restored")  # a restore of c's checkpoint shares it
+        pool.release(c, "sb-c")
+        assert idmap.holders(tmp_path / "slots")[c.slot] == ["sb-restored"]
+        assert pool.acquire("sb-d") not in (a, shared)
+    finally:
+        pool.close()

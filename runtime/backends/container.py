@@ -158,6 +158,7 @@ class ContainerBackend:
         self.denials = DenialLog()
         self._listener: SeccompListener | None = None
         self._listener_lock = threading.Lock()
+        self.ranges = idmap.RangePool()
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
@@ -255,7 +256,7 @@ class ContainerBackend:
         if not self.config.user_namespaces:
             return None
         if h.state.id_base is None:
-            ids = idmap.allocate(h.id)
+            ids = self.ranges.acquire(h.id)
             h.state.id_base = ids.base
             return ids
         ids = idmap.IdRange.of_base(h.state.id_base)
@@ -280,18 +281,13 @@ class ContainerBackend:
             sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
                            f"size={h.spec.disk_mb or self.config.disk_mb}m,mode=0700")
             st.rw_tmpfs = True
-            userns = None if ids is None else idmap.user_namespace(ids)
+            shift = None if ids is None else IdShift(self.ranges.user_namespace(ids), ids.base)
             try:  # by digest: content-addressed, whatever the tag names by now
                 mount_image(paths, self.images.catalog(), h.image.digest, rootfs, writable=rw,
-                            allow_devices=True, hide_paths=True,
-                            idmap=None if ids is None or userns is None
-                            else IdShift(userns, ids.base))
+                            allow_devices=True, hide_paths=True, idmap=shift)
             except MountError as e:
                 raise BackendUnavailable(f"composing {h.image.name} ({h.image.digest}): "
                                          f"{e}") from e
-            finally:
-                if userns is not None:
-                    os.close(userns)
             st.mounted = True
             (h.dir / "config.json").write_text(json.dumps(
                 oci.config(h.id, h.spec, rootfs, init, ids, self._seccomp_listener())))
@@ -346,7 +342,7 @@ class ContainerBackend:
         self.denials.forget(h.id)
         ids = h.state.id_range()
         if ids is not None:
-            idmap.release(ids, h.id)
+            self.ranges.release(ids, h.id)
         _remove(h.dir)
 
     def _kill_init(self, h: Container, wait: float = 5.0) -> bool:
@@ -398,6 +394,7 @@ class ContainerBackend:
         for empty in (d, d.parent):  # running sandboxes' mount points keep it
             with contextlib.suppress(OSError):
                 empty.rmdir()
+        self.ranges.close()
         with self._listener_lock:
             if self._listener is not None:
                 self._listener.close()
