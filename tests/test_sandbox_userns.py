@@ -169,7 +169,7 @@ def test_a_released_range_and_its_namespace_serve_the_next(tmp_path: Path) -> No
         c = pool.acquire("sb-c")  # the spare: same range, same namespace
         assert c == a and pool.user_namespace(c) == ns
         assert idmap.holders(tmp_path / "slots") == {a.slot: ["sb-c"], shared.slot: ["sb-b"]}
-        idmap.join(c, "sb-restored")  # a restore of c's checkpoint shares it
+        idmap.join(c, "sb-restored", tmp_path / "slots")  # a restore of c's checkpoint shares it
         pool.release(c, "sb-c")
         assert idmap.holders(tmp_path / "slots")[c.slot] == ["sb-restored"]
         assert pool.acquire("sb-d") not in (a, shared)
