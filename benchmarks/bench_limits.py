@@ -149,7 +149,7 @@ def main() -> None:
                 userns_s.append(time.perf_counter() - t0)
 
         hostlimits.limit_sandbox = timed_limit  # type: ignore[assignment]
-        idmap.user_namespace = timed_userns  # type: ignore[assignment]
+        idmap.user_namespace = timed_userns
         creates: dict[str, list[float]] = {v: [] for v in nodes}
         for v, node in nodes.items():  # warm: sandbox-init built, daemon's caches
             Sandbox.create(IMAGE, node=node).kill()
@@ -159,7 +159,7 @@ def main() -> None:
             for v in rotate(list(nodes), r):
                 creates[v].append(_timed(lambda v=v: _create_exec_kill(nodes[v])))  # type: ignore[misc]
         hostlimits.limit_sandbox = real
-        idmap.user_namespace = real_userns  # type: ignore[assignment]
+        idmap.user_namespace = real_userns
         res["create"] = {v: summary(xs) for v, xs in creates.items()}
         res["budget_write"] = summary(budget_s)
         res["idmap_userns"] = summary(userns_s) if userns_s else None

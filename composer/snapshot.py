@@ -26,11 +26,11 @@ mounting them.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import os
 import posixpath
 import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -52,8 +52,8 @@ from typing import Any, NoReturn
 
 from pydantic import Field
 
-from lazyfs import sysmount
 from composer.snapshot import HostIds
+from lazyfs import sysmount
 from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 
 from .. import cgroups, hostlimits, idmap, oci, procio
