@@ -101,6 +101,8 @@ class Node:
         # creations under way, counted against the quota and admission
         self._pending: dict[object, SandboxSpec] = {}
         self._asked = {q: 0 for q in Qos}  # memory_mb asked, per QoS class
+        # events of killed sandboxes, by kind (denial_counts)
+        self._killed_events: dict[str, int] = {}
         self._sandbox_locks: dict[str, threading.Lock] = {}
         # A script that never closes its node (the embedded SDK's, typically)
         # must not leave fncall workers, their cgroups and root mounts
@@ -296,7 +298,17 @@ class Node:
             if self._sandboxes.pop(sandbox_id, None) is not None:
                 self._asked[info.spec.qos] -= info.spec.memory_mb
             self._sandbox_locks.pop(sandbox_id, None)
-        self.backend(info.spec.backend).kill(h)
+        backend = self.backend(info.spec.backend)
+        if isinstance(backend, Eventful):  # its counts go with it: keep them in the totals
+            try:
+                final = backend.events(h)
+            except (OSError, SandboxError) as e:
+                log.warning("%s: could not read its events before the kill: %s", sandbox_id, e)
+                final = []
+            with self._lock:
+                for e in final:
+                    self._killed_events[e.kind] = self._killed_events.get(e.kind, 0) + e.count
+        backend.kill(h)
         if h.dir.exists():  # (the container backend removes it itself)
             _remove(h.dir)
         log.info("killed %s", sandbox_id)
@@ -672,6 +684,25 @@ class Node:
         backend = self._require(info, "events")
         assert isinstance(backend, Eventful), backend
         return backend.events(h)
+
+    def denial_counts(self) -> dict[str, int]:
+        """Every event of this node's sandboxes, live and killed, by kind
+        (the agent's lazyfs_sandbox_denials_total): read from each live
+        sandbox's counters, so a scrape costs one events() per sandbox."""
+        with self._lock:
+            live = list(self._sandboxes.values())
+            out = dict(self._killed_events)
+        for info, h in live:
+            backend = self.backend(info.spec.backend)
+            if not isinstance(backend, Eventful):
+                continue
+            try:
+                events = backend.events(h)
+            except (OSError, SandboxError):
+                continue  # going away meanwhile
+            for e in events:
+                out[e.kind] = out.get(e.kind, 0) + e.count
+        return out
 
     # -- timeouts and restarts -----------------------------------------------
     def reap(self, now: float | None = None) -> list[str]:
