@@ -306,8 +306,8 @@ class Node:
                 log.warning("%s: could not read its events before the kill: %s", sandbox_id, e)
                 final = []
             with self._lock:
-                for e in final:
-                    self._killed_events[e.kind] = self._killed_events.get(e.kind, 0) + e.count
+                for ev in final:
+                    self._killed_events[ev.kind] = self._killed_events.get(ev.kind, 0) + ev.count
         backend.kill(h)
         if h.dir.exists():  # (the container backend removes it itself)
             _remove(h.dir)

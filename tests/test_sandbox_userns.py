@@ -19,16 +19,17 @@ import pytest
 
 from runtime import Sandbox, idmap
 from runtime.node import Node
-from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.sandboxes import IMAGE, busybox_node, runtime_missing
 
-pytestmark = [pytest.mark.root,
-              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
+# root (mounts, cgroups) and runc
+pytestmark = [pytest.mark.root, pytest.mark.skipif(runtime_missing() is not None,
+                                                   reason=str(runtime_missing()))]
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    d = tmp_path_factory.mktemp("userns")
-    with node_for(busybox_store(d), d) as n:
+    """One node for the module's sandboxes (each test makes its own)."""
+    with busybox_node(tmp_path_factory.mktemp("userns")) as n:
         yield n
 
 
