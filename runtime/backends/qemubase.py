@@ -38,7 +38,13 @@ from typing import Any, Generic, Literal, TypeVar
 
 from .. import cgroups
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable, InvalidSpec, SandboxStateError, Unsupported
+from ..errors import (
+    BackendUnavailable,
+    InvalidSpec,
+    SandboxError,
+    SandboxStateError,
+    Unsupported,
+)
 from ..files import SandboxFiles
 from ..guest import qemu
 from ..guest.initramfs import tools_missing
@@ -323,7 +329,14 @@ class QemuBackend(Generic[Q]):
         proc = self._start(h, cfg, init)
         try:
             qemuproc.wait_sockets(proc, cfg, deadline)
-            agent = snapshots.restore(h.id, proc, cfg, snap, deadline)
+            try:
+                agent = snapshots.restore(h.id, proc, cfg, snap, deadline)
+            except SandboxError as e:
+                if proc.poll() is None:
+                    raise
+                raise BackendUnavailable(
+                    f"loading {h.id} from {snap}: QEMU exited ({qemuproc.exit_text(proc)}): "
+                    f"{qemuproc.tail(cfg.agent_socket.parent / 'qemu.log')}") from e
         except BaseException:
             proc.kill()
             proc.wait()
