@@ -572,7 +572,7 @@ class Node:
         (spec, labels, snapshot: runtime.preempt) and stop it: its memory and
         its writable layer on disk go back to the node. restore() makes it again,
         with the same id, on any node that sees the same image store."""
-        info, h = self._get(sandbox_id)
+        info, _ = self._get(sandbox_id)
         was = info.state
         if isinstance(self._require(info, "snapshot"), StateSaving):
             # the VM's memory (its upper with it) goes into the store; its VMM exits
@@ -647,10 +647,18 @@ class Node:
                 raise SandboxStateError(f"{sandbox_id} runs on this node: not preempted")
             raise SandboxNotFound(f"no preempted sandbox {sandbox_id!r} "
                                   f"in {self.config.cluster or self.config.state_dir}")
-        spec = record.spec.model_copy(update={"image": record.image})
-        info = self._create(spec, sandbox_id=record.id,
-                            created=time.time() - (record.preempted - record.created))
-        self.preempted.delete(sandbox_id)
+        # one restorer per record, across nodes: the others get RestoreConflict
+        claim = self.preempted.claim(sandbox_id, f"{os.uname().nodename}:"
+                                     f"{self.config.node_id or self.config.state_dir}")
+        try:
+            if self.preempted.get(sandbox_id) is None:  # restored by an earlier claim
+                raise SandboxNotFound(f"{sandbox_id} was restored meanwhile (not preempted)")
+            spec = record.spec.model_copy(update={"image": record.image})
+            info = self._create(spec, sandbox_id=record.id,
+                                created=time.time() - (record.preempted - record.created))
+            self.preempted.delete(sandbox_id)
+        finally:
+            self.preempted.release(sandbox_id, claim)
         try:  # the snapshot is the running sandbox's image now; the tag may go
             self.captures.remove_tag(record.tag)
         except (SandboxError, LazyfsError) as e:
