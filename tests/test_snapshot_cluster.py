@@ -26,7 +26,15 @@ from composer.errors import ImageNotFound
 from composer.push import push
 from composer.remote import ClusterCatalog
 from composer.snapshot import UNTRUSTED
-from runtime import Sandbox, SandboxNotFound, SandboxPreempted, cgroups
+from runtime import (
+    RestoreConflict,
+    Sandbox,
+    SandboxError,
+    SandboxInfo,
+    SandboxNotFound,
+    SandboxPreempted,
+    cgroups,
+)
 from runtime.config import RuntimeConfig
 from runtime.node import Node
 from tests.helpers.lazynode import LazyNode
@@ -224,6 +232,48 @@ def test_preempted_sandboxes_free_the_node_and_come_back_on_the_other(
         again.kill()
     finally:
         Sandbox.kill_many(labels, node=b)
+
+
+def test_two_nodes_restoring_one_preempted_sandbox_at_once_one_wins(
+        nodes: tuple[Node, Node]) -> None:
+    import threading
+    a, b = nodes
+    labels = {"job": "restore-race"}
+    sb = Sandbox.create(IMAGE, node=a, labels=labels)
+    sb.exec("echo mine > /root/mine")
+    assert Sandbox.pause_many(labels, snapshot=True, node=a) == [sb.id]
+    start = threading.Barrier(2)
+    outcome: dict[str, object] = {}
+
+    def restore(name: str, node: Node) -> None:
+        start.wait()
+        try:
+            outcome[name] = node.restore(sb.id)
+        except SandboxError as e:
+            outcome[name] = e
+    threads = [threading.Thread(target=restore, args=(n, node))
+               for n, node in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        won = [n for n, r in outcome.items() if isinstance(r, SandboxInfo)]
+        assert len(won) == 1, outcome
+        lost = outcome["b" if won == ["a"] else "a"]
+        assert isinstance(lost, RestoreConflict), lost
+        assert "being restored by" in str(lost)
+        winner, loser = (a, b) if won == ["a"] else (b, a)
+        # it runs once, on the winner, with its files; the loser has nothing of it
+        assert [i.id for i in winner.sandboxes(labels)] == [sb.id]
+        assert loser.sandboxes(labels) == [] and not (loser.config.sandboxes / sb.id).exists()
+        assert Sandbox.connect(sb.id, node=winner).files.read("/root/mine") == b"mine\n"
+        assert Sandbox.preempted(labels, node=loser) == []  # record and claim gone
+        with pytest.raises(SandboxNotFound):
+            loser.restore(sb.id)
+    finally:
+        for n in (a, b):
+            n.kill_many(labels)
 
 
 def test_a_chain_of_snapshots_is_flattened_past_the_limit(nodes: tuple[Node, Node]) -> None:
