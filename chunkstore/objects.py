@@ -182,17 +182,28 @@ class PosixObjectStore(ObjectStore):
             raise ValueError(f"bad object key {key!r}")
         return self.root / key
 
+    @staticmethod
+    def _written(path: Path, data: bytes) -> Path:
+        """`data` in a temporary file next to `path`, synced (the caller
+        renames or links it into place)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
 
         def fn() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+            tmp = self._written(path, data)
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.rename(tmp, path)
             except BaseException:
                 tmp.unlink(missing_ok=True)
@@ -203,13 +214,8 @@ class PosixObjectStore(ObjectStore):
         path = self._path(key)
 
         def fn() -> bool:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+            tmp = self._written(path, data)
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 try:
                     os.link(tmp, path)  # atomic, and refused if the name exists
                 except FileExistsError:

@@ -324,12 +324,18 @@ class Captures:
                                              packed.stage)
         finally:
             packed.close()
-        return SnapshotInfo(image=out, tag=tag, sandbox_id=sandbox_id, layer=digest,
+        return self._info(out, tag, sandbox_id, digest, image, packed, uploaded, frozen_s,
+                          started, layers=len(layers), flattened=flattened)
+
+    def _info(self, image_digest: str, tag: str, sandbox_id: str, layer: str,
+              image: ResolvedImage, packed: Packed, uploaded: int, frozen_s: float,
+              started: float, **more: int) -> SnapshotInfo:
+        diff = packed.manifest
+        return SnapshotInfo(image=image_digest, tag=tag, sandbox_id=sandbox_id, layer=layer,
                             base_image=image.digest, entries=len(diff.entries),
                             bytes=diff.data_size,
                             bytes_new=uploaded if self.config.cluster else packed.bytes_new,
-                            frozen_s=frozen_s, seconds=time.monotonic() - started,
-                            layers=len(layers), flattened=flattened)
+                            frozen_s=frozen_s, seconds=time.monotonic() - started, **more)
 
     def vm_snapshot(self, sandbox_id: str, image: ResolvedImage, packed: Packed,
                     state: VmState, *, tag: str | None, frozen_s: float, started: float
@@ -352,12 +358,8 @@ class Captures:
                                              packed.stage, vm_state=state)
         finally:
             packed.close()
-        return SnapshotInfo(image=out, tag=tag, sandbox_id=sandbox_id, layer=digest,
-                            base_image=image.digest, entries=len(diff.entries),
-                            bytes=diff.data_size,
-                            bytes_new=uploaded if self.config.cluster else packed.bytes_new,
-                            frozen_s=frozen_s, seconds=time.monotonic() - started,
-                            layers=len(layers))
+        return self._info(out, tag, sandbox_id, digest, image, packed, uploaded, frozen_s,
+                          started, layers=len(layers))
 
     # -- checkpoints ----------------------------------------------------------
     def checkpoint(self, sandbox_id: str, image: ResolvedImage, files: Packed,

@@ -413,8 +413,9 @@ class Node:
                      ) -> tuple[SnapshotInfo, dict[str, Any]]:
         """A VM's memory and device state as an image in the store (its top
         layer the state, chunked and deduplicated like CRIU's images): the
-        VM is paused into a file (its VMM exits), the file packed, and the
-        VM resumed (`resume`) or left paused. (info, the pause's figures)."""
+        VM is paused into a file (its VMM exits) and resumed from it
+        (`resume`) or left paused, and the file packed. (info, the pause's
+        figures)."""
         started = time.monotonic()
         if tag is not None:
             self.captures.check_tag(tag, "snapshot")
@@ -425,15 +426,23 @@ class Node:
             t0 = time.monotonic()
             running = info.state != "paused"
             state, figures = backend.save_state(h)
+            # packed from a link of its own: the VM runs on meanwhile (a
+            # resume loads the file and removes its name)
+            kept = state.parent.with_name(f"{state.parent.name}-pack-{secrets.token_hex(4)}")
+            kept.mkdir(mode=0o700)
             try:
-                packed = self.captures.pack(sandbox_id, state.parent, "vm-state",
-                                            MEMORY_CHUNK_SIZE)
+                os.link(state, kept / state.name)
+                try:
+                    if running and resume:
+                        self.backend(info.spec.backend).resume(h)
+                finally:
+                    if running and (not resume or
+                                    self.backend(info.spec.backend).status(h) == "paused"):
+                        info = self._touch(info, h, state="paused")  # (a resume that failed)
+                frozen = time.monotonic() - t0
+                packed = self.captures.pack(sandbox_id, kept, "vm-state", MEMORY_CHUNK_SIZE)
             finally:
-                if running and resume:
-                    self.backend(info.spec.backend).resume(h)
-                elif running:
-                    info = self._touch(info, h, state="paused")
-            frozen = time.monotonic() - t0
+                remove_tree(kept)
             record = backend.state_record(h, str(packed.manifest.digest))
         snap = self.captures.vm_snapshot(sandbox_id, h.image, packed, record, tag=tag,
                                          frozen_s=frozen, started=started)

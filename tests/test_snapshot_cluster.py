@@ -12,6 +12,7 @@ object."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,11 +80,14 @@ def _node(site: Site, name: str, lazy: LazyNode) -> Node:
                               max_snapshot_layers=MAX_LAYERS))
 
 
-@pytest.fixture(scope="module")
-def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
-    with LazyNode(site.d / "a" / "lazy", site.d / "none", cluster=site.url) as la, \
-            LazyNode(site.d / "b" / "lazy", site.d / "none", cluster=site.url) as lb:
-        a, b = _node(site, "a", la), _node(site, "b", lb)
+@contextlib.contextmanager
+def two_nodes(site: Site, names: tuple[str, str] = ("a", "b")) -> Iterator[tuple[Node, Node]]:
+    """Two Nodes of the site's cluster store, each with its own daemon and
+    state directory (site.d/<name>/); their sandboxes killed at the end."""
+    (x, y) = names
+    with LazyNode(site.d / x / "lazy", site.d / "none", cluster=site.url) as la, \
+            LazyNode(site.d / y / "lazy", site.d / "none", cluster=site.url) as lb:
+        a, b = _node(site, x, la), _node(site, y, lb)
         try:
             yield a, b
         finally:
@@ -92,6 +96,12 @@ def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
                     n.kill(info.id)
             a.close()
             b.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
+    with two_nodes(site) as pair:
+        yield pair
 
 
 def test_a_snapshot_on_one_node_restores_on_the_other(nodes: tuple[Node, Node],

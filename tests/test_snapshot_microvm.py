@@ -20,11 +20,10 @@ from runtime import InvalidSpec, Sandbox, SandboxNotFound, SandboxPreempted, Uns
 from runtime.backends.microvm import MicrovmBackend
 from runtime.node import Node
 from runtime.spec import VM_STATE_KEY
-from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, vm_missing
 from tests.helpers.seaweed import weed_binary
 from tests.helpers.support import processes_with, wait_until
-from tests.test_snapshot_cluster import Site, _node, site  # noqa: F401 (site: a fixture)
+from tests.test_snapshot_cluster import Site, site, two_nodes  # noqa: F401 (site: a fixture)
 
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(vm_missing() is not None, reason=str(vm_missing())),
@@ -41,21 +40,12 @@ COUNTER = ("setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sle
 def vm_nodes(site: Site, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
              ) -> Iterator[tuple[Node, Node]]:
     pmem = tmp_path_factory.mktemp("vm-pmem")
-    with LazyNode(site.d / "va" / "lazy", site.d / "none", cluster=site.url) as la, \
-            LazyNode(site.d / "vb" / "lazy", site.d / "none", cluster=site.url) as lb:
-        a, b = _node(site, "va", la), _node(site, "vb", lb)
-        try:
-            for n, sub in ((a, "a"), (b, "b")):  # each node builds its own metadata images
-                backend = n.backend("microvm")
-                assert isinstance(backend, MicrovmBackend)
-                backend.pmem_cache = pmem / sub
-            yield a, b
-        finally:
-            for n in (a, b):
-                for info in n.sandboxes():
-                    n.kill(info.id)
-            a.close()
-            b.close()
+    with two_nodes(site, ("va", "vb")) as (a, b):
+        for n, sub in ((a, "a"), (b, "b")):  # each node builds its own metadata images
+            backend = n.backend("microvm")
+            assert isinstance(backend, MicrovmBackend)
+            backend.pmem_cache = pmem / sub
+        yield a, b
 
 
 def _count(sb: Sandbox) -> int:
