@@ -129,3 +129,6 @@ def remove(sandbox_id: str, snap: Path | None) -> None:
     if snap is not None:
         snap.unlink(missing_ok=True)
     shutil.rmtree(SNAPSHOT_DIR / sandbox_id, ignore_errors=True)
+    if SNAPSHOT_DIR.is_dir():  # (links a snapshot into the store was packing from)
+        for d in SNAPSHOT_DIR.glob(f"{sandbox_id}-pack-*"):
+            shutil.rmtree(d, ignore_errors=True)
