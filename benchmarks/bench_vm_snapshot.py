@@ -11,7 +11,8 @@ then:
                   resume(): seconds, file size (the baseline: what pause did
                   before the store)
   snapshot        sb.snapshot() of the running VM: seconds, seconds the VM
-                  was stopped, bytes packed (the stream), bytes uploaded
+                  was stopped (pause + resume; the stream is packed after,
+                  from a link of its own), bytes packed (the stream), bytes uploaded
                   (after zstd + dedup), and a second snapshot right after
                   (bytes uploaded: what changed)
   preempt         sb.preempt(): snapshot + push + record + stop on A
@@ -138,7 +139,8 @@ def main() -> None:
                  "stream MB", "uploaded MB", "2nd uploaded MB", "preempt", "VMM memory freed MB",
                  "restore+exec (B)", "boot+exec (C)", "ratio"], rows,
                 [("pause/resume: the local pause-to-file; snapshot: of the running VM (stopped "
-                  "= VMM exit + pack + resume); 2nd: a snapshot right after the first"),
+                  "= pause + resume; the stream is packed after); 2nd: a snapshot right after "
+                  "the first"),
                  ("restore+exec: Sandbox.restore on a fresh node (empty node cache, page cache "
                   "dropped) + reading the written file; boot+exec: a cold boot of the image "
                   "on another fresh node")]))
