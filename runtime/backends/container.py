@@ -59,7 +59,13 @@ from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 from .. import cgroups, hostlimits, idmap, oci, procio
 from ..config import RuntimeConfig
 from ..denials import DenialLog, SeccompListener, merged
-from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
+from ..errors import (
+    BackendUnavailable,
+    NotCheckpointable,
+    QuotaExceeded,
+    SandboxError,
+    SandboxStateError,
+)
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
@@ -102,6 +108,8 @@ class ContainerState(BackendState):
     # the first host id of the sandbox's user namespace (runtime/idmap.py);
     # None: no user namespace
     id_base: int | None = None
+    # its processes were restored by CRIU from a checkpoint (not started by runc run)
+    restored: bool = False
 
     def host_address(self) -> str | None:
         return self.node_address
@@ -233,6 +241,7 @@ class ContainerBackend:
         if h.state.channel_name is None:
             raise SandboxError(f"{h.id}: a checkpoint names its exec channel")
         runc, name = self.runc or "runc", h.state.channel_name
+        h.state.restored = True
 
         def run() -> None:
             pid = criu.restore(runc, self.config.runc_root, h.id, h.dir, images,
@@ -482,6 +491,19 @@ class ContainerBackend:
         if self.status(h) != "running":
             raise SandboxStateError(f"{h.id} is not running: only a running sandbox is "
                                     "checkpointed")
+        if h.state.restored and self.config.user_namespaces:
+            # CRIU checks a sandbox's namespaces from a helper inside its user
+            # namespace (criu/namespaces.c). A restored init's memory was made
+            # by CRIU outside that namespace (no exec inside it), and init is
+            # non-dumpable: only CAP_SYS_PTRACE outside may open its
+            # /proc/PID/ns/*, so the helper gets EACCES. Making init dumpable
+            # would let the sandbox's own root ptrace it.
+            raise NotCheckpointable(
+                f"{h.id} was restored from a checkpoint and runs in a user namespace: CRIU "
+                "cannot check its namespaces from inside it (the restored init is "
+                "non-dumpable and its memory was made outside that namespace: "
+                "/proc/PID/ns/net gives EACCES there); checkpoint it before it is restored "
+                "or run the node without user namespaces (user_namespaces=False)")
         if h.state.channel_name is None:
             to = initexec.AbstractChannel(self._netns(h), f"lazyfs-ctl-{secrets.token_hex(8)}")
             try:
