@@ -15,10 +15,15 @@ Node layout under one root directory (default /run/lazyfs as root):
 Control requests (one JSON object per line, one answer each):
     {"op": "ping"}                       -> {"ok": true, "pid": ..., "source": store or cluster}
     {"op": "stats"}                      -> {"ok": true, "stats": {...}}
+    {"op": "metrics"}                    -> {"ok": true, "text": Prometheus exposition}
     {"op": "trace", "mount": M|null}     -> {"ok": true, "trace": {...}}
     {"op": "prefetch", "events": [...]}  -> {"ok": true, "queued": n} (runs in the background)
     {"op": "drop_cache"}                 -> {"ok": true} (empties the node cache)
     {"op": "forget_mount", "mount": M}   -> {"ok": true} (drop an unmounted mount's counters)
+
+With `--metrics-listen HOST:PORT` the daemon also answers GET /metrics over
+HTTP there (lazyfs.metrics; no token: bind it where only the operator's
+Prometheus reaches).
 
 Starting one in the background, waiting for it, asking it things and
 stopping it is lazyfs.node's (which runs `python -m lazyfs`, i.e. main()
@@ -51,11 +56,12 @@ from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
 from chunkstore.errors import LazyfsError
 
-from . import erofsmounts, sysmount
+from . import erofsmounts, logs, metrics, sysmount
 from .errors import ConfigError, DaemonError
 from .fetch import FetchEngine
 from .fs import FIRST_BASE, LazyFS
 from .layers import Layers
+from .mounts import registered
 from .node import (
     READ_AHEAD_KB,
     DaemonSpec,
@@ -176,7 +182,8 @@ def _tune_readahead(mnt: Path, kb: int) -> int | None:
 def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: int, *,
         cluster_url: str | None = None, options: Options | None = None,
         prefetch: list[dict[str, Any]] | None = None, read_ahead_kb: int = READ_AHEAD_KB,
-        on_ready: Callable[[], None] | None = None) -> None:
+        on_ready: Callable[[], None] | None = None,
+        metrics_listen: tuple[str, int] | None = None) -> None:
     """Serve until SIGINT/SIGTERM; the FUSE mount is always taken down.
 
     Images come from the local store at store_path, or, with cluster_url,
@@ -203,7 +210,7 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
                                                "allow_other"}
         pyfuse3.init(fs, str(paths.mnt), opts)
         try:
-            trio.run(_main, fs, paths, prefetch or [], on_ready, read_ahead_kb)
+            trio.run(_main, fs, paths, prefetch or [], on_ready, read_ahead_kb, metrics_listen)
         finally:
             pyfuse3.close(unmount=True)
             for p in (paths.control, paths.pidfile):
@@ -235,7 +242,8 @@ def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
     with erofsmounts.locked(spec.paths):  # layer mounts a crashed daemon left, unused now
         erofsmounts.release_unused(spec.paths)
     run(spec.paths, spec.store, spec.cache_dir, size, cluster_url=spec.cluster, options=opts,
-        prefetch=events, read_ahead_kb=spec.read_ahead_kb, on_ready=on_ready)
+        prefetch=events, read_ahead_kb=spec.read_ahead_kb, on_ready=on_ready,
+        metrics_listen=spec.metrics_address())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,10 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     a failure is one line on stderr and exit code 1."""
     import sys
     spec = DaemonSpec.parse(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=logging.DEBUG if spec.verbose > 1 else
-        logging.INFO if spec.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(logging.DEBUG if spec.verbose > 1 else
+               logging.INFO if spec.verbose else logging.WARNING)
     try:
         serve(spec)
     except LazyfsError as e:
@@ -267,7 +273,15 @@ async def _keep_readahead(mnt: Path, kb: int) -> None:
 
 
 async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
-                on_ready: Callable[[], None] | None, read_ahead_kb: int) -> None:
+                on_ready: Callable[[], None] | None, read_ahead_kb: int,
+                metrics_listen: tuple[str, int] | None) -> None:
+    tcp = None
+    if metrics_listen is not None:  # before the nursery: a failure is one plain error
+        host, port = metrics_listen
+        try:
+            tcp = await trio.open_tcp_listeners(port, host=host)
+        except OSError as e:
+            raise DaemonError(f"--metrics-listen {host}:{port}: {e.strerror or e}") from e
     async with trio.open_nursery() as nursery:
         fs.fetch.nursery = nursery
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -278,7 +292,9 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
         finally:
             os.umask(old_umask)
         listener.listen(64)
-        nursery.start_soon(_serve_control, fs, listener)
+        nursery.start_soon(_serve_control, fs, paths, listener)
+        if tcp is not None:
+            nursery.start_soon(_serve_metrics, fs, paths, tcp)
         nursery.start_soon(_signals, nursery)
         nursery.start_soon(guarded, "readahead tuning", _keep_readahead, paths.mnt,
                            read_ahead_kb)
@@ -300,7 +316,8 @@ async def _signals(nursery: trio.Nursery) -> None:
             return
 
 
-async def _serve_control(fs: LazyFS, listener: trio.socket.SocketType) -> None:
+async def _serve_control(fs: LazyFS, paths: NodePaths, listener: trio.socket.SocketType
+                         ) -> None:
     async with trio.open_nursery() as nursery:
         while True:
             try:
@@ -309,11 +326,11 @@ async def _serve_control(fs: LazyFS, listener: trio.socket.SocketType) -> None:
                 log.warning("control socket: accept failed: %s", e)
                 await trio.sleep(0.1)
                 continue
-            nursery.start_soon(guarded, "control connection", _control_conn, fs,
+            nursery.start_soon(guarded, "control connection", _control_conn, fs, paths,
                                trio.SocketStream(conn))
 
 
-async def _control_conn(fs: LazyFS, stream: trio.SocketStream) -> None:
+async def _control_conn(fs: LazyFS, paths: NodePaths, stream: trio.SocketStream) -> None:
     buf = bytearray()
     scanned = 0
     async with stream:
@@ -334,7 +351,7 @@ async def _control_conn(fs: LazyFS, stream: trio.SocketStream) -> None:
                 del buf[:nl + 1]
                 scanned = 0
                 try:
-                    answer = await _answer(fs, line)
+                    answer = await _answer(fs, paths, line)
                 except Exception as e:  # a request must never kill the daemon
                     log.exception("control request failed")
                     answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -348,7 +365,60 @@ async def _control_conn(fs: LazyFS, stream: trio.SocketStream) -> None:
                 return
 
 
-async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
+def _stats(fs: LazyFS) -> dict[str, Any]:
+    snap = fs.fetch.tracer.snapshot()
+    st = fs.fetch.cache.stats
+    snap["cache"] = {"bytes": fs.fetch.cache.size, "capacity": fs.fetch.cache.capacity,
+                     "chunks": len(fs.fetch.cache), "hits": st.hits, "misses": st.misses,
+                     "waits": st.waits, "fetched_bytes": st.fetched_bytes,
+                     "evictions": st.evictions, "corrupt_dropped": st.corrupt_dropped,
+                     "fetch_ms_p50": st.percentile(50) * 1e3,
+                     "fetch_ms_p99": st.percentile(99) * 1e3}
+    return snap
+
+
+async def _metrics(fs: LazyFS, paths: NodePaths) -> bytes:
+    snap = _stats(fs)  # in the event loop: one consistent look
+    mounts = await trio.to_thread.run_sync(registered, paths)
+    return metrics.render(snap, mounts)
+
+
+async def _serve_metrics(fs: LazyFS, paths: NodePaths,
+                         listeners: list[trio.SocketListener]) -> None:
+    async def conn(stream: trio.SocketStream) -> None:
+        await _metrics_conn(fs, paths, stream)
+    await trio.serve_listeners(conn, listeners)
+
+
+async def _metrics_conn(fs: LazyFS, paths: NodePaths, stream: trio.SocketStream) -> None:
+    """One HTTP/1.1 exchange: GET /metrics, anything else 404; then close.
+    Never raises (an exception would end serve_listeners, and the daemon)."""
+    try:
+        async with stream:
+            head = b""
+            with trio.move_on_after(10):
+                while b"\r\n\r\n" not in head and len(head) < 8192:
+                    data = await stream.receive_some(4096)
+                    if not data:
+                        break
+                    head += data
+            words = head.split(b"\r\n", 1)[0].split()
+            if len(words) >= 2 and words[0] == b"GET" and \
+                    words[1].split(b"?", 1)[0] == b"/metrics":
+                status, ctype, body = b"200 OK", metrics.CONTENT_TYPE, await _metrics(fs, paths)
+            else:
+                status, ctype, body = b"404 Not Found", "text/plain", b"GET /metrics\n"
+            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " +
+                                  ctype.encode() + b"\r\nContent-Length: " +
+                                  str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+                                  + body)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    except Exception:  # a scrape must never take the daemon down
+        log.exception("metrics request failed")
+
+
+async def _answer(fs: LazyFS, paths: NodePaths, line: bytes) -> dict[str, Any]:
     try:
         req = (json.loads(line) if len(line) < 1 << 16
                else await trio.to_thread.run_sync(json.loads, line))
@@ -358,15 +428,9 @@ async def _answer(fs: LazyFS, line: bytes) -> dict[str, Any]:
     if op == "ping":
         return {"ok": True, "pid": os.getpid(), "source": fs.source}
     if op == "stats":
-        snap = fs.fetch.tracer.snapshot()
-        st = fs.fetch.cache.stats
-        snap["cache"] = {"bytes": fs.fetch.cache.size, "capacity": fs.fetch.cache.capacity,
-                         "chunks": len(fs.fetch.cache), "hits": st.hits, "misses": st.misses,
-                         "waits": st.waits, "fetched_bytes": st.fetched_bytes,
-                         "evictions": st.evictions, "corrupt_dropped": st.corrupt_dropped,
-                         "fetch_ms_p50": st.percentile(50) * 1e3,
-                         "fetch_ms_p99": st.percentile(99) * 1e3}
-        return {"ok": True, "stats": snap}
+        return {"ok": True, "stats": _stats(fs)}
+    if op == "metrics":
+        return {"ok": True, "text": (await _metrics(fs, paths)).decode()}
     if op == "trace":
         return {"ok": True, "trace": fs.fetch.tracer.trace(req.get("mount"))}
     if op == "prefetch":

@@ -175,6 +175,16 @@ class DaemonSpec:
     verbose: int = 0
     inline_fetch_bytes: int = Options.inline_fetch_bytes
     keep_local_reads: bool = Options.keep_local_reads
+    metrics_listen: str | None = None  # HOST:PORT of GET /metrics (lazyfs.metrics)
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """metrics_listen as (host, port); ConfigError naming a bad one."""
+        if self.metrics_listen is None:
+            return None
+        host, sep, port = self.metrics_listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--metrics-listen {self.metrics_listen!r}: expected HOST:PORT")
+        return host.strip("[]"), int(port)
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> DaemonSpec:
@@ -208,6 +218,8 @@ class DaemonSpec:
         args += ["--cluster", self.cluster] if self.cluster else ["--store", str(self.store)]
         if self.prefetch is not None:
             args += ["--prefetch", str(self.prefetch.absolute())]
+        if self.metrics_listen is not None:
+            args += ["--metrics-listen", self.metrics_listen]
         return args + ["-v"] * self.verbose
 
     @classmethod
@@ -231,13 +243,14 @@ class DaemonSpec:
         p.add_argument("--inline-fetch-bytes", type=int, default=Options.inline_fetch_bytes)
         p.add_argument("--keep-local-reads", action=argparse.BooleanOptionalAction,
                        default=Options.keep_local_reads)
+        p.add_argument("--metrics-listen", metavar="HOST:PORT")
         p.add_argument("-v", "--verbose", action="count", default=0)
         a = p.parse_args(list(argv))
         return cls(NodePaths(a.root.absolute()), a.store and a.store.absolute(), a.cluster,
                    a.cache.absolute(), a.cache_size, a.prefetch, a.fetch_timeout,
                    a.fetch_threads, a.readahead_chunks, a.read_ahead_kb, a.keep_cache,
                    a.cache_timeout, a.verbose, inline_fetch_bytes=a.inline_fetch_bytes,
-                   keep_local_reads=a.keep_local_reads)
+                   keep_local_reads=a.keep_local_reads, metrics_listen=a.metrics_listen)
 
 
 def check_fuse() -> None:

@@ -107,16 +107,22 @@ def memory_figures(sandbox_id: str) -> dict[str, int]:
             "usage": s.get("usage", 0)}
 
 
-def usage(sandbox_ids: list[str]) -> tuple[int, int]:
-    """(memory charged in bytes, CPU time used in ns) of these sandboxes'
-    cgroups together (one read of each; a sandbox without them counts 0)."""
-    memory = cpu = 0
+def usage_by_sandbox(sandbox_ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Each sandbox's (memory charged in bytes, CPU time used in ns), one
+    read of each of its two files; a sandbox without its groups counts 0."""
+    out = {}
     for sandbox_id in sandbox_ids:
         m = _read(path("memory", sandbox_id) / "memory.usage_in_bytes").strip()
         c = _read(path("cpuacct", sandbox_id) / "cpuacct.usage").strip()
-        memory += int(m) if m.isdigit() else 0
-        cpu += int(c) if c.isdigit() else 0
-    return memory, cpu
+        out[sandbox_id] = (int(m) if m.isdigit() else 0, int(c) if c.isdigit() else 0)
+    return out
+
+
+def usage(sandbox_ids: list[str]) -> tuple[int, int]:
+    """(memory charged in bytes, CPU time used in ns) of these sandboxes'
+    cgroups together."""
+    figures = usage_by_sandbox(sandbox_ids).values()
+    return sum(m for m, _ in figures), sum(c for _, c in figures)
 
 
 def oom_kills(sandbox_id: str) -> int:

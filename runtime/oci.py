@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cgroups, hostlimits, seccomp
+from .idmap import IdRange
 from .spec import SandboxSpec
 
 INIT_PATH = "/dev/.sandbox-init"
@@ -120,29 +121,30 @@ def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], node_dir: Path
     ]
 
 
-# The sandbox's user namespace maps every id to itself: the image's files
-# (owned by the host's ids, in shared EROFS lowers) need no idmapped mount or
-# chown, while the sandbox's capabilities hold only in its own namespaces, and
-# the kernel's per-user budgets (inotify instances and watches) are counted
-# per sandbox at its namespace's level (runtime/hostlimits.py).
-ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
-
-
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
-           user_namespace: bool = True, seccomp_listener: Path | None = None,
+           ids: IdRange | None = None, seccomp_listener: Path | None = None,
            node_dir: Path | None = None, budgets: hostlimits.Budgets | None = None
            ) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
-    stdin (runtime/backends/initexec.py). node_dir (make_node_dirs): its
-    empty directory masks SYS_MASKED_DIRS (those this host has: a bind needs
-    its mount point, where runc skips a missing masked path), its cgroup
-    directory holds the mount points of the sandbox's groups; None: a tmpfs
-    for each (runc's masks). budgets (with a user namespace): the
-    namespace's inotify budgets, set by a createContainer hook, which runc
-    runs in the sandbox's namespaces with every capability there, after the
-    mounts and before /proc/sys turns read-only: through the sandbox's own
-    proc, a lookup costs the same however many sandboxes the node holds."""
+    stdin (runtime/backends/initexec.py).
+
+    ids: the sandbox's host ids; its user namespace maps 0.. to them
+    (runtime/idmap.py), so its root is an unprivileged host user, its
+    capabilities hold only in its own namespaces, and the kernel's per-user
+    budgets (inotify) are counted per sandbox (runtime/hostlimits.py).
+    None: no user namespace.
+
+    node_dir (make_node_dirs): its empty directory masks SYS_MASKED_DIRS
+    (those this host has: a bind needs its mount point, where runc skips a
+    missing masked path), its cgroup directory holds the mount points of the
+    sandbox's groups; None: a tmpfs for each (runc's masks). budgets (with a
+    user namespace): the namespace's inotify budgets, set by a
+    createContainer hook, which runc runs in the sandbox's namespaces with
+    every capability there, after the mounts and before /proc/sys turns
+    read-only: through the sandbox's own proc, a lookup costs the same
+    however many sandboxes the node holds."""
+    user_namespace = ids is not None
     masks = [d for d in SYS_MASKED_DIRS if Path(d).is_dir()] if node_dir else []
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
@@ -183,7 +185,8 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
                 "pids": {"limit": spec.pids},
             },
             "namespaces": namespaces,
-            **({"uidMappings": ID_MAP, "gidMappings": ID_MAP} if user_namespace else {}),
+            **({"uidMappings": ids.oci_mappings(), "gidMappings": ids.oci_mappings()}
+               if ids is not None else {}),
             "maskedPaths": [p for p in MASKED_PATHS if p not in masks],
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp.oci_section(seccomp_listener),

@@ -12,6 +12,7 @@ object."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,15 @@ from composer.errors import ImageNotFound
 from composer.push import push
 from composer.remote import ClusterCatalog
 from composer.snapshot import UNTRUSTED
-from runtime import Sandbox, SandboxNotFound, SandboxPreempted, cgroups
+from runtime import (
+    RestoreConflict,
+    Sandbox,
+    SandboxError,
+    SandboxInfo,
+    SandboxNotFound,
+    SandboxPreempted,
+    cgroups,
+)
 from runtime.config import RuntimeConfig
 from runtime.node import Node
 from tests.helpers.lazynode import LazyNode
@@ -71,11 +80,14 @@ def _node(site: Site, name: str, lazy: LazyNode) -> Node:
                               max_snapshot_layers=MAX_LAYERS))
 
 
-@pytest.fixture(scope="module")
-def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
-    with LazyNode(site.d / "a" / "lazy", site.d / "none", cluster=site.url) as la, \
-            LazyNode(site.d / "b" / "lazy", site.d / "none", cluster=site.url) as lb:
-        a, b = _node(site, "a", la), _node(site, "b", lb)
+@contextlib.contextmanager
+def two_nodes(site: Site, names: tuple[str, str] = ("a", "b")) -> Iterator[tuple[Node, Node]]:
+    """Two Nodes of the site's cluster store, each with its own daemon and
+    state directory (site.d/<name>/); their sandboxes killed at the end."""
+    (x, y) = names
+    with LazyNode(site.d / x / "lazy", site.d / "none", cluster=site.url) as la, \
+            LazyNode(site.d / y / "lazy", site.d / "none", cluster=site.url) as lb:
+        a, b = _node(site, x, la), _node(site, y, lb)
         try:
             yield a, b
         finally:
@@ -84,6 +96,12 @@ def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
                     n.kill(info.id)
             a.close()
             b.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
+    with two_nodes(site) as pair:
+        yield pair
 
 
 def test_a_snapshot_on_one_node_restores_on_the_other(nodes: tuple[Node, Node],
@@ -224,6 +242,48 @@ def test_preempted_sandboxes_free_the_node_and_come_back_on_the_other(
         again.kill()
     finally:
         Sandbox.kill_many(labels, node=b)
+
+
+def test_two_nodes_restoring_one_preempted_sandbox_at_once_one_wins(
+        nodes: tuple[Node, Node]) -> None:
+    import threading
+    a, b = nodes
+    labels = {"job": "restore-race"}
+    sb = Sandbox.create(IMAGE, node=a, labels=labels)
+    sb.exec("echo mine > /root/mine")
+    assert Sandbox.pause_many(labels, snapshot=True, node=a) == [sb.id]
+    start = threading.Barrier(2)
+    outcome: dict[str, object] = {}
+
+    def restore(name: str, node: Node) -> None:
+        start.wait()
+        try:
+            outcome[name] = node.restore(sb.id)
+        except SandboxError as e:
+            outcome[name] = e
+    threads = [threading.Thread(target=restore, args=(n, node))
+               for n, node in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        won = [n for n, r in outcome.items() if isinstance(r, SandboxInfo)]
+        assert len(won) == 1, outcome
+        lost = outcome["b" if won == ["a"] else "a"]
+        assert isinstance(lost, RestoreConflict), lost
+        assert "being restored by" in str(lost)
+        winner, loser = (a, b) if won == ["a"] else (b, a)
+        # it runs once, on the winner, with its files; the loser has nothing of it
+        assert [i.id for i in winner.sandboxes(labels)] == [sb.id]
+        assert loser.sandboxes(labels) == [] and not (loser.config.sandboxes / sb.id).exists()
+        assert Sandbox.connect(sb.id, node=winner).files.read("/root/mine") == b"mine\n"
+        assert Sandbox.preempted(labels, node=loser) == []  # record and claim gone
+        with pytest.raises(SandboxNotFound):
+            loser.restore(sb.id)
+    finally:
+        for n in (a, b):
+            n.kill_many(labels)
 
 
 def test_a_chain_of_snapshots_is_flattened_past_the_limit(nodes: tuple[Node, Node]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from chunkstore.errors import LazyfsError, StoreFormatError, StoreFull, StoreReadOnly
+from lazyfs import logs
 from lazyfs.settings import Settings
 
 from .errors import EXIT_FAILED, EXIT_STORE, QuietError
@@ -46,10 +47,14 @@ class LazyfsGroup(click.Group):
 @click.option("-v", "--verbose", count=True,
               help="More log output: warnings and progress (-vv: debug).")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.option("--log-json", is_flag=True,
+              help="Log structured JSON lines, as do the daemons and agents this command "
+                   "starts [env LAZYFS_LOG=json].")
 @click.version_option(package_name="lazyfs")
 @click.pass_context
 def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
-        threads: int | None, cluster: str | None, verbose: int, debug: bool) -> None:
+        threads: int | None, cluster: str | None, verbose: int, debug: bool,
+        log_json: bool) -> None:
     """lazyfs: lazy, content-addressed images and sandboxes.
 
     Images are stored as deduplicated, compressed chunks in a chunk store
@@ -59,10 +64,8 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
     """
     # errors only by default: a failing command prints its one line, not the
     # retries on the way there (a daemon in the foreground shows warnings)
-    logging.basicConfig(
-        level=logging.DEBUG if verbose > 1 or debug else
-        logging.INFO if verbose else logging.ERROR,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(logging.DEBUG if verbose > 1 or debug else
+               logging.INFO if verbose else logging.ERROR, json_lines=log_json)
     ctx.meta["lazyfs.debug"] = debug
     ctx.obj = Settings.load(store_path=store_path, zstd_level=zstd_level, threads=threads,
                             cluster=cluster)

@@ -58,11 +58,15 @@ from .options import cache_options, root_option
 @click.option("--keep-local-reads/--no-keep-local-reads", default=Options.keep_local_reads,
               show_default=True,
               help="Copy chunks read from a local store into the node cache.")
+@click.option("--metrics-listen", metavar="HOST:PORT", default=None,
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (no token: "
+                   "bind where only your Prometheus reaches).")
 @click.pass_obj
 def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
            cache_size: str | None, detach: bool, prefetch: Path | None, fetch_timeout: float,
            fetch_threads: int, readahead_chunks: int, read_ahead_kb: int, keep_cache: bool,
-           cache_timeout: float, inline_fetch_bytes: int, keep_local_reads: bool) -> None:
+           cache_timeout: float, inline_fetch_bytes: int, keep_local_reads: bool,
+           metrics_listen: str | None) -> None:
     """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
 
     One per node, shared by every mount and sandbox. Foreground until Ctrl-C
@@ -74,7 +78,7 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
         readahead_chunks=readahead_chunks, read_ahead_kb=read_ahead_kb,
         keep_cache=keep_cache, cache_timeout=cache_timeout,
         inline_fetch_bytes=inline_fetch_bytes, keep_local_reads=keep_local_reads,
-        verbose=click.get_current_context().find_root().params.get("verbose") or 0)
+        metrics_listen=metrics_listen, verbose=click.get_current_context().find_root().params.get("verbose") or 0)
     if running(spec.paths):
         raise QuietError(f"a lazyfs daemon already serves {spec.paths.mnt}")
     if detach:
@@ -90,18 +94,23 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
 @click.command()
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Print the raw statistics as JSON.")
+@click.option("--prometheus", is_flag=True,
+              help="Print the daemon's metrics in Prometheus' text format.")
 @click.option("--save-trace", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the access trace (first reads, in order) to this file.")
 @click.option("--mount", "mount_filter", type=click.Path(path_type=Path),
               help="Only this composed mount's trace.")
 @click.pass_obj
-def stats(settings: Settings, root: Path | None, as_json: bool, save_trace: Path | None,
-          mount_filter: Path | None) -> None:
+def stats(settings: Settings, root: Path | None, as_json: bool, prometheus: bool,
+          save_trace: Path | None, mount_filter: Path | None) -> None:
     """What the daemon has served: per image and per mount, bytes touched vs
     image size, files touched, cache hits/misses, fetch latency."""
     paths = NodePaths(settings.override(node_root=root).node_root.absolute())
     if not running(paths):
         raise QuietError(f"no lazyfs daemon answers at {paths.control}")
+    if prometheus:
+        click.echo(request(paths, {"op": "metrics"})["text"], nl=False)
+        return
     snap = request(paths, {"op": "stats"})["stats"]
     if save_trace is not None:
         mf = str(mount_filter.absolute()) if mount_filter else None

@@ -1,18 +1,21 @@
 """`lazyfs fleet nodes|top|drain|undrain`: the fleet's nodes as etcd lists
-them (runtime.fleet), and the operator's drain flag."""
+them (runtime.fleet), the operator's drain flag, and `drain --move`
+(runtime.fleet.client.Fleet.move)."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import click
 
-from runtime.fleet.client import read_nodes, set_draining
+from runtime.fleet.client import Fleet, read_nodes, set_draining
 from runtime.fleet.etcd import Etcd
-from runtime.fleet.records import NodeView
+from runtime.fleet.records import NodeView, check_node_id
 
 from .errors import QuietError
+from .options import parse_labels
 
 
 def _fleet_option(f: click.decorators.FC) -> click.decorators.FC:
@@ -20,11 +23,15 @@ def _fleet_option(f: click.decorators.FC) -> click.decorators.FC:
                         default=None, help="The fleet's etcd [env LAZYFS_FLEET].")(f)
 
 
-def _etcd(fleet: str | None) -> Etcd:
+def _url(fleet: str | None) -> str:
     if not fleet:
         raise QuietError("no fleet: give --fleet etcd://HOST:PORT or set LAZYFS_FLEET",
                          exit_code=2)
-    return Etcd(fleet)
+    return fleet
+
+
+def _etcd(fleet: str | None) -> Etcd:
+    return Etcd(_url(fleet))
 
 
 @click.group()
@@ -74,12 +81,41 @@ def top(fleet: str | None) -> None:
 
 @fleet.command()
 @_fleet_option
+@click.option("--move", is_flag=True,
+              help="Also move its sandboxes to other nodes on the same cluster store "
+                   "(snapshot, restore elsewhere; ids kept).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="With --move: only the sandboxes with these labels.")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="The fleet's agent token [env LAZYFS_NODE_TOKEN].")
 @click.argument("node_id")
-def drain(fleet: str | None, node_id: str) -> None:
-    """Place no new sandbox on NODE_ID (its sandboxes run on; the flag stays
-    across agent restarts until `undrain`)."""
-    set_draining(_etcd(fleet), node_id, True)
-    click.echo(f"{node_id}: draining", err=True)
+def drain(fleet: str | None, move: bool, labels: tuple[str, ...], token_file: Path | None,
+          node_id: str) -> None:
+    """Place no new sandbox on NODE_ID (its sandboxes run on, unless --move;
+    the flag stays across agent restarts until `undrain`)."""
+    if labels and not move:
+        raise QuietError("--label selects the sandboxes to --move", exit_code=2)
+    if not move:
+        set_draining(_etcd(fleet), node_id, True)
+        click.echo(f"{node_id}: draining", err=True)
+        return
+    check_node_id(node_id)
+    token = token_file.read_text().strip() if token_file else None
+    client = Fleet(_url(fleet), token)
+    try:
+        moves = client.move(node_id, parse_labels(labels))
+    finally:
+        client.close()
+    for m in moves:
+        click.echo(f"{m.sandbox_id} {m.to} {m.seconds:.2f}s" if m.to
+                   else f"{m.sandbox_id} - {m.error}")
+        if m.to and m.error:
+            click.echo(f"{m.sandbox_id}: {m.error}", err=True)
+    stayed = sum(m.to is None for m in moves)
+    click.echo(f"{node_id}: draining; {len(moves) - stayed} sandboxes moved"
+               + (f", {stayed} not (see above)" if stayed else ""), err=True)
+    if stayed:
+        raise SystemExit(1)
 
 
 @fleet.command()

@@ -12,6 +12,8 @@ import click
 from chunkstore import ChunkId, ChunkStore, TrustDomain
 from lazyfs.settings import Settings
 
+from .errors import QuietError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -57,3 +59,14 @@ def as_domain(name: str) -> TrustDomain:
         return TrustDomain(name)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--domain") from e
+
+
+def parse_labels(items: tuple[str, ...], option: str = "--label") -> dict[str, str]:
+    """KEY=VALUE options as a dict; one line naming a bad one."""
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise QuietError(f"{option} {item!r}: expected KEY=VALUE", exit_code=2)
+        out[k] = v
+    return out

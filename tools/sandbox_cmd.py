@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import secrets
 import sys
@@ -28,6 +29,7 @@ from runtime.transport import Transport, close_embedded, local, resolve
 
 from .config import Settings
 from .errors import QuietError
+from .options import parse_labels as _labels
 
 
 def _config(settings: Settings, state: Path | None, node_root: Path | None) -> RuntimeConfig:
@@ -48,16 +50,6 @@ NODE_HELP = ("Node agent: unix:///PATH or http://HOST:PORT [env LAZYFS_NODE]. De
 def _node_option(f: Any) -> Any:
     return click.option("--node", "node", metavar="URL", envvar="LAZYFS_NODE", default=None,
                         help=NODE_HELP)(f)
-
-
-def _labels(items: tuple[str, ...], option: str = "--label") -> dict[str, str]:
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise QuietError(f"{option} {item!r}: expected KEY=VALUE", exit_code=2)
-        out[k] = v
-    return out
 
 
 def _target(settings: Settings, node: str | None, *, detached: bool = False) -> Transport:
@@ -157,6 +149,8 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
         membership = (fleet, Registration(
             node_id=node_id, address=advertise or f"http://{listen[0]}",
             backends=usable_backends(), labels=_labels(node_labels, "--node-label")))
+    root_logger = logging.getLogger()
+    root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
     run_agent(config, socket=sock, listen=list(listen), token=token, fleet=membership,
               on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
                                           + "".join(f" http://{a}" for a in listen)

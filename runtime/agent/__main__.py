@@ -8,6 +8,8 @@ import argparse
 import logging
 import sys
 
+from lazyfs import logs
+
 from ..errors import SandboxError
 from .launch import agent_socket, load_config, pid_file
 from .server import run_agent
@@ -21,8 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True,
                    help="the node's RuntimeConfig as JSON (runtime.agent.launch.dump_config)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(logging.INFO)
     config = load_config(args.config)
     sock = agent_socket(config.state_dir)
     try:

@@ -151,7 +151,7 @@ def make_app(node: Node, token: str | None = None,
 
     @app.get("/metrics")
     async def metrics_() -> Response:
-        return Response(m.render(), media_type=CONTENT_TYPE)
+        return Response(await run(m.render), media_type=CONTENT_TYPE)
 
     @app.post("/v1/sandboxes", status_code=201)
     async def create(spec: SandboxSpec) -> SandboxInfo:

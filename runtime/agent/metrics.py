@@ -8,6 +8,17 @@ GET /metrics (behind the agent's token on TCP, like every route):
     lazyfs_sandbox_creates_total{backend}      creations that succeeded
     lazyfs_sandbox_create_refusals_total{error}  creations refused or failed
     lazyfs_exec_seconds{backend}               exec latency (histogram)
+    lazyfs_sandbox_denials_total{kind}         what the sandboxes were refused
+                                               (their events: syscall, connect,
+                                               oom_kill, process_limit), live
+                                               and killed ones
+    lazyfs_daemon_up                           1 when the node's lazyfs daemon answered
+
+followed by the node's lazyfs daemon's own metrics (lazyfs.metrics: node
+cache, touched fraction per layer and image, mounts), asked over its
+control socket at each scrape, so one scrape of the agent (behind its
+token) covers the node. The daemon starts on the node's first sandbox:
+before that, lazyfs_daemon_up is 0 and its metrics are absent.
 
 Gauges are read from the node when scraped (no per-call bookkeeping); one
 registry per agent, so two agents in one process (tests) do not mix."""
@@ -17,9 +28,12 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from chunkstore.errors import LazyfsError
+from lazyfs.node import request
 
 from .. import cgroups
 from ..node import Node
@@ -52,6 +66,12 @@ class _NodeCollector(Collector):
         yield CounterMetricFamily("lazyfs_sandbox_cpu_seconds",
                                   "CPU time used by the sandboxes' cgroups (live ones).",
                                   value=cpu_ns / 1e9)
+        denials = CounterMetricFamily("lazyfs_sandbox_denials",
+                                      "What the node's sandboxes were refused (events), "
+                                      "by kind.", labels=["kind"])
+        for kind, n in sorted(self.node.denial_counts().items()):
+            denials.add_metric([kind], n)
+        yield denials
 
 
 class AgentMetrics:
@@ -65,6 +85,18 @@ class AgentMetrics:
                                 ["error"], registry=self.registry)
         self.exec_seconds = Histogram("lazyfs_exec_seconds", "Exec latency.", ["backend"],
                                       buckets=EXEC_BUCKETS, registry=self.registry)
+        self.daemon_up = Gauge("lazyfs_daemon_up",
+                               "1 when the node's lazyfs daemon answered this scrape.",
+                               registry=self.registry)
+        self.node = node
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Blocking (the daemon is asked over its socket): call it off the
+        event loop."""
+        try:
+            daemon = str(request(self.node.images.paths, {"op": "metrics"},
+                                 timeout=5)["text"]).encode()
+        except (OSError, LazyfsError, KeyError):
+            daemon = b""
+        self.daemon_up.set(1 if daemon else 0)
+        return generate_latest(self.registry) + daemon

@@ -25,12 +25,14 @@ Light to import (httpx, pydantic): no node code.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -59,7 +61,18 @@ from ..spec import (
     VerifyRequest,
 )
 from .etcd import Etcd
-from .records import DRAIN, NODES, NodeRecord, NodeView, check_node_id, drain_key, node_of
+from .records import (
+    DRAIN,
+    MOVED,
+    NODES,
+    PREFIX,
+    NodeRecord,
+    NodeView,
+    check_node_id,
+    drain_key,
+    moved_key,
+    node_of,
+)
 from .scheduler import Index, K, Request, candidates
 
 if TYPE_CHECKING:
@@ -74,11 +87,13 @@ FANOUT = 32  # parallel calls of list/pause_many/kill_many
 T = TypeVar("T")
 
 
-def read_nodes(etcd: Etcd) -> list[NodeView]:
-    """Every node record and drain flag under the fleet's prefix (one read)."""
+def read_index(etcd: Etcd) -> Index:
+    """Every node record, drain flag and forwarding record of a moved
+    sandbox under the fleet's prefix (one range read), ready for placement."""
     records: dict[str, NodeRecord] = {}
     drained: set[str] = set()
-    for key, value in etcd.get_prefix(NODES.rsplit("/", 2)[0] + "/"):
+    moved: dict[str, str] = {}
+    for key, value in etcd.get_prefix(PREFIX):
         if key.startswith(NODES):
             try:
                 records[key[len(NODES):]] = NodeRecord.model_validate_json(value)
@@ -87,7 +102,15 @@ def read_nodes(etcd: Etcd) -> list[NodeView]:
                             str(e).splitlines()[0])
         elif key.startswith(DRAIN) and value == b"1":
             drained.add(key[len(DRAIN):])
-    return [NodeView(record=r, draining=i in drained) for i, r in sorted(records.items())]
+        elif key.startswith(MOVED):
+            moved[key[len(MOVED):]] = value.decode(errors="replace")
+    return Index([NodeView(record=r, draining=i in drained) for i, r in sorted(records.items())],
+                 moved)
+
+
+def read_nodes(etcd: Etcd) -> list[NodeView]:
+    """Every node record with its drain flag (one read)."""
+    return read_index(etcd).nodes
 
 
 class NodeList:
@@ -103,6 +126,7 @@ class NodeList:
         self._refreshing = False
         self._read_at = -1e18
         self._addresses: dict[str, str] = {}  # every node seen, for calls by id
+        self._moved: dict[str, str] = {}  # moved sandboxes, as the last read had them
         self.reads = 0
 
     def nodes(self, *, fresh: bool = False) -> list[NodeView]:
@@ -142,13 +166,25 @@ class NodeList:
                 self._refreshing = False
 
     def _read(self) -> Index:
-        nodes = read_nodes(self.etcd)
-        index = Index(nodes)
+        index = read_index(self.etcd)
         with self._lock:
             self.reads += 1
             self._index, self._read_at = index, self._clock()
-            self._addresses.update((n.record.node_id, n.record.address) for n in nodes)
+            self._addresses.update((n.record.node_id, n.record.address) for n in index.nodes)
+            self._moved = dict(index.moved)
         return index
+
+    def where(self, sandbox_id: str, *, fresh: bool = False) -> str:
+        """The node that runs `sandbox_id`: the one it was moved to (as this
+        list has it), else the one its id names. With etcd down, as the
+        last list read had it."""
+        named = node_of(sandbox_id)
+        assert named is not None
+        try:
+            return self.index(fresh=fresh).moved.get(sandbox_id, named)
+        except FleetUnavailable:
+            with self._lock:
+                return self._moved.get(sandbox_id, named)
 
     def address(self, node_id: str, sandbox_id: str) -> str:
         """Where `node_id`'s agent answers: NodeLost when etcd no longer
@@ -221,10 +257,28 @@ class Fleet:
 
     # -- by id -----------------------------------------------------------------
     def _on(self, sandbox_id: str, call: Callable[[Http], T]) -> T:
-        node_id = node_of(sandbox_id)
-        if node_id is None:
+        """`call` on the agent of the node that runs the sandbox. The id
+        names its node; a moved sandbox's forwarding record (in the node
+        list) names another. A node that no longer knows it, or is gone,
+        makes one fresh read of the list: moved since that list was read?
+        Then there."""
+        if node_of(sandbox_id) is None:
             raise SandboxNotFound(f"{sandbox_id!r} is not the id of a fleet sandbox "
                                   "(sb-<hex>.<node id>)")
+        node_id = self.nodes.where(sandbox_id)
+        try:
+            return self._on_node(node_id, sandbox_id, call)
+        except (SandboxNotFound, NodeLost) as e:
+            first: SandboxError = e
+        try:
+            now = self.nodes.where(sandbox_id, fresh=True)
+        except FleetUnavailable:
+            now = node_id
+        if now == node_id:
+            raise first
+        return self._on_node(now, sandbox_id, call)
+
+    def _on_node(self, node_id: str, sandbox_id: str, call: Callable[[Http], T]) -> T:
         address = self.nodes.address(node_id, sandbox_id)
         try:
             return call(self.agent(address))
@@ -239,6 +293,18 @@ class Fleet:
 
     def kill(self, sandbox_id: str) -> None:
         self._on(sandbox_id, lambda a: a.kill(sandbox_id))
+        self._forget_moved([sandbox_id])
+
+    def _forget_moved(self, sandbox_ids: list[str]) -> None:
+        """Delete the forwarding records of killed sandboxes (as the node
+        list has them; a record left by a list too old only costs a miss)."""
+        try:
+            moved = self.nodes.index().moved
+            for sid in sandbox_ids:
+                if sid in moved:
+                    self.nodes.etcd.delete(moved_key(sid))
+        except SandboxError as e:  # etcd down: the sandboxes are gone all the same
+            log.warning("forwarding records of killed sandboxes stay: %s", e)
 
     def pause(self, sandbox_id: str) -> dict[str, Any]:
         return self._on(sandbox_id, lambda a: a.pause(sandbox_id))
@@ -342,13 +408,92 @@ class Fleet:
         return self._everywhere(lambda a: a.resume_many(labels))
 
     def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self._everywhere(lambda a: a.kill_many(labels))
+        killed = self._everywhere(lambda a: a.kill_many(labels))
+        self._forget_moved(killed)
+        return killed
+
+    # -- moving a node's sandboxes ----------------------------------------------
+    def move(self, node_id: str, labels: Mapping[str, str] | None = None) -> list[Moved]:
+        """Drain `node_id` and move its sandboxes (those with `labels`) to
+        other nodes, one at a time: preempt it there (its files go into the
+        cluster store as a snapshot, docs/snapshots.md), restore it on a
+        node placed as a create is, among those on the same cluster store,
+        and point its id at that node (records.MOVED). A node on a local
+        store keeps its snapshots where no other node sees them: Unsupported,
+        before anything is stopped. A sandbox that cannot be preempted runs
+        on where it is; one no other node admits stays preempted (`Moved.to`
+        None, with the reasons): Sandbox.restore(id, node=...) brings it back
+        where you choose."""
+        set_draining(self.nodes.etcd, node_id, True)
+        index = self.nodes.index(fresh=True)
+        view = index.by_id.get(node_id)
+        if view is None:
+            raise NodeLost(f"cannot move the sandboxes of {node_id}: it is not in the fleet "
+                           "(no live lease; its preempted sandboxes can still be restored "
+                           "by id)")
+        if not view.record.store:
+            raise Unsupported(f"cannot move the sandboxes of {node_id}: it keeps its "
+                              "snapshots in a local store no other node sees (agents "
+                              "need a shared --cluster store); it is drained, its "
+                              "sandboxes run on")
+        source = self.agent(view.record.address)
+        out = []
+        for info in source.list_sandboxes(labels):
+            t0 = time.monotonic()
+            try:  # one at a time: each is stopped only for its own snapshot + restore
+                record = source.preempt(info.id)
+            except SandboxError as e:  # e.g. a backend that cannot snapshot: it runs on
+                out.append(Moved(info.id, node_id, None, f"not preempted: {e}"))
+                continue
+            moved = self._restore_elsewhere(record, view.record)
+            out.append(dataclasses.replace(moved, seconds=time.monotonic() - t0))
+        return out
+
+    def _restore_elsewhere(self, record: PreemptedSandbox, source: NodeRecord) -> Moved:
+        index = self.nodes.index()
+        refusals: list[str] = []
+        for target in candidates(index, Request.of(record.spec, self.node_labels), k=self.k,
+                                 rng=self._rng):
+            view = index.by_id[target]
+            if target == source.node_id or view.record.store != source.store:
+                continue  # only a node on the same cluster store sees the snapshot
+            try:
+                self.agent(view.record.address).restore(record.id)
+            except SandboxError as e:  # refused, or failed there: the record stays
+                refusals.append(f"{target}: {e}")
+                continue
+            key = moved_key(record.id)
+            try:
+                if target == node_of(record.id):  # back on the node its id names
+                    self.nodes.etcd.delete(key)
+                else:
+                    self.nodes.etcd.put(key, target.encode())
+            except SandboxError as e:
+                return Moved(record.id, source.node_id, target,
+                             f"runs on {target}, but its forwarding record was not "
+                             f"written: {e}")
+            log.info("moved %s from %s to %s", record.id, source.node_id, target)
+            return Moved(record.id, source.node_id, target)
+        return Moved(record.id, source.node_id, None,
+                     "; ".join(refusals) or "no other node of the fleet can take it")
 
     def capabilities(self, backend: str) -> dict[str, Any]:
         for n in self.nodes.nodes():
             if backend in n.record.backends:
                 return self.agent(n.record.address).capabilities(backend)
         raise FleetUnavailable(f"no node of the fleet {self.url} runs the {backend} backend")
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What became of one sandbox of a drained node: `to` the node that runs
+    it now (None: it stays preempted, `error` says why)."""
+
+    sandbox_id: str
+    source: str
+    to: str | None
+    error: str = ""
+    seconds: float = 0.0  # from the preempt to running on `to` (or giving up)
 
 
 def set_draining(etcd: Etcd, node_id: str, draining: bool) -> None:

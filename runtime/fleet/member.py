@@ -10,17 +10,24 @@ Write budget (docs/fleet.md, "etcd write budget"): one keep-alive every
 TTL/3 and one record put at most every `min_interval` seconds, only when
 the record changed beyond the noise (sandbox count, asked memory, images),
 and at least every `max_interval` seconds (fresh usage figures).
+
+The CPU figure placement reads (`Load.cpu_used`) is sampled on every turn
+of the loop (every ~1.7 s, whether or not a record is written) and smoothed
+over CPU_WINDOW seconds (CpuMeter): a record written 0.1 s or 30 s after
+the previous one tells the same thing, and one sandbox's create (a
+fraction of a CPU-second) does not make a node look busy.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .. import cgroups
@@ -35,6 +42,7 @@ from .records import (
     NodeRecord,
     check_node_id,
     node_key,
+    store_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -43,6 +51,35 @@ TTL = 5  # seconds: how long a dead agent still receives placements (at most)
 MIN_INTERVAL = 2.0  # seconds between two record writes, at least
 MAX_INTERVAL = 30.0  # seconds between two record writes, at most
 RETRY = 0.5  # seconds between two attempts while etcd does not answer
+CPU_WINDOW = 10.0  # seconds: the time constant of the smoothed CPU figure
+
+
+class CpuMeter:
+    """Cores busy in a node's sandboxes, an exponentially weighted moving
+    average (time constant `window` seconds) of the rate between two
+    samples of each sandbox's cumulative CPU time. Per sandbox, so one that
+    exits between two samples takes nothing away; one that appeared counts
+    all of its CPU time (spent since the last sample, bar a first sample)."""
+
+    def __init__(self, window: float = CPU_WINDOW) -> None:
+        self.window = window
+        self.value = 0.0  # cores
+        self._last: tuple[float, dict[str, int]] | None = None
+
+    def sample(self, now: float, cpu_ns: Mapping[str, int]) -> float:
+        if self._last is None:  # nothing to compare with yet: a baseline
+            self._last = (now, dict(cpu_ns))
+            return self.value
+        then, before = self._last
+        dt = now - then
+        if dt <= 0:
+            return self.value
+        spent = sum(max(0, ns - before.get(i, 0)) for i, ns in cpu_ns.items())
+        rate = spent / 1e9 / dt
+        alpha = 1.0 - math.exp(-dt / self.window)
+        self.value += alpha * (rate - self.value)
+        self._last = (now, dict(cpu_ns))
+        return self.value
 
 
 @dataclass
@@ -99,18 +136,23 @@ class Member:
         self.started = time.time()
         self.writes = 0  # record puts (the budget's figure)
         self.keepalives = 0
-        self._cpu: tuple[float, int] | None = None  # (when, CPU ns) of the last look
+        self.cpu = CpuMeter()
+        self._memory = 0  # bytes charged to the sandboxes' cgroups, at the last sample
+        self._sampled = False
 
     # -- the record ------------------------------------------------------------
+    def sample(self) -> None:
+        """Read the sandboxes' cgroups: memory now, CPU into the meter."""
+        figures = cgroups.usage_by_sandbox([i.id for i, _ in self.node.census()])
+        self.cpu.sample(self._clock(), {i: c for i, (_, c) in figures.items()})
+        self._memory = sum(m for m, _ in figures.values())
+        self._sampled = True
+
     def record(self) -> NodeRecord:
+        if not self._sampled:
+            self.sample()
         census = self.node.census()
-        ids = [i.id for i, _ in census]
-        memory, cpu_ns = cgroups.usage(ids)
-        now = self._clock()
-        cpu_used = 0.0
-        if self._cpu is not None and now > self._cpu[0]:
-            cpu_used = max(0.0, (cpu_ns - self._cpu[1]) / 1e9 / (now - self._cpu[0]))
-        self._cpu = (now, cpu_ns)
+        memory, cpu_used = self._memory, self.cpu.value
         asked = self.node.asked()
         config = self.node.config
         load = Load(sandboxes=len(census),
@@ -129,7 +171,8 @@ class Member:
                     "latency": config.overcommit_latency,
                     "best_effort": config.overcommit_best_effort}),
             load=load, images=_images(self.node), labels=self.reg.labels,
-            started=self.started, reported=time.time())
+            started=self.started, reported=time.time(),
+            store=store_identity(config.cluster))
 
     def _shape(self) -> tuple[object, ...]:
         """What must reach etcd soon when it changes (usage figures wait
@@ -174,6 +217,7 @@ class Member:
                         self.lease = None
                         continue
                     renewed_at = now
+                self.sample()
                 shape = self._shape()
                 due = (written_shape is None
                        or (shape != written_shape and now - written_at >= self.min_interval)

@@ -5,13 +5,20 @@ are spelled.
                                     gone when the node stops renewing it
     /lazyfs/fleet/drain/<node id>   "1" while an operator drains the node
                                     (no lease: it outlives the node agent)
+    /lazyfs/fleet/moved/<sandbox id>  the node id a sandbox was moved to
+                                    (drain --move); deleted when it is killed
 
 A fleet sandbox's id names its node: `sb-<hex>.<node id>` (node ids have no
 dot), so any client finds the node of an id without asking etcd who holds it.
+A sandbox moved to another node keeps its id (the id is its identity for
+its whole life); its forwarding record says where it runs now, read with
+the node records in the same range read, so a client's calls by id go
+straight to the new node once its node list is newer than the move.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +29,7 @@ from ..spec import NODE_ID_PATTERN, SANDBOX_ID_PATTERN
 PREFIX = "/lazyfs/fleet/"
 NODES = PREFIX + "nodes/"
 DRAIN = PREFIX + "drain/"
+MOVED = PREFIX + "moved/"
 NODE_ID = re.compile(NODE_ID_PATTERN)
 _SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
 MAX_IMAGES = 64  # image locality kept per record (the most recently used)
@@ -40,6 +48,20 @@ def node_key(node_id: str) -> str:
 
 def drain_key(node_id: str) -> str:
     return DRAIN + node_id
+
+
+def store_identity(cluster: str | None) -> str:
+    """Who shares a node's images and snapshots: a digest of its cluster
+    store URL (not the URL: records are read by every client), "" for a
+    node on a local store of its own."""
+    if not cluster:
+        return ""
+    return "cluster-" + hashlib.sha256(cluster.encode()).hexdigest()[:16]
+
+
+def moved_key(sandbox_id: str) -> str:
+    node_of(sandbox_id)  # checks it
+    return MOVED + sandbox_id
 
 
 def sandbox_id(local_id: str, node_id: str | None) -> str:
@@ -81,7 +103,7 @@ class Load(_Record):
     by_qos_memory_mb: dict[str, int] = {}  # requested memory per QoS class
     # what they use, from their cgroups
     memory_used_mb: int = 0
-    cpu_used: float = 0.0  # cores busy, averaged since the last report
+    cpu_used: float = 0.0  # cores busy, smoothed over ~10 s (member.CpuMeter)
 
 
 class ImageLocality(_Record):
@@ -102,6 +124,9 @@ class NodeRecord(_Record):
     images: list[ImageLocality] = Field(default=[], max_length=MAX_IMAGES)
     labels: dict[str, str] = {}
     started: float = 0.0  # when this agent process started (a restart shows)
+    # the chunk store the node serves from (store_identity): nodes with the
+    # same one see each other's snapshots (a move needs it); "" = its own local store
+    store: str = ""
     reported: float = 0.0  # when this record was written
 
     def layers(self) -> frozenset[str]:

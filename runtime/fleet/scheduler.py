@@ -51,11 +51,14 @@ class Request:
 
 class Index:
     """A node list prepared for placement, built once per read of etcd: the
-    nodes, and which nodes run which image (by name and by digest), so one
-    decision costs O(k), not a pass over every node."""
+    nodes, which nodes run which image (by name and by digest), so one
+    decision costs O(k), not a pass over every node; and where moved
+    sandboxes run now (records.MOVED)."""
 
-    def __init__(self, nodes: Sequence[NodeView]) -> None:
+    def __init__(self, nodes: Sequence[NodeView], moved: Mapping[str, str] | None = None
+                 ) -> None:
         self.nodes = list(nodes)
+        self.moved = dict(moved or {})  # sandbox id -> the node it was moved to
         self.by_id = {n.record.node_id: n for n in self.nodes}
         self.layers: dict[str, frozenset[str]] = {}
         self.holders: dict[str, list[NodeView]] = {}

@@ -25,14 +25,19 @@ class Agent(ServerProcess):
     name = "lazyfs agent"  # ready when its Unix socket accepts a connection
 
     def __init__(self, d: Path, store: Path, node_root: Path,
-                 extra: Sequence[str] = ()) -> None:
-        """`extra`: more `lazyfs agent` options (e.g. --fleet, --node-id)."""
+                 extra: Sequence[str] = (), cluster: str | None = None,
+                 log_json: bool = False) -> None:
+        """`extra`: more `lazyfs agent` options (e.g. --fleet, --node-id);
+        `cluster`: the cluster store it serves images from; `log_json`: its
+        log as JSON lines, at INFO (`lazyfs --log-json -v`)."""
         super().__init__(d / "agent.log", startup_timeout=20, stop_grace=10)
         self.d, self.store, self.node_root = d, store, node_root
         self.sock = d / "agent.sock"
         self.port = free_port()
         self.token_file = d / "token"
         self.extra = list(extra)
+        self.cluster = cluster
+        self.log_json = log_json
 
     @property
     def unix(self) -> str:
@@ -48,7 +53,10 @@ class Agent(ServerProcess):
 
     def start(self) -> None:
         self.sock.unlink(missing_ok=True)
-        self.spawn([sys.executable, "-m", "tools.cli", "--store", str(self.store), "agent",
+        cluster = ["--cluster", self.cluster] if self.cluster else []
+        logs = ["--log-json", "-v"] if self.log_json else []
+        self.spawn([sys.executable, "-m", "tools.cli", "--store", str(self.store), *cluster,
+                    *logs, "agent",
                     "--socket", str(self.sock), "--state", str(self.d / "state"),
                     "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
                     "--token-file", str(self.token_file), *self.extra], cwd=REPO)
@@ -84,19 +92,22 @@ def running_agent(d: Path) -> Iterator[Agent]:
 
 
 def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
-                max_sandboxes: int, memory_mb: int | None = None) -> Agent:
+                max_sandboxes: int, memory_mb: int | None = None,
+                cluster: str | None = None, log_json: bool = False) -> Agent:
     """An agent (not started) in the fleet of `etcd_url` as `node_id`, with
-    its own busybox store, lazyfs daemon and state in `d`, the fleet's
-    `token` and label zone=<node id>; `memory_mb`: its memory admission. `stack` stops it and its daemon and
-    kills its sandboxes, also what a killed agent left."""
-    store = busybox_store(d)
-    lazy = stack.enter_context(LazyNode(d / "lazynode", store))
+    its own busybox store (or, with `cluster`, the cluster store the fleet
+    shares), lazyfs daemon and state in `d`, the fleet's `token` and label
+    zone=<node id>; `memory_mb`: its memory admission. `stack` stops it and
+    its daemon and kills its sandboxes, also what a killed agent left."""
+    store = d / "no-local-store" if cluster else busybox_store(d)
+    lazy = stack.enter_context(LazyNode(d / "lazynode", store, cluster=cluster))
     d.mkdir(parents=True, exist_ok=True)
     (d / "token").write_text(token + "\n")
     a = Agent(d, store, lazy.paths.root, extra=[
         "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
         "--max-sandboxes", str(max_sandboxes),
-        *(["--memory-mb", str(memory_mb)] if memory_mb is not None else [])])
+        *(["--memory-mb", str(memory_mb)] if memory_mb is not None else [])],
+        cluster=cluster, log_json=log_json)
 
     stack.callback(_teardown, a)
     return a
@@ -112,7 +123,7 @@ def _teardown(a: Agent) -> None:
     a.stop()
     from runtime.config import RuntimeConfig
     from runtime.node import Node
-    n = Node(RuntimeConfig(store=a.store, cluster=None, state_dir=a.d / "state",
+    n = Node(RuntimeConfig(store=a.store, cluster=a.cluster, state_dir=a.d / "state",
                            node_root=a.node_root))
     n.kill_many(None)
     n.close()
