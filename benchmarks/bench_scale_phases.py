@@ -8,7 +8,8 @@ One lazyfs daemon and two embedded nodes (RuntimeConfig(user_namespaces=True)
 and False) over one busybox image (tests/helpers/sandboxes.py); the idle
 sandboxes are created on the user-namespace node (4 threads). At each N both
 nodes create and kill `--samples` sandboxes one at a time, and the
-ContainerBackend's steps are timed by wrapping them (median ms per call):
+ContainerBackend's steps are timed by wrapping them (bench_runtime's
+PhaseTimer; median ms per create + kill):
 runc run (`_run_detached`), the inotify budgets (`limit_sandbox`, an
 nsenter), composing the root (`mount_image`), detaching it, the other runc
 calls, unmounting, removing the directory. Besides wall times, the CPU of the
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import resource
 import shutil
 import signal
@@ -32,13 +32,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_runtime import PhaseTimer
 from benchmarks.report import exit_on_sigterm, int_list, log, machine_info, write_json
 from runtime import Sandbox, hostlimits
 from runtime.backends import container
@@ -50,23 +50,7 @@ from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 HERE = Path(__file__).resolve().parent
 IDLE = {"bench": "phases-idle"}
 
-_times: dict[str, list[float]] = {}
-_timing = threading.local()  # only the sampling thread's calls count
-
-
-def _wrap(owner: Any, name: str, label: str) -> None:
-    f = getattr(owner, name)
-
-    @functools.wraps(f)
-    def timed(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            if getattr(_timing, "on", False):
-                _times.setdefault(label, []).append(time.perf_counter() - t0)
-
-    setattr(owner, name, timed)
+TIMER = PhaseTimer()  # per thread: the idle-growing threads' steps do not count
 
 
 def _instrument() -> None:
@@ -74,11 +58,11 @@ def _instrument() -> None:
     for name, label in (("_run_detached", "runc run"), ("_runc", "runc delete/state"),
                         ("_kill_init", "kill init"), ("create", "backend create"),
                         ("kill", "backend kill")):
-        _wrap(cb, name, label)
+        TIMER.wrap(cb, name, label)
     for name, label in (("mount_image", "compose root"), ("detach", "detach root"),
                         ("unmount", "unmount root"), ("_remove", "remove dir")):
-        _wrap(container, name, label)
-    _wrap(hostlimits, "limit_sandbox", "inotify budgets (nsenter)")
+        TIMER.wrap(container, name, label)
+    TIMER.wrap(hostlimits, "limit_sandbox", "inotify budgets (nsenter)")
 
 
 def _cpu() -> tuple[float, int]:
@@ -103,28 +87,26 @@ def _perf(out: Path | None) -> Iterator[None]:
 
 
 def sample(node: Node, n: int) -> dict[str, Any]:
-    global _times
-    _times = {}
     creates, kills = [], []
+    steps: dict[str, list[float]] = {}
     c0, s0 = _cpu()
-    _timing.on = True
-    try:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            sb = Sandbox.create(IMAGE, node=node)
-            t1 = time.perf_counter()
-            sb.kill()
-            creates.append(t1 - t0)
-            kills.append(time.perf_counter() - t1)
-    finally:
-        _timing.on = False
+    TIMER.take()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = Sandbox.create(IMAGE, node=node)
+        t1 = time.perf_counter()
+        sb.kill()
+        creates.append(t1 - t0)
+        kills.append(time.perf_counter() - t1)
+        for k, v in TIMER.take().items():  # this create + kill's time in each step
+            steps.setdefault(k, []).append(v)
     c1, s1 = _cpu()
     tick = 1 / 100  # USER_HZ
     return {"create_ms": statistics.median(creates) * 1e3,
             "kill_ms": statistics.median(kills) * 1e3,
             "children_cpu_ms": (c1 - c0) / n * 1e3,
             "host_system_ms": (s1 - s0) * tick / n * 1e3,
-            "phases_ms": {k: statistics.median(v) * 1e3 for k, v in sorted(_times.items())}}
+            "phases_ms": {k: statistics.median(v) * 1e3 for k, v in sorted(steps.items())}}
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
