@@ -42,7 +42,7 @@ from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 from tests.helpers.seaweed import SeaweedFS, weed_binary
 from tests.helpers.snapshots import kill_snapshot_midway
-from tests.test_snapshot import changed_and_snapshotted, rootfs, same_tree, tree
+from tests.test_snapshot import changed_and_snapshotted, same_tree, seen
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
@@ -116,7 +116,7 @@ def test_a_snapshot_on_one_node_restores_on_the_other(nodes: tuple[Node, Node],
         assert not any((site.d / "a" / "state" / "staging").iterdir())  # the stage went
     with Sandbox.create(snap.image, node=b) as child:
         assert child.info.image_digest == snap.image
-        got = tree(rootfs(b, child))
+        got = seen(b, child)
         assert child.files.read("/root/new.txt") == b"new\n"
     same_tree(got, want)
     assert "etc/motd" not in got and "data/big.bin" not in got  # deletions held
@@ -298,14 +298,14 @@ def test_a_chain_of_snapshots_is_flattened_past_the_limit(nodes: tuple[Node, Nod
         node = (a, b)[n % 2]  # each generation on the other node
         with Sandbox.create(image, node=node) as sb:
             assert sb.exec(step).exit_code == 0
-            want = tree(rootfs(node, sb))
+            want = seen(node, sb)
             snap = sb.snapshot()
         depth.append((snap.layers - base_layers, snap.flattened))
         image = snap.image
     # one layer per generation up to the limit, then the chain squashed into one
     assert depth == [(1, 0), (2, 0), (1, 3)]
     with Sandbox.create(image, node=b) as last:
-        got = tree(rootfs(b, last))
+        got = seen(b, last)
         assert last.files.read("/root/two-link") == b"2\n"
         assert last.exec("ls /root/d; test -e /root/one || echo gone").stdout == b"y\ngone\n"
     assert got == want
