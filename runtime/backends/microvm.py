@@ -31,6 +31,7 @@ from ..guest import qemu
 from ..guest.initramfs import initramfs
 from ..guest.pmemimages import pmem_layers
 from ..images import Images
+from ..spec import ResolvedImage
 from .base import Capabilities, Handle
 from .qemubase import QemuBackend, QemuState
 from .qemuproc import vmm_pss
@@ -52,11 +53,14 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     name = "microvm"
     state_type = MicrovmState
     capabilities = Capabilities("microvm", frozenset(
-        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "events"}),
+        {"exec", "stream", "files", "pause", "resume", "snapshot", "network_allowlist",
+         "events"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; image "
         "layers are virtio-pmem devices mounted EROFS -o dax (one host page-cache copy for "
         "all VMs), upper in guest memory; a static guest agent over virtio-serial; pause = "
-        "snapshot to disk and exit the VMM. QEMU in per-sandbox host cgroups (cpu, memory, "
+        "snapshot to disk and exit the VMM; snapshot and preemption = that state (memory, "
+        "devices, the upper) as a layer in the store, loaded into a VM of the same shape on "
+        "any node (no fork: a copy would share the guest kernel's identity). QEMU in per-sandbox host cgroups (cpu, memory, "
         "pids; best_effort = cpu.idle + SCHED_IDLE). Network allowlists as containers' (a "
         "virtio-net NIC on a tap in the VMM's own network namespace, the same nftables rules "
         "there; none by default: no NIC). VMs end with the node process (not persistent).")
@@ -78,7 +82,11 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     def _config(self, h: Handle[MicrovmState], vmdir: Path, incoming: str | None = None
                 ) -> qemu.VmConfig:
         kernel = self._kernel()
-        layers = pmem_layers(self.images, h.image, self.pmem_cache, h.progress)
+        image = h.image
+        if image.vm_state is not None:  # the devices of the VM the state is of
+            image = ResolvedImage(name=image.name, digest=image.vm_state.base,
+                                  layers=image.layers)
+        layers = pmem_layers(self.images, image, self.pmem_cache, h.progress)
         h.state.layers = [x.digest for x in layers]
         upper_mb = h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
         on = h.state.layers_on
