@@ -316,12 +316,12 @@ def test_a_kill_during_a_restore_stops_the_restored_sandbox(
         assert release.wait(30)
         real_create(h)
     monkeypatch.setattr(backend, "create", held_create)
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
 
     def run(fn: Any) -> None:
         try:
             fn(sb.id)
-        except BaseException as e:  # reported below
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
     restore = threading.Thread(target=run, args=(node.restore,))
     restore.start()
