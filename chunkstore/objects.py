@@ -61,6 +61,14 @@ class ObjectStore(abc.ABC):
         """Store the whole object atomically (replacing any old one)."""
 
     @abc.abstractmethod
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Store the object only if no object `key` exists, in one atomic
+        step (an exclusive create: of two callers at once, exactly one gets
+        True). False when one exists with other bytes; a retried call whose
+        first attempt did create it finds its own bytes and gets True, so
+        `data` should be unique to the caller (a claim with a token)."""
+
+    @abc.abstractmethod
     def get(self, key: str) -> bytes: ...
 
     @abc.abstractmethod
@@ -174,22 +182,51 @@ class PosixObjectStore(ObjectStore):
             raise ValueError(f"bad object key {key!r}")
         return self.root / key
 
+    @staticmethod
+    def _written(path: Path, data: bytes) -> Path:
+        """`data` in a temporary file next to `path`, synced (the caller
+        renames or links it into place)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
 
         def fn() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+            tmp = self._written(path, data)
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.rename(tmp, path)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
         self._retry("put", key, fn)
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+
+        def fn() -> bool:
+            tmp = self._written(path, data)
+            try:
+                try:
+                    os.link(tmp, path)  # atomic, and refused if the name exists
+                except FileExistsError:
+                    try:
+                        return path.read_bytes() == data
+                    except FileNotFoundError:  # deleted meanwhile: not ours either
+                        return False
+                return True
+            finally:
+                tmp.unlink(missing_ok=True)
+        return self._retry("exclusive put", key, fn)
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -328,6 +365,24 @@ class S3ObjectStore(ObjectStore):
     def put(self, key: str, data: bytes) -> None:
         self._retry("put", key, lambda: self.client.put_object(
             Bucket=self.bucket, Key=self.prefix + key, Body=data))
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """A conditional PUT (If-None-Match: *; S3 since 2024, SeaweedFS,
+        MinIO): 412 when the key exists."""
+        def fn() -> bool:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data,
+                                       IfNoneMatch="*")
+                return True
+            except self._botoexc.ClientError as e:
+                status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+                if status not in (409, 412):  # (409: a concurrent conditional write)
+                    raise
+            try:  # a retry of a put that did land finds its own bytes
+                return self.get(key) == data
+            except ObjectNotFound:
+                return False
+        return self._retry("exclusive put", key, fn)
 
     def _get(self, key: str, **kw: Any) -> bytes:
         def fn() -> bytes:

@@ -30,6 +30,7 @@ import os
 import posixpath
 import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,25 +45,43 @@ from .sources import add_entry
 UNTRUSTED = TrustDomain("untrusted")
 OVERLAY_XATTR = "trusted.overlay."
 _REFUSED = ("trusted.overlay.redirect", "trusted.overlay.metacopy")
+OVERFLOW_ID = 65534  # what a user namespace shows for an id it does not map
+
+
+@dataclass(frozen=True)
+class HostIds:
+    """The host ids an upper was written with: a process of id N in the
+    sandbox's user namespace wrote host id base + N (N < count). A layer
+    records the ids the sandbox saw; an id outside the range (written by
+    the host) is recorded as the sandbox saw it too: the overflow id."""
+
+    base: int
+    count: int
+
+    def inside(self, host_id: int) -> int:
+        n = host_id - self.base
+        return n if 0 <= n < self.count else OVERFLOW_ID
 
 
 def pack_diff(store: ChunkStore, upper: Path, *, domain: TrustDomain = UNTRUSTED,
               source: str = "", chunk_size: int = DEFAULT_CHUNK_SIZE,
-              progress: ProgressFn | None = None) -> LayerManifest:
+              progress: ProgressFn | None = None, ids: HostIds | None = None
+              ) -> LayerManifest:
     """The layer that, put on top of the lowers the upper was written
-    against, gives the tree the overlay showed."""
+    against, gives the tree the overlay showed (ids: as a user namespace
+    mapping `ids` showed it)."""
     layer = source or f"upper:{upper}"
     builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
                            progress=progress, source=layer)
     seen: dict[tuple[int, int], str] = {}
     root_st = os.lstat(upper)
-    _add(builder, str(upper), "", seen, layer, root_st.st_dev)
+    _add(builder, str(upper), "", seen, layer, root_st.st_dev, ids)
     for dirpath, dirnames, filenames in os.walk(upper):
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, upper)
         for name in sorted(filenames + dirnames):
             rel = os.path.normpath(os.path.join(rel_dir, name))
-            _add(builder, os.path.join(dirpath, name), rel, seen, layer, root_st.st_dev)
+            _add(builder, os.path.join(dirpath, name), rel, seen, layer, root_st.st_dev, ids)
     manifest = builder.finish()
     # the upper's own root says nothing about the image's root
     manifest.entries[0].implicit = True
@@ -92,16 +111,18 @@ def _xattrs(full: str, layer: str, rel: str) -> tuple[dict[str, bytes], bool]:
 
 
 def _add(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, int], str],
-         layer: str, dev: int) -> None:
+         layer: str, dev: int, ids: HostIds | None) -> None:
     st = os.lstat(full)
     if st.st_dev != dev:
         raise DiffError(f"{layer}: {rel} is another filesystem mounted in the upper")
     xattrs, opaque = _xattrs(full, layer, rel)
-    common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
-                              "gid": st.st_gid, "mtime_ns": st.st_mtime_ns, "xattrs": xattrs}
+    uid, gid = (st.st_uid, st.st_gid) if ids is None else (ids.inside(st.st_uid),
+                                                           ids.inside(st.st_gid))
+    common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": uid,
+                              "gid": gid, "mtime_ns": st.st_mtime_ns, "xattrs": xattrs}
     name = rel if rel else "."
     if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # overlayfs' whiteout
-        builder.add(name, Entry("", Kind.WHITEOUT, mode=0, uid=st.st_uid, gid=st.st_gid,
+        builder.add(name, Entry("", Kind.WHITEOUT, mode=0, uid=uid, gid=gid,
                                 mtime_ns=st.st_mtime_ns))
         return
     if stat.S_ISDIR(st.st_mode):

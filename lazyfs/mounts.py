@@ -48,8 +48,8 @@ from .errors import DaemonError, MountError
 from .node import NodePaths, request
 from .tree import is_overlay_xattr
 
-__all__ = ["KERNEL_DEFAULT", "ComposedMount", "MountError", "mount_image", "registered",
-           "unmount", "write_fixups"]
+__all__ = ["KERNEL_DEFAULT", "ComposedMount", "IdShift", "MountError", "mount_image",
+           "registered", "unmount", "write_fixups"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,20 @@ MAX_OPTIONS = 4000  # overlayfs mount data is one page
 # otherwise: benchmarks/bench_erofs.py measured metadata work at kernel speed
 # there (docs/erofs.md has the figures). False falls back to the FUSE trees.
 KERNEL_DEFAULT = True
+
+
+@dataclass(frozen=True)
+class IdShift:
+    """A composed root for processes whose ids are host ids `base` and up (a
+    container's user namespace maps its 0..N to base..base+N): each lower is
+    an idmapped copy of its mount through `userns_fd` (a user namespace
+    with that map), so the image's root-owned files show as owned by `base`
+    and look root-owned inside; the writable layer holds host ids as they
+    are (what the sandbox's processes write is owned by base+N on the host),
+    its root and directory fixups written shifted by `base`."""
+
+    userns_fd: int
+    base: int
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,8 @@ def _reg_path(paths: NodePaths, mountpoint: Path) -> Path:
     return paths.mounts / f"{erofsmounts.user_key(mountpoint)}.json"
 
 
-def _apply(target: Path, e: Entry) -> None:
-    os.lchown(target, e.uid, e.gid)
+def _apply(target: Path, e: Entry, id_base: int) -> None:
+    os.lchown(target, id_base + e.uid, id_base + e.gid)
     for name, value in e.xattrs.items():
         if not is_overlay_xattr(name):  # an image must not steer overlayfs
             os.setxattr(target, name, value, follow_symlinks=False)
@@ -82,8 +96,9 @@ def _apply(target: Path, e: Entry) -> None:
     os.utime(target, ns=(e.mtime_ns, e.mtime_ns))
 
 
-def write_fixups(dest: Path, entries: list[Entry]) -> None:
-    """Create the fixup directories under dest with their composed metadata.
+def write_fixups(dest: Path, entries: list[Entry], id_base: int = 0) -> None:
+    """Create the fixup directories under dest with their composed metadata
+    (owners shifted by id_base: IdShift).
     Paths come from manifests (checked when they were parsed); they are
     checked again here, and no component may be an existing symlink."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -98,7 +113,7 @@ def write_fixups(dest: Path, entries: list[Entry]) -> None:
                 raise MountError(f"{d} is a symlink; refusing to write through it")
             d.mkdir(exist_ok=True)
     for e in reversed(entries):  # children first: creating them touched parents' mtimes
-        _apply(dest / e.path if e.path else dest, e)
+        _apply(dest / e.path if e.path else dest, e, id_base)
 
 
 def _fixup_layer(paths: NodePaths, image_digest: str, entries: list[Entry]) -> Path:
@@ -137,25 +152,40 @@ def _escape(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _layer_names(dirs: list[Path], hide: bool) -> Iterator[list[str]]:
-    """The overlay option strings naming dirs: their escaped paths, or (hide)
-    /proc/self/fd/N of O_PATH descriptors open while the context lasts."""
-    if not hide:
+def _layer_names(lowers: list[Path], others: list[Path], hide: bool,
+                 idmap: IdShift | None = None) -> Iterator[list[str]]:
+    """The overlay option strings naming lowers + others: their escaped
+    paths, or (hide, or idmap) /proc/self/fd/N of descriptors open while the
+    context lasts: O_PATH ones, or for lowers under idmap their idmapped
+    copies."""
+    dirs = lowers + others
+    if not hide and idmap is None:
         yield [_escape(d) for d in dirs]
         return
     fds: list[int] = []
     try:
-        for d in dirs:
-            fds.append(os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-        yield [f"/proc/self/fd/{fd}" for fd in fds]
+        for i, d in enumerate(dirs):
+            if idmap is not None and i < len(lowers):
+                try:
+                    fds.append(sysmount.idmapped_tree(d, idmap.userns_fd))
+                except OSError as e:
+                    raise MountError(f"cannot idmap the layer mount {d}: {e.strerror} "
+                                     "(the kernel must allow idmapped mounts of it)") from e
+            elif hide:
+                fds.append(os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            else:
+                fds.append(-1)
+        yield [f"/proc/self/fd/{fd}" if fd >= 0 else _escape(d) for fd, d in zip(fds, dirs)]
     finally:
         for fd in fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
 
 def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: Path, *,
                 writable: Path | None = None, allow_devices: bool = False,
-                kernel: bool | None = None, hide_paths: bool = False) -> ComposedMount:
+                kernel: bool | None = None, hide_paths: bool = False,
+                idmap: IdShift | None = None) -> ComposedMount:
     """Mount image `name` (catalog name or digest) composed at `mountpoint`.
     The daemon must be running. Undone completely on failure.
 
@@ -173,7 +203,10 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
     hide_paths: name the layers in the overlay's options as /proc/self/fd/N
     (descriptors held for the mount call only) instead of their host paths,
     so /proc/self/mountinfo inside a sandbox on this root says nothing about
-    the host's directories; the registry still records which layers it has."""
+    the host's directories; the registry still records which layers it has.
+
+    idmap: the root of processes in a user namespace whose ids are host ids
+    idmap.base and up (IdShift)."""
     if not paths.layers.is_dir():
         raise MountError(f"no lazyfs daemon serving {paths.mnt}")
     digest, image = catalog.resolve(name)
@@ -198,7 +231,9 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
         work.mkdir(parents=True, exist_ok=True)
         if not done.exists():  # a new writable layer: fixups first, then the marker
             try:
-                write_fixups(upper, fixups)
+                if idmap is not None:  # the root's owner, unless a fixup says otherwise
+                    os.chown(upper, idmap.base, idmap.base)
+                write_fixups(upper, fixups, idmap.base if idmap is not None else 0)
             except OSError as e:
                 raise MountError(f"cannot write directory fixups into {upper}: {e}") from e
             done.write_text(digest + "\n")
@@ -220,7 +255,7 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
                 erofsmounts.add_user(paths, layer_digests, mountpoint)
             else:
                 lowers = [paths.layers / d for d in reversed(layer_digests)]
-            with _layer_names(above + lowers + rw_dirs, hide_paths) as names:
+            with _layer_names(above + lowers, rw_dirs, hide_paths, idmap) as names:
                 data = "lowerdir=" + ":".join(names[:len(above) + len(lowers)])
                 if rw_dirs:
                     data += f",upperdir={names[-2]},workdir={names[-1]}"

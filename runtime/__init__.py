@@ -22,6 +22,7 @@ from .errors import (
                      OutOfMemory,
                      OutputTruncated,
                      QuotaExceeded,
+                     RestoreConflict,
                      SandboxError,
                      SandboxNotFound,
                      SandboxPreempted,
@@ -44,6 +45,6 @@ from .spec import (
 __all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
            "ExecResult", "ExecTimeout", "FileError", "FleetUnavailable", "ImageNotFound",
            "InvalidSpec", "NetworkPolicy", "NodeLost", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
-           "PreemptedSandbox", "QuotaExceeded", "Rule", "Sandbox", "SandboxError",
+           "PreemptedSandbox", "QuotaExceeded", "RestoreConflict", "Rule", "Sandbox", "SandboxError",
            "SandboxEvent", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",
            "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]

@@ -70,7 +70,15 @@ from composer.manifest import LayerManifest
 from composer.push import push
 from composer.refs import normalize_tag
 from composer.remote import ClusterCatalog
-from composer.snapshot import UNTRUSTED, hide_layer, keep_only, pack_diff, reveal_layer, squash
+from composer.snapshot import (
+    UNTRUSTED,
+    HostIds,
+    hide_layer,
+    keep_only,
+    pack_diff,
+    reveal_layer,
+    squash,
+)
 from lazyfs.node import open_images
 
 from .config import RuntimeConfig
@@ -79,10 +87,12 @@ from .files import remove_tree
 from .images import Images
 from .spec import (
     CHECKPOINT_KEY,
+    VM_STATE_KEY,
     CheckpointInfo,
     CheckpointRecord,
     ResolvedImage,
     SnapshotInfo,
+    VmState,
 )
 
 # CRIU's page images hold a process's pages in address order: smaller chunks
@@ -192,13 +202,18 @@ class Captures:
 
     # -- images --------------------------------------------------------------
     def _commit(self, tag: str, base: ResolvedImage, layers: list[str],
-                new: dict[str, LayerManifest], source: str, stage: Stage | None = None
-                ) -> tuple[str, int]:
+                new: dict[str, LayerManifest], source: str, stage: Stage | None = None,
+                vm_state: VmState | None = None) -> tuple[str, int]:
         """Commit image `layers` (with the `new` layers' manifests stored)
-        under `tag`; with a cluster store, push it from `stage` (one made
-        here when None). (image digest, bytes uploaded to the cluster)."""
+        under `tag`, its config the base image's (marked as a VM's state
+        when `vm_state` is given); with a cluster store, push it from
+        `stage` (one made here when None). (image digest, bytes uploaded to
+        the cluster)."""
         _, base_image = self._images().resolve(base.digest)
-        image = Image(layers, dict(base_image.config), source)
+        config = {k: v for k, v in base_image.config.items() if k != VM_STATE_KEY}
+        if vm_state is not None:
+            config[VM_STATE_KEY] = vm_state.model_dump(mode="json")
+        image = Image(layers, config, source)
         if not self.config.cluster:
             _, catalog = self._open()
             stored = {}
@@ -253,16 +268,17 @@ class Captures:
         return ResolvedImage(name=image.name, digest=out, layers=tuple(all_layers))
 
     def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot",
-             chunk_size: int = DEFAULT_CHUNK_SIZE) -> Packed:
+             chunk_size: int = DEFAULT_CHUNK_SIZE, ids: HostIds | None = None) -> Packed:
         """The sandbox's upper (or CRIU's images of its processes) as a layer
-        (call with the sandbox frozen)."""
+        (call with the sandbox frozen); ids: the host ids its processes write
+        (owners recorded as the sandbox sees them)."""
         with self._lock:
             stage = self._stage() if self.config.cluster else None
             store = stage.store if stage is not None else self._open()[0]
             before = store.counters.new_bytes
             try:
                 m = pack_diff(store, upper, source=f"{what}:{sandbox_id}",
-                              chunk_size=chunk_size)
+                              chunk_size=chunk_size, ids=ids)
             except (ComposerError, OSError) as e:
                 if stage is not None:
                     stage.close()
@@ -317,12 +333,42 @@ class Captures:
                                              packed.stage)
         finally:
             packed.close()
-        return SnapshotInfo(image=out, tag=tag, sandbox_id=sandbox_id, layer=digest,
+        return self._info(out, tag, sandbox_id, digest, image, packed, uploaded, frozen_s,
+                          started, layers=len(layers), flattened=flattened)
+
+    def _info(self, image_digest: str, tag: str, sandbox_id: str, layer: str,
+              image: ResolvedImage, packed: Packed, uploaded: int, frozen_s: float,
+              started: float, **more: int) -> SnapshotInfo:
+        diff = packed.manifest
+        return SnapshotInfo(image=image_digest, tag=tag, sandbox_id=sandbox_id, layer=layer,
                             base_image=image.digest, entries=len(diff.entries),
                             bytes=diff.data_size,
                             bytes_new=uploaded if self.config.cluster else packed.bytes_new,
-                            frozen_s=frozen_s, seconds=time.monotonic() - started,
-                            layers=len(layers), flattened=flattened)
+                            frozen_s=frozen_s, seconds=time.monotonic() - started, **more)
+
+    def vm_snapshot(self, sandbox_id: str, image: ResolvedImage, packed: Packed,
+                    state: VmState, *, tag: str | None, frozen_s: float, started: float
+                    ) -> SnapshotInfo:
+        """Commit a VM's packed state over the image it runs: an image whose
+        top layer is the state (`state.layer`) and whose config says so
+        (VM_STATE_KEY); a VM made from it loads the state instead of
+        booting. No chain: the state layer replaces the one the VM was
+        made from, if any."""
+        diff = packed.manifest
+        try:
+            with self._lock:
+                digest = str(diff.digest)
+                assert digest == state.layer, (digest, state.layer)
+                n = self._counts[sandbox_id] = self._counts.get(sandbox_id, 0) + 1
+                tag = tag or f"snapshots/{sandbox_id}:{n}"
+                layers = [*image.layers, digest]
+                out, uploaded = self._commit(tag, image, layers, {digest: diff},
+                                             f"VM state of {sandbox_id} ({image.name})",
+                                             packed.stage, vm_state=state)
+        finally:
+            packed.close()
+        return self._info(out, tag, sandbox_id, digest, image, packed, uploaded, frozen_s,
+                          started, layers=len(layers))
 
     # -- checkpoints ----------------------------------------------------------
     def checkpoint(self, sandbox_id: str, image: ResolvedImage, files: Packed,

@@ -11,6 +11,8 @@ Light to import (no pyfuse3, trio or LMDB): the SDK imports it.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,9 @@ from lazyfs.errors import ConfigError
 from lazyfs.settings import Settings
 
 from .hostlimits import Budgets
+
+# RuntimeConfig.container_dir: one directory per state directory below it
+CONTAINER_ROOTS = Path("/run/lazyfs-containers")
 
 
 class _FromSettings:
@@ -118,6 +123,17 @@ class RuntimeConfig:
         return self.state_dir / "bin"
 
     @property
+    def container_dir(self) -> Path:
+        """Where runc's container init, which runs as the sandbox's
+        unprivileged host ids (runtime/idmap.py), finds each container's
+        root (<sandbox id>) and sandbox-init (init/): a directory of this
+        state directory's own that every user may traverse (the state
+        directory's parents need not be)."""
+        key = hashlib.blake2s(os.fsencode(os.path.realpath(self.state_dir)),
+                              digest_size=8).hexdigest()
+        return CONTAINER_ROOTS / key
+
+    @property
     def init_dir(self) -> Path:
         """A small tmpfs holding the sandbox-init that containers bind."""
-        return self.state_dir / "init"
+        return self.container_dir / "init"

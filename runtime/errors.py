@@ -14,8 +14,10 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     │                          can take the sandbox
     ├── QuotaExceeded          the node refuses more sandboxes
     ├── SandboxStateError      the call does not fit the state (exec while paused)
-    │   └── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
-    │                          its files wait in the image store; restore() it
+    │   ├── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
+    │   │                      its files wait in the image store; restore() it
+    │   └── RestoreConflict    another caller (node) claimed the restore of that
+    │                          preempted sandbox first: it runs there
     ├── NotCheckpointable      CRIU cannot save a process of the sandbox (a device,
     │                          a descriptor of a kind it cannot dump); it runs on
     ├── FileError              a files.* call failed (missing path, not a dir, escape)
@@ -87,6 +89,10 @@ class SandboxPreempted(SandboxStateError):
     pass
 
 
+class RestoreConflict(SandboxStateError):
+    pass
+
+
 class FileError(SandboxError):
     status = 400
 
@@ -115,5 +121,6 @@ ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
         BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
+        RestoreConflict,
         NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
 }

@@ -93,10 +93,14 @@ def _error(e: OSError, path: str) -> FileError:
 
 
 class SandboxFiles:
-    """Files of one sandbox root (a directory on the host)."""
+    """Files of one sandbox root (a directory on the host). owner: the host
+    id of the sandbox's root user (a container's user namespace): what is
+    written here is its (uid and gid), else the host's root's, an id the
+    sandbox does not map."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], owner: int | None = None) -> None:
         self.root = os.fspath(root)
+        self.owner = owner
 
     @contextmanager
     def _dir(self, path: PurePosixPath, *, create: bool = False) -> Iterator[int]:
@@ -108,6 +112,9 @@ class SandboxFiles:
                                       os.O_PATH | os.O_DIRECTORY)
                     try:
                         os.mkdir(path.parts[i - 1], 0o755, dir_fd=parent)
+                        if self.owner is not None:
+                            os.chown(path.parts[i - 1], self.owner, self.owner, dir_fd=parent,
+                                     follow_symlinks=False)
                     except FileExistsError:
                         pass
                     finally:
@@ -152,6 +159,8 @@ class SandboxFiles:
                              | os.O_CLOEXEC, mode, dir_fd=parent)
                 try:
                     with os.fdopen(fd, "wb") as f:
+                        if self.owner is not None:
+                            os.fchown(f.fileno(), self.owner, self.owner)
                         f.write(data)
                     os.chmod(tmp, mode, dir_fd=parent, follow_symlinks=False)
                     os.rename(tmp, p.name, src_dir_fd=parent, dst_dir_fd=parent)

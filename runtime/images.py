@@ -21,7 +21,7 @@ from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog
 
 from .config import RuntimeConfig
 from .errors import BackendUnavailable, ImageNotFound, InvalidSpec
-from .spec import CHECKPOINT_KEY, ResolvedImage
+from .spec import CHECKPOINT_KEY, VM_STATE_KEY, ResolvedImage, VmState
 
 
 class Images:
@@ -59,6 +59,17 @@ class Images:
                                 " (lazyfs images lists them)") from None
         if CHECKPOINT_KEY in image.config:  # its one layer is CRIU's images, not a root
             raise InvalidSpec(f"{name} is a checkpoint, not an image: Sandbox.restore it")
+        if VM_STATE_KEY in image.config:  # a microVM snapshot: its top layer is the state
+            try:
+                state = VmState.model_validate(image.config[VM_STATE_KEY])
+            except ValueError as e:  # (pydantic's ValidationError)
+                raise InvalidSpec(f"{name}: its VM state record is not one: "
+                                  f"{str(e).splitlines()[0]}") from None
+            if not image.layers or image.layers[-1] != state.layer:
+                raise InvalidSpec(f"{name}: its VM state layer {state.layer} is not its top "
+                                  "layer")
+            return ResolvedImage(name=name, digest=digest, layers=tuple(image.layers[:-1]),
+                                 vm_state=state)
         return ResolvedImage(name=name, digest=digest, layers=tuple(image.layers))
 
     def ensure_daemon(self) -> NodePaths:

@@ -35,7 +35,7 @@ from chunkstore.errors import LazyfsError
 
 from . import cgroups, hostlimits
 from .backends import Backend, Handle, Sink, capabilities, make_backend
-from .backends.base import Capturing, Checkpointing, Eventful, Networked
+from .backends.base import Capturing, Checkpointing, Eventful, Networked, StateSaving
 from .backends.criu import CRIU_VERSION
 from .capture import MEMORY_CHUNK_SIZE, Captures, Packed
 from .config import RuntimeConfig
@@ -104,6 +104,8 @@ class Node:
         # a kill of one waits for its restore, then stops what it made
         self._restoring: dict[str, threading.Event] = {}
         self._asked = {q: 0 for q in Qos}  # memory_mb asked, per QoS class
+        # events of killed sandboxes, by kind (denial_counts)
+        self._killed_events: dict[str, int] = {}
         self._sandbox_locks: dict[str, threading.Lock] = {}
         # A script that never closes its node (the embedded SDK's, typically)
         # must not leave fncall workers, their cgroups and root mounts
@@ -190,6 +192,9 @@ class Node:
                 raise Unsupported(f"network: the {spec.backend} backend cannot enforce a network "
                                   "allowlist (it has no network at all; Sandbox.capabilities)")
             image = self.images.resolve_image(spec.image)
+            if image.vm_state is not None and image.vm_state.backend != spec.backend:
+                raise InvalidSpec(f"{spec.image} is the memory of a {image.vm_state.backend} "
+                                  f"VM: create it with backend={image.vm_state.backend!r}")
             if spec.hidden:
                 if "hidden" not in capabilities(spec.backend):
                     raise Unsupported(f"the {spec.backend} backend cannot hide paths "
@@ -304,7 +309,17 @@ class Node:
             if self._sandboxes.pop(sandbox_id, None) is not None:
                 self._asked[info.spec.qos] -= info.spec.memory_mb
             self._sandbox_locks.pop(sandbox_id, None)
-        self.backend(info.spec.backend).kill(h)
+        backend = self.backend(info.spec.backend)
+        if isinstance(backend, Eventful):  # its counts go with it: keep them in the totals
+            try:
+                final = backend.events(h)
+            except (OSError, SandboxError) as e:
+                log.warning("%s: could not read its events before the kill: %s", sandbox_id, e)
+                final = []
+            with self._lock:
+                for ev in final:
+                    self._killed_events[ev.kind] = self._killed_events.get(ev.kind, 0) + ev.count
+        backend.kill(h)
         if h.dir.exists():  # (the container backend removes it itself)
             _remove(h.dir)
         log.info("killed %s", sandbox_id)
@@ -382,7 +397,9 @@ class Node:
     # -- snapshot, fork, verify ---------------------------------------------
     def _capturing(self, info: SandboxInfo, op: str) -> Capturing:
         backend = self._require(info, op)
-        assert isinstance(backend, Capturing), backend
+        if not isinstance(backend, Capturing):
+            raise Unsupported(f"the {info.spec.backend} backend cannot {op} a sandbox's files "
+                              "apart from its memory (Sandbox.capabilities)")
         return backend
 
     def _pack(self, sandbox_id: str, op: str) -> tuple[SandboxInfo, Handle[Any], Packed,
@@ -394,7 +411,7 @@ class Node:
             backend = self._capturing(info, op)
             with backend.capture(h) as upper:
                 t0 = time.monotonic()
-                packed = self.captures.pack(sandbox_id, upper, op)
+                packed = self.captures.pack(sandbox_id, upper, op, ids=h.state.host_ids())
                 frozen = time.monotonic() - t0
         self._touch(info, h)
         return info, h, packed, frozen
@@ -403,12 +420,56 @@ class Node:
         """The sandbox's files as an image (its layers + its upper packed),
         committed under `tag` (default snapshots/<id>:<n>)."""
         started = time.monotonic()
+        if isinstance(self._require(self._get(sandbox_id)[0], "snapshot"), StateSaving):
+            return self._vm_snapshot(sandbox_id, tag, resume=True)[0]
         _, h, packed, frozen = self._pack(sandbox_id, "snapshot")
         snap = self.captures.snapshot(sandbox_id, h.image, packed, tag=tag,
                                       frozen_s=frozen, started=started)
         log.info("snapshot of %s: %s (%d entries, %d bytes new, frozen %.3fs)", sandbox_id,
                  snap.image, snap.entries, snap.bytes_new, frozen)
         return snap
+
+    def _vm_snapshot(self, sandbox_id: str, tag: str | None, *, resume: bool
+                     ) -> tuple[SnapshotInfo, dict[str, Any]]:
+        """A VM's memory and device state as an image in the store (its top
+        layer the state, chunked and deduplicated like CRIU's images): the
+        VM is paused into a file (its VMM exits) and resumed from it
+        (`resume`) or left paused, and the file packed. (info, the pause's
+        figures)."""
+        started = time.monotonic()
+        if tag is not None:
+            self.captures.check_tag(tag, "snapshot")
+        with self._state_lock(sandbox_id):  # no pause/resume meanwhile
+            info, h = self._get(sandbox_id)
+            backend = self._require(info, "snapshot")
+            assert isinstance(backend, StateSaving), backend
+            t0 = time.monotonic()
+            running = info.state != "paused"
+            state, figures = backend.save_state(h)
+            # packed from a link of its own: the VM runs on meanwhile (a
+            # resume loads the file and removes its name)
+            kept = state.parent.with_name(f"{state.parent.name}-pack-{secrets.token_hex(4)}")
+            kept.mkdir(mode=0o700)
+            try:
+                os.link(state, kept / state.name)
+                try:
+                    if running and resume:
+                        self.backend(info.spec.backend).resume(h)
+                finally:
+                    if running and (not resume or
+                                    self.backend(info.spec.backend).status(h) == "paused"):
+                        info = self._touch(info, h, state="paused")  # (a resume that failed)
+                frozen = time.monotonic() - t0
+                packed = self.captures.pack(sandbox_id, kept, "vm-state", MEMORY_CHUNK_SIZE)
+            finally:
+                remove_tree(kept)
+            record = backend.state_record(h, str(packed.manifest.digest))
+        snap = self.captures.vm_snapshot(sandbox_id, h.image, packed, record, tag=tag,
+                                         frozen_s=frozen, started=started)
+        self._touch(info, h)
+        log.info("VM snapshot of %s: %s (%d bytes, %d new, stopped %.3fs)", sandbox_id,
+                 snap.image, snap.bytes, snap.bytes_new, frozen)
+        return snap, figures
 
     def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
         """n sandboxes from the current files of one (one capture), each with
@@ -417,6 +478,10 @@ class Node:
         if not 1 <= n <= 1024:
             raise SandboxStateError(f"fork of {n}: between 1 and 1024 at a time")
         info = self.get(sandbox_id)
+        if isinstance(self._require(info, "snapshot"), StateSaving):
+            raise Unsupported(f"the {info.spec.backend} backend cannot fork: a copy of a VM's "
+                              "memory shares its kernel's identity (hostname, random state); "
+                              "snapshot() it and create one sandbox of the snapshot")
         snap = self.snapshot(sandbox_id)
         spec = info.spec.model_copy(update={"image": snap.image})
         children: list[SandboxInfo] = []
@@ -457,7 +522,8 @@ class Node:
                 t0 = time.monotonic()
                 with backend.checkpoint(h, images) as upper:
                     dumped = time.monotonic()
-                    files = self.captures.pack(sandbox_id, upper, "checkpoint")
+                    files = self.captures.pack(sandbox_id, upper, "checkpoint",
+                                               ids=h.state.host_ids())
                 frozen = time.monotonic() - t0
                 memory = self.captures.pack(sandbox_id, images, "checkpoint-memory",
                                             MEMORY_CHUNK_SIZE)
@@ -471,7 +537,8 @@ class Node:
                         self._save(info, h)
                 remove_tree(images)
             record = {"spec": info.spec.model_dump(mode="json"), "sandbox_id": sandbox_id,
-                      "channel_name": h.state.channel_name, "criu": CRIU_VERSION}
+                      "channel_name": h.state.channel_name, "criu": CRIU_VERSION,
+                      "id_base": h.state.id_base}
             ckpt = self.captures.checkpoint(
                 sandbox_id, h.image, files, memory, record=record, tag=tag,
                 dump_s=dumped - t0, frozen_s=frozen, started=started)
@@ -499,6 +566,7 @@ class Node:
                 images = h.dir / "checkpoint"
                 os.replace(staged, images)
                 h.state.channel_name = record.channel_name
+                h.state.id_base = record.id_base  # CRIU restores the dumped id map
                 try:
                     backend.restore(h, images)
                 finally:
@@ -536,22 +604,21 @@ class Node:
         (spec, labels, snapshot: runtime.preempt) and stop it: its memory and
         its writable layer on disk go back to the node. restore() makes it again,
         with the same id, on any node that sees the same image store."""
-        info, h = self._get(sandbox_id)
-        backend = self._capturing(info, "snapshot")
+        info, _ = self._get(sandbox_id)
         was = info.state
-        if was == "paused":
-            memory = cgroups.memory_figures(sandbox_id)["usage"]
-        else:  # frozen from here on: nothing it writes after the snapshot is lost
-            memory = self.pause(sandbox_id)["before"]["usage"]
-        try:
-            snap = self.snapshot(sandbox_id, tag=f"preempted/{sandbox_id}")
-        except BaseException:
-            if was != "paused":
-                self.resume(sandbox_id)
-            raise
-        info, h = self._get(sandbox_id)
-        with backend.capture(h) as upper:  # still frozen: no thaw in between
-            written = _disk_usage(upper)  # a tmpfs upper's are memory too
+        if isinstance(self._require(info, "snapshot"), StateSaving):
+            # the VM's memory (its upper with it) goes into the store; its VMM exits
+            try:
+                snap, figures = self._vm_snapshot(sandbox_id, f"preempted/{sandbox_id}",
+                                                  resume=False)
+            except BaseException:
+                if was != "paused" and self.get(sandbox_id).state == "paused":
+                    self.resume(sandbox_id)
+                raise
+            memory, written = int(figures.get("vmm_pss_before", 0)), 0
+        else:
+            memory, written, snap = self._preempt_files(sandbox_id, was)
+        info, _ = self._get(sandbox_id)
         record = PreemptedSandbox(
             id=sandbox_id, spec=info.spec, image=snap.image, tag=snap.tag,
             image_digest=info.image_digest, state="paused" if was == "paused" else "running",
@@ -567,12 +634,32 @@ class Node:
                  sandbox_id, snap.image, memory >> 20, record.disk_bytes >> 20)
         return record
 
+    def _preempt_files(self, sandbox_id: str, was: str) -> tuple[int, int, SnapshotInfo]:
+        """A container's part of preempt: paused, its upper snapshotted;
+        (memory used, bytes of its upper, the snapshot)."""
+        info, _ = self._get(sandbox_id)
+        backend = self._capturing(info, "snapshot")
+        if was == "paused":
+            memory = cgroups.memory_figures(sandbox_id)["usage"]
+        else:  # frozen from here on: nothing it writes after the snapshot is lost
+            memory = self.pause(sandbox_id)["before"]["usage"]
+        try:
+            snap = self.snapshot(sandbox_id, tag=f"preempted/{sandbox_id}")
+        except BaseException:
+            if was != "paused":
+                self.resume(sandbox_id)
+            raise
+        _, h = self._get(sandbox_id)
+        with backend.capture(h) as upper:  # still frozen: no thaw in between
+            written = _disk_usage(upper)  # a tmpfs upper's are memory too
+        return memory, written, snap
+
     def preempt_many(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
         """Preempt every sandbox with these labels (running or paused).
         Unsupported, before any is touched, if one's backend cannot snapshot."""
         infos = self.sandboxes(labels)
         for info in infos:
-            self._capturing(info, "snapshot")
+            self._require(info, "snapshot")
         return [self.preempt(info.id) for info in infos]
 
     def preempted_sandboxes(self, labels: Mapping[str, str] | None = None
@@ -599,10 +686,19 @@ class Node:
                     raise SandboxStateError(f"{sandbox_id} runs on this node: not preempted")
                 raise SandboxNotFound(f"no preempted sandbox {sandbox_id!r} "
                                       f"in {self.config.cluster or self.config.state_dir}")
-            spec = record.spec.model_copy(update={"image": record.image})
-            info = self._create(spec, sandbox_id=record.id,
-                                created=time.time() - (record.preempted - record.created))
-            self.preempted.delete(sandbox_id)
+            # one restorer per record, across nodes: the others get RestoreConflict
+            claim = self.preempted.claim(sandbox_id, f"{os.uname().nodename}:"
+                                         f"{self.config.node_id or self.config.state_dir}")
+            try:
+                if self.preempted.get(sandbox_id) is None:  # restored by an earlier claim
+                    raise SandboxNotFound(f"{sandbox_id} was restored meanwhile "
+                                          "(not preempted)")
+                spec = record.spec.model_copy(update={"image": record.image})
+                info = self._create(spec, sandbox_id=record.id,
+                                    created=time.time() - (record.preempted - record.created))
+                self.preempted.delete(sandbox_id)
+            finally:
+                self.preempted.release(sandbox_id, claim)
         finally:
             with self._lock:
                 del self._restoring[sandbox_id]
@@ -688,6 +784,25 @@ class Node:
         backend = self._require(info, "events")
         assert isinstance(backend, Eventful), backend
         return backend.events(h)
+
+    def denial_counts(self) -> dict[str, int]:
+        """Every event of this node's sandboxes, live and killed, by kind
+        (the agent's lazyfs_sandbox_denials_total): read from each live
+        sandbox's counters, so a scrape costs one events() per sandbox."""
+        with self._lock:
+            live = list(self._sandboxes.values())
+            out = dict(self._killed_events)
+        for info, h in live:
+            backend = self.backend(info.spec.backend)
+            if not isinstance(backend, Eventful):
+                continue
+            try:
+                events = backend.events(h)
+            except (OSError, SandboxError):
+                continue  # going away meanwhile
+            for e in events:
+                out[e.kind] = out.get(e.kind, 0) + e.count
+        return out
 
     # -- timeouts and restarts -----------------------------------------------
     def reap(self, now: float | None = None) -> list[str]:

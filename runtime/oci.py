@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cgroups, seccomp
+from .idmap import IdRange
 from .spec import SandboxSpec
 
 INIT_PATH = "/dev/.sandbox-init"
@@ -77,20 +78,19 @@ def _mounts(init_binary: Path) -> list[dict[str, Any]]:
     ]
 
 
-# The sandbox's user namespace maps every id to itself: the image's files
-# (owned by the host's ids, in shared EROFS lowers) need no idmapped mount or
-# chown, while the sandbox's capabilities hold only in its own namespaces, and
-# the kernel's per-user budgets (inotify instances and watches) are counted
-# per sandbox at its namespace's level (runtime/hostlimits.py).
-ID_MAP = [{"containerID": 0, "hostID": 0, "size": 4294967295}]
-
-
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
-           user_namespace: bool = True, seccomp_listener: Path | None = None
+           ids: IdRange | None = None, seccomp_listener: Path | None = None
            ) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
-    stdin (runtime/backends/initexec.py)."""
+    stdin (runtime/backends/initexec.py).
+
+    ids: the sandbox's host ids; its user namespace maps 0.. to them
+    (runtime/idmap.py), so its root is an unprivileged host user, its
+    capabilities hold only in its own namespaces, and the kernel's per-user
+    budgets (inotify) are counted per sandbox (runtime/hostlimits.py).
+    None: no user namespace."""
+    user_namespace = ids is not None
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
     cpu = cgroups.cpu_limits(spec.cpu)
@@ -126,7 +126,8 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
                 "pids": {"limit": spec.pids},
             },
             "namespaces": namespaces,
-            **({"uidMappings": ID_MAP, "gidMappings": ID_MAP} if user_namespace else {}),
+            **({"uidMappings": ids.oci_mappings(), "gidMappings": ids.oci_mappings()}
+               if ids is not None else {}),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp.oci_section(seccomp_listener),

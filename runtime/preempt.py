@@ -9,14 +9,24 @@ node). Each write is one atomic object put; a record is written after its
 snapshot image is committed and tagged, and deleted after the sandbox runs
 again, so a record always names an image that is there.
 
+A restore first claims the record: `preempted/<id>.claim`, written with an
+exclusive create (ObjectStore.put_new: a conditional PUT, If-None-Match, on
+S3/SeaweedFS; a hard link on POSIX). Of two nodes restoring one sandbox at
+once exactly one gets the claim; the other gets RestoreConflict naming the
+holder. The claim goes once the restore is done (or failed). A claim older
+than CLAIM_STALE_S is a restorer that died and is taken over.
+
 Not here: taking the snapshot, stopping and creating sandboxes
 (runtime.node).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -25,12 +35,16 @@ from chunkstore.objects import ObjectNotFound, ObjectStore, open_object_store
 from composer.remote import ClusterCatalog
 
 from .config import RuntimeConfig
-from .errors import BackendUnavailable, InvalidSpec, SandboxError
+from .errors import BackendUnavailable, InvalidSpec, RestoreConflict, SandboxError
 from .images import Images
 from .spec import SANDBOX_ID_PATTERN, PreemptedSandbox, parse
 
 _PREFIX = "preempted/"
 _SUFFIX = ".json"
+_CLAIM = ".claim"
+# longer than any restore takes (an image's first fetch included): a claim this
+# old was left by a restorer that died
+CLAIM_STALE_S = 900.0
 _ID = re.compile(SANDBOX_ID_PATTERN)
 T = TypeVar("T")
 
@@ -100,6 +114,42 @@ class PreemptedSandboxes:
 
     def delete(self, sandbox_id: str) -> None:
         self._call("deleting", lambda o: o.delete(self.key(sandbox_id)))
+
+    def claim(self, sandbox_id: str, holder: str) -> bytes:
+        """Claim the restore of `sandbox_id` for `holder` (a node's name):
+        the claim's bytes, for release(). RestoreConflict when another holds
+        it (a stale claim, older than CLAIM_STALE_S, is taken over)."""
+        key = self.key(sandbox_id).removesuffix(_SUFFIX) + _CLAIM
+        body = json.dumps({"holder": holder, "token": secrets.token_hex(16),
+                           "at": time.time()}).encode()
+        for _ in range(2):
+            if self._call("claiming", lambda o: o.put_new(key, body)):
+                return body
+            try:
+                held = json.loads(self._call("reading", lambda o: o.get(key)))
+                who, since = str(held["holder"]), float(held["at"])
+            except ObjectNotFound:  # released meanwhile: try again
+                continue
+            except (ValueError, KeyError, TypeError):
+                who, since = "an unreadable claim", time.time()
+            if time.time() - since < CLAIM_STALE_S:
+                raise RestoreConflict(
+                    f"{sandbox_id} is being restored by {who} (claimed "
+                    f"{time.time() - since:.0f}s ago, {key}): it runs there once restored")
+            self._call("deleting", lambda o: o.delete(key))  # its restorer died
+        raise RestoreConflict(f"{sandbox_id}: the restore claim {key} keeps changing hands")
+
+    def release(self, sandbox_id: str, claim: bytes) -> None:
+        """Drop our claim (only if it is still ours)."""
+        key = self.key(sandbox_id).removesuffix(_SUFFIX) + _CLAIM
+
+        def drop(o: ObjectStore) -> None:
+            try:
+                if o.get(key) == claim:
+                    o.delete(key)
+            except ObjectNotFound:
+                pass
+        self._call("releasing the claim of", drop)
 
     def _call(self, what: str, fn: Callable[[ObjectStore], T]) -> T:
         try:

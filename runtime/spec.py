@@ -227,6 +227,27 @@ class ExecResult(_Model):
         return self.exit_code == 0
 
 
+VM_STATE_KEY = "lazyfs.vm-state"  # in an image's config: a microVM snapshot (VmState)
+VM_STATE_FILE = "snapshot.bin"  # the one file of a VM-state layer: QEMU's migration stream
+
+
+class VmState(_Model):
+    """What makes an image a microVM snapshot (the config of its catalog
+    entry, under VM_STATE_KEY): its top layer holds the VM's memory and
+    device state (QEMU's migration stream, VM_STATE_FILE), the layers under
+    it are the image the VM ran, mapped again as the same pmem devices.
+    QEMU loads the stream only into a machine of the same shape: the same
+    backend, guest memory and vCPUs (and accelerator)."""
+
+    layer: str = Field(pattern=DIGEST_PATTERN)  # the state layer
+    base: str = Field(pattern=DIGEST_PATTERN)  # the image the VM ran (its pmem layers)
+    backend: str
+    memory_mb: int
+    cpus: int
+    accel: Literal["kvm", "tcg"]
+    sandbox_id: str  # whose state it is
+
+
 class ResolvedImage(_Model):
     """The image a sandbox runs, fixed when it is created.
 
@@ -234,11 +255,13 @@ class ResolvedImage(_Model):
     the sandbox is this content digest and these layers (bottom first),
     never the name: a tag moved later does not change a running sandbox,
     and backends are given only this. `name` is what was asked, for
-    messages."""
+    messages. For a microVM snapshot, `layers` are the image the VM ran
+    (without the state layer) and `vm_state` says where its memory is."""
 
     name: str
     digest: str = Field(pattern=DIGEST_PATTERN)
     layers: tuple[str, ...]
+    vm_state: VmState | None = None
 
 
 class VerifyRequest(_Model):
@@ -359,6 +382,9 @@ class CheckpointRecord(_Model):
     channel_name: str = Field(pattern=r"^lazyfs-ctl-[0-9a-f]{16}$")
     sandbox_id: str
     criu: str
+    # the first host id of the checkpointed sandbox's user namespace
+    # (runtime/idmap.py); None: ids mapped to themselves
+    id_base: int | None = None
 
 
 class SandboxInfo(_Model):

@@ -181,3 +181,32 @@ def test_snapshot_fork_and_verify_over_http(agent: Agent) -> None:
             k.kill()
         r = sb.verify("cat /root/f; wc -c < /data/big.bin; exit 4", keep=["/root"])
         assert (r.exit_code, r.stdout) == (4, b"over-http\n3145728\n")
+
+
+def _denials(agent: Agent) -> dict[str, float]:
+    """lazyfs_sandbox_denials_total by kind, scraped as Prometheus would."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(agent.sock))) as c:
+        r = c.get("http://agent/metrics")
+    assert r.status_code == 200
+    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(r.text)
+            for s in fam.samples if s.name == "lazyfs_sandbox_denials_total"}
+
+
+def test_denials_are_counted_in_the_node_metrics(agent: Agent) -> None:
+    """A denied mount(2) is an event of the sandbox and a count of the node
+    by kind, still counted once the sandbox is gone; a sandbox refused
+    nothing adds nothing."""
+    before = _denials(agent)
+    with Sandbox.create(IMAGE, node=agent.unix) as quiet:
+        assert quiet.exec("true").exit_code == 0
+        assert _denials(agent) == before
+        with Sandbox.create(IMAGE, node=agent.unix) as sb:
+            r = sb.exec("mount -t tmpfs x /mnt; unshare -n true; echo rc=$?")
+            assert r.stdout == b"rc=1\n"
+            assert {(e.kind, e.detail) for e in sb.events()} == {("syscall", "mount"),
+                                                                  ("syscall", "unshare")}
+            assert _denials(agent).get("syscall", 0) == before.get("syscall", 0) + 2
+    after = _denials(agent)
+    assert after.get("syscall", 0) == before.get("syscall", 0) + 2  # killed, still counted

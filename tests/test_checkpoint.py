@@ -129,6 +129,50 @@ def test_a_second_checkpoint_stores_little_new_and_restores(node: Node) -> None:
         assert got == list(range(1, len(got) + 1))
 
 
+def test_a_restored_sandbox_in_a_user_namespace_says_why_it_cannot_checkpoint_again(
+        node: Node) -> None:
+    assert node.config.user_namespaces  # (the default)
+    with Sandbox.create(IMAGE, node=node) as sb:
+        sb.exec(COUNTER)
+        wait_until(lambda: len(counted(sb)) >= 3, timeout=10, what="the counter going on")
+        ckpt = sb.checkpoint()
+    with Sandbox.restore(ckpt, node=node) as again:
+        with pytest.raises(NotCheckpointable, match="restored from a checkpoint and runs in a "
+                                                    "user namespace"):
+            again.checkpoint()
+        # refused before anything was touched: it runs on, commands and all
+        n = len(counted(again))
+        wait_until(lambda: len(counted(again)) > n + 3, timeout=10, what="the counter going on")
+        assert again.exec("echo still").stdout == b"still\n"
+
+
+def test_checkpoint_restore_checkpoint_restore_without_user_namespaces(
+        tmp_path: Path) -> None:
+    """The same chain on a node without user namespaces: CRIU checks the
+    namespaces as the host's root, and the state goes through both moves."""
+    with node_for(busybox_store(tmp_path), tmp_path, user_namespaces=False) as n:
+        with Sandbox.create(IMAGE, node=n) as sb:
+            sb.exec(f"echo one > /root/one; {COUNTER}")
+            wait_until(lambda: len(counted(sb)) >= 3, timeout=10, what="the counter going on")
+            first = sb.checkpoint()
+        with Sandbox.restore(first, node=n) as again:
+            wait_until(lambda: len(counted(again)) > 5, timeout=10, what="the counter going on")
+            again.exec("echo two > /root/two")
+            before = len(counted(again))
+            second = again.checkpoint()
+        with Sandbox.restore(second, node=n) as third:
+            assert third.files.read("/root/one") == b"one\n"
+            assert third.files.read("/root/two") == b"two\n"
+            n3 = len(counted(third))
+            assert n3 >= before  # from the second checkpoint on, not the first
+            wait_until(lambda: len(counted(third)) > n3 + 3, timeout=10,
+                       what="the counter going on")
+            got = counted(third)
+            # one count through both moves: no restart from 1, no gap
+            assert got == list(range(1, len(got) + 1))
+            assert third.exec("hostname").stdout.strip().decode() == sb.id
+
+
 def test_what_criu_cannot_save_is_named_and_the_sandbox_runs_on(node: Node) -> None:
     with Sandbox.create(IMAGE, node=node) as sb:
         # a POSIX message queue with a message in it (the sandbox's own

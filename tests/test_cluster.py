@@ -80,6 +80,33 @@ def test_object_store_contract(cluster_url: str) -> None:
     assert not o.exists("packs/a.pack")
 
 
+def test_exclusive_create_has_exactly_one_winner(cluster_url: str) -> None:
+    """put_new, the claim a restore of a preempted sandbox takes: of many
+    writers racing for one key, exactly one gets it, and nobody's bytes
+    replace the winner's; a retry with the winner's own bytes is a success."""
+    import threading
+    o: ObjectStore = open_object_store(cluster_url)
+    start = threading.Barrier(6)
+    won: dict[int, bool] = {}
+
+    def race(i: int) -> None:
+        start.wait()
+        won[i] = open_object_store(cluster_url).put_new("claims/x.claim", f"w{i}".encode())
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, ok in won.items() if ok]
+    assert len(won) == 6 and len(winners) == 1
+    assert o.get("claims/x.claim") == f"w{winners[0]}".encode()
+    assert o.put_new("claims/x.claim", f"w{winners[0]}".encode())  # its own retry
+    assert not o.put_new("claims/x.claim", b"late")
+    o.delete("claims/x.claim")
+    assert o.put_new("claims/x.claim", b"after")  # free again once deleted
+    assert not [k for k in o.list("claims/") if k != "claims/x.claim"]  # no temporaries
+
+
 @pytest.fixture(scope="module")
 def tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("clusterimg")

@@ -22,6 +22,7 @@ from runtime.backends.netpolicy import addresses, ruleset
 from runtime.backends.vm import VmState
 from runtime.errors import BackendUnavailable, FileError, InvalidSpec
 from runtime.files import SandboxFiles
+from runtime.idmap import IdRange
 from runtime.seccomp import CLONE_NS_FLAGS, DENIED, oci_section
 from runtime.spec import (
     ExecRequest,
@@ -134,9 +135,13 @@ def test_exec_result_bytes_survive_json() -> None:
 def test_oci_config_confines_the_sandbox(tmp_path: Path) -> None:
     spec = SandboxSpec(image="x", cpu=0.5, memory_mb=256, pids=64, env={"A": "1"},
                        qos=Qos.best_effort)
-    c = oci.config("sb-1", spec, tmp_path / "rootfs", tmp_path / "init")
+    c = oci.config("sb-1", spec, tmp_path / "rootfs", tmp_path / "init", IdRange(3))
     ns = {n["type"] for n in c["linux"]["namespaces"]}
     assert ns == {"user", "pid", "ipc", "uts", "mount", "cgroup", "network"}
+    # root inside is an unprivileged host id of this sandbox's own range
+    assert c["linux"]["uidMappings"] == [{"containerID": 0, "hostID": (1 << 31) + 3 * 65536,
+                                          "size": 65536}]
+    assert c["linux"]["gidMappings"] == c["linux"]["uidMappings"]
     binds = [m for m in c["mounts"] if m["type"] == "bind"]
     assert binds == [{"destination": oci.INIT_PATH, "type": "bind",
                       "source": str(tmp_path / "init"),

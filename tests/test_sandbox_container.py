@@ -221,10 +221,12 @@ def test_kill_leaves_nothing(node: Node) -> None:
     # mount table does not grow with sandboxes
     init = node._get(s.id)[1].state.init_pid
     assert sysmount.fs_magic(f"/proc/{init}/root") == sysmount.OVERLAYFS_MAGIC
-    assert sysmount.find_mount(d / "rootfs") is None and cgroups.exists(s.id)
-    assert str(d) not in Path("/proc/self/mountinfo").read_text()
+    rootfs = node.config.container_dir / s.id
+    assert rootfs.is_dir() and sysmount.find_mount(rootfs) is None and cgroups.exists(s.id)
+    mountinfo = Path("/proc/self/mountinfo").read_text()
+    assert str(d) not in mountinfo and str(rootfs) not in mountinfo
     s.kill()
-    assert not d.exists() and not cgroups.exists(s.id)
+    assert not d.exists() and not rootfs.exists() and not cgroups.exists(s.id)
     assert not list(cgroups.CGROUP_ROOT.glob(f"*/{cgroups.PARENT}/{s.id}"))
     with pytest.raises(SandboxNotFound):
         s.exec("true")

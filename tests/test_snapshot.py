@@ -22,7 +22,7 @@ import pytest
 
 from composer.errors import ImageNotFound
 from composer.manifest import Kind
-from composer.snapshot import UNTRUSTED
+from composer.snapshot import UNTRUSTED, HostIds
 from runtime import (
     InvalidSpec,
     Sandbox,
@@ -61,8 +61,19 @@ def rootfs(node: Node, sb: Sandbox) -> Path:
 SKIP_TOP = {"proc", "sys", "dev"}  # the container's own mounts, not its files
 
 
-def tree(root: Path) -> dict[str, tuple[Any, ...]]:
-    """Everything a process sees of each path under root, from the host."""
+def seen(node: Node, sb: Sandbox) -> dict[str, tuple[Any, ...]]:
+    """tree() of the sandbox's root, owners as the sandbox sees them (its
+    user namespace maps its ids to a host range of its own)."""
+    ids = node._get(sb.id)[1].state.host_ids()
+    return tree(rootfs(node, sb), ids)
+
+
+def tree(root: Path, ids: HostIds | None = None) -> dict[str, tuple[Any, ...]]:
+    """Everything a process sees of each path under root, from the host
+    (ids: owners shifted back to the sandbox's ids)."""
+    def inside(n: int) -> int:
+        return n if ids is None else ids.inside(n)
+
     out: dict[str, tuple[Any, ...]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
@@ -87,7 +98,8 @@ def tree(root: Path) -> dict[str, tuple[Any, ...]]:
                 what = "dir"
             # (a directory's size and mtime are its filesystem's business)
             plain = not stat.S_ISDIR(st.st_mode)
-            out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid,
+            out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), inside(st.st_uid),
+                        inside(st.st_gid),
                         st.st_size if plain else None, st.st_mtime_ns if plain else None, what,
                         xattrs)
     return out
@@ -124,7 +136,7 @@ def changed_and_snapshotted(node: Node, sb: Sandbox) -> tuple[dict[str, tuple[An
     r = sb.exec(CHANGES)
     assert r.exit_code == 0, r.stderr
     os.setxattr(rootfs(node, sb) / "root" / "new.txt", "user.test", b"value")
-    want = tree(rootfs(node, sb))
+    want = seen(node, sb)
     return want, sb.snapshot()
 
 
@@ -135,7 +147,7 @@ def test_a_restored_snapshot_shows_exactly_the_parents_files(node: Node) -> None
         assert snap.tag == f"snapshots/{sb.id}:1"
         with Sandbox.create(snap, node=node) as child:
             assert child.info.image_digest == snap.image
-            got = tree(rootfs(node, child))
+            got = seen(node, child)
     same_tree(got, want)
     assert "etc/motd" not in got and "data/big.bin" not in got  # deletions held
 
@@ -400,10 +412,10 @@ def test_a_chain_is_flattened_with_a_local_store(node: Node, tmp_path: Path) -> 
             first = sb.snapshot()
         with Sandbox.create(first, node=shallow) as sb:
             sb.exec("echo 2 > /root/two; rm /root/one")
-            want = tree(rootfs(shallow, sb))
+            want = seen(shallow, sb)
             second = sb.snapshot()
         assert (first.layers, first.flattened, second.layers, second.flattened) == (2, 0, 2, 2)
         with Sandbox.create(second, node=shallow) as sb:
-            same_tree(tree(rootfs(shallow, sb)), want)
+            same_tree(seen(shallow, sb), want)
     finally:
         shallow.close()

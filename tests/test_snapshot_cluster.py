@@ -12,6 +12,7 @@ object."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,14 +27,22 @@ from composer.errors import ImageNotFound
 from composer.push import push
 from composer.remote import ClusterCatalog
 from composer.snapshot import UNTRUSTED
-from runtime import Sandbox, SandboxNotFound, SandboxPreempted, cgroups
+from runtime import (
+    RestoreConflict,
+    Sandbox,
+    SandboxError,
+    SandboxInfo,
+    SandboxNotFound,
+    SandboxPreempted,
+    cgroups,
+)
 from runtime.config import RuntimeConfig
 from runtime.node import Node
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 from tests.helpers.seaweed import SeaweedFS, weed_binary
 from tests.helpers.snapshots import kill_snapshot_midway
-from tests.test_snapshot import changed_and_snapshotted, rootfs, same_tree, tree
+from tests.test_snapshot import changed_and_snapshotted, same_tree, seen
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
@@ -71,11 +80,14 @@ def _node(site: Site, name: str, lazy: LazyNode) -> Node:
                               max_snapshot_layers=MAX_LAYERS))
 
 
-@pytest.fixture(scope="module")
-def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
-    with LazyNode(site.d / "a" / "lazy", site.d / "none", cluster=site.url) as la, \
-            LazyNode(site.d / "b" / "lazy", site.d / "none", cluster=site.url) as lb:
-        a, b = _node(site, "a", la), _node(site, "b", lb)
+@contextlib.contextmanager
+def two_nodes(site: Site, names: tuple[str, str] = ("a", "b")) -> Iterator[tuple[Node, Node]]:
+    """Two Nodes of the site's cluster store, each with its own daemon and
+    state directory (site.d/<name>/); their sandboxes killed at the end."""
+    (x, y) = names
+    with LazyNode(site.d / x / "lazy", site.d / "none", cluster=site.url) as la, \
+            LazyNode(site.d / y / "lazy", site.d / "none", cluster=site.url) as lb:
+        a, b = _node(site, x, la), _node(site, y, lb)
         try:
             yield a, b
         finally:
@@ -84,6 +96,12 @@ def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
                     n.kill(info.id)
             a.close()
             b.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(site: Site) -> Iterator[tuple[Node, Node]]:
+    with two_nodes(site) as pair:
+        yield pair
 
 
 def test_a_snapshot_on_one_node_restores_on_the_other(nodes: tuple[Node, Node],
@@ -98,7 +116,7 @@ def test_a_snapshot_on_one_node_restores_on_the_other(nodes: tuple[Node, Node],
         assert not any((site.d / "a" / "state" / "staging").iterdir())  # the stage went
     with Sandbox.create(snap.image, node=b) as child:
         assert child.info.image_digest == snap.image
-        got = tree(rootfs(b, child))
+        got = seen(b, child)
         assert child.files.read("/root/new.txt") == b"new\n"
     same_tree(got, want)
     assert "etc/motd" not in got and "data/big.bin" not in got  # deletions held
@@ -226,6 +244,48 @@ def test_preempted_sandboxes_free_the_node_and_come_back_on_the_other(
         Sandbox.kill_many(labels, node=b)
 
 
+def test_two_nodes_restoring_one_preempted_sandbox_at_once_one_wins(
+        nodes: tuple[Node, Node]) -> None:
+    import threading
+    a, b = nodes
+    labels = {"job": "restore-race"}
+    sb = Sandbox.create(IMAGE, node=a, labels=labels)
+    sb.exec("echo mine > /root/mine")
+    assert Sandbox.pause_many(labels, snapshot=True, node=a) == [sb.id]
+    start = threading.Barrier(2)
+    outcome: dict[str, object] = {}
+
+    def restore(name: str, node: Node) -> None:
+        start.wait()
+        try:
+            outcome[name] = node.restore(sb.id)
+        except SandboxError as e:
+            outcome[name] = e
+    threads = [threading.Thread(target=restore, args=(n, node))
+               for n, node in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        won = [n for n, r in outcome.items() if isinstance(r, SandboxInfo)]
+        assert len(won) == 1, outcome
+        lost = outcome["b" if won == ["a"] else "a"]
+        assert isinstance(lost, RestoreConflict), lost
+        assert "being restored by" in str(lost)
+        winner, loser = (a, b) if won == ["a"] else (b, a)
+        # it runs once, on the winner, with its files; the loser has nothing of it
+        assert [i.id for i in winner.sandboxes(labels)] == [sb.id]
+        assert loser.sandboxes(labels) == [] and not (loser.config.sandboxes / sb.id).exists()
+        assert Sandbox.connect(sb.id, node=winner).files.read("/root/mine") == b"mine\n"
+        assert Sandbox.preempted(labels, node=loser) == []  # record and claim gone
+        with pytest.raises(SandboxNotFound):
+            loser.restore(sb.id)
+    finally:
+        for n in (a, b):
+            n.kill_many(labels)
+
+
 def test_a_chain_of_snapshots_is_flattened_past_the_limit(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     steps = ["echo 1 > /root/one; echo keep > /root/keep; mkdir /root/d; echo x > /root/d/x",
@@ -238,14 +298,14 @@ def test_a_chain_of_snapshots_is_flattened_past_the_limit(nodes: tuple[Node, Nod
         node = (a, b)[n % 2]  # each generation on the other node
         with Sandbox.create(image, node=node) as sb:
             assert sb.exec(step).exit_code == 0
-            want = tree(rootfs(node, sb))
+            want = seen(node, sb)
             snap = sb.snapshot()
         depth.append((snap.layers - base_layers, snap.flattened))
         image = snap.image
     # one layer per generation up to the limit, then the chain squashed into one
     assert depth == [(1, 0), (2, 0), (1, 3)]
     with Sandbox.create(image, node=b) as last:
-        got = tree(rootfs(b, last))
+        got = seen(b, last)
         assert last.files.read("/root/two-link") == b"2\n"
         assert last.exec("ls /root/d; test -e /root/one || echo gone").stdout == b"y\ngone\n"
     assert got == want

@@ -8,6 +8,10 @@ GET /metrics (behind the agent's token on TCP, like every route):
     lazyfs_sandbox_creates_total{backend}      creations that succeeded
     lazyfs_sandbox_create_refusals_total{error}  creations refused or failed
     lazyfs_exec_seconds{backend}               exec latency (histogram)
+    lazyfs_sandbox_denials_total{kind}         what the sandboxes were refused
+                                               (their events: syscall, connect,
+                                               oom_kill, process_limit), live
+                                               and killed ones
     lazyfs_daemon_up                           1 when the node's lazyfs daemon answered
 
 followed by the node's lazyfs daemon's own metrics (lazyfs.metrics: node
@@ -62,6 +66,12 @@ class _NodeCollector(Collector):
         yield CounterMetricFamily("lazyfs_sandbox_cpu_seconds",
                                   "CPU time used by the sandboxes' cgroups (live ones).",
                                   value=cpu_ns / 1e9)
+        denials = CounterMetricFamily("lazyfs_sandbox_denials",
+                                      "What the node's sandboxes were refused (events), "
+                                      "by kind.", labels=["kind"])
+        for kind, n in sorted(self.node.denial_counts().items()):
+            denials.add_metric([kind], n)
+        yield denials
 
 
 class AgentMetrics:

@@ -16,6 +16,8 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from composer.snapshot import HostIds
+
 from ..files import SandboxFiles
 from ..spec import (
     ExecRequest,
@@ -24,6 +26,7 @@ from ..spec import (
     ResolvedImage,
     SandboxEvent,
     SandboxSpec,
+    VmState,
 )
 
 Sink = Callable[[bytes], None]
@@ -59,6 +62,11 @@ class BackendState(BaseModel):
     def host_address(self) -> str | None:
         """The node's side of the sandbox's network (SandboxInfo.host_address);
         None when the sandbox has no network of its own."""
+        return None
+
+    def host_ids(self) -> HostIds | None:
+        """The host ids the sandbox's processes write files with, when they
+        are not the ids the sandbox sees (a container's user namespace)."""
         return None
 
 
@@ -97,6 +105,21 @@ class Checkpointing(Protocol):
         ...
 
     def restore(self, handle: Handle[Any], images: Path) -> None: ...
+
+
+@runtime_checkable
+class StateSaving(Protocol):
+    """A backend whose sandboxes' whole state (memory, devices, and with
+    them the files of an upper in guest memory) can be saved into a file
+    and loaded into a new sandbox (of a ResolvedImage with vm_state) on any
+    node: microVMs."""
+
+    def save_state(self, handle: Handle[Any]) -> tuple[Path, dict[str, Any]]:
+        """Pause the sandbox into a state file alone in its directory (a
+        paused one's as it is); (that file, the pause's figures)."""
+        ...
+
+    def state_record(self, handle: Handle[Any], layer: str) -> VmState: ...
 
 
 @runtime_checkable

@@ -52,13 +52,20 @@ from typing import Any, NoReturn
 
 from pydantic import Field
 
+from composer.snapshot import HostIds
 from lazyfs import sysmount
-from lazyfs.mounts import MountError, detach, mount_image, unmount
+from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 
-from .. import cgroups, hostlimits, oci, procio
+from .. import cgroups, hostlimits, idmap, oci, procio
 from ..config import RuntimeConfig
 from ..denials import DenialLog, SeccompListener, merged
-from ..errors import BackendUnavailable, QuotaExceeded, SandboxError, SandboxStateError
+from ..errors import (
+    BackendUnavailable,
+    NotCheckpointable,
+    QuotaExceeded,
+    SandboxError,
+    SandboxStateError,
+)
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
@@ -98,9 +105,21 @@ class ContainerState(BackendState):
     # the abstract name of the exec channel in the sandbox's network
     # namespace, once a checkpoint moved it there (None: ctl.sock)
     channel_name: str | None = None
+    # the first host id of the sandbox's user namespace (runtime/idmap.py);
+    # None: no user namespace
+    id_base: int | None = None
+    # its processes were restored by CRIU from a checkpoint (not started by runc run)
+    restored: bool = False
 
     def host_address(self) -> str | None:
         return self.node_address
+
+    def id_range(self) -> idmap.IdRange | None:
+        return None if self.id_base is None else idmap.IdRange.of_base(self.id_base)
+
+    def host_ids(self) -> HostIds | None:
+        r = self.id_range()
+        return None if r is None else r.host_ids()
 
 
 Container = Handle[ContainerState]
@@ -111,7 +130,8 @@ def _init_view(d: Path, built: Path) -> Path:
     node's (d). The bind's source shows in every sandbox's mountinfo as a
     path inside its filesystem; on this tmpfs that path names no host
     directory."""
-    d.mkdir(mode=0o700, exist_ok=True)
+    _traversable(d.parent)
+    d.mkdir(mode=0o711, exist_ok=True)
     if not sysmount.is_mount_point(d):
         try:
             sysmount.mount("tmpfs", d, "tmpfs", sysmount.MS_NOSUID | sysmount.MS_NODEV,
@@ -146,6 +166,7 @@ class ContainerBackend:
         self.denials = DenialLog()
         self._listener: SeccompListener | None = None
         self._listener_lock = threading.Lock()
+        self.ranges = idmap.RangePool()
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
@@ -220,6 +241,7 @@ class ContainerBackend:
         if h.state.channel_name is None:
             raise SandboxError(f"{h.id}: a checkpoint names its exec channel")
         runc, name = self.runc or "runc", h.state.channel_name
+        h.state.restored = True
 
         def run() -> None:
             pid = criu.restore(runc, self.config.runc_root, h.id, h.dir, images,
@@ -237,34 +259,51 @@ class ContainerBackend:
 
         self._start(h, run)
 
+    def _id_range(self, h: Container) -> idmap.IdRange | None:
+        """The sandbox's host ids: a range of its own, or (a restore: the
+        state names one) the checkpointed sandbox's, which CRIU restores."""
+        if not self.config.user_namespaces:
+            return None
+        if h.state.id_base is None:
+            ids = self.ranges.acquire(h.id)
+            h.state.id_base = ids.base
+            return ids
+        ids = idmap.IdRange.of_base(h.state.id_base)
+        idmap.join(ids, h.id)
+        return ids
+
     def _start(self, h: Container, run: Callable[[], object]) -> None:
         """Compose the root, write the config, `run` (which leaves the
         container's init pid in init.pid), then detach the root."""
         init = self._check()
         paths = self.images.ensure_daemon()
-        rootfs, rw = h.dir / "rootfs", h.dir / "rw"
-        rootfs.mkdir(parents=True)
+        # the root where runc's init (the sandbox's host ids) can reach it
+        rootfs, rw = self.config.container_dir / h.id, h.dir / "rw"
+        _traversable(rootfs.parent)
+        rootfs.mkdir(mode=0o700)
+        h.dir.mkdir(parents=True, exist_ok=True)
         rw.mkdir()
         st = h.state
         st.rootfs, st.rw = rootfs, rw
         try:
+            ids = self._id_range(h)
             sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
                            f"size={h.spec.disk_mb or self.config.disk_mb}m,mode=0700")
             st.rw_tmpfs = True
+            shift = None if ids is None else IdShift(self.ranges.user_namespace(ids), ids.base)
             try:  # by digest: content-addressed, whatever the tag names by now
                 mount_image(paths, self.images.catalog(), h.image.digest, rootfs, writable=rw,
-                            allow_devices=True, hide_paths=True)
+                            allow_devices=True, hide_paths=True, idmap=shift)
             except MountError as e:
                 raise BackendUnavailable(f"composing {h.image.name} ({h.image.digest}): "
                                          f"{e}") from e
             st.mounted = True
             (h.dir / "config.json").write_text(json.dumps(
-                oci.config(h.id, h.spec, rootfs, init, self.config.user_namespaces,
-                           self._seccomp_listener())))
+                oci.config(h.id, h.spec, rootfs, init, ids, self._seccomp_listener())))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             run()
             st.init_pid = int((h.dir / "init.pid").read_text())
-            if self.config.user_namespaces:
+            if ids is not None:
                 hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
             if h.spec.network.mode == "allowlist":
                 slot = st.net_slot = netpolicy.allocate(h.id)
@@ -302,12 +341,17 @@ class ContainerBackend:
         rw = h.state.rw or h.dir / "rw"
         if sysmount.is_mount_point(rw):
             sysmount.umount(rw, lazy=True)
+        with contextlib.suppress(OSError):  # the empty mount point (container_dir)
+            rootfs.rmdir()
         # the slot files name their sandbox: also finds a slot whose creation
         # was cut short before the state recorded it
         known = [] if h.state.net_slot is None else [h.state.net_slot]
         for slot in {*netpolicy.slots_of(h.id), *known}:
             netpolicy.remove(slot)
         self.denials.forget(h.id)
+        ids = h.state.id_range()
+        if ids is not None:
+            self.ranges.release(ids, h.id)
         _remove(h.dir)
 
     def _kill_init(self, h: Container, wait: float = 5.0) -> bool:
@@ -356,6 +400,10 @@ class ContainerBackend:
         if sysmount.is_mount_point(d):
             with contextlib.suppress(OSError):
                 sysmount.umount(d, lazy=True)
+        for empty in (d, d.parent):  # running sandboxes' mount points keep it
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+        self.ranges.close()
         with self._listener_lock:
             if self._listener is not None:
                 self._listener.close()
@@ -443,6 +491,19 @@ class ContainerBackend:
         if self.status(h) != "running":
             raise SandboxStateError(f"{h.id} is not running: only a running sandbox is "
                                     "checkpointed")
+        if h.state.restored and self.config.user_namespaces:
+            # CRIU checks a sandbox's namespaces from a helper inside its user
+            # namespace (criu/namespaces.c). A restored init's memory was made
+            # by CRIU outside that namespace (no exec inside it), and init is
+            # non-dumpable: only CAP_SYS_PTRACE outside may open its
+            # /proc/PID/ns/*, so the helper gets EACCES. Making init dumpable
+            # would let the sandbox's own root ptrace it.
+            raise NotCheckpointable(
+                f"{h.id} was restored from a checkpoint and runs in a user namespace: CRIU "
+                "cannot check its namespaces from inside it (the restored init is "
+                "non-dumpable and its memory was made outside that namespace: "
+                "/proc/PID/ns/net gives EACCES there); checkpoint it before it is restored "
+                "or run the node without user namespaces (user_namespaces=False)")
         if h.state.channel_name is None:
             to = initexec.AbstractChannel(self._netns(h), f"lazyfs-ctl-{secrets.token_hex(8)}")
             try:
@@ -563,7 +624,17 @@ class ContainerBackend:
         return h.state.rootfs or h.dir / "rootfs"
 
     def files(self, h: Container) -> SandboxFiles:
-        return SandboxFiles(self.root(h))
+        # what the node writes there belongs to the sandbox's root
+        return SandboxFiles(self.root(h), owner=h.state.id_base)
+
+
+def _traversable(d: Path) -> None:
+    """d and its parent (RuntimeConfig.container_dir under /run) exist and
+    every user may look up names in them, no more."""
+    for p in (d.parent, d):
+        p.mkdir(mode=0o711, exist_ok=True)
+        if os.stat(p).st_mode & 0o777 != 0o711:
+            os.chmod(p, 0o711)
 
 
 def _wait(pid: int, timeout: float) -> int:

@@ -31,6 +31,7 @@ from ..guest import qemu
 from ..guest.initramfs import initramfs
 from ..guest.pmemimages import pmem_layers
 from ..images import Images
+from ..spec import ResolvedImage
 from .base import Capabilities, Handle
 from .qemubase import QemuBackend, QemuState
 from .qemuproc import vmm_pss
@@ -52,11 +53,13 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     name = "microvm"
     state_type = MicrovmState
     capabilities = Capabilities("microvm", frozenset(
-        {"exec", "stream", "files", "pause", "resume"}),
+        {"exec", "stream", "files", "pause", "resume", "snapshot"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; image "
         "layers are virtio-pmem devices mounted EROFS -o dax (one host page-cache copy for "
         "all VMs), upper in guest memory; a static guest agent over virtio-serial; pause = "
-        "snapshot to disk and exit the VMM. QEMU in per-sandbox host cgroups (cpu, memory, "
+        "snapshot to disk and exit the VMM; snapshot and preemption = that state (memory, "
+        "devices, the upper) as a layer in the store, loaded into a VM of the same shape on "
+        "any node (no fork: a copy would share the guest kernel's identity). QEMU in per-sandbox host cgroups (cpu, memory, "
         "pids; best_effort = cpu.idle + SCHED_IDLE). No network (an allowlist is refused); "
         "VMs end with the node process (not persistent).")
 
@@ -77,7 +80,11 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     def _config(self, h: Handle[MicrovmState], vmdir: Path, incoming: str | None = None
                 ) -> qemu.VmConfig:
         kernel = self._kernel()
-        layers = pmem_layers(self.images, h.image, self.pmem_cache)
+        image = h.image
+        if image.vm_state is not None:  # the devices of the VM the state is of
+            image = ResolvedImage(name=image.name, digest=image.vm_state.base,
+                                  layers=image.layers)
+        layers = pmem_layers(self.images, image, self.pmem_cache)
         h.state.layers = [x.digest for x in layers]
         upper_mb = h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
         on = h.state.layers_on

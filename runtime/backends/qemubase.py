@@ -7,7 +7,7 @@ Per sandbox, under its directory:
     vm/console.sock   the serial console, read only while booting
     vm/console.log    what the console said while booting (at most 64 KiB)
     vm/qemu.log       QEMU's own stderr
-    vm/snapshot.bin   while paused: the VM's memory and device state
+    vm/state/snapshot.bin  while paused: the VM's memory and device state
 
 QemuBackend owns the life of a sandbox VM: create (the subclass prepares
 the host side and names the devices, kernel parameters and initramfs; this
@@ -38,7 +38,13 @@ from typing import Any, Generic, Literal, TypeVar
 
 from .. import cgroups
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable, SandboxStateError, Unsupported
+from ..errors import (
+    BackendUnavailable,
+    InvalidSpec,
+    SandboxError,
+    SandboxStateError,
+    Unsupported,
+)
 from ..files import SandboxFiles
 from ..guest import qemu
 from ..guest.initramfs import tools_missing
@@ -46,7 +52,7 @@ from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
 from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError
 from ..images import Images
 from ..native import qemu_preload, sandbox_init
-from ..spec import ExecRequest, ExecResult, Qos, SandboxSpec
+from ..spec import VM_STATE_FILE, ExecRequest, ExecResult, Qos, SandboxSpec, VmState
 from . import qemuproc, snapshots
 from .base import BackendState, Handle, Sink
 from .guestfiles import GuestFiles
@@ -136,7 +142,7 @@ class QemuBackend(Generic[Q]):
         return qemu.VmConfig(
             qemu=binary, accel=accel, vmlinuz=kernel.vmlinuz, initrd=initrd,
             memory_mb=h.spec.memory_mb,  # >= spec.MIN_GUEST_MB, checked at validation
-            cpus=max(1, min(math.ceil(h.spec.cpu), os.cpu_count() or 1)),
+            cpus=self._cpus(h.spec),
             pmem=pmem, drives=drives, agent_socket=vmdir / "agent.sock",
             console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
             append=[*append, f"lazyfs.hostname={h.id}", *self.extra_append],
@@ -220,9 +226,16 @@ class QemuBackend(Generic[Q]):
             h.state.vm_dir = vmdir
             self._make_cgroup(h)
             self._prepare(h, vmdir)
-            cfg = self._config(h, vmdir)
-            h.state.accel = "kvm" if cfg.accel == "kvm" else "tcg"
-            self._boot(h, cfg, init)
+            if h.image.vm_state is not None:  # a snapshot: load its state, no boot
+                self._check_shape(h, h.image.vm_state)
+                h.state.accel = h.image.vm_state.accel
+                state = self.images.ensure_daemon().layers / h.image.vm_state.layer / \
+                    VM_STATE_FILE
+                self._load(h, init, state)
+            else:
+                cfg = self._config(h, vmdir)
+                h.state.accel = "kvm" if cfg.accel == "kvm" else "tcg"
+                self._boot(h, cfg, init)
         except BaseException:
             self.kill(h)
             raise
@@ -305,13 +318,25 @@ class QemuBackend(Generic[Q]):
         snap = h.state.snapshot
         if snap is None or not snap.is_file():
             raise SandboxStateError(f"{h.id} has no snapshot to resume from")
-        init = self._check()
+        self._load(h, self._check(), snap)
+        snap.unlink(missing_ok=True)
+        h.state.snapshot = None
+
+    def _load(self, h: Handle[Q], init: Path, snap: Path) -> None:
+        """A VMM of this sandbox's devices running the state in `snap`."""
         cfg = self._config(h, self._vmdir(h), incoming="defer")
         deadline = time.monotonic() + self.boot_timeout
         proc = self._start(h, cfg, init)
         try:
             qemuproc.wait_sockets(proc, cfg, deadline)
-            agent = snapshots.restore(h.id, proc, cfg, snap, deadline)
+            try:
+                agent = snapshots.restore(h.id, proc, cfg, snap, deadline)
+            except SandboxError as e:
+                if proc.poll() is None:
+                    raise
+                raise BackendUnavailable(
+                    f"loading {h.id} from {snap}: QEMU exited ({qemuproc.exit_text(proc)}): "
+                    f"{qemuproc.tail(cfg.agent_socket.parent / 'qemu.log')}") from e
         except BaseException:
             proc.kill()
             proc.wait()
@@ -321,8 +346,42 @@ class QemuBackend(Generic[Q]):
             raise
         with self._lock:
             self._vms[h.id] = Vm(proc, agent, cfg)
-        snap.unlink(missing_ok=True)
-        h.state.snapshot = None
+
+    # -- the VM's state in the store (snapshot, preemption) ---------------------
+    def _cpus(self, spec: SandboxSpec) -> int:
+        return max(1, min(math.ceil(spec.cpu), os.cpu_count() or 1))
+
+    def _check_shape(self, h: Handle[Q], state: VmState) -> None:
+        """InvalidSpec unless this sandbox is a machine QEMU can load
+        `state` into: the same backend, guest memory and vCPUs."""
+        want = {"backend": (state.backend, self.name),
+                "memory_mb": (state.memory_mb, h.spec.memory_mb),
+                "vCPUs": (state.cpus, self._cpus(h.spec))}
+        wrong = [f"{k} {have} (the snapshot's is {need})"
+                 for k, (need, have) in want.items() if need != have]
+        if wrong:
+            raise InvalidSpec(f"{h.image.name} is the memory of a {state.backend} VM of "
+                              f"{state.memory_mb} MB and {state.cpus} vCPUs: this sandbox "
+                              f"has {', '.join(wrong)}")
+
+    def save_state(self, h: Handle[Q]) -> tuple[Path, dict[str, Any]]:
+        """The VM's memory and device state as a file alone in its directory:
+        a running VM is paused for it (its VMM exits; the caller resumes it
+        or kills it), a paused one's snapshot is taken as it is. (file,
+        the pause's figures: empty when it was paused already)."""
+        snap = h.state.snapshot
+        if snap is not None and snap.is_file():
+            return snap, {}
+        figures = self.pause(h)
+        assert h.state.snapshot is not None
+        return h.state.snapshot, figures
+
+    def state_record(self, h: Handle[Q], layer: str) -> VmState:
+        """What an image of this VM's state (packed as `layer`) must say."""
+        base = h.image.vm_state.base if h.image.vm_state is not None else h.image.digest
+        return VmState(layer=layer, base=base, backend=self.name,
+                       memory_mb=h.spec.memory_mb, cpus=self._cpus(h.spec),
+                       accel=h.state.accel or "tcg", sandbox_id=h.id)
 
     # -- exec and files --------------------------------------------------------
     def exec(self, h: Handle[Q], req: ExecRequest, on_stdout: Sink | None,

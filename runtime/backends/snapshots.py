@@ -6,9 +6,12 @@ the VMM exits and its memory is freed. Resume: a new VMM with the same
 devices and `-incoming defer`, `migrate-incoming` from that file, `cont`,
 and the guest agent is reconnected.
 
-The snapshot lives in the sandbox's vm/ directory, unless the runtime state
-directory is on tmpfs (RAM: writing the guest's memory there would free
-nothing); then under SNAPSHOT_DIR/<sandbox id>/ on disk.
+The snapshot lives in the sandbox's vm/state/ directory, unless the runtime
+state directory is on tmpfs (RAM: writing the guest's memory there would
+free nothing); then under SNAPSHOT_DIR/<sandbox id>/ on disk. A snapshot in
+the store (the node's snapshot and preempt) packs that directory into a
+layer; a VM made from it loads the stream straight from the node daemon's
+`layers/<digest>/snapshot.bin` (fetched lazily, local store or cluster).
 
 It does not start VMMs or choose their devices (runtime/backends/qemuproc.py
 and the backends do).
@@ -29,6 +32,7 @@ from lazyfs import sysmount
 from ..errors import BackendUnavailable, SandboxError
 from ..guest import qemu
 from ..guest.protocol import AgentConnection, AgentError
+from ..spec import VM_STATE_FILE
 from .qemuproc import KILL_WAIT, Vm, vmm_pss
 
 MIGRATE_TIMEOUT = 120.0
@@ -37,12 +41,15 @@ _IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
 
 
 def snapshot_path(state_dir: Path, sandbox_id: str, vmdir: Path) -> Path:
+    """Where a pause writes the VM's state: the one file of a directory of
+    its own (the directory is what a snapshot packs into a layer)."""
     info = sysmount.find_mount(state_dir)
     if info is not None and info.fstype == "tmpfs":  # RAM: would free nothing
         d = SNAPSHOT_DIR / sandbox_id
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return d / "snapshot.bin"
-    return vmdir / "snapshot.bin"
+    else:
+        d = vmdir / "state"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d / VM_STATE_FILE
 
 
 def save(sandbox_id: str, vm: Vm, snap: Path) -> dict[str, Any]:
@@ -122,3 +129,6 @@ def remove(sandbox_id: str, snap: Path | None) -> None:
     if snap is not None:
         snap.unlink(missing_ok=True)
     shutil.rmtree(SNAPSHOT_DIR / sandbox_id, ignore_errors=True)
+    if SNAPSHOT_DIR.is_dir():  # (links a snapshot into the store was packing from)
+        for d in SNAPSHOT_DIR.glob(f"{sandbox_id}-pack-*"):
+            shutil.rmtree(d, ignore_errors=True)

@@ -13,7 +13,8 @@ test run): they are not ours to report. Ours are:
   runtime in this process logged, or a log file under the base directory
   names (nodes in child processes: agents, the CLI), or an fncall pool
   cgroup of a state directory under the base directory;
-* network namespaces and slots whose slot file names one of those ids.
+* network namespaces and slots whose slot file names one of those ids, and
+  host id ranges (runtime/idmap.py) one of them still holds.
 
 Mounts are detached and processes killed on the way (so a leak fails the run
 once, not every later test); cgroups and network state are only reported.
@@ -28,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime import cgroups
+from runtime import cgroups, idmap
 from runtime.backends.fncall import cgroup_prefix
 from runtime.backends.netpolicy import NETNS_DIR, SLOT_DIR
 from runtime.config import RuntimeConfig
@@ -161,6 +162,8 @@ class SessionWatch:
         netns = sorted(n for n in netns_names() - self.netns_before
                        if owners.get(n[len(NETNS_PREFIX):]) in ids)
         netns += [f"slot {s}" for s, owner in sorted(owners.items()) if owner in ids]
+        netns += [f"id range {s}" for s, users in sorted(idmap.holders().items())
+                  if set(users) & ids]
         return cgs, netns
 
     def finish(self) -> str:

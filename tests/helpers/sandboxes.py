@@ -75,6 +75,13 @@ def node_for(store: Path, d: Path, **kw: object) -> Iterator[Node]:
             node.close()  # conftest's session check finds any cgroup or mount left
 
 
+@contextmanager
+def busybox_node(d: Path, **kw: object) -> Iterator[Node]:
+    """A node over a fresh busybox store in d (node_for)."""
+    with node_for(busybox_store(d), d, **kw) as n:
+        yield n
+
+
 def add_second_image(store_path: Path, d: Path) -> None:
     """SECOND into a store made by busybox_store (before a node opens it)."""
     root = build_busybox_rootfs(d / "rootfs2")
