@@ -232,7 +232,10 @@ def sustain(node: Node, seconds: float, rate: float, threads: int,
                 i = slot[0]
                 slot[0] += 1
             due = start + i / rate
-            if due >= end:
+            # behind the pace, the slots left would run on past the phase's
+            # end for as long as the backlog takes (a slow node's run never
+            # ended): nothing starts after it
+            if due >= end or time.perf_counter() >= end:
                 return
             delay = due - time.perf_counter()
             if delay > 0:

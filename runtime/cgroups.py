@@ -13,6 +13,7 @@ memory.stat / memory.events / memory.reclaim; that port is not written yet
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import subprocess
@@ -53,6 +54,21 @@ class GroupLimits:
 # the controllers of a group made by create_group; cpuacct for the CPU time
 # its processes used (a hierarchy of its own on these machines)
 GROUP_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids")
+
+
+@functools.cache
+def v1_hierarchies() -> tuple[str, ...]:
+    """The cgroup v1 hierarchies mounted under CGROUP_ROOT (memory, cpu,
+    ..., a named one such as systemd; not the v2 `unified`): runc makes a
+    sandbox's group in each. Read once per process: hierarchies are mounted
+    at boot."""
+    names = []
+    with os.scandir(CGROUP_ROOT) as it:
+        for entry in it:
+            if entry.name != "unified" and entry.is_dir(follow_symlinks=False) and \
+                    os.path.ismount(entry.path):
+                names.append(entry.name)
+    return tuple(sorted(names))
 
 
 def path(controller: str, sandbox_id: str) -> Path:

@@ -27,6 +27,7 @@ not memory.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import fcntl
@@ -190,7 +191,7 @@ class SeccompListener:
         conn, _ = self._sock.accept()
         with conn:
             conn.settimeout(5)
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+            msg, fds = recv_fds_cloexec(conn, 1 << 16, 4)
         try:
             state = json.loads(msg)
             sandbox_id = str(state["state"]["id"])
@@ -247,6 +248,23 @@ class SeccompListener:
         os.close(self._stop_r)
         os.close(self._stop_w)
         self.path.unlink(missing_ok=True)
+
+
+def recv_fds_cloexec(conn: socket.socket, bufsize: int, maxfds: int
+                     ) -> tuple[bytes, list[int]]:
+    """A message and the descriptors passed with it, close-on-exec from the
+    start. socket.recv_fds ignores its flags, and a received descriptor is
+    otherwise inheritable: every runc and nsenter the node starts inherited
+    one per sandbox on the node (runc then marked each close-on-exec itself,
+    a create's cost growing with the sandboxes), and a descriptor set
+    inheritable afterwards could leak to a process spawned meanwhile."""
+    fds = array.array("i")
+    msg, ancdata, _, _ = conn.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
+                                      socket.MSG_CMSG_CLOEXEC)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)
 
 
 def _syscall_names() -> Callable[[int, int], str]:

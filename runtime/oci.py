@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import cgroups, seccomp
+from . import cgroups, hostlimits, seccomp
 from .idmap import IdRange
 from .spec import SandboxSpec
 
@@ -54,10 +54,43 @@ MASKED_PATHS = [
     # kernel debugging and tracing interfaces
     "/sys/kernel/debug", "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf",
 ]
+# Directories of MASKED_PATHS under /sys, masked by one read-only bind each
+# of a single empty directory of the node's instead (config's node_dir): runc's mask
+# for a directory is a tmpfs of its own, a superblock per path and sandbox,
+# and the kernel walks every superblock's memcg-aware lists whenever a memory
+# cgroup goes (each kill), so those walks grew with the sandboxes on the node
+# (5 of a sandbox's 15 superblocks were these masks). runc allows no bind
+# inside /proc: /proc/acpi stays a tmpfs.
+SYS_MASKED_DIRS = ["/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
+                   "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf"]
+MASK_DIR = "empty"  # under config's node_dir
+CGROUP_DIR = "cgroup"
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 
-def _mounts(init_binary: Path) -> list[dict[str, Any]]:
+def make_node_dirs(d: Path) -> None:
+    """The directories of the node's that config's node_dir names, in d (a
+    tmpfs of the node's: a bind's source then names no host directory in a
+    sandbox's mountinfo)."""
+    (d / MASK_DIR).mkdir(mode=0o555, exist_ok=True)
+    (d / CGROUP_DIR).mkdir(mode=0o755, exist_ok=True)
+    for h in cgroups.v1_hierarchies():
+        (d / CGROUP_DIR / h).mkdir(mode=0o555, exist_ok=True)
+
+
+def _mounts(sandbox_id: str, init_binary: Path, masks: list[str], node_dir: Path | None
+            ) -> list[dict[str, Any]]:
+    # the mount points of the sandbox's groups: empty directories of the
+    # node's, bound read-only (one superblock less than a tmpfs of its own)
+    cgroup_root: dict[str, Any] = {
+        "destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs",
+        "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]} \
+        if node_dir is None else {
+        "destination": "/sys/fs/cgroup", "type": "bind", "source": str(node_dir / CGROUP_DIR),
+        "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}
+    mask_mounts = [] if node_dir is None else [
+        {"destination": d, "type": "bind", "source": str(node_dir / MASK_DIR),
+         "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for d in masks]
     return [
         {"destination": "/proc", "type": "proc", "source": "proc",
          "options": ["nosuid", "noexec", "nodev"]},
@@ -71,15 +104,26 @@ def _mounts(init_binary: Path) -> list[dict[str, Any]]:
          "options": ["nosuid", "noexec", "nodev"]},
         {"destination": "/sys", "type": "sysfs", "source": "sysfs",
          "options": ["nosuid", "noexec", "nodev", "ro"]},
-        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
-         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+        # the sandbox's own groups, read-only, as binds: runc's "cgroup"
+        # mount is a cgroup1 mount(2) per hierarchy, and each walks every
+        # cgroup of the host's v2 tree (one per sandbox) and waits until the
+        # dying ones (those of sandboxes just killed) are gone
+        # (cgroup_lock_and_drain_offline): 9 walks and waits per create,
+        # growing with the sandboxes on the node
+        cgroup_root,
+        *({"destination": f"/sys/fs/cgroup/{h}", "type": "bind",
+           "source": str(cgroups.path(h, sandbox_id)),
+           "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}
+          for h in cgroups.v1_hierarchies()),
         {"destination": INIT_PATH, "type": "bind", "source": str(init_binary),
          "options": ["bind", "ro", "nosuid", "nodev"]},
+        *mask_mounts,
     ]
 
 
 def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
-           ids: IdRange | None = None, seccomp_listener: Path | None = None
+           ids: IdRange | None = None, seccomp_listener: Path | None = None,
+           node_dir: Path | None = None, budgets: hostlimits.Budgets | None = None
            ) -> dict[str, Any]:
     """config.json for `runc run`: the process is sandbox-init as PID 1, which
     reaps and starts the node's commands from the exec channel it gets as its
@@ -89,8 +133,19 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
     (runtime/idmap.py), so its root is an unprivileged host user, its
     capabilities hold only in its own namespaces, and the kernel's per-user
     budgets (inotify) are counted per sandbox (runtime/hostlimits.py).
-    None: no user namespace."""
+    None: no user namespace.
+
+    node_dir (make_node_dirs): its empty directory masks SYS_MASKED_DIRS
+    (those this host has: a bind needs its mount point, where runc skips a
+    missing masked path), its cgroup directory holds the mount points of the
+    sandbox's groups; None: a tmpfs for each (runc's masks). budgets (with a
+    user namespace): the namespace's inotify budgets, set by a
+    createContainer hook, which runc runs in the sandbox's namespaces with
+    every capability there, after the mounts and before /proc/sys turns
+    read-only: through the sandbox's own proc, a lookup costs the same
+    however many sandboxes the node holds."""
     user_namespace = ids is not None
+    masks = [d for d in SYS_MASKED_DIRS if Path(d).is_dir()] if node_dir else []
     args = [INIT_PATH, "init", "-l", "0"] + (["-i"] if spec.qos.value == "best_effort" else [])
     env = [PATH_ENV, "HOME=/root", "TERM=xterm", *(f"{k}={v}" for k, v in spec.env.items())]
     cpu = cgroups.cpu_limits(spec.cpu)
@@ -115,8 +170,12 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
                          "hard": spec.open_files}],
         },
         "root": {"path": str(rootfs), "readonly": False},
+        **({"hooks": {"createContainer": [
+            {"path": "/bin/sh",
+             "args": ["sh", "-c", hostlimits.budget_script(budgets, f"{rootfs}/proc")]}]}}
+           if budgets is not None and user_namespace else {}),
         "hostname": sandbox_id[:63],
-        "mounts": _mounts(init_binary),
+        "mounts": _mounts(sandbox_id, init_binary, masks, node_dir),
         "linux": {
             "cgroupsPath": cgroups.cgroups_path(sandbox_id),
             "resources": {
@@ -128,7 +187,7 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
             "namespaces": namespaces,
             **({"uidMappings": ids.oci_mappings(), "gidMappings": ids.oci_mappings()}
                if ids is not None else {}),
-            "maskedPaths": MASKED_PATHS,
+            "maskedPaths": [p for p in MASKED_PATHS if p not in masks],
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp.oci_section(seccomp_listener),
         },

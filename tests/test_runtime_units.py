@@ -14,7 +14,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from runtime import landlock, oci, procio
+from runtime import cgroups, landlock, oci, procio
 from runtime.backends import capabilities
 from runtime.backends.container import ContainerState
 from runtime.backends.microvm import MicrovmState
@@ -142,10 +142,14 @@ def test_oci_config_confines_the_sandbox(tmp_path: Path) -> None:
     assert c["linux"]["uidMappings"] == [{"containerID": 0, "hostID": (1 << 31) + 3 * 65536,
                                           "size": 65536}]
     assert c["linux"]["gidMappings"] == c["linux"]["uidMappings"]
+    # no host path but sandbox-init and the sandbox's own cgroups, read-only
     binds = [m for m in c["mounts"] if m["type"] == "bind"]
-    assert binds == [{"destination": oci.INIT_PATH, "type": "bind",
-                      "source": str(tmp_path / "init"),
-                      "options": ["bind", "ro", "nosuid", "nodev"]}]
+    assert [m for m in binds if not m["destination"].startswith("/sys/fs/cgroup/")] == [
+        {"destination": oci.INIT_PATH, "type": "bind", "source": str(tmp_path / "init"),
+         "options": ["bind", "ro", "nosuid", "nodev"]}]
+    assert {m["source"] for m in binds if m["destination"].startswith("/sys/fs/cgroup/")} \
+        == {str(cgroups.path(h, "sb-1")) for h in cgroups.v1_hierarchies()}
+    assert all("ro" in m["options"] for m in binds)
     caps = set(c["process"]["capabilities"]["bounding"])
     assert "CAP_SYS_ADMIN" not in caps and "CAP_NET_ADMIN" not in caps
     assert "CAP_NET_RAW" not in caps and "CAP_MKNOD" not in caps

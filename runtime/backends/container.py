@@ -139,6 +139,7 @@ def _init_view(d: Path, built: Path) -> Path:
         except OSError as e:
             raise BackendUnavailable(f"cannot mount a tmpfs on {d} for sandbox-init: "
                                      f"{e.strerror}") from e
+    oci.make_node_dirs(d)  # oci.config's node_dir
     out = d / built.name
     if not out.exists():
         tmp = d / f".{built.name}.tmp"
@@ -244,6 +245,10 @@ class ContainerBackend:
         h.state.restored = True
 
         def run() -> None:
+            # the sandbox's groups are bind sources in its config (oci.py),
+            # and runc restore looks for them before it makes them
+            for hierarchy in cgroups.v1_hierarchies():
+                cgroups.path(hierarchy, h.id).mkdir(parents=True, exist_ok=True)
             pid = criu.restore(runc, self.config.runc_root, h.id, h.dir, images,
                                h.dir / "criu")
             # the restored init holds no rw/ (the dump could not save it):
@@ -257,7 +262,7 @@ class ContainerBackend:
             finally:
                 os.close(rw)
 
-        self._start(h, run)
+        self._start(h, run, restoring=True)
 
     def _id_range(self, h: Container) -> idmap.IdRange | None:
         """The sandbox's host ids: a range of its own, or (a restore: the
@@ -272,7 +277,8 @@ class ContainerBackend:
         idmap.join(ids, h.id)
         return ids
 
-    def _start(self, h: Container, run: Callable[[], object]) -> None:
+    def _start(self, h: Container, run: Callable[[], object], restoring: bool = False
+               ) -> None:
         """Compose the root, write the config, `run` (which leaves the
         container's init pid in init.pid), then detach the root."""
         init = self._check()
@@ -299,11 +305,12 @@ class ContainerBackend:
                                          f"{e}") from e
             st.mounted = True
             (h.dir / "config.json").write_text(json.dumps(
-                oci.config(h.id, h.spec, rootfs, init, ids, self._seccomp_listener())))
+                oci.config(h.id, h.spec, rootfs, init, ids, self._seccomp_listener(),
+                           init.parent, None if restoring else self.config.budgets)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             run()
             st.init_pid = int((h.dir / "init.pid").read_text())
-            if ids is not None:
+            if ids is not None and restoring:  # (created: the config's hook)
                 hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
             if h.spec.network.mode == "allowlist":
                 slot = st.net_slot = netpolicy.allocate(h.id)

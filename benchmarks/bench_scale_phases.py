@@ -1,0 +1,191 @@
+"""Where a container create and kill spend their time as the node fills:
+phases at 0 and N idle sandboxes, with user namespaces on and off in the same run.
+
+    python -m benchmarks.bench_scale_phases [--idle 1500,3000] [--samples 15]
+                                            [--perf DIR]
+
+One lazyfs daemon and two embedded nodes (RuntimeConfig(user_namespaces=True)
+and False) over one busybox image (tests/helpers/sandboxes.py); the idle
+sandboxes are created on the user-namespace node (4 threads). At each N both
+nodes create and kill `--samples` sandboxes one at a time, and the
+ContainerBackend's steps are timed by wrapping them (bench_runtime's
+PhaseTimer; median ms per create + kill):
+runc run (`_run_detached`), the inotify budgets (`limit_sandbox`, an
+nsenter), composing the root (`mount_image`), detaching it, the other runc
+calls, unmounting, removing the directory. Besides wall times, the CPU of the
+node's children (runc, nsenter: getrusage) and the host's whole system time
+(/proc/stat) per create + kill: wall times on a shared machine mislead, the
+host's system time shows kernel work that grows with N (kernel workers
+included). With --perf DIR, `perf record -a -g` runs through each sample
+window (DIR/perf.<N>.<userns>) and through the final kill_many
+(DIR/perf.kill_many). Results: benchmarks/results/scale_phases.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_runtime import PhaseTimer
+from benchmarks.report import exit_on_sigterm, int_list, log, machine_info, write_json
+from runtime import Sandbox, hostlimits
+from runtime.backends import container
+from runtime.config import RuntimeConfig
+from runtime.node import Node
+from tests.helpers.lazynode import LazyNode
+from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
+
+HERE = Path(__file__).resolve().parent
+IDLE = {"bench": "phases-idle"}
+
+TIMER = PhaseTimer()  # per thread: the idle-growing threads' steps do not count
+
+
+def _instrument() -> None:
+    cb = container.ContainerBackend
+    for name, label in (("_run_detached", "runc run"), ("_runc", "runc delete/state"),
+                        ("_kill_init", "kill init"), ("create", "backend create"),
+                        ("kill", "backend kill")):
+        TIMER.wrap(cb, name, label)
+    for name, label in (("mount_image", "compose root"), ("detach", "detach root"),
+                        ("unmount", "unmount root"), ("_remove", "remove dir")):
+        TIMER.wrap(container, name, label)
+    TIMER.wrap(hostlimits, "limit_sandbox", "inotify budgets (nsenter)")
+
+
+def _cpu() -> tuple[float, int]:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open("/proc/stat") as f:
+        system_ticks = int(f.readline().split()[3])
+    return ru.ru_utime + ru.ru_stime, system_ticks
+
+
+@contextlib.contextmanager
+def _perf(out: Path | None) -> Iterator[None]:
+    if out is None:
+        yield
+        return
+    p = subprocess.Popen(["perf", "record", "-F", "499", "-a", "-g", "-o", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+
+
+def sample(node: Node, n: int) -> dict[str, Any]:
+    creates, kills = [], []
+    steps: dict[str, list[float]] = {}
+    c0, s0 = _cpu()
+    TIMER.take()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = Sandbox.create(IMAGE, node=node)
+        t1 = time.perf_counter()
+        sb.kill()
+        creates.append(t1 - t0)
+        kills.append(time.perf_counter() - t1)
+        for k, v in TIMER.take().items():  # this create + kill's time in each step
+            steps.setdefault(k, []).append(v)
+    c1, s1 = _cpu()
+    tick = 1 / 100  # USER_HZ
+    return {"create_ms": statistics.median(creates) * 1e3,
+            "kill_ms": statistics.median(kills) * 1e3,
+            "children_cpu_ms": (c1 - c0) / n * 1e3,
+            "host_system_ms": (s1 - s0) * tick / n * 1e3,
+            "phases_ms": {k: statistics.median(v) * 1e3 for k, v in sorted(steps.items())}}
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    store = busybox_store(work / "image")
+    rows: list[dict[str, Any]] = []
+    res: dict[str, Any] = {"rows": rows}
+    perf_dir: Path | None = args.perf
+    if perf_dir is not None:
+        perf_dir.mkdir(parents=True, exist_ok=True)
+    with LazyNode(work / "lazynode", store) as lazy:
+        nodes = {u: Node(RuntimeConfig(store=store, cluster=None, state_dir=work / f"state-{u}",
+                                       node_root=lazy.paths.root, user_namespaces=u,
+                                       max_sandboxes=max(args.idle) + 64))
+                 for u in (True, False)}
+        idle = 0
+        try:
+            for node in nodes.values():
+                with Sandbox.create(IMAGE, node=node) as sb:  # warm
+                    sb.exec("true")
+            for n in [0, *sorted(args.idle)]:
+                if n > idle:
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(4) as ex:
+                        list(ex.map(lambda _: Sandbox.create(IMAGE, node=nodes[True],
+                                                             labels=IDLE), range(n - idle)))
+                    log(f"{n} idle ({(n - idle) / (time.perf_counter() - t0):.1f} creates/s)")
+                    idle = n
+                time.sleep(2)
+                for u, node in nodes.items():
+                    out = None if perf_dir is None else perf_dir / f"perf.{n}.{int(u)}"
+                    with _perf(out):
+                        row = {"idle": n, "user_namespaces": u, **sample(node, args.samples)}
+                    rows.append(row)
+                    log(f"N={n} userns={u}: create {row['create_ms']:.1f} ms, kill "
+                        f"{row['kill_ms']:.1f} ms, children CPU {row['children_cpu_ms']:.1f} ms, "
+                        f"host system {row['host_system_ms']:.1f} ms; " +
+                        ", ".join(f"{k} {v:.1f}" for k, v in row["phases_ms"].items()))
+            with _perf(None if perf_dir is None else perf_dir / "perf.kill_many"):
+                t0 = time.perf_counter()
+                killed = Sandbox.kill_many(IDLE, node=nodes[True])
+                res["kill_many"] = {"count": len(killed), "seconds": time.perf_counter() - t0}
+            log(f"kill_many of {len(killed)}: {res['kill_many']['seconds']:.1f} s")
+        finally:
+            for node in nodes.values():
+                for info in node.sandboxes():
+                    with contextlib.suppress(Exception):
+                        node.kill(info.id)
+                node.close()
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--idle", type=int_list, default=[1500, 3000],
+                    help="idle sandbox counts to measure at besides 0 (default: 1500,3000)")
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--perf", type=Path, default=None, help="record perf profiles here")
+    ap.add_argument("--json", type=Path, default=HERE / "results" / "scale_phases.json")
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
+    args = ap.parse_args(argv)
+    why = runtime_missing()
+    if why:
+        sys.exit(f"bench_scale_phases.py {why}")
+    if args.perf is not None and shutil.which("perf") is None:
+        sys.exit("--perf needs perf (apt-get install linux-perf)")
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    _instrument()
+    machine = machine_info(args.workdir)
+    work = Path(tempfile.mkdtemp(prefix="bench-phases-", dir=args.workdir))
+    try:
+        res = run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_json(args.json, {"benchmark": "scale_phases", "timestamp": time.time(),
+                           "args": {k: str(v) for k, v in vars(args).items()},
+                           "machine": machine, **res})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
