@@ -107,6 +107,9 @@ class Node:
         self._lockfile = _lock_state(self.config.state_dir)
         # creations under way, counted against the quota and admission
         self._pending: dict[object, SandboxSpec] = {}
+        # ids of sandboxes being restored (a restore brings back a known id):
+        # a kill of one waits for its restore, then stops what it made
+        self._restoring: dict[str, threading.Event] = {}
         self._asked = {q: 0 for q in Qos}  # memory_mb asked, per QoS class
         # events of killed sandboxes, by kind (denial_counts)
         self._killed_events: dict[str, int] = {}
@@ -303,7 +306,12 @@ class Node:
 
     def kill(self, sandbox_id: str) -> None:
         """Stop the sandbox and remove what it has on the node; a preempted
-        one is discarded (its record and its snapshot's tag go)."""
+        one is discarded (its record and its snapshot's tag go); one being
+        restored is stopped once its restore ends (not left running)."""
+        with self._lock:
+            restoring = self._restoring.get(sandbox_id)
+        if restoring is not None:
+            restoring.wait()
         try:
             info, h = self._get(sandbox_id)
         except SandboxNotFound:
@@ -677,25 +685,37 @@ class Node:
         """The preempted sandbox `sandbox_id` running again on this node:
         same id, spec and labels, its files from the snapshot (a process
         state is not kept: it starts afresh, running). Its lifetime goes on
-        from where it was preempted (the time preempted does not count)."""
-        record = self.preempted.get(sandbox_id)
-        if record is None:
-            if sandbox_id in self._sandboxes:
-                raise SandboxStateError(f"{sandbox_id} runs on this node: not preempted")
-            raise SandboxNotFound(f"no preempted sandbox {sandbox_id!r} "
-                                  f"in {self.config.cluster or self.config.state_dir}")
-        # one restorer per record, across nodes: the others get RestoreConflict
-        claim = self.preempted.claim(sandbox_id, f"{os.uname().nodename}:"
-                                     f"{self.config.node_id or self.config.state_dir}")
+        from where it was preempted (the time preempted does not count).
+        A kill of it meanwhile waits for this to end (runtime.node.kill)."""
+        done = threading.Event()
+        with self._lock:
+            if sandbox_id in self._restoring:
+                raise SandboxStateError(f"{sandbox_id} is being restored on this node")
+            self._restoring[sandbox_id] = done
         try:
-            if self.preempted.get(sandbox_id) is None:  # restored by an earlier claim
-                raise SandboxNotFound(f"{sandbox_id} was restored meanwhile (not preempted)")
-            spec = record.spec.model_copy(update={"image": record.image})
-            info = self._create(spec, sandbox_id=record.id,
-                                created=time.time() - (record.preempted - record.created))
-            self.preempted.delete(sandbox_id)
+            record = self.preempted.get(sandbox_id)
+            if record is None:
+                if sandbox_id in self._sandboxes:
+                    raise SandboxStateError(f"{sandbox_id} runs on this node: not preempted")
+                raise SandboxNotFound(f"no preempted sandbox {sandbox_id!r} "
+                                      f"in {self.config.cluster or self.config.state_dir}")
+            # one restorer per record, across nodes: the others get RestoreConflict
+            claim = self.preempted.claim(sandbox_id, f"{os.uname().nodename}:"
+                                         f"{self.config.node_id or self.config.state_dir}")
+            try:
+                if self.preempted.get(sandbox_id) is None:  # restored by an earlier claim
+                    raise SandboxNotFound(f"{sandbox_id} was restored meanwhile "
+                                          "(not preempted)")
+                spec = record.spec.model_copy(update={"image": record.image})
+                info = self._create(spec, sandbox_id=record.id,
+                                    created=time.time() - (record.preempted - record.created))
+                self.preempted.delete(sandbox_id)
+            finally:
+                self.preempted.release(sandbox_id, claim)
         finally:
-            self.preempted.release(sandbox_id, claim)
+            with self._lock:
+                del self._restoring[sandbox_id]
+            done.set()
         try:  # the snapshot is the running sandbox's image now; the tag may go
             self.captures.remove_tag(record.tag)
         except (SandboxError, LazyfsError) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from runtime import (
     SandboxStateError,
     SnapshotInfo,
     Unsupported,
+    cgroups,
 )
 from runtime.backends.container import ContainerBackend
 from runtime.config import RuntimeConfig
@@ -306,6 +308,52 @@ def test_preempt_and_restore_on_one_node_with_a_local_store(node: Node) -> None:
         node.captures._open()[1].resolve(record.tag)
     with pytest.raises(SandboxNotFound):
         again.kill()
+
+
+def test_a_kill_during_a_restore_stops_the_restored_sandbox(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill(id) while restore(id) is making the container (a fleet-wide
+    kill_many during a drain --move, say): the kill waits for the restore
+    and stops what it made; nothing of the sandbox keeps running. The
+    backend's real create is only held at its start (an event), so the
+    kill lands while the restore is under way every time."""
+    sb = Sandbox.create(IMAGE, node=node, labels={"job": "kill-restoring"})
+    sb.preempt()
+    backend = node.backend("container")
+    real_create = backend.create
+    started, release = threading.Event(), threading.Event()
+
+    def held_create(h: Any) -> None:
+        started.set()
+        assert release.wait(30)
+        real_create(h)
+    monkeypatch.setattr(backend, "create", held_create)
+    errors: list[Exception] = []
+
+    def run(fn: Any) -> None:
+        try:
+            fn(sb.id)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+    restore = threading.Thread(target=run, args=(node.restore,))
+    restore.start()
+    assert started.wait(30)
+    kill = threading.Thread(target=run, args=(node.kill,))
+    kill.start()
+    kill.join(0.5)
+    release.set()
+    restore.join(60)
+    kill.join(60)
+    try:
+        assert not errors, errors
+        assert sb.id not in {i.id for i in node.sandboxes()}, \
+            "the restored sandbox runs on after its kill"
+        assert not cgroups.exists(sb.id)
+        assert not (node.config.sandboxes / sb.id).exists()
+        assert Sandbox.preempted({"job": "kill-restoring"}, node=node) == []
+    finally:
+        if sb.id in {i.id for i in node.sandboxes()}:
+            node.kill(sb.id)
 
 
 def test_a_snapshot_killed_midway_leaves_no_tag_and_no_broken_chunk(
