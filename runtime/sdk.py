@@ -192,13 +192,17 @@ class Sandbox:
 
     @classmethod
     def restore(cls, what: CheckpointInfo | str, *, labels: Mapping[str, str] | None = None,
-                node: NodeRef = None, token: str | None = None) -> Sandbox:
+                node: NodeRef = None, token: str | None = None,
+                fleet: str | None = None) -> Sandbox:
         """Bring a sandbox back on `node`: a preempted sandbox (by its id:
         the same id, labels and files), or a checkpoint (a CheckpointInfo,
         or its id or tag: a new sandbox with its files and its processes
         going on where they were; `labels` replace the checkpointed
-        sandbox's)."""
-        t = resolve(node, token)
+        sandbox's). Through `fleet` [$LAZYFS_FLEET], a preempted sandbox
+        goes back to the node its id names, or, that one drained or gone,
+        to a node placed as a create is, and its id follows it there
+        (runtime.fleet.client.Fleet.restore)."""
+        t = resolve(node, token, fleet)
         if isinstance(what, str) and re.fullmatch(SANDBOX_ID_PATTERN, what):
             if labels is not None:
                 raise InvalidSpec("labels= is for a checkpoint: a preempted sandbox keeps its own")
@@ -396,8 +400,9 @@ class AsyncSandbox:
     @classmethod
     async def restore(cls, what: CheckpointInfo | str, *,
                       labels: Mapping[str, str] | None = None, node: NodeRef = None,
-                      token: str | None = None) -> AsyncSandbox:
-        return cls(await _thread(Sandbox.restore, what, labels=labels, node=node, token=token))
+                      token: str | None = None, fleet: str | None = None) -> AsyncSandbox:
+        return cls(await _thread(Sandbox.restore, what, labels=labels, node=node, token=token,
+                                 fleet=fleet))
 
     @staticmethod
     async def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,

@@ -1,11 +1,14 @@
-"""The fleet: node agents registered in a real etcd (on loopback) under
+"""The fleet: node agents registered in a real etcd under
 leases, placement in the client, calls by id to the node an id names,
 failures (a node agent killed, etcd down), drain, the CLI.
 
 Unit tests of the placement and the records run anywhere; the rest start a
 real etcd and three real node agents (separate processes, each with its own
-state directory, store, lazyfs daemon and TCP port, one fleet token) and
-need root, runc and etcd."""
+state directory, store, lazyfs daemon, one fleet token, and its own network
+namespace with a veth to the host: it listens on its veth's address and
+registers it, clients reach it over the veth, and it reaches etcd at the
+host's service address, tests/helpers/netns.py) and need root, runc, etcd
+and iproute2."""
 
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from runtime.fleet.scheduler import LOCALITY_WEIGHT, Index, Request, candidates
 from runtime.spec import Qos
 from tests.helpers.agents import REPO, Agent, fleet_agent
 from tests.helpers.etcd import EtcdServer, etcd_missing
+from tests.helpers.netns import FleetNet, netns_missing
 from tests.helpers.sandboxes import IMAGE, runtime_missing
 from tests.helpers.support import root_only, wait_until
 
@@ -198,14 +202,16 @@ class FleetEnv:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
-    why = runtime_missing() or etcd_missing()
+    why = runtime_missing() or etcd_missing() or netns_missing()
     if why:
         pytest.skip(why)
     d = tmp_path_factory.mktemp("fleet")
     with ExitStack() as stack:
-        etcd = stack.enter_context(EtcdServer(d / "etcd"))
+        net = stack.enter_context(FleetNet(3))  # removed last, after the agents stopped
+        etcd = stack.enter_context(EtcdServer(d / "etcd", host=net.service))
         agents = {f"n{i}": fleet_agent(d / f"n{i}", etcd.url, f"n{i}", stack, token=TOKEN,
-                                       max_sandboxes=MAX_PER_NODE, memory_mb=MEMORY_MB)
+                                       max_sandboxes=MAX_PER_NODE, memory_mb=MEMORY_MB,
+                                       net=net.nodes[i])
                   for i in range(3)}
         for a in agents.values():
             a.start()
@@ -235,6 +241,30 @@ def _fleet(env: FleetEnv, *, nodes: NodeList | None = None) -> Fleet:
 
 def _where(ids: list[str]) -> Counter[str]:
     return Counter(node_of(i) or "" for i in ids)
+
+
+@root_only
+def test_each_node_agent_is_in_a_network_of_its_own(fleet: FleetEnv) -> None:
+    """The topology of three machines: each agent in its own network
+    namespace, registered at its veth's address, which clients reach; not on
+    the host's loopback."""
+    import httpx
+    e = Etcd(fleet.url)
+    try:
+        records = {v.record.node_id: v.record for v in read_nodes(e)}
+    finally:
+        e.close()
+    own = os.readlink("/proc/self/ns/net")
+    spaces = set()
+    for node_id, agent in fleet.agents.items():
+        assert agent.net is not None and agent.pid is not None
+        assert records[node_id].address == agent.http == f"http://{agent.net.address}:{agent.port}"
+        spaces.add(os.readlink(f"/proc/{agent.pid}/ns/net"))
+        r = httpx.get(f"{agent.http}/v1/health", headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # nothing of it on the host's loopback
+            httpx.get(f"http://127.0.0.1:{agent.port}/v1/health", timeout=2)
+    assert len(spaces) == 3 and own not in spaces
 
 
 @root_only

@@ -43,6 +43,7 @@ from ..errors import (
     FleetUnavailable,
     NodeLost,
     QuotaExceeded,
+    RestoreConflict,
     SandboxError,
     SandboxNotFound,
     Unsupported,
@@ -356,8 +357,80 @@ class Fleet:
         return self._on(sandbox_id, lambda a: a.preempt(sandbox_id))
 
     def restore(self, sandbox_id: str) -> SandboxInfo:
-        """On the node the id names (its id is kept across a preemption)."""
-        return self._on(sandbox_id, lambda a: a.restore(sandbox_id))
+        """The preempted sandbox running again under its id: on the node its
+        id names while that node is in the fleet, not drained and carries
+        this fleet's node labels; else (or when it refuses) on a node placed
+        as a create is, among those on the cluster store its snapshot is in.
+        Its forwarding record follows it as a move's does (records.MOVED:
+        written for another node, deleted back home), so calls by its id
+        find it. Of two restores of one sandbox at once (a move's and one by
+        hand, say) one wins (the nodes' restore claim, runtime.preempt); the
+        other gets RestoreConflict or SandboxNotFound and writes nothing."""
+        named = node_of(sandbox_id)
+        if named is None:
+            raise SandboxNotFound(f"{sandbox_id!r} is not the id of a fleet sandbox "
+                                  "(sb-<hex>.<node id>)")
+        index = self.nodes.index(fresh=True)
+        refusals: list[str] = []
+        home = index.by_id.get(named)
+        if (home is not None and not home.draining
+                and all(home.record.labels.get(k) == v for k, v in self.node_labels.items())):
+            try:
+                return self._restore_on(home.record, sandbox_id)
+            except (QuotaExceeded, BackendUnavailable) as e:  # full or gone: elsewhere
+                refusals.append(f"{named}: {e}")
+        record, store = self._find_preempted(index, sandbox_id)
+        for target in candidates(index, Request.of(record.spec, self.node_labels), k=self.k,
+                                 rng=self._rng):
+            view = index.by_id[target]
+            if target == named or view.record.store != store:
+                continue  # tried already, or its store does not hold the snapshot
+            try:
+                return self._restore_on(view.record, sandbox_id)
+            except (QuotaExceeded, BackendUnavailable) as e:
+                refusals.append(f"{target}: {e}")
+        if refusals:
+            raise QuotaExceeded(f"no node restored {sandbox_id}: " + "; ".join(refusals))
+        raise FleetUnavailable(f"no node of the fleet {self.url} on the store of {sandbox_id}'s "
+                               "snapshot can take it"
+                               + (f" with labels {self.node_labels}" if self.node_labels else ""))
+
+    def _find_preempted(self, index: Index, sandbox_id: str) -> tuple[PreemptedSandbox, str]:
+        """The record of a preempted sandbox and the store (records.store) it
+        is in: one node asked per shared store, each node on a local one."""
+        asked: set[str] = set()
+        for n in index.nodes:
+            store = n.record.store
+            if store and store in asked:
+                continue
+            asked.add(store)
+            try:
+                found = [p for p in self.agent(n.record.address).list_preempted(None)
+                         if p.id == sandbox_id]
+            except BackendUnavailable as e:
+                log.warning("node %s does not answer: %s", n.record.node_id, e)
+                asked.discard(store)  # another node on that store may
+                continue
+            if found:
+                return found[0], store
+        raise SandboxNotFound(f"no preempted sandbox {sandbox_id!r} in the fleet {self.url}")
+
+    def _restore_on(self, target: NodeRecord, sandbox_id: str) -> SandboxInfo:
+        """Restore on `target` and point the id at it (records.MOVED), the one
+        path of a move and of a restore by hand. etcd down after the restore:
+        it runs there all the same, only calls by id from other clients miss
+        it until a restore or move writes the record again (logged)."""
+        info = self.agent(target.address).restore(sandbox_id)
+        key = moved_key(sandbox_id)
+        try:
+            if target.node_id == node_of(sandbox_id):  # back on the node its id names
+                self.nodes.etcd.delete(key)
+            else:
+                self.nodes.etcd.put(key, target.node_id.encode())
+        except SandboxError as e:
+            log.warning("%s runs on %s, but its forwarding record was not written: %s",
+                        sandbox_id, target.node_id, e)
+        return info
 
     # -- fleet-wide ------------------------------------------------------------
     def _everywhere(self, call: Callable[[Http], list[T]]) -> list[T]:
@@ -459,20 +532,15 @@ class Fleet:
             if target == source.node_id or view.record.store != source.store:
                 continue  # only a node on the same cluster store sees the snapshot
             try:
-                self.agent(view.record.address).restore(record.id)
+                self._restore_on(view.record, record.id)
+            except (RestoreConflict, SandboxNotFound) as e:
+                # restored by another caller meanwhile (Sandbox.restore by hand):
+                # it runs where that one put it, whose record points there
+                return Moved(record.id, source.node_id, None,
+                             f"restored by another caller meanwhile: {e}")
             except SandboxError as e:  # refused, or failed there: the record stays
                 refusals.append(f"{target}: {e}")
                 continue
-            key = moved_key(record.id)
-            try:
-                if target == node_of(record.id):  # back on the node its id names
-                    self.nodes.etcd.delete(key)
-                else:
-                    self.nodes.etcd.put(key, target.encode())
-            except SandboxError as e:
-                return Moved(record.id, source.node_id, target,
-                             f"runs on {target}, but its forwarding record was not "
-                             f"written: {e}")
             log.info("moved %s from %s to %s", record.id, source.node_id, target)
             return Moved(record.id, source.node_id, target)
         return Moved(record.id, source.node_id, None,

@@ -13,6 +13,7 @@ from pathlib import Path
 from runtime import BackendUnavailable, Sandbox
 
 from .lazynode import LazyNode
+from .netns import NodeNet
 from .process import ServerProcess
 from .sandboxes import busybox_store
 from .support import free_port
@@ -26,10 +27,12 @@ class Agent(ServerProcess):
 
     def __init__(self, d: Path, store: Path, node_root: Path,
                  extra: Sequence[str] = (), cluster: str | None = None,
-                 log_json: bool = False) -> None:
+                 log_json: bool = False, net: NodeNet | None = None) -> None:
         """`extra`: more `lazyfs agent` options (e.g. --fleet, --node-id);
         `cluster`: the cluster store it serves images from; `log_json`: its
-        log as JSON lines, at INFO (`lazyfs --log-json -v`)."""
+        log as JSON lines, at INFO (`lazyfs --log-json -v`); `net`: the
+        network namespace it runs in, listening on its veth's address
+        (tests/helpers/netns.py), instead of the host's loopback."""
         super().__init__(d / "agent.log", startup_timeout=20, stop_grace=10)
         self.d, self.store, self.node_root = d, store, node_root
         self.sock = d / "agent.sock"
@@ -38,6 +41,8 @@ class Agent(ServerProcess):
         self.extra = list(extra)
         self.cluster = cluster
         self.log_json = log_json
+        self.net = net
+        self.host = net.address if net is not None else "127.0.0.1"
 
     @property
     def unix(self) -> str:
@@ -45,7 +50,7 @@ class Agent(ServerProcess):
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def token(self) -> str:
@@ -55,11 +60,12 @@ class Agent(ServerProcess):
         self.sock.unlink(missing_ok=True)
         cluster = ["--cluster", self.cluster] if self.cluster else []
         logs = ["--log-json", "-v"] if self.log_json else []
-        self.spawn([sys.executable, "-m", "tools.cli", "--store", str(self.store), *cluster,
-                    *logs, "agent",
-                    "--socket", str(self.sock), "--state", str(self.d / "state"),
-                    "--node-root", str(self.node_root), "--listen", f"127.0.0.1:{self.port}",
-                    "--token-file", str(self.token_file), *self.extra], cwd=REPO)
+        cmd = [sys.executable, "-m", "tools.cli", "--store", str(self.store), *cluster,
+               *logs, "agent",
+               "--socket", str(self.sock), "--state", str(self.d / "state"),
+               "--node-root", str(self.node_root), "--listen", f"{self.host}:{self.port}",
+               "--token-file", str(self.token_file), *self.extra]
+        self.spawn(self.net.wrap(cmd) if self.net is not None else cmd, cwd=REPO)
         self.wait_ready()
 
     def ready(self) -> bool:
@@ -93,11 +99,13 @@ def running_agent(d: Path) -> Iterator[Agent]:
 
 def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
                 max_sandboxes: int, memory_mb: int | None = None,
-                cluster: str | None = None, log_json: bool = False) -> Agent:
+                cluster: str | None = None, log_json: bool = False,
+                net: NodeNet | None = None) -> Agent:
     """An agent (not started) in the fleet of `etcd_url` as `node_id`, with
     its own busybox store (or, with `cluster`, the cluster store the fleet
     shares), lazyfs daemon and state in `d`, the fleet's `token` and label
-    zone=<node id>; `memory_mb`: its memory admission. `stack` stops it and
+    zone=<node id>; `memory_mb`: its memory admission; `net`: its network
+    namespace (it registers its veth's address). `stack` stops it and
     its daemon and kills its sandboxes, also what a killed agent left."""
     store = d / "no-local-store" if cluster else busybox_store(d)
     lazy = stack.enter_context(LazyNode(d / "lazynode", store, cluster=cluster))
@@ -107,8 +115,7 @@ def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token
         "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
         "--max-sandboxes", str(max_sandboxes),
         *(["--memory-mb", str(memory_mb)] if memory_mb is not None else [])],
-        cluster=cluster, log_json=log_json)
-
+        cluster=cluster, log_json=log_json, net=net)
     stack.callback(_teardown, a)
     return a
 

@@ -1,10 +1,11 @@
-"""A real etcd (Debian's etcd-server, v3 API) on loopback, one member in a
+"""A real etcd (Debian's etcd-server, v3 API) on loopback (and an address
+of the tests' own, for nodes in network namespaces: tests/helpers/netns.py), one member in a
 temporary data directory, for the fleet tests and benchmarks: a
 ServerProcess (one log, one startup timeout, the log's tail in errors, a
 parent-death signal so a killed test run leaves no etcd behind).
 
     with EtcdServer(tmp_path / "etcd") as etcd:
-        etcd.url                    # etcd://127.0.0.1:PORT
+        etcd.url                    # etcd://127.0.0.1:PORT (or HOST:PORT)
         etcd.kill(); etcd.start()   # down, then back with the same data
 """
 
@@ -32,24 +33,28 @@ class EtcdServer(ServerProcess):
     name = "etcd"
     error = FleetUnavailable
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, host: str = "127.0.0.1") -> None:
+        """`host`: the address clients reach it at (netns.FleetNet's service
+        address for nodes in network namespaces); it listens on loopback too."""
         super().__init__(workdir / "etcd.log", startup_timeout=20, stop_grace=5)
         self.workdir = workdir
+        self.host = host
         self.client_port = free_port()
         self.peer_port = free_port()
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"http://{self.host}:{self.client_port}"
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
+        return f"etcd://{self.host}:{self.client_port}"
 
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
+        listen = {self.client_url, f"http://127.0.0.1:{self.client_port}"}
         self.launch(["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
-                    "--listen-client-urls", self.client_url,
+                    "--listen-client-urls", ",".join(sorted(listen)),
                     "--advertise-client-urls", self.client_url,
                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                     "--initial-cluster", f"test={peer}",

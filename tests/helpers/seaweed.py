@@ -33,9 +33,12 @@ class SeaweedFS(ServerProcess):
     name = "SeaweedFS"
     error = ClusterServerError
 
-    def __init__(self, workdir: Path, *, startup_timeout: float = _seaweed.STARTUP_TIMEOUT
-                 ) -> None:
-        self.server = _seaweed.SeaweedFS(workdir)  # its ports and paths; not started by it
+    def __init__(self, workdir: Path, *, startup_timeout: float = _seaweed.STARTUP_TIMEOUT,
+                 ip: str = "127.0.0.1") -> None:
+        """`ip`: the address it listens on (netns.FleetNet's service address
+        for nodes in network namespaces)."""
+        # its ports and paths; not started by it
+        self.server = _seaweed.SeaweedFS(workdir, ip=ip)
         super().__init__(self.server.log, startup_timeout=startup_timeout,
                          stop_grace=STOP_GRACE)
 
