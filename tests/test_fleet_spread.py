@@ -148,9 +148,11 @@ def test_sixty_sandboxes_spread_over_three_nodes_none_past_its_limit(fleet: Spre
         assert len(created) == BURST and sum(per_node.values()) == BURST
         assert dict(where) == {n: v for n, v in per_node.items() if v}  # ids name their node
         assert all(v <= LIMIT for v in per_node.values()), per_node
-        # every node used and roughly balanced: 20 each on average; a node at
-        # half of that would mean placement herds (generous: records lag a burst)
-        assert min(per_node.values()) >= BURST // len(NODES) // 2, per_node
+        # every node used, roughly balanced: 20 each on average. Generous: the
+        # records lag a burst (a node rewrites its record at most every 2 s),
+        # and a node that has not run the image yet loses to one that has
+        # until that one is LOCALITY_WEIGHT (6 of 24 places) busier
+        assert min(per_node.values()) >= BURST // len(NODES) // 4, per_node
 
         # more than the fleet has left, 8 at once: every place taken, none past it
         more = len(NODES) * LIMIT - BURST + 4

@@ -65,7 +65,8 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
 @click.option("--socket", "socket", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Unix socket [default STATE/agent.sock].")
 @click.option("--listen", multiple=True, metavar="HOST:PORT",
-              help="Also listen on TCP (needs --token-file).")
+              help="Also listen on TCP (needs --token-file); port 0: a free one, "
+                   "printed when it serves.")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Bearer token for TCP clients (created with a random token if missing).")
 @click.option("--state", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -129,12 +130,18 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
         click.echo(f"stopped the agent on {sock} (pid {pid})" if pid is not None
                    else f"no agent answers on {sock}", err=True)
         return
-    from runtime.agent.server import run_agent
+    from runtime.agent.server import TcpListeners, bind_tcp, run_agent
 
     token = None
+    listeners = TcpListeners()
     if listen:
         if token_file is None:
             raise QuietError("--listen needs --token-file (TCP clients must authenticate)")
+        try:  # bound now: a port 0 is known before the node registers it
+            listeners = bind_tcp(listen)
+        except ValueError as e:
+            raise QuietError(str(e), exit_code=2) from None
+        listen = tuple(listeners.addresses)
         if not token_file.exists():
             token_file.write_text(secrets.token_urlsafe(32) + "\n")
             token_file.chmod(0o600)
@@ -151,11 +158,14 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
             backends=usable_backends(), labels=_labels(node_labels, "--node-label")))
     root_logger = logging.getLogger()
     root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
-    run_agent(config, socket=sock, listen=list(listen), token=token, fleet=membership,
-              on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
-                                          + "".join(f" http://{a}" for a in listen)
-                                          + (f" in the fleet {fleet} as {node_id}"
-                                             if fleet else ""), err=True))
+    try:
+        run_agent(config, socket=sock, listen=listeners.binds, token=token, fleet=membership,
+                  on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
+                                              + "".join(f" http://{a}" for a in listen)
+                                              + (f" in the fleet {fleet} as {node_id}"
+                                                 if fleet else ""), err=True))
+    finally:
+        listeners.close()
 
 
 @click.group()

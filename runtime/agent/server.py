@@ -7,6 +7,8 @@ agent process (node, pid file, serve, close), for `lazyfs agent` and for
     run_agent(RuntimeConfig(...))                      # STATE/agent.sock
     serve(node, socket=Path("/var/lib/lazyfs-runtime/agent.sock"))
     serve(node, listen=["127.0.0.1:7070"], token="…")
+    listeners = bind_tcp(["127.0.0.1:0"])          # a port the kernel picks, bound now
+    serve(node, listen=listeners.binds, token="…")  # listeners.addresses: where it is
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Callable
+import socket as socketlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -31,6 +35,62 @@ from .launch import agent_socket, pid_file
 from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 1024
+
+
+@dataclass
+class TcpListeners:
+    """TCP sockets bound before the agent serves: a port given as 0 is one
+    the kernel picked, known (and advertised in a fleet) before serving."""
+
+    sockets: list[socketlib.socket] = field(default_factory=list)
+
+    @property
+    def addresses(self) -> list[str]:
+        """HOST:PORT of each, as bound."""
+        out = []
+        for s in self.sockets:
+            host, port = s.getsockname()[:2]
+            out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        return out
+
+    @property
+    def binds(self) -> list[str]:
+        """What serve(listen=) takes: hypercorn's fd:// binds of duplicates
+        (hypercorn owns those; these stay open until close())."""
+        return [f"fd://{os.dup(s.fileno())}" for s in self.sockets]
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+        self.sockets = []
+
+
+def bind_tcp(listen: Sequence[str]) -> TcpListeners:
+    """Bind and listen on each HOST:PORT now (PORT 0: any free one);
+    ValueError naming the address that is malformed or cannot be bound."""
+    out = TcpListeners()
+    try:
+        for address in listen:
+            host, sep, port = address.rpartition(":")
+            host = host.strip("[]")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--listen {address!r}: expected HOST:PORT")
+            family = socketlib.AF_INET6 if ":" in host else socketlib.AF_INET
+            s = socketlib.socket(family, socketlib.SOCK_STREAM)
+            out.sockets.append(s)
+            s.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, int(port)))
+            except (OSError, OverflowError) as e:
+                raise ValueError(f"--listen {address}: cannot bind it: "
+                                 f"{getattr(e, 'strerror', None) or e}") from None
+            s.listen(LISTEN_BACKLOG)
+    except BaseException:
+        out.close()
+        raise
+    return out
 
 
 async def _reaper(node: Node) -> None:
