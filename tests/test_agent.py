@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,7 +28,7 @@ from runtime import (
     SandboxNotFound,
     Unsupported,
 )
-from tests.helpers.agents import Agent, running_agent
+from tests.helpers.agents import REPO, Agent, running_agent
 from tests.helpers.sandboxes import IMAGE, runtime_missing
 from tests.helpers.support import (
     gone,
@@ -210,3 +214,37 @@ def test_denials_are_counted_in_the_node_metrics(agent: Agent) -> None:
             assert _denials(agent).get("syscall", 0) == before.get("syscall", 0) + 2
     after = _denials(agent)
     assert after.get("syscall", 0) == before.get("syscall", 0) + 2  # killed, still counted
+
+
+def test_an_agent_on_port_0_serves_where_it_says(tmp_path: Path) -> None:
+    """`--listen HOST:0`: the kernel picks the port, bound before the agent
+    serves (a fleet node registers it), and the agent prints where; a bad
+    address is one line, exit code 2."""
+    cli = [sys.executable, "-m", "tools.cli", "agent", "--state", str(tmp_path / "state"),
+           "--node-root", str(tmp_path / "root"), "--socket", str(tmp_path / "agent.sock"),
+           "--token-file", str(tmp_path / "token")]
+    bad = subprocess.run([*cli, "--listen", "127.0.0.1:http"], cwd=REPO, capture_output=True,
+                         text=True, check=False)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "127.0.0.1:http" in bad.stderr and not (tmp_path / "agent.sock").exists()
+    log = tmp_path / "agent.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*cli, "--listen", "127.0.0.1:0"], cwd=REPO, stdout=out,
+                                stderr=out, stdin=subprocess.DEVNULL)
+    try:
+        line = wait_until(lambda: re.search(r"serving unix://\S+ (http://127\.0\.0\.1:(\d+))",
+                                            log.read_text()), 30, "the agent's serving line")
+        url, port = line.group(1), int(line.group(2))
+        assert port != 0
+        token = (tmp_path / "token").read_text().strip()
+        r = httpx.get(f"{url}/v1/health", headers={"authorization": f"Bearer {token}"})
+        assert r.status_code == 200 and r.json()["ok"] is True
+        assert httpx.get(f"{url}/v1/health").status_code == 401
+    finally:
+        subprocess.run([*cli[:-2], "--stop"], cwd=REPO, check=False, capture_output=True)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-2000:]
