@@ -159,7 +159,7 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
     root_logger = logging.getLogger()
     root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
     try:
-        run_agent(config, socket=sock, listen=listeners.binds, token=token, fleet=membership,
+        run_agent(config, socket=sock, listen=listeners.binds(), token=token, fleet=membership,
                   on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
                                               + "".join(f" http://{a}" for a in listen)
                                               + (f" in the fleet {fleet} as {node_id}"

@@ -8,7 +8,7 @@ agent process (node, pid file, serve, close), for `lazyfs agent` and for
     serve(node, socket=Path("/var/lib/lazyfs-runtime/agent.sock"))
     serve(node, listen=["127.0.0.1:7070"], token="…")
     listeners = bind_tcp(["127.0.0.1:0"])          # a port the kernel picks, bound now
-    serve(node, listen=listeners.binds, token="…")  # listeners.addresses: where it is
+    serve(node, listen=listeners.binds(), token="…")  # listeners.addresses: where
 """
 
 from __future__ import annotations
@@ -55,10 +55,9 @@ class TcpListeners:
             out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         return out
 
-    @property
     def binds(self) -> list[str]:
-        """What serve(listen=) takes: hypercorn's fd:// binds of duplicates
-        (hypercorn owns those; these stay open until close())."""
+        """What serve(listen=) takes: hypercorn's fd:// binds of fresh
+        duplicates, which hypercorn owns (these stay open until close())."""
         return [f"fd://{os.dup(s.fileno())}" for s in self.sockets]
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ sandboxes use 10.203/16). Two test sessions on one machine never share a
 block: each takes the first free /24 of RANGE from its pid on, by an
 exclusive flock on LOCK_DIR/<block>.lock held until it closes; the holder
 of a block's lock first removes what an aborted session left in it
-(namespaces named after the block, its service address), then builds.
+(namespaces named after the block, its service address), then builds, and
+sweeps every other block whose lock nobody holds (a killed session's).
 
     with FleetNet(3) as net:
         net.service                    # 10.251.B.1: etcd, SeaweedFS listen here
@@ -112,6 +113,7 @@ class FleetNet:
         self._take_block()
         try:
             self._sweep()
+            self._sweep_abandoned()
             _ip("addr", "add", f"{self.service}/32", "dev", "lo")
             for i in range(self.count):
                 n = self._node(i)
@@ -162,10 +164,44 @@ class FleetNet:
             return
         raise RuntimeError(f"no free /24 in {RANGE}: every block's lock in {LOCK_DIR} is held")
 
-    def _sweep(self) -> None:
-        """What a session holding this block left (ours, or an aborted one's)."""
-        assert self.block is not None
-        mine = f"{PREFIX}{self.block}-"
+    def _sweep_abandoned(self) -> None:
+        """The blocks of sessions that were killed (their lock file is there,
+        nobody holds it): swept under their lock, then let go."""
+        left: set[int] = set()
+        try:
+            for name in os.listdir(NETNS_DIR):
+                head = name[len(PREFIX):].partition("-")[0]
+                if name.startswith(PREFIX) and head.isdigit():
+                    left.add(int(head))
+        except FileNotFoundError:
+            pass
+        for word in _ip("-o", "-4", "addr", "show", "dev", "lo", check=False).stdout.split():
+            try:
+                address = ipaddress.ip_interface(word).ip
+            except ValueError:
+                continue
+            if address in RANGE:
+                left.add((int(address) - int(RANGE.network_address)) >> 8)
+        for block in sorted(left - {self.block}):
+            lock = LOCK_DIR / f"{block}.lock"
+            if not lock.exists():
+                continue  # not a block of these tests' locking
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live session's: not ours to touch
+                self._sweep(block)
+            finally:
+                os.close(fd)
+
+    def _sweep(self, block: int | None = None) -> None:
+        """What a session holding `block` (default ours) left: ours, or an
+        aborted one's."""
+        block = self.block if block is None else block
+        assert block is not None
+        mine = f"{PREFIX}{block}-"
         try:
             names = [n for n in os.listdir(NETNS_DIR) if n.startswith(mine)]
         except FileNotFoundError:
@@ -178,4 +214,5 @@ class FleetNet:
                 ifname = parts[1].strip().split("@")[0]
                 if ifname.startswith(mine):
                     _ip("link", "delete", ifname, check=False)
-        _ip("addr", "del", f"{self.service}/32", "dev", "lo", check=False)
+        service = RANGE.network_address + (block << 8) + 1
+        _ip("addr", "del", f"{service}/32", "dev", "lo", check=False)
