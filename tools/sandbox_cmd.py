@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from runtime import Sandbox
+from runtime import BackendUnavailable, InvalidSpec, Sandbox
 from runtime.config import RuntimeConfig
 from runtime.spec import BACKENDS, SANDBOX_ID_PATTERN, NetworkPolicy, Qos, parse_rule
 from runtime.transport import Transport, close_embedded, local, resolve
@@ -139,8 +139,10 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
             raise QuietError("--listen needs --token-file (TCP clients must authenticate)")
         try:  # bound now: a port 0 is known before the node registers it
             listeners = bind_tcp(listen)
-        except ValueError as e:
+        except InvalidSpec as e:
             raise QuietError(str(e), exit_code=2) from None
+        except BackendUnavailable as e:
+            raise QuietError(str(e)) from None
         listen = tuple(listeners.addresses)
         if not token_file.exists():
             token_file.write_text(secrets.token_urlsafe(32) + "\n")

@@ -27,6 +27,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from ..config import RuntimeConfig
+from ..errors import BackendUnavailable, InvalidSpec
 from ..fleet.etcd import Etcd
 from ..fleet.member import Member, Registration
 from ..node import Node
@@ -67,15 +68,16 @@ class TcpListeners:
 
 
 def bind_tcp(listen: Sequence[str]) -> TcpListeners:
-    """Bind and listen on each HOST:PORT now (PORT 0: any free one);
-    ValueError naming the address that is malformed or cannot be bound."""
+    """Bind and listen on each HOST:PORT now (PORT 0: any free one).
+    InvalidSpec naming an address that is malformed, BackendUnavailable one
+    that cannot be bound (in use, not this host's); nothing stays bound."""
     out = TcpListeners()
     try:
         for address in listen:
             host, sep, port = address.rpartition(":")
             host = host.strip("[]")
             if not sep or not host or not port.isdigit():
-                raise ValueError(f"--listen {address!r}: expected HOST:PORT")
+                raise InvalidSpec(f"--listen {address!r}: expected HOST:PORT")
             family = socketlib.AF_INET6 if ":" in host else socketlib.AF_INET
             s = socketlib.socket(family, socketlib.SOCK_STREAM)
             out.sockets.append(s)
@@ -83,7 +85,7 @@ def bind_tcp(listen: Sequence[str]) -> TcpListeners:
             try:
                 s.bind((host, int(port)))
             except (OSError, OverflowError) as e:
-                raise ValueError(f"--listen {address}: cannot bind it: "
+                raise BackendUnavailable(f"--listen {address}: cannot bind it: "
                                  f"{getattr(e, 'strerror', None) or e}") from None
             s.listen(LISTEN_BACKLOG)
     except BaseException:
