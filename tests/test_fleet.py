@@ -184,6 +184,55 @@ def test_etcd_lease_expiry_removes_a_record_and_a_stale_list_is_bounded(tmp_path
         etcd.close()
 
 
+# -- the tests' network: a namespace per node ---------------------------------
+
+@root_only
+@pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))
+def test_fleet_networks_of_two_sessions_never_meet() -> None:
+    """Two fleets' networks at once (as two test sessions on one machine
+    have) take different blocks; a killed session's leftovers are swept by
+    the next one; closing leaves no namespace, veth or address behind."""
+    import fcntl
+
+    from tests.helpers import netns
+
+    def left() -> tuple[set[str], str]:
+        spaces = {n for n in os.listdir(netns.NETNS_DIR) if n.startswith(netns.PREFIX)} \
+            if netns.NETNS_DIR.exists() else set()
+        lo = subprocess.run(["ip", "-o", "addr", "show", "dev", "lo"], capture_output=True,
+                            text=True, check=True).stdout
+        return spaces, lo
+
+    with FleetNet(2) as a, FleetNet(1) as b:
+        assert a.block is not None and b.block is not None and a.block != b.block
+        ours = {a.service, b.service}
+        names = {n.namespace for n in a.nodes + b.nodes}
+        assert len({a.service, b.service, *(n.address for n in a.nodes + b.nodes)}) == 5
+        spaces, lo = left()
+        assert {n.namespace for n in a.nodes + b.nodes} <= spaces
+        assert f"{a.service}/32" in lo and f"{b.service}/32" in lo
+        # a session killed while it held a block: its lock is free, its namespace stays
+        for dead in range(netns.BLOCKS - 1, 0, -1):
+            fd = os.open(netns.LOCK_DIR / f"{dead}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a block nobody holds
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            try:
+                subprocess.run(["ip", "netns", "add", f"{netns.PREFIX}{dead}-0"], check=True)
+            finally:
+                os.close(fd)  # the "session" dies
+            break
+        with FleetNet(1) as c:
+            assert c.block not in (a.block, b.block)
+            assert f"{netns.PREFIX}{dead}-0" not in left()[0]  # swept
+            assert names <= left()[0]  # live sessions' blocks: kept
+    spaces, lo = left()
+    assert not names & spaces
+    assert not any(f"{addr}/32" in lo.split() for addr in ours)
+
+
 # -- three real node agents -----------------------------------------------------
 
 @dataclass
