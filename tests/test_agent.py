@@ -234,6 +234,7 @@ def test_an_agent_on_port_0_serves_where_it_says(tmp_path: Path) -> None:
     try:
         line = wait_until(lambda: re.search(r"serving unix://\S+ (http://127\.0\.0\.1:(\d+))",
                                             log.read_text()), 30, "the agent's serving line")
+        assert line is not None
         url, port = line.group(1), int(line.group(2))
         assert port != 0
         token = (tmp_path / "token").read_text().strip()
