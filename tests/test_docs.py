@@ -22,10 +22,12 @@ so a block may use what an earlier one made (convert, then mount). A Python
 block runs there as `python - <<'EOF'` would, under this interpreter (the
 one `lazyfs` runs under, as `. .venv/bin/activate` gives it), from the
 session's working directory and with its environment. The
-session runs in a private mount namespace in which /mnt, /tmp and /run/lazyfs
-are directories of the test's own, with LAZYFS_STORE, LAZYFS_NODE_ROOT
-(= /run/lazyfs, the default the docs name), LAZYFS_CACHE, LAZYFS_RUNTIME_DIR,
-LAZYFS_CONFIG and HOME all pointing there: the user's store, node daemon,
+session runs in a private network namespace (a loopback of its own: two
+runs on one machine may use the same ports) and a private mount namespace
+in which /mnt, /tmp and /run/lazyfs are directories of the test's own,
+with LAZYFS_STORE, LAZYFS_NODE_ROOT (= /run/lazyfs, the default the docs
+name), LAZYFS_CACHE, LAZYFS_RUNTIME_DIR, LAZYFS_CONFIG and HOME all
+pointing there: the user's store, node daemon,
 cache and sandboxes are never touched. At the end, also on a failure or a
 timeout, the session stops its sandboxes and its daemon, and then every
 process left in the namespace is killed, which takes the namespace's mounts
@@ -244,6 +246,7 @@ def _kill_namespace(ns_file: Path) -> list[str]:
 _PROLOGUE = """\
 set -eu -o pipefail
 readlink /proc/self/ns/mnt > "$DOCS_WORK/ns"
+ip link set lo up  # a loopback of its own: the ports a doc picks never collide with another run's
 mount --bind "$DOCS_WORK/mnt" /mnt
 mount --bind "$DOCS_WORK/tmp" /tmp
 mkdir -p -m 700 /run/lazyfs  # (the daemon's default root; ours is bound over it)
@@ -332,7 +335,7 @@ def run_session(blocks: list[Block], timeout: float = TIMEOUT) -> Session:
         log = work / "log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private", "bash", str(script)],
+                ["unshare", "--mount", "--propagation", "private", "--net", "bash", str(script)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                 cwd=work / "cwd", start_new_session=True)
             try:
