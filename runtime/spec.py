@@ -237,7 +237,7 @@ class VmState(_Model):
     device state (QEMU's migration stream, VM_STATE_FILE), the layers under
     it are the image the VM ran, mapped again as the same pmem devices.
     QEMU loads the stream only into a machine of the same shape: the same
-    backend, guest memory and vCPUs (and accelerator)."""
+    backend, guest memory and vCPUs (and accelerator, and balloon device)."""
 
     layer: str = Field(pattern=DIGEST_PATTERN)  # the state layer
     base: str = Field(pattern=DIGEST_PATTERN)  # the image the VM ran (its pmem layers)
@@ -246,6 +246,7 @@ class VmState(_Model):
     cpus: int
     accel: Literal["kvm", "tcg"]
     sandbox_id: str  # whose state it is
+    balloon: bool = False  # the VM had the free-page-reporting balloon (a device too)
 
 
 class ResolvedImage(_Model):

@@ -8,7 +8,8 @@ reading the extra megabytes):
 
     /bin/busybox       busybox-static (mount, insmod, sh ...)
     /modules/*.ko      virtio-pci, virtio-pmem + nd_pmem, EROFS, overlayfs,
-    /modules/order     virtio-console, in dependency order (kernel.load_order)
+    /modules/order     virtio-console, virtio-net, virtio-balloon (microvm), in
+                       dependency order (kernel.load_order)
     /lazyfs-agent      the guest agent (runtime/native/guest-agent.c), static
     /init              the script below
 
@@ -58,8 +59,10 @@ from .kernel import GuestKernel, load_order
 
 # virtio_blk: the microvm backend's blk mode (layers as disks, for the
 # benchmark against pmem + DAX); a few hundred KiB, loaded in every boot.
+# virtio_balloon: free page reporting (memory the guest frees goes back to the
+# host); it binds only when the VMM has the device (qemu.VmConfig.balloon).
 MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "virtio_blk", "erofs", "overlay",
-           "virtio_console", "virtio_net")
+           "virtio_console", "virtio_net", "virtio_balloon")
 VM_MODULES = ("virtio_pci", "virtio_blk", "ext4", "virtio_console", "virtio_net")
 BUSYBOX = Path("/bin/busybox")
 
