@@ -48,6 +48,7 @@ from .capture import MEMORY_CHUNK_SIZE, Captures, Packed
 from .config import RuntimeConfig
 from .errors import (
     BackendUnavailable,
+    ExecStatusUnknown,
     ExecTimeout,
     InvalidSpec,
     OutOfMemory,
@@ -757,6 +758,9 @@ class Node:
             if current is not None:
                 self._touch(*current)
         what = " ".join(req.cmd)[:200]
+        if r.status_unknown:
+            raise ExecStatusUnknown(f"{what!r}: its exit status is unknown (the guest agent "
+                                    "could not reap it; a process of it may be left)", r)
         if r.timed_out:
             raise ExecTimeout(f"{what!r} ran past its {req.timeout:g}s timeout; its "
                               "processes were killed", r)

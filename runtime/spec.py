@@ -217,6 +217,9 @@ class ExecResult(_Model):
     truncated: bool = False
     timed_out: bool = False
     oom_killed: bool = False
+    # the command ran but its exit status could not be collected (a VM's
+    # agent could not reap it); exit_code is then -1, never a made-up 0
+    status_unknown: bool = False
 
     @property
     def text(self) -> str:

@@ -475,9 +475,10 @@ class QemuBackend(Generic[Q]):
         if st.code == 127 and b"lazyfs-agent: cannot run" in err:
             # as the container backend words it
             err = bytearray(bytes(err).replace(b"lazyfs-agent: cannot run ", b""))
-        return ExecResult(exit_code=st.code, stdout=bytes(out), stderr=bytes(err),
-                          duration=time.monotonic() - t0, truncated=st.truncated,
-                          timed_out=st.timed_out, oom_killed=st.oom_killed)
+        return ExecResult(exit_code=-1 if st.unreaped else st.code, stdout=bytes(out),
+                          stderr=bytes(err), duration=time.monotonic() - t0,
+                          truncated=st.truncated, timed_out=st.timed_out,
+                          oom_killed=st.oom_killed, status_unknown=st.unreaped)
 
     def files(self, h: Handle[Q]) -> SandboxFiles:
         return GuestFiles(h.dir, lambda: self._vm(h),

@@ -41,6 +41,8 @@ Kernel command line parameters read by /init:
     lazyfs.net=ADDR/PREFIX,GATEWAY   the NIC's (eth0) address and default route;
                            without it the guest has only lo
     lazyfs.test=noagent    (tests only) never start the agent
+    lazyfs.test=noreap     (tests only, microvm) the agent loses every command's exit
+                           status, as if it could not reap it (a fault injection)
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ echo "lazyfs-init: layers mounted ($layers_on), starting the agent on $port"
 if [ "$test" = noagent ]; then
     exec sleep 2147483647
 fi
-exec /lazyfs-agent $(cg_arg) "$port" /sandbox
+# lazyfs.test=noreap: the agent's fault injection (tests only; guest-agent.c)
+exec /lazyfs-agent $(cg_arg) $([ "$test" = noreap ] && echo --test-fault noreap) "$port" /sandbox
 """
 
 # The full VM: the image's own disk (ext4, writable: a copy-on-write overlay
