@@ -378,7 +378,8 @@ class QemuBackend(Generic[Q]):
             raise SandboxStateError(f"{h.id} is running a command or a file call; "
                                     "pause it once that ends")
         try:
-            snap = snapshots.snapshot_path(self.config.state_dir, h.id, self._vmdir(h))
+            snap = snapshots.snapshot_path(self.config.state_dir, h.id, self._vmdir(h),
+                                           h.image.digest)
             figures = snapshots.save(h.id, self._vm(h), snap)
         finally:
             agent.lock.release()
