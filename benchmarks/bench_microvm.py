@@ -431,7 +431,7 @@ def reclaim_rounds(node: Node, n: int, rounds: int) -> dict[str, Any]:
                   f"load {last['loadavg'][0]:.1f}", flush=True)
 
     def med(variant: str, key: str, when: str = "after") -> float:
-        return statistics.median(x[when][key] for x in runs[variant])
+        return float(statistics.median(x[when][key] for x in runs[variant]))
     out: dict[str, Any] = {"n": n, "rounds": rounds, "cmd": RECLAIM_CMD, "settle_s": SETTLE_S,
                            "runs": runs, "reference_pct": RECLAIM_REFERENCE}
     for key in ("total_vmm_own_bytes", "total_cgroup_usage_bytes"):
@@ -562,7 +562,7 @@ def report(out: dict[str, Any]) -> None:
             runs = rc["runs"][v]
 
             def m(when: str, key: str, runs: list[dict[str, Any]] = runs) -> float:
-                return statistics.median(x[when][key] for x in runs) / mib
+                return float(statistics.median(x[when][key] for x in runs)) / mib
             print(f"{v:8} {m('idle', 'total_vmm_own_bytes'):13.0f}MiB "
                   f"{m('after', 'total_vmm_own_bytes'):14.0f}MiB "
                   f"{m('after', 'total_cgroup_usage_bytes'):13.0f}MiB "

@@ -65,6 +65,7 @@ from .fleet.records import sandbox_id as fleet_sandbox_id
 from .images import Images
 from .preempt import PreemptedSandboxes
 from .spec import (
+    VM_STATE_KEY,
     CheckpointInfo,
     ExecRequest,
     ExecResult,
@@ -76,7 +77,6 @@ from .spec import (
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
-    VM_STATE_KEY,
     parse,
 )
 

@@ -138,29 +138,6 @@ def collect(state_dir: Path, live: set[str], max_age: float | None = None,
             log.info("collected the VM snapshot %s (%s)", d, why)
             removed.append(d)
     return removed
-    state = str(state_dir.resolve())
-    for d in sorted(root.iterdir()):
-        if d.is_symlink() or not d.is_dir():
-            continue
-        sandbox_id, pack, _ = d.name.partition(PACK)
-        if sandbox_id in live:
-            continue
-        try:
-            age = _age(d, now)
-        except OSError:
-            continue
-        owner = None if pack else _owner(d)
-        why = ("a store snapshot's pack cut short" if pack and age > PACK_GRACE
-               else "its sandbox is gone" if owner is not None and owner["state_dir"] == state
-               else "its image is gone" if owner is not None and owner["image"] not in images
-               else f"unused {age:.0f}s" if max_age is not None and age > max_age else None)
-        if why is None:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        if not d.exists():
-            log.info("collected the VM snapshot %s (%s)", d, why)
-            removed.append(d)
-    return removed
 
 
 def save(sandbox_id: str, vm: Vm, snap: Path) -> dict[str, Any]:
