@@ -419,6 +419,29 @@ def reclaim(node: Node, balloon: bool, n: int) -> dict[str, Any]:
         backend.balloon = default
 
 
+def balloon_boot(node: Node, rounds: int) -> dict[str, Any]:
+    """create-to-first-exec of one microVM of BIG_IMAGE at a time (no other
+    VM running), with and without the balloon, rotated: its cost at boot."""
+    backend = node.backend("microvm")
+    assert isinstance(backend, MicrovmBackend)
+    default = backend.balloon
+    totals: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for r in range(rounds):
+            for variant in rotate(["on", "off"], r):
+                backend.balloon = variant == "on"
+                t0 = time.monotonic()
+                with Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
+                                    memory_mb=GUEST_MB) as sb:
+                    sb.exec("true")
+                    totals[variant].append(time.monotonic() - t0)
+    finally:
+        backend.balloon = default
+    med = {k: statistics.median(v) for k, v in totals.items()}
+    return {"create_to_first_exec_s": totals, "median_s": med, "ratio": med["on"] / med["off"],
+            "loadavg": list(os.getloadavg())}
+
+
 def reclaim_rounds(node: Node, n: int, rounds: int) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     for r in range(rounds):
@@ -458,7 +481,11 @@ def main() -> None:
     ap.add_argument("--reclaim", action="store_true",
                     help="also host memory of idle VMs with and without free page reporting")
     ap.add_argument("--reclaim-only", action="store_true", help="only that")
-    ap.add_argument("--reclaim-n", type=int, default=8, help="VMs per reclaim run (8)")
+    ap.add_argument("--reclaim-n", type=int, default=8,
+                    help="VMs per reclaim run (8; 0: none)")
+    ap.add_argument("--reclaim-boot", type=int, default=0, metavar="R",
+                    help="with --reclaim: also R rounds of one VM's boot with and without "
+                         "the balloon, nothing else running")
     ap.add_argument("--lazy-bulk", action="store_true",
                     help="--lazy, then every file of the image read once (cold)")
     add_run_options(ap, Path(__file__).parent / "results" / "microvm.json", QUICK)
@@ -486,8 +513,12 @@ def main() -> None:
             if args.network or args.network_only:
                 out["network_setup"] = network_setup()
                 out["network"] = {b: network(node, b, args.rounds) for b in ("microvm", "vm")}
-            if args.reclaim or args.reclaim_only:
+            if (args.reclaim or args.reclaim_only) and args.reclaim_n > 0:
                 out["reclaim"] = reclaim_rounds(node, args.reclaim_n, args.rounds)
+            if (args.reclaim or args.reclaim_only) and args.reclaim_boot > 0:
+                Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
+                               memory_mb=GUEST_MB).kill()  # its pmem files made
+                out["balloon_boot"] = balloon_boot(node, args.reclaim_boot)
             if not (args.no_latency or args.lazy_only or args.network_only
                     or args.reclaim_only):
                 out["microvm"] = latency(node, "microvm", args.rounds)
@@ -570,6 +601,12 @@ def report(out: dict[str, Any]) -> None:
         print(f"reporting vs none: {rc['ratio_pct_total_vmm_own_bytes']:.1f} % (VMMs' own), "
               f"{rc['ratio_pct_total_cgroup_usage_bytes']:.1f} % (cgroups); reference "
               f"{rc['reference_pct']:.0f} %; boot {rc['boot_ratio']:.2f}x")
+    if "balloon_boot" in out:
+        bb = out["balloon_boot"]
+        print(f"\none microVM of {out['density_image']} at a time, create->first exec "
+              f"(medians of {len(bb['create_to_first_exec_s']['on'])}): balloon on "
+              f"{bb['median_s']['on']:.2f}s, off {bb['median_s']['off']:.2f}s "
+              f"({bb['ratio']:.2f}x); load {bb['loadavg'][0]:.1f}")
     if "microvm" in out:
         print(f"\naccelerator: {out['accel']}")
         print(f"{'backend':10} {'first create+exec':>18} {'median create->first exec':>26} "
