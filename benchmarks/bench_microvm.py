@@ -42,6 +42,15 @@ network   (--network) create-to-first-exec of microvm and vm sandboxes with
           the host-side setup alone (namespace, veth, tap, rules) against a
           container's (namespace attached to a process, veth, rules), 20 each.
           --network-only runs just this.
+reclaim   (--reclaim) host memory of N (8) idle microVMs of the density image
+          (512 MiB guests) after each ran RECLAIM_CMD (allocates and touches
+          200 MB, then exits), with the virtio-balloon's free page reporting
+          and without (LAZYFS_MICROVM_BALLOON=off's machine), rotated over R
+          rounds: VMM PSS without the image mappings and the VMMs' cgroup
+          charge, idle after boot and SETTLE_S after the workload; and each
+          VM's create-to-first-exec (the balloon's cost at boot). Ratio = on /
+          off - 1, next to the reference's -21 % (DAMON + balloon; DAMON is
+          the host's, not ours to drive here). --reclaim-only runs just this.
 
 Prints tables and writes benchmarks/results/microvm.json. Needs root,
 /dev/fuse, qemu-system-x86, qemu-utils, runc (container side), gcc,
@@ -66,7 +75,7 @@ from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs.node import request
-from runtime import NetworkPolicy, Sandbox
+from runtime import NetworkPolicy, Sandbox, cgroups
 from runtime.backends import netpolicy
 from runtime.backends.microvm import LayersOn, MicrovmBackend
 from runtime.backends.qemuproc import vmm_pss
@@ -81,6 +90,9 @@ WORKLOAD = "for i in 1 2; do find / -xdev -type f -exec cat {} + > /dev/null; do
 LAZY_CMD = "dpkg -l | wc -l"
 BULK_CMD = "find / -xdev -type f -exec cat {} + > /dev/null"
 REFERENCE = -40.2  # % peak host memory, pmem + DAX vs virtio-blk (DSec)
+RECLAIM_REFERENCE = -21.0  # % host memory of idle VMs, DAMON + balloon vs neither
+RECLAIM_CMD = "dd if=/dev/zero of=/dev/null bs=200M count=1"  # 200 MB touched, freed
+SETTLE_S = 20.0  # after the last workload: the guest reports free pages after 2 s
 GUEST_MB = 512     # room for a blk guest to cache the whole image
 QUICK: dict[str, Any] = {"n": [2, 4], "rounds": 1}
 FULL: dict[str, Any] = {"n": [2, 4, 8], "rounds": 3}
@@ -364,6 +376,96 @@ def density(node: Node, mode: LayersOn, n: int) -> dict[str, Any]:
         backend.layers_on = "pmem"
 
 
+def reclaim(node: Node, balloon: bool, n: int) -> dict[str, Any]:
+    """N idle microVMs of BIG_IMAGE after RECLAIM_CMD, with or without free
+    page reporting: their host memory then, and their boot times."""
+    backend = node.backend("microvm")
+    assert isinstance(backend, MicrovmBackend)
+    default, backend.balloon = backend.balloon, balloon
+    sbs: list[Sandbox] = []
+    try:
+        boot = []
+        for _ in range(n):
+            t0 = time.monotonic()
+            sb = Sandbox.create(BIG_IMAGE, backend="microvm", node=node, memory_mb=GUEST_MB)
+            sbs.append(sb)
+            sb.exec("true")
+            boot.append(time.monotonic() - t0)
+        cfg = backend._vm(node._get(sbs[0].id)[1]).config
+        names = {str(f) for f in cfg.pmem}
+
+        def memory() -> dict[str, Any]:
+            own = [p - m for p, m in (vmm_memory(_pid(node, sb), names) for sb in sbs)]
+            charged = [cgroups.memory_figures(sb.id)["usage"] for sb in sbs]
+            return {"vmm_own_bytes": own, "total_vmm_own_bytes": sum(own),
+                    "cgroup_usage_bytes": charged, "total_cgroup_usage_bytes": sum(charged)}
+        time.sleep(SETTLE_S)
+        idle = memory()
+        work = []
+        for sb in sbs:
+            t1 = time.monotonic()
+            r = sb.exec(RECLAIM_CMD, timeout=600)
+            if r.exit_code != 0:
+                raise RuntimeError(f"{RECLAIM_CMD} failed in {sb.id}: {r.stderr[-300:]!r}")
+            work.append(time.monotonic() - t1)
+        time.sleep(SETTLE_S)
+        return {"balloon": balloon, "n": n, "create_to_first_exec_s": boot,
+                "median_create_to_first_exec_s": statistics.median(boot),
+                "workload_s": work, "idle": idle, "after": memory(),
+                "loadavg": list(os.getloadavg())}
+    finally:
+        for sb in sbs:
+            sb.kill()
+        backend.balloon = default
+
+
+def balloon_boot(node: Node, rounds: int) -> dict[str, Any]:
+    """create-to-first-exec of one microVM of BIG_IMAGE at a time (no other
+    VM running), with and without the balloon, rotated: its cost at boot."""
+    backend = node.backend("microvm")
+    assert isinstance(backend, MicrovmBackend)
+    default = backend.balloon
+    totals: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for r in range(rounds):
+            for variant in rotate(["on", "off"], r):
+                backend.balloon = variant == "on"
+                t0 = time.monotonic()
+                with Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
+                                    memory_mb=GUEST_MB) as sb:
+                    sb.exec("true")
+                    totals[variant].append(time.monotonic() - t0)
+    finally:
+        backend.balloon = default
+    med = {k: statistics.median(v) for k, v in totals.items()}
+    return {"create_to_first_exec_s": totals, "median_s": med, "ratio": med["on"] / med["off"],
+            "loadavg": list(os.getloadavg())}
+
+
+def reclaim_rounds(node: Node, n: int, rounds: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for r in range(rounds):
+        for variant in rotate(["on", "off"], r):
+            runs[variant].append(reclaim(node, variant == "on", n))
+            last = runs[variant][-1]
+            print(f"  balloon {variant:3} N={n}: after the workload "
+                  f"{last['after']['total_vmm_own_bytes'] / 2**20:.0f} MiB (VMMs' own), "
+                  f"boot median {last['median_create_to_first_exec_s']:.1f}s, "
+                  f"load {last['loadavg'][0]:.1f}", flush=True)
+
+    def med(variant: str, key: str, when: str = "after") -> float:
+        return float(statistics.median(x[when][key] for x in runs[variant]))
+    out: dict[str, Any] = {"n": n, "rounds": rounds, "cmd": RECLAIM_CMD, "settle_s": SETTLE_S,
+                           "runs": runs, "reference_pct": RECLAIM_REFERENCE}
+    for key in ("total_vmm_own_bytes", "total_cgroup_usage_bytes"):
+        out[f"ratio_pct_{key}"] = (med("on", key) / med("off", key) - 1) * 100
+    boots = {v: statistics.median(t for x in runs[v] for t in x["create_to_first_exec_s"])
+             for v in runs}
+    out["median_boot_s"] = boots
+    out["boot_ratio"] = boots["on"] / boots["off"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--n", type=int, nargs="+", default=None, help="VM counts (2 4 8)")
@@ -376,6 +478,14 @@ def main() -> None:
     ap.add_argument("--network", action="store_true",
                     help="also create-to-first-exec with and without an allowlist")
     ap.add_argument("--network-only", action="store_true", help="only that")
+    ap.add_argument("--reclaim", action="store_true",
+                    help="also host memory of idle VMs with and without free page reporting")
+    ap.add_argument("--reclaim-only", action="store_true", help="only that")
+    ap.add_argument("--reclaim-n", type=int, default=8,
+                    help="VMs per reclaim run (8; 0: none)")
+    ap.add_argument("--reclaim-boot", type=int, default=0, metavar="R",
+                    help="with --reclaim: also R rounds of one VM's boot with and without "
+                         "the balloon, nothing else running")
     ap.add_argument("--lazy-bulk", action="store_true",
                     help="--lazy, then every file of the image read once (cold)")
     add_run_options(ap, Path(__file__).parent / "results" / "microvm.json", QUICK)
@@ -392,7 +502,7 @@ def main() -> None:
             out["density_image"] = add_big_image(store, d)
         if args.lazy or args.lazy_only:
             out["lazy"] = lazy(store, d, not args.no_container, args.lazy_bulk)
-        if args.lazy_only or args.network_only:
+        if args.lazy_only or args.network_only or args.reclaim_only:
             args.n = []
         with node_for(store, d) as node:
             mvm = node.backend("microvm")
@@ -403,7 +513,14 @@ def main() -> None:
             if args.network or args.network_only:
                 out["network_setup"] = network_setup()
                 out["network"] = {b: network(node, b, args.rounds) for b in ("microvm", "vm")}
-            if not (args.no_latency or args.lazy_only or args.network_only):
+            if (args.reclaim or args.reclaim_only) and args.reclaim_n > 0:
+                out["reclaim"] = reclaim_rounds(node, args.reclaim_n, args.rounds)
+            if (args.reclaim or args.reclaim_only) and args.reclaim_boot > 0:
+                Sandbox.create(BIG_IMAGE, backend="microvm", node=node,
+                               memory_mb=GUEST_MB).kill()  # its pmem files made
+                out["balloon_boot"] = balloon_boot(node, args.reclaim_boot)
+            if not (args.no_latency or args.lazy_only or args.network_only
+                    or args.reclaim_only):
                 out["microvm"] = latency(node, "microvm", args.rounds)
                 out["vm"] = latency(node, "vm", args.rounds)
                 if not args.no_container:
@@ -465,6 +582,31 @@ def report(out: dict[str, Any]) -> None:
         for name, r in out["network"].items():
             print(f"{name:10} {r['median_s']['none']:10.2f}s {r['median_s']['allowlist']:9.2f}s "
                   f"{r['ratio']:5.2f}x {statistics.median(r['first_fetch_s']):11.2f}s")
+    if "reclaim" in out:
+        rc = out["reclaim"]
+        print(f"\n{rc['n']} idle microVMs of {out['density_image']} ({GUEST_MB} MiB guests) "
+              f"after {rc['cmd']!r} in each, {rc['settle_s']:g}s later (medians of "
+              f"{rc['rounds']} rounds):")
+        print(f"{'balloon':8} {'VMMs own (idle)':>16} {'VMMs own (after)':>17} "
+              f"{'cgroups (after)':>16} {'boot':>7}")
+        for v in ("on", "off"):
+            runs = rc["runs"][v]
+
+            def m(when: str, key: str, runs: list[dict[str, Any]] = runs) -> float:
+                return float(statistics.median(x[when][key] for x in runs)) / mib
+            print(f"{v:8} {m('idle', 'total_vmm_own_bytes'):13.0f}MiB "
+                  f"{m('after', 'total_vmm_own_bytes'):14.0f}MiB "
+                  f"{m('after', 'total_cgroup_usage_bytes'):13.0f}MiB "
+                  f"{rc['median_boot_s'][v]:6.1f}s")
+        print(f"reporting vs none: {rc['ratio_pct_total_vmm_own_bytes']:.1f} % (VMMs' own), "
+              f"{rc['ratio_pct_total_cgroup_usage_bytes']:.1f} % (cgroups); reference "
+              f"{rc['reference_pct']:.0f} %; boot {rc['boot_ratio']:.2f}x")
+    if "balloon_boot" in out:
+        bb = out["balloon_boot"]
+        print(f"\none microVM of {out['density_image']} at a time, create->first exec "
+              f"(medians of {len(bb['create_to_first_exec_s']['on'])}): balloon on "
+              f"{bb['median_s']['on']:.2f}s, off {bb['median_s']['off']:.2f}s "
+              f"({bb['ratio']:.2f}x); load {bb['loadavg'][0]:.1f}")
     if "microvm" in out:
         print(f"\naccelerator: {out['accel']}")
         print(f"{'backend':10} {'first create+exec':>18} {'median create->first exec':>26} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from .errors import (
                      BackendUnavailable,
                      ExecError,
+                     ExecStatusUnknown,
                      ExecTimeout,
                      FileError,
                      FleetUnavailable,
@@ -43,7 +44,7 @@ from .spec import (
 )
 
 __all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
-           "ExecResult", "ExecTimeout", "FileError", "FleetUnavailable", "ImageNotFound",
+           "ExecResult", "ExecStatusUnknown", "ExecTimeout", "FileError", "FleetUnavailable", "ImageNotFound",
            "InvalidSpec", "NetworkPolicy", "NodeLost", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
            "PreemptedSandbox", "QuotaExceeded", "RestoreConflict", "Rule", "Sandbox", "SandboxError",
            "SandboxEvent", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",

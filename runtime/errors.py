@@ -25,8 +25,10 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
         │                      what it printed before it was stopped
         ├── ExecTimeout        its timeout passed; its process tree was killed
         ├── OutputTruncated    it printed more than max_output_bytes; killed
-        └── OutOfMemory        the sandbox's memory limit was hit; the kernel
-                               killed it (nothing outside the sandbox was touched)
+        ├── OutOfMemory        the sandbox's memory limit was hit; the kernel
+        │                      killed it (nothing outside the sandbox was touched)
+        └── ExecStatusUnknown  it ran, but its exit status could not be collected
+                               (a VM's agent could not reap it); exit_code is -1
 """
 
 from __future__ import annotations
@@ -117,10 +119,15 @@ class OutOfMemory(ExecError):
     pass
 
 
+class ExecStatusUnknown(ExecError):
+    pass
+
+
 ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
         BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
         RestoreConflict,
-        NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory)
+        NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory,
+        ExecStatusUnknown)
 }

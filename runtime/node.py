@@ -48,6 +48,7 @@ from .capture import MEMORY_CHUNK_SIZE, Captures, Packed
 from .config import RuntimeConfig
 from .errors import (
     BackendUnavailable,
+    ExecStatusUnknown,
     ExecTimeout,
     InvalidSpec,
     OutOfMemory,
@@ -64,6 +65,7 @@ from .fleet.records import sandbox_id as fleet_sandbox_id
 from .images import Images
 from .preempt import PreemptedSandboxes
 from .spec import (
+    VM_STATE_KEY,
     CheckpointInfo,
     ExecRequest,
     ExecResult,
@@ -757,6 +759,9 @@ class Node:
             if current is not None:
                 self._touch(*current)
         what = " ".join(req.cmd)[:200]
+        if r.status_unknown:
+            raise ExecStatusUnknown(f"{what!r}: its exit status is unknown (the guest agent "
+                                    "could not reap it; a process of it may be left)", r)
         if r.timed_out:
             raise ExecTimeout(f"{what!r} ran past its {req.timeout:g}s timeout; its "
                               "processes were killed", r)
@@ -891,19 +896,29 @@ class Node:
         disks) of images and layers no tag of the catalog names any more, laid
         out by another version of the code, or (max_age, seconds) unused for
         longer; never those of this node's live sandboxes (paused ones
-        included). Returns the files removed; they are rebuilt when needed."""
+        included). Returns the files removed; they are rebuilt when needed.
+        Then the microVM snapshots in the host's shared snapshot directory
+        that no sandbox can resume from (snapshots.collect: never a live
+        sandbox's, nor one a tagged snapshot image names)."""
         from chunkstore.digests import digest_key
 
+        from .backends import snapshots
         from .guest import caches
         catalog = self.images.catalog()
         keep: set[str] = set()
+        snapshot_ids: set[str] = set()  # sandboxes whose state a tagged image holds
         for _, digest in catalog.list_tags():
             _, image = catalog.resolve(digest)
             keep |= {digest_key(digest), *(digest_key(d) for d in image.layers)}
+            state = image.config.get(VM_STATE_KEY)
+            if isinstance(state, dict) and isinstance(state.get("sandbox_id"), str):
+                snapshot_ids.add(state["sandbox_id"])
         with self._lock:
             images = [h.image for _, h in self._sandboxes.values()]
+            live = set(self._sandboxes)
         in_use = {digest_key(d) for im in images for d in (im.digest, *im.layers)}
-        return caches.collect(self._vm_cache_dirs(), keep, in_use, max_age)
+        removed = caches.collect(self._vm_cache_dirs(), keep, in_use, max_age)
+        return removed + snapshots.collect(self.config.state_dir, live | snapshot_ids, max_age)
 
     def _recover_one(self, f: Path) -> None:
         try:

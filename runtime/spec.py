@@ -217,6 +217,9 @@ class ExecResult(_Model):
     truncated: bool = False
     timed_out: bool = False
     oom_killed: bool = False
+    # the command ran but its exit status could not be collected (a VM's
+    # agent could not reap it); exit_code is then -1, never a made-up 0
+    status_unknown: bool = False
 
     @property
     def text(self) -> str:
@@ -237,7 +240,7 @@ class VmState(_Model):
     device state (QEMU's migration stream, VM_STATE_FILE), the layers under
     it are the image the VM ran, mapped again as the same pmem devices.
     QEMU loads the stream only into a machine of the same shape: the same
-    backend, guest memory and vCPUs (and accelerator)."""
+    backend, guest memory and vCPUs (and accelerator, and balloon device)."""
 
     layer: str = Field(pattern=DIGEST_PATTERN)  # the state layer
     base: str = Field(pattern=DIGEST_PATTERN)  # the image the VM ran (its pmem layers)
@@ -246,6 +249,7 @@ class VmState(_Model):
     cpus: int
     accel: Literal["kvm", "tcg"]
     sandbox_id: str  # whose state it is
+    balloon: bool = False  # the VM had the free-page-reporting balloon (a device too)
 
 
 class ResolvedImage(_Model):

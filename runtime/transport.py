@@ -220,6 +220,25 @@ def client_args(url: str, token: str | None) -> tuple[str, dict[str, Any]]:
     raise BackendUnavailable(f"node {url!r}: expected unix:///PATH or http://HOST:PORT")
 
 
+def parse_create_stream(lines: Iterator[str], progress: Callable[[str], None]
+                        ) -> SandboxInfo:
+    for line in lines:
+        if not line:
+            continue
+        msg = json.loads(line)
+        if not isinstance(msg, dict):
+            raise BackendUnavailable("the node agent sent a create stream line that is not "
+                                     "an object")
+        if "step" in msg:
+            progress(str(msg["step"]))
+        elif "sandbox" in msg:
+            return SandboxInfo.model_validate(msg["sandbox"])
+        elif "error" in msg:
+            raise_for(msg, 200)
+    raise BackendUnavailable("the node agent closed the create stream before the sandbox "
+                             "was made (it may have died: list its sandboxes)")
+
+
 def parse_exec_stream(lines: Iterator[str], on_stdout: Sink | None, on_stderr: Sink | None
                       ) -> ExecResult:
     for line in lines:
@@ -258,11 +277,23 @@ class Http:
 
     def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
                ) -> SandboxInfo:
-        if progress is not None:  # the agent's create is one request: no steps yet
-            progress(f"waiting for the node agent {self.url} (it reports no steps over HTTP)")
-        r = self._call("POST", "/v1/sandboxes", content=spec.model_dump_json(),
-                       headers={"content-type": "application/json"})
-        return SandboxInfo.model_validate(r.json())
+        if progress is None:
+            r = self._call("POST", "/v1/sandboxes", content=spec.model_dump_json(),
+                           headers={"content-type": "application/json"})
+            return SandboxInfo.model_validate(r.json())
+        try:  # the agent streams the create's steps, then the sandbox
+            with self.client.stream("POST", "/v1/sandboxes", params={"progress": "true"},
+                                    content=spec.model_dump_json(),
+                                    headers={"content-type": "application/json"}) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    _check(r)
+                if not r.headers.get("content-type", "").startswith("application/x-ndjson"):
+                    r.read()  # an agent from before progress: one answer, no steps
+                    return SandboxInfo.model_validate(r.json())
+                return parse_create_stream(r.iter_lines(), progress)
+        except httpx.TransportError as e:
+            raise BackendUnavailable(f"node agent {self.url}: {e}") from e
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         return SandboxInfo.model_validate(self._call("GET", f"/v1/sandboxes/{sandbox_id}").json())

@@ -27,6 +27,7 @@ from composer.convert import convert
 from lazyfs.node import request
 from runtime import (
     BackendUnavailable,
+    ExecStatusUnknown,
     ExecTimeout,
     FileError,
     OutOfMemory,
@@ -39,6 +40,7 @@ from runtime import (
 )
 from runtime.backends.microvm import MicrovmBackend
 from runtime.backends.qemubase import VMM_OVERHEAD_MB
+from runtime.backends.qemuproc import vmm_pss
 from runtime.guest.qemu import Qmp
 from runtime.node import Node
 from runtime.spec import Backend
@@ -451,3 +453,61 @@ def test_a_huge_listing_is_refused_and_the_channel_stays_in_step(node: Node,
             sb.files.list("/tmp/many")
         assert sb.exec("echo next").stdout == b"next\n"
         assert len(sb.files.list("/etc")) > 0
+
+
+def test_memory_the_guest_frees_goes_back_to_the_host(node: Node) -> None:
+    """Free page reporting (virtio-balloon): a 160 MiB tmpfs file a command
+    writes in a fresh guest shows in the VMM's PSS on the host, and once the
+    guest frees it, at least 96 MiB leave the VMM; without reporting a guest
+    never gives back memory it touched. (A VM of its own: the guest reports
+    only free 2 MiB blocks, and a guest that ran many tests is fragmented.)"""
+    with Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=512) as s:
+        pid = node._get(s.id)[1].state.pid
+        assert pid is not None
+        assert s.exec("grep -c '^virtio_balloon ' /proc/modules").stdout == b"1\n"
+        base = vmm_pss(pid)
+        s.exec("dd if=/dev/zero of=/dev/shm/fill bs=1M count=160 2>/dev/null", timeout=120)
+        held = vmm_pss(pid)
+        assert held - base > 96 << 20, (base >> 20, held >> 20)  # the guest's pages, on the host
+        s.exec("rm /dev/shm/fill")
+        wait_until(lambda: vmm_pss(pid) < held - (96 << 20), 60,
+                   "the VMM's PSS falling once the guest freed the file")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (forge.c)")
+def test_a_command_the_agent_cannot_reap_is_not_exit_0(sb: Sandbox, tmp_path: Path) -> None:
+    """The attack: a command whose child (own session, none of its output)
+    ptrace-attaches to it, then exits 3. A zombie tracee is visible to its
+    tracer only, so the agent could not reap it and used to report exit 0
+    after the whole timeout. Now the agent kills the tracer, gets the
+    zombie back and reports its status, at once."""
+    forge = tmp_path / "forge"
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(forge),
+                    str(Path(__file__).parent / "helpers" / "forge.c")], check=True)
+    sb.files.write("/tmp/forge", forge.read_bytes(), mode=0o755)
+    t0 = time.monotonic()
+    r = sb.exec("/tmp/forge zombie 3", timeout=60)
+    assert r.exit_code == 3, r
+    assert time.monotonic() - t0 < 30  # not the timeout
+    assert b"forge" not in sb.exec("ps -o pid,args").stdout  # its tracer was killed
+
+
+def test_an_exit_status_the_agent_lost_is_a_typed_error(node: Node) -> None:
+    """Fault injection (lazyfs.test=noreap: the agent discards every
+    command's status, standing in for a command it cannot reap even after
+    killing its tracer, e.g. stuck in the kernel, which cannot be made on
+    demand): exec raises ExecStatusUnknown with exit code -1, never 0."""
+    backend = _backend(node)
+    backend.extra_append = ["lazyfs.test=noreap"]
+    try:
+        s = Sandbox.create(IMAGE, backend="microvm", node=node, memory_mb=256)
+    finally:
+        backend.extra_append = []
+    with s:
+        t0 = time.monotonic()
+        with pytest.raises(ExecStatusUnknown, match="exit status is unknown") as e:
+            s.exec("echo ran; exit 0", timeout=60)
+        assert time.monotonic() - t0 < 30
+        res = e.value.result
+        assert res is not None and res.exit_code == -1 and res.status_unknown
+        assert res.stdout == b"ran\n"

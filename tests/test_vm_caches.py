@@ -2,9 +2,12 @@
 a node start sweeps what interrupted builds left (a mount, temporary
 files, a builder still running) and leaves a build under way alone;
 collect_vm_caches removes the files of images no longer in the catalog,
-of other code versions and unused ones, never a live sandbox's. The pmem
-files are made by the real code (pmemimages.pmem_layers, on a real node
-daemon); the sandbox that keeps its image's files is a real container."""
+of other code versions and unused ones, never a live sandbox's, and the
+microVM snapshots of the host's shared snapshot directory no sandbox can
+resume from. The pmem files are made by the real code
+(pmemimages.pmem_layers, on a real node daemon), the snapshot directories'
+owner records by snapshots.owned_dir; the sandbox that keeps its image's
+files is a real container."""
 
 from __future__ import annotations
 
@@ -15,13 +18,17 @@ from pathlib import Path
 
 import pytest
 
+from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
+from composer.catalog import Catalog, Image
 from lazyfs import sysmount
 from runtime import Sandbox
+from runtime.backends import snapshots
 from runtime.backends.microvm import MicrovmBackend
 from runtime.guest import disk, pmemimages
 from runtime.guest.cachelock import locked
 from runtime.node import Node
+from runtime.spec import VM_STATE_FILE, VM_STATE_KEY, VmState
 from tests.helpers.sandboxes import (
     IMAGE,
     SECOND,
@@ -132,3 +139,71 @@ def test_collect_removes_files_of_removed_images_and_unused_ones(tmp_path: Path)
         assert sorted(node.collect_vm_caches(max_age=3600)) == sorted(first)
         # they are made again when a sandbox needs them
         assert all(f.exists() for f in _files(node, IMAGE))
+
+
+def _tag_vm_snapshot(store: Path, tag: str, sandbox_id: str) -> None:
+    """A tagged snapshot image naming sandbox_id, as node.snapshot commits
+    one (IMAGE's layers, the top one standing in for the state layer)."""
+    with ChunkStore.open(store) as s, Catalog(s) as cat:
+        digest, image = cat.resolve(IMAGE)
+        state = VmState(layer=image.layers[-1], base=digest, backend="microvm", memory_mb=256,
+                        cpus=1, accel="tcg", sandbox_id=sandbox_id)
+        cat.commit_image(tag, Image(image.layers, {**image.config,
+                                                   VM_STATE_KEY: state.model_dump(mode="json")},
+                                    "test"), {})
+
+
+def test_collect_removes_snapshots_no_sandbox_can_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = busybox_store(tmp_path)
+    tagged = "sb-7a99ed0000000001"
+    _tag_vm_snapshot(store, "snap:1", tagged)
+    shared = tmp_path / "vm-snapshots"
+    monkeypatch.setattr(snapshots, "SNAPSHOT_DIR", shared)
+    other = tmp_path / "other-node"  # another node's state directory on this host
+    (other / "sandboxes" / "sb-0e4e000000000001").mkdir(parents=True)
+    (other / "sandboxes" / "sb-0e4e000000000001" / "sandbox.json").write_text("{}")
+    with node_for(store, tmp_path, pmem_cache=tmp_path / "pmem",
+                  vm_disk_cache=tmp_path / "disks") as node:
+        image = node.images.resolve(IMAGE)
+        state = node.config.state_dir
+
+        def snap(sandbox_id: str, owner: Path | None) -> Path:
+            if owner is None:  # laid out by older code: no owner record
+                d = shared / sandbox_id
+                d.mkdir(parents=True)
+            else:
+                d = snapshots.owned_dir(sandbox_id, owner, image)
+            (d / VM_STATE_FILE).write_bytes(b"guest memory")
+            return d
+
+        sb = Sandbox.create(IMAGE, backend="container", node=node)
+        try:
+            live = snap(sb.id, state)                        # this node's, live
+            dead = snap("sb-dead000000000001", state)        # this node's, sandbox gone
+            elsewhere = snap("sb-0e4e000000000001", other)   # the other node still has it
+            orphan = snap("sb-0e4e000000000002", other)      # the other node has no such sandbox
+            kept_by_image = snap(tagged, state)              # a tagged snapshot image names it
+            legacy = snap("sb-01d0000000000001", None)
+            packing = shared / f"{dead.name}-pack-0a0b0c0d"  # a store snapshot packing now
+            cut_short = shared / "sb-dead000000000002-pack-01020304"
+            for d in (packing, cut_short):
+                d.mkdir()
+                (d / VM_STATE_FILE).write_bytes(b"link")
+            two_hours_ago = time.time() - 7200
+            for p in (cut_short, cut_short / VM_STATE_FILE):
+                os.utime(p, (two_hours_ago, two_hours_ago))
+
+            def collected(max_age: float | None = None) -> set[Path]:
+                return {p for p in node.collect_vm_caches(max_age) if p.parent == shared}
+            assert collected() == {dead, orphan, cut_short}
+            assert all(d.exists() for d in (live, elsewhere, kept_by_image, legacy, packing))
+            # by age: only what no sandbox (here or on the other node) may need
+            for d in (live, elsewhere, kept_by_image, legacy, packing):
+                for p in (d, *d.iterdir()):
+                    os.utime(p, (two_hours_ago, two_hours_ago))
+            assert collected(max_age=3600) == {legacy, packing}
+            assert all(d.exists() for d in (live, elsewhere, kept_by_image))
+        finally:
+            sb.kill()
+        assert collected() == {live}  # its sandbox is gone now

@@ -2,7 +2,8 @@
 on_progress gets each long step (the image's pmem metadata or VM disk
 built, the boot) from a real node and real QEMU; a later create of the same
 image builds nothing and says only that it boots. `lazyfs sandbox run
---progress` prints them."""
+--progress` prints them, and so does `lazyfs sandbox create --progress`
+against a node agent in another process (the steps streamed over HTTP)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from runtime.backends.microvm import MicrovmBackend
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
 from runtime.spec import Backend
+from tests.helpers.agents import running_agent
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, vm_missing
 
@@ -91,3 +93,25 @@ def test_the_cli_prints_the_steps(tmp_path: Path) -> None:
             assert p.returncode == 0 and "lazyfs:" not in p.stderr, p.stderr
     finally:
         shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_a_create_through_the_node_agent_streams_its_steps(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    d = Path(tempfile.mkdtemp(prefix="lzr-"))  # short: the VM's sockets live under it
+    monkeypatch.setenv("LAZYFS_PMEM_CACHE", str(d / "pmem"))  # the agent's: fresh, it builds
+    try:
+        with running_agent(d) as agent:
+            p = subprocess.run(
+                [sys.executable, "-m", "tools.cli", "sandbox", "create", "--node", agent.unix,
+                 "--backend", "microvm", "--memory-mb", "256", "--progress", IMAGE],
+                cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+            assert p.returncode == 0, p.stderr
+            lines = p.stderr.splitlines()
+            for step in ("building the EROFS metadata of layer 1/2 of bb:1",
+                         "booting the guest", "guest agent ready after"):
+                assert any(x.startswith(f"lazyfs: {step}") for x in lines), lines
+            assert not any("reports no steps" in x for x in lines), lines
+            with Sandbox.connect(p.stdout.strip(), node=agent.unix) as sb:
+                assert sb.exec("cat /etc/motd").stdout == b"hello from the image\n"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

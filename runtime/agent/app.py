@@ -4,6 +4,10 @@
     GET    /metrics                           Prometheus text format (metrics.py)
     GET    /v1/capabilities/{backend}
     POST   /v1/sandboxes                      SandboxSpec → SandboxInfo
+    POST   /v1/sandboxes?progress=true        SandboxSpec → NDJSON stream:
+           {"step": "booting the guest ..."} … then {"sandbox": SandboxInfo}
+           or {"error": {"type", "message"}}; a create whose client went
+           away is undone (at its next step, or once it is made)
     GET    /v1/sandboxes?label=k=v            → [SandboxInfo]
     GET    /v1/sandboxes/{id}                 → SandboxInfo
     DELETE /v1/sandboxes/{id}
@@ -153,8 +157,11 @@ def make_app(node: Node, token: str | None = None,
     async def metrics_() -> Response:
         return Response(await run(m.render), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/sandboxes", status_code=201)
-    async def create(spec: SandboxSpec) -> SandboxInfo:
+    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
+    async def create(spec: SandboxSpec, progress: bool = False) -> Any:
+        if progress:  # each step as it happens: a first VM of an image takes seconds
+            return StreamingResponse(_create_stream(node, spec, m),
+                                     media_type="application/x-ndjson")
         try:
             info: SandboxInfo = await run(node.create, spec)
         except SandboxError as e:
@@ -292,6 +299,52 @@ def make_app(node: Node, token: str | None = None,
         return result
 
     return app
+
+
+class _ClientGone(SandboxError):
+    """The client of a streamed create stopped reading: the create is undone."""
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+async def _create_stream(node: Node, spec: SandboxSpec, metrics: AgentMetrics
+                         ) -> AsyncIterator[bytes]:
+    send, receive = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
+
+    def emit(obj: dict[str, Any]) -> None:
+        try:
+            anyio.from_thread.run(send.send, _line(obj))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+            raise _ClientGone("the client of this create went away") from e
+
+    def work() -> None:
+        try:
+            info = node.create(spec, lambda step: emit({"step": step}))
+        except SandboxError as e:
+            if not isinstance(e, _ClientGone):
+                metrics.refusals.labels(type(e).__name__).inc()
+                try:
+                    emit(error_body(e))
+                except _ClientGone:
+                    pass
+            return
+        metrics.creates.labels(spec.backend).inc()
+        try:
+            emit({"sandbox": info.model_dump(mode="json")})
+        except _ClientGone:  # nobody will learn its id: do not leave it running
+            node.kill(info.id)
+
+    async def drive() -> None:
+        async with send:
+            await anyio.to_thread.run_sync(work)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(drive)
+        async with receive:
+            async for chunk in receive:
+                yield chunk
 
 
 async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest,

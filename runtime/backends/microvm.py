@@ -15,6 +15,10 @@ files, pause as snapshot-and-exit, kill) is the shared VM backend's
 (runtime/backends/qemubase.py). With the pmem regions left out of the
 snapshot (x-ignore-shared: they are the shared image files), a paused
 microVM's snapshot holds only guest memory and device state.
+
+Memory the guest frees goes back to the host: the VMM has a virtio-balloon
+with free page reporting (never inflated), whose driver the initramfs loads;
+the guest reports free 2 MiB blocks and QEMU discards them.
 """
 
 from __future__ import annotations
@@ -75,6 +79,12 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
         if on not in ("pmem", "blk"):
             raise BackendUnavailable(f"LAZYFS_MICROVM_LAYERS={on!r}: pmem or blk")
         self.layers_on: LayersOn = "blk" if on == "blk" else "pmem"
+        # free page reporting (docs/microvm.md, "Memory reclaim"): on unless
+        # LAZYFS_MICROVM_BALLOON=off (the benchmark's baseline)
+        balloon = os.environ.get("LAZYFS_MICROVM_BALLOON", "on")
+        if balloon not in ("on", "off"):
+            raise BackendUnavailable(f"LAZYFS_MICROVM_BALLOON={balloon!r}: on or off")
+        self.balloon = balloon == "on"
 
     def _prepare(self, h: Handle[MicrovmState], vmdir: Path) -> None:
         h.state.layers_on = self.layers_on

@@ -105,6 +105,7 @@ class QemuState(BackendState):
 
     vm_dir: Path | None = None
     accel: Literal["kvm", "tcg"] | None = None  # chosen at the first boot, kept for resume
+    balloon: bool = False             # the VMM has the reporting balloon (kept for resume)
     pid: int | None = None            # the VMM, while one runs
     snapshot: Path | None = None      # while paused
     boot_s: float | None = None       # how long the first boot took
@@ -128,6 +129,10 @@ class QemuBackend(Generic[Q]):
     state_type: type[Q]
     boot_timeout_env = "LAZYFS_MICROVM_BOOT_TIMEOUT"
     boot_timeout_default = 90.0
+    # a virtio-balloon with free page reporting in new VMs: only for guests
+    # whose initramfs loads virtio_balloon (the device without its driver
+    # returns nothing)
+    balloon = False
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         self.config = config
@@ -165,6 +170,8 @@ class QemuBackend(Generic[Q]):
         binary = qemu.qemu_binary()
         accel = (h.state.accel or "tcg") if incoming is not None else \
             qemu.accelerator(binary, kernel.vmlinuz)
+        # resume: the devices the VM was booted with
+        balloon = h.state.balloon if incoming is not None else self.balloon
         nic, slot = None, h.state.net_slot
         if slot is not None:
             nic = qemu.Nic(netpolicy.GUEST_IF, netpolicy.guest_mac(slot))
@@ -176,7 +183,7 @@ class QemuBackend(Generic[Q]):
             pmem=pmem, drives=drives, agent_socket=vmdir / "agent.sock",
             console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
             append=[*append, f"lazyfs.hostname={h.id}", *self.extra_append],
-            incoming=incoming, nic=nic)
+            incoming=incoming, nic=nic, balloon=balloon)
 
     @staticmethod
     def _limits(h: Handle[Q]) -> list[str]:
@@ -266,12 +273,14 @@ class QemuBackend(Generic[Q]):
             if h.image.vm_state is not None:  # a snapshot: load its state, no boot
                 self._check_shape(h, h.image.vm_state)
                 h.state.accel = h.image.vm_state.accel
+                h.state.balloon = h.image.vm_state.balloon
                 state = self.images.ensure_daemon().layers / h.image.vm_state.layer / \
                     VM_STATE_FILE
                 self._load(h, init, state)
             else:
                 cfg = self._config(h, vmdir)
                 h.state.accel = "kvm" if cfg.accel == "kvm" else "tcg"
+                h.state.balloon = cfg.balloon
                 self._boot(h, cfg, init)
         except BaseException:
             self.kill(h)
@@ -369,7 +378,8 @@ class QemuBackend(Generic[Q]):
             raise SandboxStateError(f"{h.id} is running a command or a file call; "
                                     "pause it once that ends")
         try:
-            snap = snapshots.snapshot_path(self.config.state_dir, h.id, self._vmdir(h))
+            snap = snapshots.snapshot_path(self.config.state_dir, h.id, self._vmdir(h),
+                                           h.image.digest)
             figures = snapshots.save(h.id, self._vm(h), snap)
         finally:
             agent.lock.release()
@@ -447,7 +457,8 @@ class QemuBackend(Generic[Q]):
         base = h.image.vm_state.base if h.image.vm_state is not None else h.image.digest
         return VmState(layer=layer, base=base, backend=self.name,
                        memory_mb=h.spec.memory_mb, cpus=self._cpus(h.spec),
-                       accel=h.state.accel or "tcg", sandbox_id=h.id)
+                       accel=h.state.accel or "tcg", sandbox_id=h.id,
+                       balloon=h.state.balloon)
 
     # -- exec and files --------------------------------------------------------
     def exec(self, h: Handle[Q], req: ExecRequest, on_stdout: Sink | None,
@@ -465,9 +476,10 @@ class QemuBackend(Generic[Q]):
         if st.code == 127 and b"lazyfs-agent: cannot run" in err:
             # as the container backend words it
             err = bytearray(bytes(err).replace(b"lazyfs-agent: cannot run ", b""))
-        return ExecResult(exit_code=st.code, stdout=bytes(out), stderr=bytes(err),
-                          duration=time.monotonic() - t0, truncated=st.truncated,
-                          timed_out=st.timed_out, oom_killed=st.oom_killed)
+        return ExecResult(exit_code=-1 if st.unreaped else st.code, stdout=bytes(out),
+                          stderr=bytes(err), duration=time.monotonic() - t0,
+                          truncated=st.truncated, timed_out=st.timed_out,
+                          oom_killed=st.oom_killed, status_unknown=st.unreaped)
 
     def files(self, h: Handle[Q]) -> SandboxFiles:
         return GuestFiles(h.dir, lambda: self._vm(h),

@@ -13,12 +13,20 @@ the store (the node's snapshot and preempt) packs that directory into a
 layer; a VM made from it loads the stream straight from the node daemon's
 `layers/<digest>/snapshot.bin` (fetched lazily, local store or cluster).
 
+SNAPSHOT_DIR is shared by the host's nodes and outlives them: each
+sandbox's directory there holds an owner record (OWNER_FILE: the node's
+state directory and the sandbox's image digest) next to the snapshot, and
+collect() removes what no live sandbox needs (see there).
+
 It does not start VMMs or choose their devices (runtime/backends/qemuproc.py
 and the backends do).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import shlex
 import shutil
@@ -35,21 +43,101 @@ from ..guest.protocol import AgentConnection, AgentError
 from ..spec import VM_STATE_FILE
 from .qemuproc import KILL_WAIT, Vm, vmm_pss
 
+log = logging.getLogger(__name__)
+
 MIGRATE_TIMEOUT = 120.0
 SNAPSHOT_DIR = Path(os.environ.get("LAZYFS_MICROVM_SNAPSHOTS", "/var/lib/lazyfs/vm-snapshots"))
 _IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
+OWNER_FILE = "owner.json"  # in SNAPSHOT_DIR/<id>/: whose snapshot it is
+PACK = "-pack-"  # SNAPSHOT_DIR/<id>-pack-<hex>/: the link a store snapshot packs from
+PACK_GRACE = 3600.0  # packing takes seconds: a pack directory this old was cut short
 
 
-def snapshot_path(state_dir: Path, sandbox_id: str, vmdir: Path) -> Path:
-    """Where a pause writes the VM's state: the one file of a directory of
-    its own (the directory is what a snapshot packs into a layer)."""
+def snapshot_path(state_dir: Path, sandbox_id: str, vmdir: Path, image: str) -> Path:
+    """Where a pause of a VM of `image` (its digest) writes the VM's state:
+    a directory of its own (a store snapshot packs a link to the file)."""
     info = sysmount.find_mount(state_dir)
     if info is not None and info.fstype == "tmpfs":  # RAM: would free nothing
-        d = SNAPSHOT_DIR / sandbox_id
+        d = owned_dir(sandbox_id, state_dir, image)
     else:
         d = vmdir / "state"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
     return d / VM_STATE_FILE
+
+
+def owned_dir(sandbox_id: str, state_dir: Path, image: str) -> Path:
+    """SNAPSHOT_DIR/<sandbox_id>, with its owner record: the node (its state
+    directory) and the image whose VM it holds."""
+    d = SNAPSHOT_DIR / sandbox_id
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    owner = {"state_dir": str(state_dir.resolve()), "image": image}
+    (d / OWNER_FILE).write_text(json.dumps(owner))
+    return d
+
+
+def _owner(d: Path) -> dict[str, str] | None:
+    try:
+        raw = json.loads((d / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str)
+                                            for k in ("state_dir", "image")):
+        return None
+    return {k: raw[k] for k in ("state_dir", "image")}
+
+
+def _age(d: Path, now: float) -> float:
+    """Seconds since anything in d last changed (its newest mtime)."""
+    times = [d.stat().st_mtime]
+    for p in d.iterdir():
+        with contextlib.suppress(OSError):
+            times.append(p.stat().st_mtime)
+    return now - max(times)
+
+
+def collect(state_dir: Path, live: set[str], max_age: float | None = None,
+            now: float | None = None) -> list[Path]:
+    """Remove the directories of SNAPSHOT_DIR no sandbox can resume from:
+    this node's (their owner record names `state_dir`) whose sandbox is not
+    in `live`; another node's whose sandbox that node no longer records
+    (<its state_dir>/sandboxes/<id>); pack directories older than PACK_GRACE
+    (a store snapshot cut short); with `max_age`, any other unchanged for
+    longer (those without an owner record: written by older code). Never one
+    of `live` (this node's sandboxes, paused ones included, and those a
+    tagged snapshot image names) nor one another node still records. A
+    snapshot is resumed only by its own sandbox, so whether that sandbox
+    exists decides, not whether its image is still tagged. Returns what was
+    removed."""
+    root = SNAPSHOT_DIR
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    mine = str(state_dir.resolve())
+    for d in sorted(root.iterdir()):
+        if d.is_symlink() or not d.is_dir():
+            continue
+        sandbox_id, pack, _ = d.name.partition(PACK)
+        if sandbox_id in live:
+            continue
+        owner = None if pack else _owner(d)
+        if owner is not None and owner["state_dir"] != mine and \
+                (Path(owner["state_dir"]) / "sandboxes" / sandbox_id / "sandbox.json").exists():
+            continue  # another node's sandbox (maybe paused): its node decides
+        try:
+            age = _age(d, now)
+        except OSError:
+            continue
+        why = ("a store snapshot's pack cut short" if pack and age > PACK_GRACE
+               else "its sandbox is gone" if owner is not None
+               else f"unused {age:.0f}s" if max_age is not None and age > max_age else None)
+        if why is None:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            log.info("collected the VM snapshot %s (%s)", d, why)
+            removed.append(d)
+    return removed
 
 
 def save(sandbox_id: str, vm: Vm, snap: Path) -> dict[str, Any]:

@@ -8,7 +8,8 @@ reading the extra megabytes):
 
     /bin/busybox       busybox-static (mount, insmod, sh ...)
     /modules/*.ko      virtio-pci, virtio-pmem + nd_pmem, EROFS, overlayfs,
-    /modules/order     virtio-console, in dependency order (kernel.load_order)
+    /modules/order     virtio-console, virtio-net, virtio-balloon (microvm), in
+                       dependency order (kernel.load_order)
     /lazyfs-agent      the guest agent (runtime/native/guest-agent.c), static
     /init              the script below
 
@@ -40,6 +41,8 @@ Kernel command line parameters read by /init:
     lazyfs.net=ADDR/PREFIX,GATEWAY   the NIC's (eth0) address and default route;
                            without it the guest has only lo
     lazyfs.test=noagent    (tests only) never start the agent
+    lazyfs.test=noreap     (tests only, microvm) the agent loses every command's exit
+                           status, as if it could not reap it (a fault injection)
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ from .kernel import GuestKernel, load_order
 
 # virtio_blk: the microvm backend's blk mode (layers as disks, for the
 # benchmark against pmem + DAX); a few hundred KiB, loaded in every boot.
+# virtio_balloon: free page reporting (memory the guest frees goes back to the
+# host); it binds only when the VMM has the device (qemu.VmConfig.balloon).
 MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "virtio_blk", "erofs", "overlay",
-           "virtio_console", "virtio_net")
+           "virtio_console", "virtio_net", "virtio_balloon")
 VM_MODULES = ("virtio_pci", "virtio_blk", "ext4", "virtio_console", "virtio_net")
 BUSYBOX = Path("/bin/busybox")
 
@@ -196,7 +201,8 @@ echo "lazyfs-init: layers mounted ($layers_on), starting the agent on $port"
 if [ "$test" = noagent ]; then
     exec sleep 2147483647
 fi
-exec /lazyfs-agent $(cg_arg) "$port" /sandbox
+# lazyfs.test=noreap: the agent's fault injection (tests only; guest-agent.c)
+exec /lazyfs-agent $(cg_arg) $([ "$test" = noreap ] && echo --test-fault noreap) "$port" /sandbox
 """
 
 # The full VM: the image's own disk (ext4, writable: a copy-on-write overlay

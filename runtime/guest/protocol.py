@@ -59,6 +59,7 @@ class ExitStatus:
     timed_out: bool
     truncated: bool
     oom_killed: bool = False  # by the guest's OOM killer in the commands' cgroup
+    unreaped: bool = False  # the agent could not reap it: the code (-1) means nothing
 
 
 @dataclass
@@ -300,7 +301,8 @@ class AgentConnection:
                         sink(payload)
                 elif kind == EXIT and len(payload) == 8:
                     code, flags = struct.unpack("<iI", payload)
-                    return ExitStatus(code, bool(flags & 1), bool(flags & 2), bool(flags & 4)), out, err
+                    return ExitStatus(code, bool(flags & 1), bool(flags & 2), bool(flags & 4),
+                                      bool(flags & 8)), out, err
                 elif kind == ERROR:
                     _, msg = _error_fields(payload)
                     raise SandboxError(f"the guest agent could not run {argv[0]!r}: {msg}")

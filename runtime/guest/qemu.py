@@ -9,7 +9,9 @@ the region sits above guest RAM and works. The configuration is trimmed to what 
 VGA, no NIC, no default serial/parallel/monitor), no network unless asked
 (then one virtio-net NIC on a tap device that already exists in the network
 namespace QEMU runs in: runtime/backends/netpolicy.py),
-one virtio-serial port for the agent, the 8250 console on a socket that the
+one virtio-serial port for the agent, a virtio-balloon used only for free
+page reporting (when the backend's guests load its driver: memory the guest
+frees is returned to the host, never inflated to take memory away), the 8250 console on a socket that the
 host reads only while booting (later output is dropped by QEMU, so a guest
 flooding its console costs CPU, never host disk), and QMP on a socket.
 """
@@ -117,6 +119,9 @@ class VmConfig:
     incoming: str | None = None            # restore from a migration stream
     drives: list[Drive] = field(default_factory=list)  # virtio-blk, after the pmem devices
     nic: Nic | None = None                 # no NIC at all without
+    # virtio-balloon with free page reporting: pages the guest frees go back
+    # to the host (QEMU discards them); the guest needs its driver loaded
+    balloon: bool = False
 
 
 def command(c: VmConfig) -> list[str]:
@@ -148,6 +153,8 @@ def command(c: VmConfig) -> list[str]:
         mode = "readonly=on" if d.readonly else "readonly=off,discard=unmap"
         cmd += ["-drive", f"file={file},if=none,id=disk{i},format={d.format},{mode}",
                 "-device", f"virtio-blk-pci,drive=disk{i},serial={d.serial}"]
+    if c.balloon:  # auto-placed; never inflated: only free page reporting
+        cmd += ["-device", "virtio-balloon-pci,id=balloon0,free-page-reporting=on"]
     if c.nic is not None:  # last: auto-placed, after the pmem devices' fixed slots
         cmd += ["-netdev", f"tap,id=net0,ifname={c.nic.tap},script=no,downscript=no",
                 "-device", f"virtio-net-pci,netdev=net0,mac={c.nic.mac}"]

@@ -1,6 +1,6 @@
 /* lazyfs-agent: PID 1 of a sandbox VM, the host's only way in.
  *
- *   lazyfs-agent [--chroot] [--cgroup DIR] PORT ROOT
+ *   lazyfs-agent [--chroot] [--cgroup DIR] [--test-fault noreap] PORT ROOT
  *
  * PORT is the virtio-serial port named lazyfs.agent (/dev/vportNpM); ROOT
  * is the sandbox's composed root (overlayfs of the EROFS layers + a
@@ -28,8 +28,9 @@
  *   EXEC   timeout_ms u32, max_output u64,  STDOUT/STDERR chunks, then EXIT
  *          flags u32 (1: stdin follows as   (code i32 as a shell shows it,
  *          DATA frames, empty = EOF), argc,  flags u32: 1 timed out, 2 output
- *          envc u32, then strings (u32 len   cap hit, 4 killed by the OOM killer)
- *          + bytes): cwd, argv.., env..
+ *          envc u32, then strings (u32 len   cap hit, 4 killed by the OOM killer,
+ *          + bytes): cwd, argv.., env..      8 not reaped: its status is unknown,
+ *                                            code -1)
  *   DATA   stdin or file bytes
  *   KILL   kill the running command's tree
  *   READ   limit u64, path               DATA chunks, then OK | ERROR
@@ -55,6 +56,17 @@
  * tree is killed: every process of its session and every process holding
  * its stdout/stderr pipes (a double-forked daemon). When the host goes away
  * mid-command the command's tree is killed too.
+ *
+ * A command's exit status is reported only once the agent has reaped it.
+ * A leader that exited but stays a zombie the agent cannot reap is one some
+ * process of the command ptrace-attached (a zombie tracee is visible to its
+ * tracer only): that tracer is killed, which hands the zombie back. If the
+ * leader still cannot be reaped (e.g. stuck in the kernel), EXIT carries
+ * flag 8 and code -1, never a made-up 0.
+ *
+ * --test-fault noreap (tests only, a fault injection): the agent discards
+ * the leader's status when it reaps it, standing in for a command it cannot
+ * reap, which cannot be produced on demand.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -99,6 +111,8 @@ static int cg_events = -1; /* its memory.events */
 static int connected = 0;
 static int sigfd = -1;
 static unsigned char *rbuf;  /* the frame being read */
+static int fault_noreap = 0; /* --test-fault noreap (see the header) */
+#define REAP_WAIT_MS 2000  /* a leader gone or a zombie we cannot reap: how long to wait */
 
 static long long now_ms(void) {
     struct timespec ts;
@@ -535,9 +549,41 @@ static int reap(pid_t child, int *status) {
     int found = 0, st;
     pid_t w;
     while ((w = waitpid(-1, &st, WNOHANG)) > 0) {
-        if (w == child) { *status = st; found = 1; }
+        if (w == child && !fault_noreap) { *status = st; found = 1; }
     }
     return found;
+}
+
+/* A process's state letter (R, S, D, Z, ...), 0 if it is gone. */
+static char proc_state(pid_t pid) {
+    char path[64], line[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, line, sizeof line - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    line[n] = 0;
+    char *rp = strrchr(line, ')');
+    return rp && rp[1] == ' ' ? rp[2] : 0;
+}
+
+/* Kill the process ptrace-attached to pid, if any: a zombie tracee goes
+ * back to its parent (us) only once its tracer is gone. 1 if one was killed. */
+static int kill_tracer(pid_t pid) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strstr(buf, "\nTracerPid:");
+    long tracer = p ? atol(p + 11) : 0;
+    if (tracer <= 1 || tracer == getpid()) return 0;
+    kill((pid_t)tracer, SIGKILL);
+    return 1;
 }
 
 static void drain_signals(void) {
@@ -624,11 +670,21 @@ static void do_exec(struct cur *c) {
     uint64_t sent[2] = {0, 0};
     long long deadline = start + timeout_ms;
     int status = 0, exited = 0, killed = 0, timed_out = 0, truncated = 0, lost = 0;
-    long long killed_at = 0;
+    int unreaped = 0;
+    long long killed_at = 0, unreapable_since = 0;
     static unsigned char buf[CHUNK];
     for (;;) {
         if (exited && fds_open[0] < 0 && fds_open[1] < 0) break;
         if (killed && now_ms() - killed_at > 5000) break;  /* the tree would not die */
+        if (!exited && fds_open[0] < 0 && fds_open[1] < 0) {
+            /* output closed: a leader that exited but is not ours to reap
+             * (a zombie a tracer holds, or gone) must not wait for the timeout */
+            char st = proc_state(child);
+            if (st == 'Z' || st == 'X' || st == 0) {
+                if (!unreapable_since) { unreapable_since = now_ms(); kill_tracer(child); }
+                else if (now_ms() - unreapable_since > REAP_WAIT_MS) break;
+            }
+        }
         struct pollfd p[5];
         int np = 0, ip_port = -1, ip_in = -1, ip_out = -1, ip_err = -1;
         p[np++] = (struct pollfd){.fd = sigfd, .events = POLLIN};
@@ -706,10 +762,13 @@ static void do_exec(struct cur *c) {
     }
     for (int k = 0; k < 2; k++) if (fds_open[k] >= 0) close(fds_open[k]);
     if (in[1] >= 0) close(in[1]);
-    if (!exited) {  /* it would not die in time: report it killed */
+    if (!exited) {  /* it would not die (or be handed back) in time */
         kill(child, SIGKILL);
-        for (int i = 0; i < 100 && !reap(child, &status); i++) nap(10);
-        exited = 1;
+        kill_tracer(child);
+        for (int i = 0; i < 100 && !exited; i++) {
+            if (reap(child, &status)) exited = 1; else nap(10);
+        }
+        if (!exited) unreaped = 1;  /* its status is unknown: say so, never 0 */
     }
     /* a host that sent stdin frames we never read: eat them up to the EOF frame */
     while (!lost && want_stdin && !stdin_done && connected) {
@@ -717,10 +776,11 @@ static void do_exec(struct cur *c) {
         int t = recv_frame(&len);
         if (t < 0 || (t == T_DATA && len == 0)) break;
     }
-    int32_t code = WIFEXITED(status) ? WEXITSTATUS(status)
+    int32_t code = unreaped ? -1 : WIFEXITED(status) ? WEXITSTATUS(status)
                  : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
     uint32_t fl = (timed_out ? 1u : 0u) | (truncated ? 2u : 0u) |
-                  (code == 128 + SIGKILL && oom_kills() > ooms ? 4u : 0u);
+                  (code == 128 + SIGKILL && oom_kills() > ooms ? 4u : 0u) |
+                  (unreaped ? 8u : 0u);
     unsigned char ex[8];
     memcpy(ex, &code, 4);
     memcpy(ex + 4, &fl, 4);
@@ -739,10 +799,15 @@ int main(int argc, char **argv) {
     while (argc > 3) {
         if (strcmp(argv[1], "--chroot") == 0) { self_chroot = 1; argv++; argc--; }
         else if (strcmp(argv[1], "--cgroup") == 0 && argc > 4) { cgroup = argv[2]; argv += 2; argc -= 2; }
+        else if (strcmp(argv[1], "--test-fault") == 0 && argc > 4) {
+            fault_noreap = strcmp(argv[2], "noreap") == 0;
+            argv += 2; argc -= 2;
+        }
         else break;
     }
     if (argc != 3) {
-        fprintf(stderr, "usage: lazyfs-agent [--chroot] [--cgroup DIR] PORT ROOT\n");
+        fprintf(stderr, "usage: lazyfs-agent [--chroot] [--cgroup DIR] [--test-fault noreap] "
+                "PORT ROOT\n");
         return 2;
     }
     if (cgroup) {

@@ -12,6 +12,11 @@
  *   forge getfd agent    the same on the VM's guest agent (comm lazyfs-agent)
  *   forge names DIR N    N hard links to one file in DIR (a directory too big to
  *                        list, made fast and without N inodes)
+ *   forge zombie CODE    exit with CODE after a child of its own, in a new
+ *                        session and holding none of its output, has
+ *                        ptrace-attached to it: the exited command becomes a
+ *                        zombie its parent (the VM agent) cannot reap while
+ *                        that tracer lives (it sleeps 600 s)
  *   forge hunt MARK LOG [MODES]
  *                        loop for 30 s: every process whose command line holds
  *                        MARK gets fd, ptrace and signal (or those MODES, e.g.
@@ -29,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdint.h>
+#include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/syscall.h>
 #include <sys/user.h>
@@ -160,6 +166,33 @@ static int hunt(const char *mark, const char *log, const char *modes) {
     return 0;
 }
 
+static int zombie(int code) {
+    int ready[2];
+    if (pipe(ready) != 0) return 1;
+    pid_t leader = getpid();
+    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);  /* Yama's ptrace_scope 1 */
+    pid_t tracer = fork();
+    if (tracer < 0) return 1;
+    if (tracer == 0) {
+        setsid();
+        int null = open("/dev/null", O_RDWR);
+        dup2(null, 0); dup2(null, 1); dup2(null, 2);
+        close(ready[0]);
+        char ok = ptrace(PTRACE_SEIZE, leader, 0, 0) == 0 ? 'y' : 'n';
+        if (write(ready[1], &ok, 1) != 1) _exit(1);
+        close(ready[1]);
+        sleep(600);
+        _exit(0);
+    }
+    close(ready[1]);
+    char ok = 0;
+    if (read(ready[0], &ok, 1) != 1 || ok != 'y') {
+        fprintf(stderr, "forge zombie: the child could not attach\n");
+        return 1;
+    }
+    return code;
+}
+
 static int names(const char *dir, long n) {
     char path[4096];
     snprintf(path, sizeof path, "%s/0", dir);
@@ -180,6 +213,8 @@ int main(int argc, char **argv) {
         if (e) fprintf(stderr, "forge names: %s\n", strerror(e));
         return e ? 1 : 0;
     }
+    if (argc == 3 && strcmp(argv[1], "zombie") == 0)
+        return zombie(atoi(argv[2]));
     if ((argc == 4 || argc == 5) && strcmp(argv[1], "hunt") == 0)
         return hunt(argv[2], argv[3], argc == 5 ? argv[4] : "fd,ptrace,signal");
     if (argc != 3) {
