@@ -213,9 +213,11 @@ exec /lazyfs-agent $(cg_arg) "$port" /sandbox
 # through switch_root; otherwise the agent is PID 1, as in a microVM, and
 # chroots each command into the root.
 # switch_root moves /newroot away: the agent must hold its port and its root
-# before, or it opens a path that is gone (the test's flake): init waits for
-# /proc/<agent>/root to be /newroot (the agent chroots after opening its
-# port). Once /dev has moved, /dev/null and /dev/console are under /newroot.
+# before, or it opens paths that are gone (the test's flake). So it starts
+# first, on the initramfs' /dev, and init waits until /proc/<agent>/root is
+# /newroot (the agent chroots after opening its port) before it moves /dev
+# into the new root. A background job (`&`) opens /dev/null as its stdin
+# before its own redirections: it cannot start once /dev has moved.
 VM_INIT = _PRELUDE + _LAYERS + r"""upper=$(disk lazyfs-upper) || fail "no disk with serial lazyfs-upper"
 mkdir -p /rw /newroot
 mount -t ext4 -o rw,noinit_itable $upper /rw || fail "mount $upper (ext4)"
@@ -225,6 +227,15 @@ mount -t overlay overlay -o lowerdir=$lowers,upperdir=/rw/upper,workdir=/rw/work
 for d in proc sys dev run tmp; do [ -d /newroot/$d ] || mkdir -p /newroot/$d; done
 port=$(agent_port) || fail "no virtio-serial port lazyfs.agent"
 if [ -n "$init" ]; then
+    echo "lazyfs-init: layers mounted, $upper the upper, agent on $port, handing over to $init"
+    if [ "$test" != noagent ]; then
+        /lazyfs-agent --chroot "$port" /newroot </dev/null &
+        agent=$!
+        n=0
+        while [ "$(readlink /proc/$agent/root)" != /newroot ]; do
+            n=$((n + 1)); [ $n -gt 1000 ] && fail "the agent did not start"; sleep 0.01
+        done
+    fi
     mount --move /dev /newroot/dev || fail "move /dev"
     console=/newroot/dev/console
     mkdir -p /newroot/dev/pts /newroot/dev/shm
@@ -232,15 +243,6 @@ if [ -n "$init" ]; then
     mount -t tmpfs -o nosuid,nodev tmpfs /newroot/dev/shm
     mount -t proc proc /newroot/proc
     mount -t sysfs sysfs /newroot/sys
-    echo "lazyfs-init: layers mounted, $upper the upper, agent on $port, handing over to $init"
-    if [ "$test" != noagent ]; then
-        /lazyfs-agent --chroot "/newroot$port" /newroot </newroot/dev/null &
-        agent=$!
-        n=0
-        while [ "$(readlink /proc/$agent/root)" != /newroot ]; do
-            n=$((n + 1)); [ $n -gt 1000 ] && fail "the agent did not start"; sleep 0.01
-        done
-    fi
     umount /cgroup /proc /sys 2>/newroot/dev/null  # the image's init mounts its own
     exec switch_root /newroot "$init"
 fi
