@@ -386,6 +386,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--no-container", action="store_true")
     ap.add_argument("--no-latency", action="store_true", help="density only")
+    ap.add_argument("--no-density", action="store_true", help="latency (and what is asked) only")
     ap.add_argument("--lazy", action="store_true",
                     help="also bytes fetched and first exec on a cold node cache")
     ap.add_argument("--lazy-only", action="store_true", help="only that")
@@ -413,7 +414,7 @@ def main() -> None:
             backends = args.lazy_backends or [b for b in LAZY_BACKENDS
                                               if b != "container" or not args.no_container]
             out["lazy"] = lazy(store, d, backends, args.lazy_bulk)
-        if args.lazy_only or args.network_only:
+        if args.lazy_only or args.network_only or args.no_density:
             args.n = []
         with node_for(store, d) as node:
             mvm = node.backend("microvm")
