@@ -421,7 +421,9 @@ def main() -> None:
             vm = node.backend("vm")
             assert isinstance(mvm, MicrovmBackend) and isinstance(vm, VmBackend)
             mvm.pmem_cache = d / "pmem"  # on disk (not tmpfs), gone with the run
-            vm.pmem_cache = d / "pmem"
+            for attr, sub in (("pmem_cache", "pmem"), ("disk_cache", "disks")):  # either code
+                if hasattr(vm, attr):
+                    setattr(vm, attr, d / sub)
             if args.network or args.network_only:
                 out["network_setup"] = network_setup()
                 out["network"] = {b: network(node, b, args.rounds) for b in ("microvm", "vm")}
