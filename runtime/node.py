@@ -175,7 +175,7 @@ class Node:
     # -- lifecycle -----------------------------------------------------------
     def create(self, spec: SandboxSpec, progress: Progress | None = None) -> SandboxInfo:
         """A new sandbox; `progress` is told each long step of the create
-        (VM backends: building an image's pmem metadata or disk, booting),
+        (VM backends: building an image's pmem metadata, booting),
         from the calling thread."""
         return self._create(spec, progress=progress)
 
