@@ -7,8 +7,9 @@ A full VM's root is the image's layers as lazy virtio-pmem EROFS lowers
 (runtime/guest/pmemimages.py, exactly as a microVM's) under an overlayfs
 whose upper is this disk: an empty ext4 file of the sandbox's `disk_mb`,
 sparse on the host (a few hundred KiB allocated whatever its size), made
-per sandbox by `mkfs.ext4` on a fresh file (20 ms for 1 GiB, 60 ms for
-4 GiB here: cheaper than copying a formatted template) and attached
+per sandbox by `mkfs.ext4` on a fresh file (20-60 ms for 1-4 GiB here; a
+sparse copy of a cached template is no faster and would be one more cache
+to sweep and collect) and attached
 read-write as virtio-blk. Nothing of the image is read to make it, so the
 first VM of an image no longer waits for a copy of the image. No journal:
 the upper lives and dies with its sandbox (a VM that crashes is not
