@@ -88,7 +88,8 @@ def _sha(path: Path) -> str:
 
 
 def test_boots_from_lazy_layers_with_the_agent_as_pid1(sb: Sandbox, node: Node) -> None:
-    assert "exec" in Sandbox.capabilities("vm") and "files" in Sandbox.capabilities("vm")
+    caps = Sandbox.capabilities("vm", node=node)  # (without node=: the host's default node)
+    assert "exec" in caps and "files" in caps
     h = node._get(sb.id)[1]
     assert h.state.init is None and (h.state.boot_s or 0) > 0
     assert h.state.disk.is_file() and h.state.disk_mb == node.config.disk_mb
