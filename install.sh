@@ -19,7 +19,8 @@ cd "$(dirname "$0")"
 #   runc, libc6-dev (static libc for sandbox-init), libseccomp2, iproute2, nftables:
 #   container and fncall sandboxes (runc, seccomp, network namespaces and allowlists)
 #   qemu-system-x86: microVM sandboxes (the guest kernel is fetched below with apt-get download)
-#   qemu-utils, e2fsprogs: full-VM sandboxes (qemu-img overlays over an image's ext4 disk)
+#   e2fsprogs: full-VM sandboxes (mkfs.ext4 of each VM's writable disk); qemu-utils:
+#   qemu-img, to look into VM disks and snapshots
 #   strace: benchmarks/bench_cold.py (which files a program opened)
 #   make, xz-utils and the -dev/protobuf packages: building CRIU (below) for checkpoints
 #   etcd-server, etcd-client: the fleet (node agents register in etcd; tests run one on loopback)

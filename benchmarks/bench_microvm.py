@@ -23,15 +23,15 @@ density   N microVMs (N = 2, 4, 8; --quick: 2, 4) of one image each run the
           debian-minbase, which tests/test_lazyfs_debian.py builds), or a
           synthetic image of ~200 MB of incompressible files without it.
 latency   create + first exec("true"), one at a time: the first create (kernel,
-          initramfs, pmem files / VM disk made) on its own, then the median of R,
+          initramfs, pmem files made) on its own, then the median of R,
           for microvm, vm and container, on the tests' busybox image
 memory    VMM PSS of one idle microVM and one idle full VM (256 MiB guests);
           microVM pause (snapshot to disk, VMM exits) and resume
 lazy      (--lazy) bytes the node fetches, and create-to-first-exec, for one
           sandbox of the density image running LAZY_CMD on a node whose cache
-          has never seen the image: a microVM (pmem) and a container side by
-          side, each on a node of its own (fresh node cache, the store's page
-          cache dropped); kernel, initramfs and sandbox-init are made first by
+          has never seen the image: a microVM (pmem), a full VM and a
+          container side by side (--lazy-backends picks), each on a node of
+          its own (fresh node cache, the store's page cache dropped); kernel, initramfs and sandbox-init are made first by
           a busybox sandbox on the same node, so only the image is cold.
           --lazy-only runs just this (e.g. with PYTHONPATH at an older tree, to
           compare with the code before; the script imports nothing new).
@@ -264,10 +264,10 @@ def network_setup(n: int = 20) -> dict[str, Any]:
             "ratio": statistics.median(vm) / statistics.median(ct)}
 
 
-def vm_disk(node: Node) -> dict[str, Any]:
-    """A full VM of the density image: the first create builds its base disk
-    (reads the whole image through the lazy mount), the second only makes an
-    overlay."""
+def vm_big_image(node: Node) -> dict[str, Any]:
+    """Two full VMs of the density image, one after the other: the first
+    create on the node (builds what the image needs: the pmem metadata, or
+    before lazy vm disks the whole base disk), then one that reuses it."""
     out: dict[str, Any] = {}
     for key in ("first", "second"):
         t0 = time.monotonic()
@@ -277,12 +277,17 @@ def vm_disk(node: Node) -> dict[str, Any]:
             out[f"{key}_create_to_first_exec_s"] = time.monotonic() - t0
         finally:
             sb.kill()
-    vm = node.backend("vm")
-    assert isinstance(vm, VmBackend)
-    disks = list(vm.disk_cache.glob("*.ext4"))
-    out["base_disk_bytes"] = max((f.stat().st_size for f in disks), default=0)
-    out["base_disk_allocated_bytes"] = max((f.stat().st_blocks * 512 for f in disks), default=0)
+    out["image_cache_bytes"] = vm_cache_bytes(node)
     return out
+
+
+def vm_cache_bytes(node: Node) -> int:
+    """Bytes the vm backend's node-wide image caches allocate (the pmem
+    metadata files; the base disks of the code before lazy vm disks)."""
+    vm = node.backend("vm")
+    dirs = {getattr(vm, a) for a in ("pmem_cache", "disk_cache") if hasattr(vm, a)}
+    return sum(f.stat().st_blocks * 512 for d in dirs if d.is_dir() for f in d.iterdir()
+               if f.is_file())
 
 
 def fetched(node: Node) -> int:
@@ -301,6 +306,10 @@ def lazy_run(store: Path, d: Path, backend: Backend, bulk: bool = False) -> dict
         mvm = node.backend("microvm")
         assert isinstance(mvm, MicrovmBackend)
         mvm.pmem_cache = d / "pmem"
+        vm = node.backend("vm")
+        for attr, sub in (("pmem_cache", "pmem"), ("disk_cache", "disks")):  # either code
+            if hasattr(vm, attr):
+                setattr(vm, attr, d / sub)
         warm = Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256)
         warm.exec("true")
         warm.kill()
@@ -318,7 +327,8 @@ def lazy_run(store: Path, d: Path, backend: Backend, bulk: bool = False) -> dict
                 "backend": backend, "create_s": created, "create_to_first_exec_s": first_exec,
                 "fetched_bytes": fetched(node) - before, "output": r.text.strip(),
                 "pmem_cache_bytes": sum(f.stat().st_blocks * 512
-                                        for f in (d / "pmem").glob("*") if f.is_file())}
+                                        for f in (d / "pmem").glob("*") if f.is_file()),
+                "vm_cache_bytes": vm_cache_bytes(node)}
             if bulk:  # then every file once, still cold: read throughput of a cold image
                 t1 = time.monotonic()
                 r = sb.exec(BULK_CMD, timeout=1800)
@@ -329,14 +339,20 @@ def lazy_run(store: Path, d: Path, backend: Backend, bulk: bool = False) -> dict
             sb.kill()
 
 
-def lazy(store: Path, d: Path, container: bool, bulk: bool = False) -> dict[str, Any]:
+LAZY_BACKENDS: list[Backend] = ["microvm", "vm", "container"]
+
+
+def lazy(store: Path, d: Path, backends: list[Backend], bulk: bool = False
+         ) -> dict[str, Any]:
     out: dict[str, Any] = {"cmd": LAZY_CMD, "bulk_cmd": BULK_CMD if bulk else None,
-                           "readaround": os.environ.get("LAZYFS_PMEM_READAROUND", "page"),
-                           "microvm": lazy_run(store, d / "lazy-microvm", "microvm", bulk)}
-    if container:
-        out["container"] = lazy_run(store, d / "lazy-container", "container", bulk)
-        out["fetched_ratio"] = out["microvm"]["fetched_bytes"] / \
-            max(1, out["container"]["fetched_bytes"])
+                           "readaround": os.environ.get("LAZYFS_PMEM_READAROUND", "page")}
+    for b in backends:
+        out[b] = lazy_run(store, d / f"lazy-{b}", b, bulk)
+    if "container" in out:
+        for b in ("microvm", "vm"):
+            if b in out:
+                key = "fetched_ratio" if b == "microvm" else f"{b}_fetched_ratio"
+                out[key] = out[b]["fetched_bytes"] / max(1, out["container"]["fetched_bytes"])
     return out
 
 
@@ -472,9 +488,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--no-container", action="store_true")
     ap.add_argument("--no-latency", action="store_true", help="density only")
+    ap.add_argument("--no-density", action="store_true", help="latency (and what is asked) only")
     ap.add_argument("--lazy", action="store_true",
                     help="also bytes fetched and first exec on a cold node cache")
     ap.add_argument("--lazy-only", action="store_true", help="only that")
+    ap.add_argument("--lazy-backends", nargs="+", choices=LAZY_BACKENDS, default=None,
+                    help="the sandboxes of --lazy (default: all three; --no-container "
+                    "drops the container)")
     ap.add_argument("--network", action="store_true",
                     help="also create-to-first-exec with and without an allowlist")
     ap.add_argument("--network-only", action="store_true", help="only that")
@@ -501,15 +521,20 @@ def main() -> None:
         if not args.network_only:
             out["density_image"] = add_big_image(store, d)
         if args.lazy or args.lazy_only:
-            out["lazy"] = lazy(store, d, not args.no_container, args.lazy_bulk)
-        if args.lazy_only or args.network_only or args.reclaim_only:
+            backends = args.lazy_backends or [b for b in LAZY_BACKENDS
+                                              if b != "container" or not args.no_container]
+            out["lazy"] = lazy(store, d, backends, args.lazy_bulk)
+        if (args.lazy_only or args.network_only or args.no_density
+                or args.reclaim_only):
             args.n = []
         with node_for(store, d) as node:
             mvm = node.backend("microvm")
             vm = node.backend("vm")
             assert isinstance(mvm, MicrovmBackend) and isinstance(vm, VmBackend)
             mvm.pmem_cache = d / "pmem"  # on disk (not tmpfs), gone with the run
-            vm.disk_cache = d / "disks"
+            for attr, sub in (("pmem_cache", "pmem"), ("disk_cache", "disks")):  # either code
+                if hasattr(vm, attr):
+                    setattr(vm, attr, d / sub)
             if args.network or args.network_only:
                 out["network_setup"] = network_setup()
                 out["network"] = {b: network(node, b, args.rounds) for b in ("microvm", "vm")}
@@ -532,7 +557,7 @@ def main() -> None:
                 sb.resume()
                 out["resume_s"] = time.monotonic() - t0
                 sb.kill()
-                out["vm_density_image"] = vm_disk(node)
+                out["vm_density_image"] = vm_big_image(node)
             out["density"] = []
             for n in args.n:
                 for mode in ("pmem", "blk"):
@@ -558,20 +583,21 @@ def report(out: dict[str, Any]) -> None:
         print(f"\n{lz['cmd']!r} in one sandbox of {out['density_image']}, cold node cache "
               f"(pmem read-around: {lz.get('readaround', 'page')}):")
         print(f"{'backend':10} {'fetched':>12} {'create':>9} {'create->first exec':>19} "
-              f"{'pmem files':>11}")
-        for name in ("microvm", "container"):
+              f"{'image files':>12}")
+        for name in ("microvm", "vm", "container"):
             if name in lz:
                 r = lz[name]
+                files = r["vm_cache_bytes"] if name == "vm" else r["pmem_cache_bytes"]
                 print(f"{name:10} {r['fetched_bytes'] / 1e6:10.1f}MB {r['create_s']:8.2f}s "
-                      f"{r['create_to_first_exec_s']:18.2f}s "
-                      f"{r['pmem_cache_bytes'] / 1e6:9.1f}MB")
+                      f"{r['create_to_first_exec_s']:18.2f}s {files / 1e6:10.1f}MB")
         for name in ("microvm", "container"):
             if "bulk_s" in lz.get(name, {}):
                 r = lz[name]
                 print(f"{name:10} then {lz['bulk_cmd']!r}: {r['bulk_s']:.1f}s, fetched "
                       f"{r['bulk_fetched_bytes'] / 1e6:.1f} MB more")
-        if "fetched_ratio" in lz:
-            print(f"microvm fetched {lz['fetched_ratio']:.2f}x what the container fetched")
+        for key, name in (("fetched_ratio", "microvm"), ("vm_fetched_ratio", "vm")):
+            if key in lz:
+                print(f"{name} fetched {lz[key]:.2f}x what the container fetched")
     if "network" in out:
         ns = out["network_setup"]
         print(f"\nnetwork setup on the host: VM {ns['median_vm_s'] * 1e3:.0f} ms, container "
@@ -623,10 +649,10 @@ def report(out: dict[str, Any]) -> None:
               f"MiB, VMM PSS freed {p['vmm_pss_before'] / mib:.0f} MiB), "
               f"resume {out['resume_s']:.2f}s")
         v = out["vm_density_image"]
-        print(f"vm of {out['density_image']}: first create+exec (builds the base disk) "
-              f"{v['first_create_to_first_exec_s']:.2f}s, then {v['second_create_to_first_exec_s']:.2f}s;"
-              f" base disk {v['base_disk_bytes'] / mib:.0f} MiB "
-              f"({v['base_disk_allocated_bytes'] / mib:.0f} MiB allocated)")
+        print(f"vm of {out['density_image']}: first create+exec "
+              f"{v['first_create_to_first_exec_s']:.2f}s, then "
+              f"{v['second_create_to_first_exec_s']:.2f}s; image files "
+              f"{v['image_cache_bytes'] / mib:.1f} MiB allocated")
     rows = {(r["mode"], r["n"]): r for r in out.get("density", [])}
     if not rows:
         return

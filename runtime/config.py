@@ -57,15 +57,14 @@ class RuntimeConfig:
     cache_dir: Path | None = _FROM_SETTINGS
     cache_size: str = _FROM_SETTINGS
     max_sandboxes: int = 4096
-    # the VM backends' node-wide caches (None: LAZYFS_PMEM_CACHE or
-    # /var/cache/lazyfs/pmem, LAZYFS_VM_DISK_CACHE or /var/cache/lazyfs/vm-disks)
+    # the VM backends' node-wide cache of pmem metadata images (None:
+    # LAZYFS_PMEM_CACHE or /var/cache/lazyfs/pmem)
     pmem_cache: Path | None = None
-    vm_disk_cache: Path | None = None
     reap_interval: float = 1.0
     fncall_workers: int = 2
-    # MiB of writable layer (a tmpfs: in memory, counted in the sandbox's
-    # memory limit) of a container sandbox whose spec names no disk_mb: no
-    # sandbox writes into the host's disk, and none without a bound
+    # MiB of writable layer of a sandbox whose spec names no disk_mb, so none
+    # writes without a bound: a container's is a tmpfs (in memory, counted in
+    # its memory limit), a full VM's its ext4 disk (sparse on the host's disk)
     disk_mb: int = 1024
     # what each sandbox may hold of the host's per-user inotify tables
     # (runtime/hostlimits.py); the node raises the host's own limits to fit

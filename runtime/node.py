@@ -177,7 +177,7 @@ class Node:
     # -- lifecycle -----------------------------------------------------------
     def create(self, spec: SandboxSpec, progress: Progress | None = None) -> SandboxInfo:
         """A new sandbox; `progress` is told each long step of the create
-        (VM backends: building an image's pmem metadata or disk, booting),
+        (VM backends: building an image's pmem metadata, booting),
         from the calling thread."""
         return self._create(spec, progress=progress)
 
@@ -875,26 +875,26 @@ class Node:
                     _remove(d)
 
     def _vm_cache_dirs(self) -> list[Path]:
-        """The VM backends' node-wide cache directories (pmem images, VM disks)."""
+        """The VM backends' node-wide cache directories (their pmem images)."""
         from .backends.microvm import MicrovmBackend
         from .backends.vm import VmBackend
         mvm, vm = self.backend("microvm"), self.backend("vm")
         assert isinstance(mvm, MicrovmBackend) and isinstance(vm, VmBackend)
-        return [mvm.pmem_cache, vm.disk_cache]
+        return list(dict.fromkeys([mvm.pmem_cache, vm.pmem_cache]))
 
     def _sweep_vm_caches(self) -> None:
         """What VM image builds cut short by a node that died left in the
-        caches (runtime/guest/caches.py): mounts, temporary files, mkfs."""
+        caches (runtime/guest/caches.py): temporary files."""
         from .guest import caches
         try:
-            caches.sweep(self._vm_cache_dirs(), self.images.paths)
+            caches.sweep(self._vm_cache_dirs())
         except (OSError, SandboxError) as e:  # a broken cache must not keep the node from starting
             log.warning("sweeping the VM caches: %s", e)
 
     def collect_vm_caches(self, max_age: float | None = None) -> list[Path]:
-        """Remove the VM backends' cache files (pmem metadata images, VM base
-        disks) of images and layers no tag of the catalog names any more, laid
-        out by another version of the code, or (max_age, seconds) unused for
+        """Remove the VM backends' cache files (pmem metadata images) of
+        images and layers no tag of the catalog names any more, laid out by
+        another version of the code, or (max_age, seconds) unused for
         longer; never those of this node's live sandboxes (paused ones
         included). Returns the files removed; they are rebuilt when needed.
         Then the microVM snapshots in the host's shared snapshot directory

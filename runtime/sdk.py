@@ -145,7 +145,7 @@ class Sandbox:
         image this sandbox does not see, which verify() shows; `token` is
         the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]; `on_progress`
         is told each long step of the create, one line each (a first VM of an
-        image: building its pmem metadata or disk, booting), from the thread
+        image: building its pmem metadata, booting), from the thread
         that creates (an embedded node; over HTTP only that it waits)."""
         name = image.image if isinstance(image, SnapshotInfo) else image
         spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,

@@ -291,3 +291,35 @@ def test_the_readmes_sandbox_and_allowlist_blocks_are_run() -> None:
                for c in run)
     assert any("lazyfs sandbox resume --label" in c and "--qos" in c for c in run)
     assert not {"docs/runtime.md", "docs/envspec.md", "docs/cluster.md"} & set(NOT_YET)
+
+
+def test_a_full_vms_init_is_found_in_the_composed_layers() -> None:
+    """runtime/guest/disk.py decides from the manifests, as the kernel would
+    resolve the path inside the image: links (absolute, relative, "..")
+    followed within the image, an upper layer's whiteout hides a lower
+    init, only an executable file counts."""
+    from composer.compose import compose
+    from composer.manifest import Entry, Kind, LayerManifest
+    from runtime.guest.disk import find_init
+
+    def tree(*layers: list[Entry]) -> dict[str, Entry]:
+        return {e.path: e for e, _ in compose([LayerManifest(x) for x in layers])}
+
+    def d(p: str) -> Entry:
+        return Entry(p, Kind.DIR, 0o755)
+
+    bb = Entry("bin/busybox", Kind.FILE, 0o755)
+    base = [d(""), d("bin"), d("sbin"), bb]
+    assert find_init(tree(base)) is None
+    link = Entry("sbin/init", Kind.SYMLINK, 0o777, target="../../../bin/busybox")
+    assert find_init(tree([*base, link])) == "/sbin/init"  # ".." stops at the root
+    absolute = Entry("sbin/init", Kind.SYMLINK, 0o777, target="/bin/busybox")
+    assert find_init(tree([*base, absolute])) == "/sbin/init"
+    loop = Entry("sbin/init", Kind.SYMLINK, 0o777, target="/sbin/init")
+    assert find_init(tree([*base, loop])) is None
+    plain = Entry("bin/init", Kind.FILE, 0o644)  # not executable
+    assert find_init(tree([*base, plain])) is None
+    hard = Entry("bin/init", Kind.HARDLINK, 0o755, target="bin/busybox")
+    assert find_init(tree([*base, hard])) == "/bin/init"
+    gone = Entry("sbin/init", Kind.WHITEOUT)
+    assert find_init(tree([*base, link], [d(""), d("sbin"), gone])) is None

@@ -388,8 +388,8 @@ def test_options_a_vm_cannot_honour_are_refused(node: Node, backend: Backend) ->
     with pytest.raises(Unsupported, match=f"^open_files: the {backend} backend cannot limit"):
         Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, open_files=4096)
     if backend == "vm":
-        with pytest.raises(Unsupported, match="^disk_mb: the vm backend cannot size"):
-            Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, disk_mb=512)
+        with pytest.raises(Unsupported, match="^disk_mb: 8 MiB is below the vm backend's"):
+            Sandbox.create(IMAGE, backend=backend, node=node, memory_mb=256, disk_mb=8)
     assert set(os.listdir(node.config.sandboxes)) == before  # refused before it started
 
 

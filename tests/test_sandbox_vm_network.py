@@ -28,7 +28,7 @@ from runtime.spec import Backend
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, vm_missing
 from tests.helpers.support import Hello
 
-MISSING = vm_missing(("qemu-img", "qemu-utils"), ("mkfs.ext4", "e2fsprogs"), ("nft", "nftables"))
+MISSING = vm_missing(("mkfs.ext4", "e2fsprogs"), ("nft", "nftables"))
 pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
 
@@ -39,10 +39,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     with node_for(busybox_store(d), d) as n:
         vm = n.backend("vm")
         assert isinstance(vm, VmBackend)
-        vm.disk_cache, vm.disk_headroom_mb = d / "disks", 64  # this run's image is new
         microvm = n.backend("microvm")
         assert isinstance(microvm, MicrovmBackend)
-        microvm.pmem_cache = d / "pmem"
+        microvm.pmem_cache = vm.pmem_cache = d / "pmem"  # this run's image is new
         yield n
 
 

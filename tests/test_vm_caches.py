@@ -1,6 +1,6 @@
 """Housekeeping of the VM backends' cache files (runtime/guest/caches.py):
-a node start sweeps what interrupted builds left (a mount, temporary
-files, a builder still running) and leaves a build under way alone;
+a node start sweeps what interrupted builds left (temporary files) and
+leaves a build under way alone;
 collect_vm_caches removes the files of images no longer in the catalog,
 of other code versions and unused ones, never a live sandbox's, and the
 microVM snapshots of the host's shared snapshot directory no sandbox can
@@ -12,7 +12,6 @@ files is a real container."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,11 +20,10 @@ import pytest
 from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
 from composer.catalog import Catalog, Image
-from lazyfs import sysmount
 from runtime import Sandbox
 from runtime.backends import snapshots
 from runtime.backends.microvm import MicrovmBackend
-from runtime.guest import disk, pmemimages
+from runtime.guest import pmemimages
 from runtime.guest.cachelock import locked
 from runtime.node import Node
 from runtime.spec import VM_STATE_FILE, VM_STATE_KEY, VmState
@@ -43,60 +41,31 @@ pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
 
 
-def _leftovers(pmem: Path, disks: Path) -> tuple[list[Path], subprocess.Popen[bytes]]:
-    """What a node killed in the middle of builds leaves: a pmem image's
-    temporary file, a VM disk's temporary file and its metadata's, the image
-    mounted to build the disk (a tmpfs stands in for the lazy mount: the
-    same mount point, what the sweep must undo), and the builder still
-    writing (a process whose command line names the temporary disk, as
-    mkfs.ext4 -d ... TMP does; a sleeping shell stands in, so it lasts)."""
-    for d in (pmem, disks):
-        d.mkdir(parents=True, exist_ok=True)
-    tmp_meta = pmem / f".blake3-{'ab' * 32}-{pmemimages.fingerprint()}.meta.pmem.x1y2z3"
-    tmp_disk = disks / f".blake3-{'cd' * 32}-{disk.fingerprint()}-64.ext4.q9w8e7"
-    tmp_json = disks / f".blake3-{'cd' * 32}-{disk.fingerprint()}-64.json.4242"
-    for f in (tmp_meta, tmp_disk, tmp_json):
-        f.write_bytes(b"half written")
-    mnt = disks / ".mnt-k3j4h5"
-    mnt.mkdir()
-    sysmount.mount("tmpfs", mnt, "tmpfs", 0, "size=1m")
-    builder = subprocess.Popen(["sh", "-c", "sleep 600", str(tmp_disk)],
-                               start_new_session=True)
-    return [tmp_meta, tmp_disk, tmp_json, mnt], builder
-
-
 def test_node_start_sweeps_interrupted_builds(tmp_path: Path) -> None:
+    """What a node killed in the middle of a build leaves: a pmem image's
+    temporary file (builds write only dot-names until their rename)."""
     store = busybox_store(tmp_path)
-    pmem, disks = tmp_path / "pmem", tmp_path / "disks"
-    left, builder = _leftovers(pmem, disks)
+    pmem = tmp_path / "pmem"
+    pmem.mkdir()
+    left = pmem / f".blake3-{'ab' * 32}-{pmemimages.fingerprint()}.meta.pmem.x1y2z3"
+    left.write_bytes(b"half written")
     published = pmem / f"blake3-{'ef' * 32}-{pmemimages.fingerprint()}.meta.pmem"
     published.write_bytes(b"\0" * 4096)
-    try:
-        with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
-            assert builder.wait(timeout=10) is not None  # killed by the sweep
-            for p in left:
-                assert not p.exists(), p
-            assert not [m for m in sysmount.mounts() if m.mount_point.startswith(str(disks))]
-            assert published.exists()  # a finished file is not a leftover
-    finally:
-        if builder.poll() is None:
-            builder.kill()
-            builder.wait()
-        for p in left:
-            if sysmount.is_mount_point(p):
-                sysmount.umount(p, lazy=True)
+    with node_for(store, tmp_path, pmem_cache=pmem):
+        assert not left.exists()
+        assert published.exists()  # a finished file is not a leftover
 
 
 def test_a_build_under_way_is_not_swept(tmp_path: Path) -> None:
     store = busybox_store(tmp_path)
-    pmem, disks = tmp_path / "pmem", tmp_path / "disks"
+    pmem = tmp_path / "pmem"
     pmem.mkdir()
     building = pmem / f".blake3-{'ab' * 32}-{pmemimages.fingerprint()}.meta.pmem.b1u2i3"
     building.write_bytes(b"being written")
     # locked: what a build in another node process holds while it writes
-    with locked(pmem), node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
+    with locked(pmem), node_for(store, tmp_path, pmem_cache=pmem):
         assert building.exists()
-    with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks):
+    with node_for(store, tmp_path, pmem_cache=pmem):
         assert not building.exists()  # its builder is gone: the next start sweeps it
 
 
@@ -112,15 +81,14 @@ def _files(node: Node, name: str) -> list[Path]:
 def test_collect_removes_files_of_removed_images_and_unused_ones(tmp_path: Path) -> None:
     store = busybox_store(tmp_path)
     add_second_image(store, tmp_path)
-    pmem, disks = tmp_path / "pmem", tmp_path / "disks"
-    with node_for(store, tmp_path, pmem_cache=pmem, vm_disk_cache=disks) as node:
+    pmem = tmp_path / "pmem"
+    with node_for(store, tmp_path, pmem_cache=pmem) as node:
         first, second = _files(node, IMAGE), _files(node, SECOND)
         assert first and second and not set(first) & set(second)
         # a file laid out by another version of the code is collected even
         # though its image is still there
         key = digest_key(node.images.resolve(IMAGE))
-        stale = disks / f"{key}-000000000000-64.ext4"
-        disks.mkdir()
+        stale = pmem / f"fixups-{key}-000000000000.meta.pmem"
         stale.write_bytes(b"old layout")
         assert node.collect_vm_caches() == [stale]
         sb = Sandbox.create(SECOND, backend="container", node=node)

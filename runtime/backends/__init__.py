@@ -3,7 +3,7 @@
     fncall     pre-forked restricted workers over an image's tree (stateless calls)
     container  runc over a lazily loaded composed root
     microvm    QEMU guests with the image layers as virtio-pmem + DAX (EROFS)
-    vm         full QEMU VMs booting a whole disk built from the image
+    vm         full QEMU VMs: the same lazy layers under a writable ext4 disk, the image's init
 
 microvm and vm are siblings over qemubase.py (the guest agent, exec, files,
 kill), which uses qemuproc.py (QEMU processes), snapshots.py (pause/resume)

@@ -33,16 +33,13 @@ from ..config import RuntimeConfig
 from ..errors import BackendUnavailable
 from ..guest import qemu
 from ..guest.initramfs import initramfs
-from ..guest.pmemimages import pmem_layers
+from ..guest.pmemimages import DEFAULT_CACHE as PMEM_CACHE
 from ..images import Images
-from ..spec import ResolvedImage
 from .base import Capabilities, Handle
 from .qemubase import QemuBackend, QemuState
 from .qemuproc import vmm_pss
 
 __all__ = ["MicrovmBackend", "MicrovmState", "vmm_pss"]
-
-PMEM_CACHE = Path(os.environ.get("LAZYFS_PMEM_CACHE", "/var/cache/lazyfs/pmem"))
 
 LayersOn = Literal["pmem", "blk"]
 
@@ -92,11 +89,7 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     def _config(self, h: Handle[MicrovmState], vmdir: Path, incoming: str | None = None
                 ) -> qemu.VmConfig:
         kernel = self._kernel()
-        image = h.image
-        if image.vm_state is not None:  # the devices of the VM the state is of
-            image = ResolvedImage(name=image.name, digest=image.vm_state.base,
-                                  layers=image.layers)
-        layers = pmem_layers(self.images, image, self.pmem_cache, h.progress)
+        layers = self._pmem_layers(h, self.pmem_cache)
         h.state.layers = [x.digest for x in layers]
         upper_mb = h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
         on = h.state.layers_on

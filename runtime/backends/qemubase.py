@@ -59,6 +59,7 @@ from ..files import SandboxFiles
 from ..guest import qemu
 from ..guest.initramfs import tools_missing
 from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
+from ..guest.pmemimages import PmemLayer, pmem_layers
 from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError
 from ..images import Images
 from ..native import qemu_preload, sandbox_init
@@ -69,6 +70,7 @@ from ..spec import (
     ExecResult,
     NetworkPolicy,
     Qos,
+    ResolvedImage,
     SandboxEvent,
     SandboxSpec,
     VmState,
@@ -184,6 +186,16 @@ class QemuBackend(Generic[Q]):
             console_socket=vmdir / "console.sock", qmp_socket=vmdir / "qmp.sock",
             append=[*append, f"lazyfs.hostname={h.id}", *self.extra_append],
             incoming=incoming, nic=nic, balloon=balloon)
+
+    def _pmem_layers(self, h: Handle[Q], cache: Path) -> list[PmemLayer]:
+        """The image's layers as pmem files (pmemimages.py; metadata built
+        where missing, told to the sandbox's progress), those of the VM the
+        image's state is of for a state image."""
+        image = h.image
+        if image.vm_state is not None:  # the devices of the VM the state is of
+            image = ResolvedImage(name=image.name, digest=image.vm_state.base,
+                                  layers=image.layers)
+        return pmem_layers(self.images, image, cache, h.progress)
 
     @staticmethod
     def _limits(h: Handle[Q]) -> list[str]:

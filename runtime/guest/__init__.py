@@ -10,8 +10,8 @@
                   (runtime/native/guest-agent.c) and the host's client
     pmemimages.py the layers' EROFS images as files QEMU can map as
                   virtio-pmem devices
-    disk.py       an image as a whole ext4 disk (cached per image) and the
-                  qcow2 overlay each full VM writes to
+    disk.py       a full VM's writable disk (an empty ext4 per sandbox, the
+                  overlayfs upper over its pmem layers) and its image's init
     cachelock.py  the lock around those node-wide caches
 
 Used by the VM backends (runtime/backends/qemubase.py and its two

@@ -1,5 +1,5 @@
 """One lock for the node-wide caches the guest parts fill (kernel, pmem
-images, VM disks): several node processes may build the same entry at once."""
+images): several node processes may build the same entry at once."""
 
 from __future__ import annotations
 

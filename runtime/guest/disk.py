@@ -1,100 +1,67 @@
-"""An image as a whole disk, for full VMs: an ext4 file system built from the
-composed image, cached per image, and a copy-on-write overlay per sandbox.
+"""A full VM's own disk and what the guest needs to know of its image.
 
-    base = base_disk(images, image, cache)   # BaseDisk(path, init, size); built once
-    make_overlay(base.path, vmdir / "disk.qcow2")
+    init = image_init(images, image)          # "/sbin/init" or None, from the manifests
+    make_upper(vmdir / "upper.ext4", size_mb) # the sandbox's writable upper, empty
 
-`image` is a ResolvedImage (the digest the node resolved once, at create):
-the disk is found and built by digest, never by name. The base is a raw
-ext4 image made with `mkfs.ext4 -d` from the image mounted
-read-only through the node's lazyfs daemon (lazyfs.mounts.mount_image), so
-it works from a local store or a cluster alike. Building it reads every file
-of the image once per node: the disk is not lazy (a VM's kernel wants a
-block device; serving one lazily would need a block-level lazy loader, such
-as a qcow2 backing file on the FUSE blob, which is not built). The file is
-sparse on the host: its free space (HEADROOM_MB, the room a sandbox has for
-its writes) costs nothing until written.
-
-CACHE/<image digest>-<code fingerprint>-<headroom>.ext4   the base, mode 0444
-CACHE/<same>.json                                         {"init": "/sbin/init" | null}
+A full VM's root is the image's layers as lazy virtio-pmem EROFS lowers
+(runtime/guest/pmemimages.py, exactly as a microVM's) under an overlayfs
+whose upper is this disk: an empty ext4 file of the sandbox's `disk_mb`,
+sparse on the host (a few hundred KiB allocated whatever its size), made
+per sandbox by `mkfs.ext4` on a fresh file (20-60 ms for 1-4 GiB here; a
+sparse copy of a cached template is no faster and would be one more cache
+to sweep and collect) and attached
+read-write as virtio-blk. Nothing of the image is read to make it, so the
+first VM of an image no longer waits for a copy of the image. No journal:
+the upper lives and dies with its sandbox (a VM that crashes is not
+restarted), and its pause snapshot is taken with the disk as it is.
+Inode tables are not initialised (`lazy_itable_init`), and the guest
+mounts it with `noinit_itable`, so neither side writes them out.
 
 `init` says whether the image has an init of its own (/sbin/init, /etc/init
-or /bin/init resolving, inside the image, to an executable file): the guest
-then runs it as PID 1, next to the agent; otherwise the agent is PID 1.
-
-Each sandbox writes to its own qcow2 overlay (`qemu-img create -f qcow2 -b
-BASE -F raw`), never to the base: QEMU opens the backing file read-only, so
-no VM can change what another one reads.
+or /bin/init resolving, inside the composed image, to an executable
+file): the guest then runs it as PID 1, next to the agent; otherwise the
+agent is PID 1. It is decided from the layers' manifests (no mount, no
+data read) and remembered per image digest.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
-import stat
 import subprocess
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 
-from chunkstore.digests import digest_key
-from lazyfs.mounts import MountError, mount_image, unmount
+from composer.compose import compose
+from composer.manifest import Entry, Kind
 
 from ..errors import BackendUnavailable
 from ..images import Images
 from ..spec import ResolvedImage
-from .cachelock import locked, mark_used
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE = Path(os.environ.get("LAZYFS_VM_DISK_CACHE", "/var/cache/lazyfs/vm-disks"))
-HEADROOM_MB = int(os.environ.get("LAZYFS_VM_DISK_HEADROOM_MB", "1024"))
 INITS = ("/sbin/init", "/etc/init", "/bin/init")  # as the kernel tries them
-TOOL_TIMEOUT = 600.0
-BLOCK = 4096
+UPPER_LABEL = "lazyfs-upper"
+MIN_UPPER_MB = 16  # ext4 with room for overlayfs' work directory and a few files
+TOOL_TIMEOUT = 60.0
 MAX_LINKS = 40
 
-
-@dataclass(frozen=True)
-class BaseDisk:
-    path: Path
-    init: str | None  # the image's own init, if it has one
-    size: int
+_inits: dict[str, str | None] = {}  # image digest -> its init (manifests are immutable)
+_inits_lock = threading.Lock()
 
 
 def tools_missing() -> str | None:
     if shutil.which("mkfs.ext4") is None:
         return "mkfs.ext4 (apt-get install e2fsprogs)"
-    if shutil.which("qemu-img") is None:
-        return "qemu-img (apt-get install qemu-utils)"
     return None
 
 
-def fingerprint() -> str:
-    """Changes when this code does: a disk built another way is rebuilt."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-
-
-def _run(cmd: list[str], what: str) -> None:
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TOOL_TIMEOUT,
-                           check=False, stdin=subprocess.DEVNULL)
-    except FileNotFoundError as e:
-        raise BackendUnavailable(f"{what}: {cmd[0]} is missing") from e
-    except subprocess.TimeoutExpired as e:
-        raise BackendUnavailable(f"{what}: {cmd[0]} took longer than {TOOL_TIMEOUT:g}s") from e
-    if p.returncode != 0:
-        raise BackendUnavailable(f"{what}: {cmd[0]} failed: "
-                                 f"{(p.stderr or p.stdout).strip()[-400:]}")
-
-
-def resolve_in(root: Path, path: str) -> Path | None:
-    """`path` resolved as the image would see it with `root` as "/" (absolute
-    and ".." links stay inside); None when it does not exist."""
+def resolve_in(tree: dict[str, Entry], path: str) -> Entry | None:
+    """The entry `path` names in a composed tree as the image would see it
+    ("/" its root: absolute and ".." links stay inside); None when it does
+    not exist or loops."""
     parts = [p for p in path.split("/") if p]
     cur: list[str] = []
     links = 0
@@ -106,141 +73,58 @@ def resolve_in(root: Path, path: str) -> Path | None:
             if cur:
                 cur.pop()
             continue
-        p = root.joinpath(*cur, part)
-        try:
-            st = os.lstat(p)
-        except OSError:
+        e = tree.get("/".join([*cur, part]))
+        if e is None:
             return None
-        if stat.S_ISLNK(st.st_mode):
+        if e.kind == Kind.SYMLINK:
             links += 1
             if links > MAX_LINKS:
                 return None
-            target = os.readlink(p)
-            if target.startswith("/"):
+            if e.target.startswith("/"):
                 cur = []
-            parts = [x for x in target.split("/") if x] + parts
+            parts = [x for x in e.target.split("/") if x] + parts
             continue
         cur.append(part)
-    return root.joinpath(*cur)
+    return tree.get("/".join(cur))
 
 
-def find_init(root: Path) -> str | None:
+def find_init(tree: dict[str, Entry]) -> str | None:
+    """The first of INITS that is an executable file in the composed tree."""
     for candidate in INITS:
-        p = resolve_in(root, candidate)
-        if p is None:
-            continue
-        try:
-            st = os.lstat(p)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111:
+        e = resolve_in(tree, candidate)
+        if e is not None and e.kind == Kind.HARDLINK:
+            e = tree.get(e.target)
+        if e is not None and e.kind in (Kind.FILE, Kind.HARDLINK) and e.mode & 0o111:
             return candidate
     return None
 
 
-def _tree_size(root: Path) -> tuple[int, int]:
-    """(bytes the tree needs in 4 KiB blocks, entries)."""
-    total = entries = 0
-    stack = [root]
-    while stack:
-        d = stack.pop()
-        with os.scandir(d) as it:
-            for e in it:
-                entries += 1
-                st = e.stat(follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    total += BLOCK
-                    stack.append(Path(e.path))
-                elif stat.S_ISREG(st.st_mode):
-                    total += -(-st.st_size // BLOCK) * BLOCK
-    return total, entries
+def image_init(images: Images, image: ResolvedImage) -> str | None:
+    """The image's own init (see the module docstring), from its manifests."""
+    with _inits_lock:
+        if image.digest in _inits:
+            return _inits[image.digest]
+    catalog = images.catalog()
+    tree = {e.path: e for e, _ in compose([catalog.load_layer(d) for d in image.layers])}
+    init = find_init(tree)
+    with _inits_lock:
+        _inits[image.digest] = init
+    return init
 
 
-def base_disk(images: Images, image: ResolvedImage, cache: Path = DEFAULT_CACHE,
-              headroom_mb: int = HEADROOM_MB,
-              progress: Callable[[str], None] | None = None) -> BaseDisk:
-    """The cached base disk of the image (built now if missing, told to
-    `progress`; needs the node's lazyfs daemon then). Safe to call
-    concurrently (a lock file)."""
-    name, digest = image.name, image.digest
-    stem = cache / f"{digest_key(digest)}-{fingerprint()}-{headroom_mb}"
-    raw, meta = stem.with_name(stem.name + ".ext4"), stem.with_name(stem.name + ".json")
-    found = _load(raw, meta)
-    if found is not None:
-        mark_used(raw)
-        mark_used(meta)
-        return found
-    with locked(cache):
-        found = _load(raw, meta)
-        if found is not None:
-            return found
-        if progress is not None:
-            progress(f"building the VM disk of {name} (mkfs.ext4 over the lazy mount: "
-                     "reads the whole image, once per node)")
-        init, size = _build(images, image, raw, headroom_mb)
-        tmp = meta.with_name(f".{meta.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"image": digest, "init": init}))
-        os.replace(tmp, meta)
-        log.info("built the VM disk of %s: %s (%d MiB, init %s)", name, raw, size >> 20, init)
-        return BaseDisk(raw, init, size)
-
-
-def _load(raw: Path, meta: Path) -> BaseDisk | None:
+def make_upper(dest: Path, size_mb: int) -> None:
+    """An empty ext4 file system of size_mb MiB at dest (sparse)."""
+    with open(dest, "xb") as f:
+        os.ftruncate(f.fileno(), size_mb << 20)
+    cmd = ["mkfs.ext4", "-q", "-F", "-t", "ext4", "-L", UPPER_LABEL, "-m", "0",
+           "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", str(dest)]
     try:
-        info = json.loads(meta.read_text())
-        size = raw.stat().st_size
-    except (OSError, ValueError):
-        return None
-    init = info.get("init") if isinstance(info, dict) else None
-    return BaseDisk(raw, init if isinstance(init, str) else None, size)
-
-
-def _build(images: Images, image: ResolvedImage, raw: Path, headroom_mb: int
-           ) -> tuple[str | None, int]:
-    name = image.name
-    paths = images.ensure_daemon()
-    mnt = Path(tempfile.mkdtemp(dir=raw.parent, prefix=".mnt-"))
-    fd, tmp = tempfile.mkstemp(dir=raw.parent, prefix=f".{raw.name}.")
-    try:
-        try:
-            mount_image(paths, images.catalog(), image.digest, mnt)
-        except MountError as e:
-            raise BackendUnavailable(f"cannot mount {name} to build its VM disk: {e}") from e
-        try:
-            used, entries = _tree_size(mnt)
-            init = find_init(mnt)
-            # ext4's own metadata (inode tables, journal, group descriptors) ~ 10 %
-            size = used + used // 8 + ((64 + headroom_mb) << 20)
-            size = -(-size // (4 << 20)) * (4 << 20)
-            os.ftruncate(fd, size)
-            _run(["mkfs.ext4", "-q", "-F", "-t", "ext4", "-L", "lazyfs-root", "-m", "0",
-                  "-N", str(entries + max(entries, 65536)),
-                  "-E", "lazy_itable_init=1,lazy_journal_init=1", "-d", str(mnt), tmp],
-                 f"building the VM disk of {name}")
-        finally:
-            try:
-                unmount(paths, mnt)
-            except MountError:
-                unmount(paths, mnt, lazy=True)
-        os.fchmod(fd, 0o444)
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, raw)
-        return init, size
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        try:
-            mnt.rmdir()
-        except OSError as e:
-            log.warning("cannot remove the mount point %s: %s", mnt, e)
-
-
-def make_overlay(base: Path, dest: Path) -> None:
-    """A qcow2 file at dest whose unwritten blocks read from base (raw)."""
-    _run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.absolute()), "-F", "raw",
-          str(dest)], f"creating the disk overlay {dest}")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TOOL_TIMEOUT,
+                           check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        dest.unlink(missing_ok=True)
+        raise BackendUnavailable(f"making the VM's writable disk {dest}: {e}") from e
+    if p.returncode != 0:
+        dest.unlink(missing_ok=True)
+        raise BackendUnavailable(f"making the VM's writable disk {dest}: mkfs.ext4 failed: "
+                                 f"{(p.stderr or p.stdout).strip()[-400:]}")

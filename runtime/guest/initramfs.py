@@ -22,8 +22,9 @@ microvm  /init loads the modules, mounts each layer from its two virtio-pmem
          composes them with overlayfs under a tmpfs upper at /sandbox, gives
          that root a minimal /dev, /proc and /sys, and becomes the agent
          (PID 1), which chroots each command into /sandbox.
-vm       /init mounts the disk with serial lazyfs-root (the image as ext4,
-         behind the sandbox's qcow2 overlay) read-write at /newroot. With
+vm       /init mounts the layers as microvm's does (always pmem + dax),
+         composes them under the sandbox's ext4 disk (serial lazyfs-upper,
+         virtio-blk, read-write) as the overlayfs upper at /newroot. With
          lazyfs.init=PATH it starts the agent chrooted into /newroot and
          hands PID 1 to the image's init (switch_root); without, the agent is
          PID 1 and chroots each command into /newroot.
@@ -33,7 +34,7 @@ and powers off, so the host sees the VMM exit at once instead of waiting for
 a timeout.
 
 Kernel command line parameters read by /init:
-    lazyfs.layers=N        (microvm) layers, bottom first: pmem devices 2i (meta), 2i+1 (blob)
+    lazyfs.layers=N        layers, bottom first: pmem devices 2i (meta), 2i+1 (blob)
     lazyfs.layers_on=blk   (microvm) layers on virtio-blk instead of pmem (benchmarks)
     lazyfs.upper_mb=M      (microvm) size of the writable upper (tmpfs in guest memory)
     lazyfs.init=PATH       (vm) the image's init, run as PID 1 after switch_root
@@ -65,7 +66,8 @@ from .kernel import GuestKernel, load_order
 # host); it binds only when the VMM has the device (qemu.VmConfig.balloon).
 MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "virtio_blk", "erofs", "overlay",
            "virtio_console", "virtio_net", "virtio_balloon")
-VM_MODULES = ("virtio_pci", "virtio_blk", "ext4", "virtio_console", "virtio_net")
+VM_MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem", "virtio_blk", "erofs", "overlay", "ext4",
+              "virtio_console", "virtio_net")
 BUSYBOX = Path("/bin/busybox")
 
 # What both flavours do first: API filesystems, the failure path, the
@@ -76,9 +78,10 @@ _PRELUDE = r"""#!/bin/busybox sh
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
+console=/dev/console  # until /dev moves into the image's root
 fail() {
-    echo "lazyfs-init: FAILED: $*" >/dev/console
-    dmesg | tail -n 20 >/dev/console
+    echo "lazyfs-init: FAILED: $*" >$console
+    dmesg | tail -n 20 >$console
     poweroff -f
     sleep 10
 }
@@ -164,7 +167,9 @@ sandbox_dev() {  # a minimal /dev for the root at $1
 }
 """
 
-INIT = _PRELUDE + r"""[ "$layers" -gt 0 ] || fail "no layers (lazyfs.layers)"
+# Both flavours' lowers: each layer mounted at /layers/<i> from its two pmem
+# devices (or blk disks), $lowers the overlayfs lowerdir, top layer first.
+_LAYERS = r"""[ "$layers" -gt 0 ] || fail "no layers (lazyfs.layers)"
 lowers=""
 i=0
 if [ "$layers_on" = pmem ]; then
@@ -187,7 +192,9 @@ while [ $i -lt "$layers" ]; do
     lowers="/layers/$i${lowers:+:$lowers}"
     i=$((i + 1))
 done
-mkdir -p /rw /sandbox
+"""
+
+INIT = _PRELUDE + _LAYERS + r"""mkdir -p /rw /sandbox
 mount -t tmpfs -o size=${upper_mb}m,mode=0755 tmpfs /rw || fail "tmpfs upper"
 mkdir -p /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=$lowers,upperdir=/rw/upper,workdir=/rw/work /sandbox \
@@ -205,34 +212,50 @@ fi
 exec /lazyfs-agent $(cg_arg) $([ "$test" = noreap ] && echo --test-fault noreap) "$port" /sandbox
 """
 
-# The full VM: the image's own disk (ext4, writable: a copy-on-write overlay
-# on the host) becomes the root. With lazyfs.init=PATH (the image has an
-# init) the agent is started chrooted into that root and the image's init
-# takes PID 1 through switch_root; otherwise the agent is PID 1, as in a
-# microVM, and chroots each command into the disk.
-VM_INIT = _PRELUDE + r"""root=$(disk lazyfs-root) || fail "no disk with serial lazyfs-root"
-mkdir -p /newroot
-mount -t ext4 -o rw $root /newroot || fail "mount $root (ext4)"
+# The full VM: the image's layers as in a microVM, under an overlayfs whose
+# upper is the sandbox's own ext4 disk (serial lazyfs-upper) instead of a
+# tmpfs, becomes the root. With lazyfs.init=PATH (the image has an init) the
+# agent is started chrooted into that root and the image's init takes PID 1
+# through switch_root; otherwise the agent is PID 1, as in a microVM, and
+# chroots each command into the root.
+# switch_root moves /newroot away: the agent must hold its port and its root
+# before, or it opens paths that are gone (the test's flake). So it starts
+# first, on the initramfs' /dev, and init waits until /proc/<agent>/root is
+# /newroot (the agent chroots after opening its port) before it moves /dev
+# into the new root. A background job (`&`) opens /dev/null as its stdin
+# before its own redirections: it cannot start once /dev has moved.
+VM_INIT = _PRELUDE + _LAYERS + r"""upper=$(disk lazyfs-upper) || fail "no disk with serial lazyfs-upper"
+mkdir -p /rw /newroot
+mount -t ext4 -o rw,noinit_itable $upper /rw || fail "mount $upper (ext4)"
+mkdir -p /rw/upper /rw/work
+mount -t overlay overlay -o lowerdir=$lowers,upperdir=/rw/upper,workdir=/rw/work /newroot \
+    || fail "overlay"
 for d in proc sys dev run tmp; do [ -d /newroot/$d ] || mkdir -p /newroot/$d; done
 port=$(agent_port) || fail "no virtio-serial port lazyfs.agent"
 if [ -n "$init" ]; then
+    echo "lazyfs-init: layers mounted, $upper the upper, agent on $port, handing over to $init"
+    if [ "$test" != noagent ]; then
+        /lazyfs-agent --chroot "$port" /newroot </dev/null &
+        agent=$!
+        n=0
+        while [ "$(readlink /proc/$agent/root)" != /newroot ]; do
+            n=$((n + 1)); [ $n -gt 1000 ] && fail "the agent did not start"; sleep 0.01
+        done
+    fi
     mount --move /dev /newroot/dev || fail "move /dev"
+    console=/newroot/dev/console
     mkdir -p /newroot/dev/pts /newroot/dev/shm
     mount -t devpts -o ptmxmode=0666 devpts /newroot/dev/pts
     mount -t tmpfs -o nosuid,nodev tmpfs /newroot/dev/shm
     mount -t proc proc /newroot/proc
     mount -t sysfs sysfs /newroot/sys
-    echo "lazyfs-init: $root mounted, agent on $port, handing over to $init"
-    if [ "$test" != noagent ]; then
-        /lazyfs-agent --chroot "/newroot$port" /newroot </newroot/dev/null &
-    fi
-    umount /cgroup /proc /sys 2>/dev/null  # the image's init mounts its own cgroups
+    umount /cgroup /proc /sys 2>/newroot/dev/null  # the image's init mounts its own
     exec switch_root /newroot "$init"
 fi
 mount -t proc proc /newroot/proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /newroot/sys
 sandbox_dev /newroot
-echo "lazyfs-init: $root mounted, starting the agent on $port"
+echo "lazyfs-init: layers mounted, $upper the upper, starting the agent on $port"
 if [ "$test" = noagent ]; then
     exec sleep 2147483647
 fi

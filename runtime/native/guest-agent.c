@@ -16,7 +16,10 @@
  *
  * --chroot: the agent chroots itself into ROOT after opening PORT, for a
  * full VM whose image's own init becomes PID 1 (switch_root moves ROOT to
- * "/"; an agent left in the initramfs root would lose /proc with it).
+ * "/"; an agent left in the initramfs root would lose /proc with it). It
+ * says READY only once PID 1's root is ROOT too (switch_root has chrooted
+ * and execs the image's init), at most INIT_WAIT_MS after it started: the
+ * host's first command never sees switch_root as PID 1.
  *
  * Frames, both ways: u32 payload length, u8 type, the request's id (u24),
  * payload (little-endian; at most MAX_FRAME bytes, checked on both ends).
@@ -118,6 +121,26 @@ static long long now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+/* --chroot: /proc/1 of the initramfs, opened before the chroot, until PID 1
+ * has the agent's root (init_took_over) */
+static int pid1_dir = -1;
+static long long started_ms;
+#define INIT_WAIT_MS 30000
+
+static int init_took_over(void) {
+    if (pid1_dir < 0) return 1;
+    struct stat init_root, mine;
+    long long waited = now_ms() - started_ms;
+    int same = fstatat(pid1_dir, "root/", &init_root, 0) == 0 && stat("/", &mine) == 0
+               && init_root.st_dev == mine.st_dev && init_root.st_ino == mine.st_ino;
+    if (!same && waited < INIT_WAIT_MS) return 0;
+    if (!same) fprintf(stderr, "lazyfs-agent: PID 1 did not move into the root in %d ms\n",
+                       INIT_WAIT_MS);
+    close(pid1_dir);
+    pid1_dir = -1;
+    return 1;
 }
 
 static void nap(int ms) {
@@ -825,6 +848,10 @@ int main(int argc, char **argv) {
     if (port < 0) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[1], strerror(errno)); return 1; }
     rootfd = open(argv[2], O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (rootfd < 0 || !rbuf) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[2], strerror(errno)); return 1; }
+    if (self_chroot) {
+        pid1_dir = open("/proc/1", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        started_ms = now_ms();
+    }
     if (self_chroot && (fchdir(rootfd) != 0 || chroot(".") != 0 || chdir("/") != 0)) {
         fprintf(stderr, "lazyfs-agent: chroot %s: %s\n", argv[2], strerror(errno));
         return 1;
@@ -847,6 +874,7 @@ int main(int argc, char **argv) {
             continue;
         }
         if (!connected) {
+            if (!init_took_over()) { nap(20); continue; }
             connected = 1;
             if (send_frame(T_READY, VERSION, sizeof VERSION - 1) != 0) continue;
         }
