@@ -131,8 +131,7 @@ def test_collect_removes_snapshots_no_sandbox_can_resume(
     other = tmp_path / "other-node"  # another node's state directory on this host
     (other / "sandboxes" / "sb-0e4e000000000001").mkdir(parents=True)
     (other / "sandboxes" / "sb-0e4e000000000001" / "sandbox.json").write_text("{}")
-    with node_for(store, tmp_path, pmem_cache=tmp_path / "pmem",
-                  vm_disk_cache=tmp_path / "disks") as node:
+    with node_for(store, tmp_path, pmem_cache=tmp_path / "pmem") as node:
         image = node.images.resolve(IMAGE)
         state = node.config.state_dir
 
