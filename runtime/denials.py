@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .spec import EventKind, SandboxEvent
+from .spec import SANDBOX_ID_PATTERN, EventKind, SandboxEvent
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class _Bucket:
 # and fncall backends each have one), so two backends do not double it
 _ALL = _Bucket(ALL_RATE, ALL_RATE)
 _ALL_LOCK = threading.Lock()
-_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
 
 
 class SeccompListener:
@@ -261,7 +261,7 @@ class SeccompListener:
             self._feeds.pop(feed).close()
             return
         key = msg.decode(errors="replace")
-        if not _KEY.fullmatch(key) or len(fds) != 1:
+        if not _SANDBOX_ID.fullmatch(key) or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             raise OSError(f"a feed sent {len(fds)} descriptors with {key[:40]!r}")
