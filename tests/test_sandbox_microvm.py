@@ -414,10 +414,7 @@ def test_agent_that_never_comes_up(node: Node) -> None:
 
 def test_a_fork_bomb_is_held_and_the_vm_stays_usable(sb: Sandbox) -> None:
     """The guest's commands run in a cgroup with the sandbox's pids limit; the
-    agent, outside it, keeps answering, and reports the refused forks as an
-    event (the guest kernel's pids.events counter, read by the agent)."""
-    key = ("process_limit", f"pids={sb.info.spec.pids}")
-    before = {(str(e.kind), e.detail): e.count for e in sb.events()}.get(key, 0)
+    agent, outside it, keeps answering."""
     try:
         r = sb.exec("b() { b | b & }; b; sleep 3", timeout=20, max_output_bytes=1 << 16)
         held = b"can't fork" in r.stderr
@@ -427,21 +424,13 @@ def test_a_fork_bomb_is_held_and_the_vm_stays_usable(sb: Sandbox) -> None:
     r = sb.exec("echo alive", timeout=60)
     assert r.stdout == b"alive\n"
     assert sb.exec("cat /proc/self/cgroup").stdout == b"0::/sandbox\n"  # the limited cgroup
-    got = {(str(e.kind), e.detail): e.count for e in sb.events()}
-    assert got.get(key, 0) > before, got
 
 
 def test_a_memory_bomb_is_typed_out_of_memory(sb: Sandbox) -> None:
-    """Typed OutOfMemory, the VM goes on, and the guest's OOM kill is an
-    event (the commands' cgroup's oom_kill counter, read by the agent)."""
-    key = ("oom_kill", "memory limit")
-    before = {(str(e.kind), e.detail): e.count for e in sb.events()}.get(key, 0)
     with pytest.raises(OutOfMemory) as e:
         sb.exec("head -c 2000m /dev/zero | tail > /dev/null", timeout=120)
     assert e.value.result is not None and e.value.result.oom_killed
     assert sb.exec("echo alive").stdout == b"alive\n"
-    got = {(str(e.kind), e.detail): e.count for e in sb.events()}
-    assert got.get(key, 0) > before, got  # counted in the guest
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (forge.c)")

@@ -59,7 +59,7 @@ from ..files import SandboxFiles
 from ..guest import qemu
 from ..guest.initramfs import tools_missing
 from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
-from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError, GuestCounts
+from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError
 from ..images import Images
 from ..native import qemu_preload, sandbox_init
 from ..spec import (
@@ -141,7 +141,6 @@ class QemuBackend(Generic[Q]):
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # every VMM we started, until killed
         self._lock = threading.Lock()
         self.denials = DenialLog()
-        self._guest_counts: dict[str, GuestCounts] = {}  # the latest the agent reported
 
     # -- what a subclass says ------------------------------------------------
     def _tools_missing(self) -> str | None:
@@ -323,8 +322,6 @@ class QemuBackend(Generic[Q]):
             cgroups.remove_empty(h.id)
         netpolicy.remove_all(h.id, h.state.net_slot)
         self.denials.forget(h.id)
-        with self._lock:
-            self._guest_counts.pop(h.id, None)
         shutil.rmtree(vmdir, ignore_errors=True)
 
     def status(self, h: Handle[Q]) -> str:
@@ -354,40 +351,12 @@ class QemuBackend(Generic[Q]):
                 self.denials.record(h.id, "connect", dest, n)
         netpolicy.apply(slot, policy, netpolicy.GUEST_IF)
 
-    def _note_counts(self, h: Handle[Q], counts: GuestCounts | None) -> GuestCounts | None:
-        """Keep the agent's latest counters; never lower (a counter the guest
-        once reported stays counted, whatever it reports later)."""
-        with self._lock:
-            old = self._guest_counts.get(h.id)
-            if counts is not None:
-                if old is not None:
-                    counts = GuestCounts(max(old.oom_kills, counts.oom_kills),
-                                         max(old.fork_refusals, counts.fork_refusals))
-                self._guest_counts[h.id] = counts
-                return counts
-            return old
-
     def events(self, h: Handle[Q]) -> list[SandboxEvent]:
         """The guest's refused connections (counted by the rules in its
-        VMM's namespace), and what the guest kernel refused its commands
-        (OOM kills, forks at the pids limit: the commands' cgroup's counters
-        as the guest agent reports them, asked now; while a command holds the
-        agent's channel, as it reported them when last asked)."""
+        VMM's namespace)."""
         slot = h.state.net_slot
         counted: dict[tuple[EventKind, str], int] = {} if slot is None else {
             ("connect", dest): n for dest, n in netpolicy.refused(slot).items()}
-        fresh = None
-        with self._lock:
-            vm = self._vms.get(h.id)
-        if vm is not None and vm.alive():
-            try:
-                fresh = vm.agent.counts(wait=0.5)
-            except AgentError as e:
-                log.info("%s: no guest counters: %s", h.id, e)
-        counts = self._note_counts(h, fresh)
-        if counts is not None:
-            counted[("oom_kill", "memory limit")] = counts.oom_kills
-            counted[("process_limit", f"pids={h.spec.pids}")] = counts.fork_refusals
         return merged(self.denials.events(h.id), counted)
 
     # -- pause: snapshot and exit --------------------------------------------

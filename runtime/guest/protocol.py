@@ -35,7 +35,7 @@ MAX_NAME = 255  # a directory entry's name (NAME_MAX)
 MAX_ENTRIES = 100_000  # a listing (as runtime.files.MAX_LIST)
 EXEC_GRACE = 30.0  # past an exec's own timeout, for the guest to kill and report
 
-EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN, COUNTS = range(1, 12)
+EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN = range(1, 11)
 READY, STDOUT, STDERR, EXIT, FDATA, ENTRY, OK, ERROR = range(32, 40)
 
 Sink = Callable[[bytes], None]
@@ -59,14 +59,6 @@ class ExitStatus:
     timed_out: bool
     truncated: bool
     oom_killed: bool = False  # by the guest's OOM killer in the commands' cgroup
-
-
-@dataclass(frozen=True)
-class GuestCounts:
-    """What the guest kernel refused the commands' cgroup so far, as the
-    agent read its counters (memory.events oom_kill, pids.events max)."""
-    oom_kills: int
-    fork_refusals: int
 
 
 @dataclass
@@ -389,25 +381,6 @@ class AgentConnection:
             except FileError:
                 return False
             return True
-
-    def counts(self, wait: float) -> GuestCounts | None:
-        """The guest's counters now; None when the agent has no commands'
-        cgroup, or is busy with another call (an exec holds the channel) for
-        longer than `wait`."""
-        if not self.lock.acquire(timeout=wait):
-            return None
-        try:
-            self._check()
-            self._send(COUNTS)
-            kind, payload = self.recv(time.monotonic() + CALL_TIMEOUT)
-            if kind == ERROR:
-                return None
-            if kind != OK or len(payload) != 16:
-                raise self._fail(f"unexpected frame {kind} ({len(payload)} bytes) in reply "
-                                 "to counts")
-            return GuestCounts(*struct.unpack("<QQ", payload))
-        finally:
-            self.lock.release()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         with self.lock:

@@ -39,9 +39,6 @@
  *   REMOVE recursive u32, path           OK | ERROR
  *   STAT   path                          OK | ERROR
  *   PING                                 OK
- *   COUNTS                               OK (oom_kill u64, forks refused u64: the
- *                                         commands' cgroup's memory.events and
- *                                         pids.events counters) | ERROR (no --cgroup)
  *   SHUTDOWN                             OK, then power off
  *   (on every new host connection)       READY version
  *
@@ -89,7 +86,7 @@
 
 enum {
     T_EXEC = 1, T_DATA = 2, T_KILL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_REMOVE = 7,
-    T_STAT = 8, T_PING = 9, T_SHUTDOWN = 10, T_COUNTS = 11,
+    T_STAT = 8, T_PING = 9, T_SHUTDOWN = 10,
     T_READY = 32, T_STDOUT = 33, T_STDERR = 34, T_EXIT = 35, T_FDATA = 36, T_ENTRY = 37,
     T_OK = 38, T_ERROR = 39,
 };
@@ -99,7 +96,6 @@ static int rootfd = -1;
 static uint32_t req_id;   /* the id of the request being answered (24 bits) */
 static int cg_procs = -1; /* the commands' cgroup.procs (--cgroup), or -1 */
 static int cg_events = -1; /* its memory.events */
-static int cg_pids_events = -1; /* its pids.events */
 static int connected = 0;
 static int sigfd = -1;
 static unsigned char *rbuf;  /* the frame being read */
@@ -523,27 +519,15 @@ static void kill_tree(pid_t leader, ino_t out_ino, ino_t err_ino) {
     }
 }
 
-/* A counter of a cgroup events file ("KEY N" lines; 0 if absent). */
-static long cg_count(int fd, const char *key) {
-    if (fd < 0) return 0;
+/* The commands' cgroup's oom_kill count (0 without --cgroup). */
+static long oom_kills(void) {
+    if (cg_events < 0) return 0;
     char buf[512];
-    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    ssize_t n = pread(cg_events, buf, sizeof buf - 1, 0);
     if (n <= 0) return 0;
     buf[n] = 0;
-    size_t k = strlen(key);
-    for (char *p = buf; (p = strstr(p, key)) != NULL; p += k)
-        if ((p == buf || p[-1] == '\n') && p[k] == ' ') return atol(p + k + 1);
-    return 0;
-}
-
-/* The commands' cgroup's oom_kill count (0 without --cgroup). */
-static long oom_kills(void) { return cg_count(cg_events, "oom_kill"); }
-
-/* The COUNTS payload: what the guest kernel refused the commands so far. */
-static void counts(unsigned char out[16]) {
-    uint64_t oom = (uint64_t)oom_kills(), forks = (uint64_t)cg_count(cg_pids_events, "max");
-    memcpy(out, &oom, 8);
-    memcpy(out + 8, &forks, 8);
+    char *p = strstr(buf, "oom_kill ");
+    return p ? atol(p + 9) : 0;
 }
 
 /* Reap every child that exited; returns 1 if `child` was among them. */
@@ -767,8 +751,6 @@ int main(int argc, char **argv) {
         cg_procs = open(path, O_WRONLY | O_CLOEXEC);
         snprintf(path, sizeof path, "%s/memory.events", cgroup);
         cg_events = open(path, O_RDONLY | O_CLOEXEC);
-        snprintf(path, sizeof path, "%s/pids.events", cgroup);
-        cg_pids_events = open(path, O_RDONLY | O_CLOEXEC);
         if (cg_procs < 0) fprintf(stderr, "lazyfs-agent: %s: %s (commands run unlimited)\n",
                                   cgroup, strerror(errno));
     }
@@ -817,10 +799,6 @@ int main(int argc, char **argv) {
         case T_REMOVE: do_remove(&c); break;
         case T_STAT: do_stat(&c); break;
         case T_PING: send_ok(); break;
-        case T_COUNTS:
-            if (cg_procs < 0) { send_error(ENOENT, "no commands' cgroup"); break; }
-            { unsigned char b[16]; counts(b); send_frame(T_OK, b, sizeof b); }
-            break;
         case T_SHUTDOWN:
             send_ok();
             sync();
