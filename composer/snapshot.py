@@ -13,7 +13,10 @@ copies up on chmod/chown/utimes unless metacopy is on) and becomes a full
 entry, its data deduplicated against the store. Hard links inside the upper
 stay links; all-zero chunks stay holes. Upper dirs written with overlayfs'
 redirect_dir or metacopy features are refused (their xattrs point into the
-lowers, which a layer cannot express).
+lowers, which a layer cannot express). A file capability the kernel wrote
+for the sandbox's root (security.capability revision 3, rootid its host id)
+is recorded for the root of whatever sandbox the layer becomes (revision
+2), one for a root of another range (only the host could write it) dropped.
 
 The chunks a sandbox wrote go to a trust domain of their own (UNTRUSTED by
 default): they dedup against trusted chunks only when their BLAKE3 digests
@@ -26,9 +29,11 @@ mounting them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import posixpath
 import stat
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +47,12 @@ from .errors import DiffError
 from .manifest import Entry, Kind, LayerManifest
 from .sources import add_entry
 
+log = logging.getLogger(__name__)
+
 UNTRUSTED = TrustDomain("untrusted")
+CAPABILITY_XATTR = "security.capability"
+_CAP_REVISION_MASK, _CAP_REVISION_2, _CAP_REVISION_3 = 0xFF000000, 0x02000000, 0x03000000
+_CAP_V2_SIZE, _CAP_V3_SIZE = 20, 24
 OVERLAY_XATTR = "trusted.overlay."
 _REFUSED = ("trusted.overlay.redirect", "trusted.overlay.metacopy")
 OVERFLOW_ID = 65534  # what a user namespace shows for an id it does not map
@@ -88,7 +98,30 @@ def pack_diff(store: ChunkStore, upper: Path, *, domain: TrustDomain = UNTRUSTED
     return manifest
 
 
-def _xattrs(full: str, layer: str, rel: str) -> tuple[dict[str, bytes], bool]:
+def relative_capability(value: bytes, ids: HostIds) -> bytes | None:
+    """A security.capability value as the root of the namespace mapping
+    `ids` reads it: revision 3 naming that root's host id becomes revision 2
+    (the root of whichever namespace the file is seen in: another sandbox's
+    range through its idmapped lowers); a rootid of another id inside the
+    range becomes that id as the sandbox saw it; one outside the range is
+    None (it grants nothing to any sandbox made from the layer). Other
+    revisions are returned as they are."""
+    if len(value) != _CAP_V3_SIZE:
+        return value
+    magic, rootid = struct.unpack_from("<I", value)[0], struct.unpack_from("<I", value, 20)[0]
+    if magic & _CAP_REVISION_MASK != _CAP_REVISION_3:
+        return value
+    inside = rootid - ids.base
+    if not 0 <= inside < ids.count:
+        return None
+    if inside == 0:
+        return struct.pack("<I", (magic & ~_CAP_REVISION_MASK) | _CAP_REVISION_2) + \
+            value[4:_CAP_V2_SIZE]
+    return value[:_CAP_V2_SIZE] + struct.pack("<I", inside)
+
+
+def _xattrs(full: str, layer: str, rel: str, ids: HostIds | None = None
+            ) -> tuple[dict[str, bytes], bool]:
     try:
         names = os.listxattr(full, follow_symlinks=False)
     except OSError:
@@ -105,6 +138,13 @@ def _xattrs(full: str, layer: str, rel: str) -> tuple[dict[str, bytes], bool]:
             continue
         if n == "trusted.overlay.opaque":
             opaque = v == b"y"
+        elif n == CAPABILITY_XATTR and ids is not None:
+            shifted = relative_capability(v, ids)
+            if shifted is None:
+                log.warning("%s: %s has a file capability for a root outside the "
+                            "sandbox's ids; dropped", layer, rel or "/")
+            else:
+                out[n] = shifted
         elif not n.startswith(OVERLAY_XATTR):
             out[n] = v
     return out, opaque
@@ -115,7 +155,7 @@ def _add(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, int],
     st = os.lstat(full)
     if st.st_dev != dev:
         raise DiffError(f"{layer}: {rel} is another filesystem mounted in the upper")
-    xattrs, opaque = _xattrs(full, layer, rel)
+    xattrs, opaque = _xattrs(full, layer, rel, ids)
     uid, gid = (st.st_uid, st.st_gid) if ids is None else (ids.inside(st.st_uid),
                                                            ids.inside(st.st_gid))
     common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": uid,

@@ -1,4 +1,4 @@
-"""Denials as events: what a container sandbox was refused, counted where
+"""Denials as events: what a sandbox was refused, counted where
 its caller (`sb.events()`, the node agent's `GET /v1/sandboxes/ID/events`,
 `lazyfs sandbox events ID`) and the node's operator (one log line per new
 kind of denial per sandbox) can see it. A denial never kills the sandbox: the
@@ -12,12 +12,16 @@ Where each comes from:
   socket in the node's state directory, the OCI `listenerPath`), and one
   thread of the node answers every sandbox's notifications with EPERM and
   counts them by system call. Should the node go away, the kernel answers
-  ENOSYS instead: still refused, no longer recorded.
+  ENOSYS instead: still refused, no longer recorded. fncall calls load the
+  same policy per call (runtime/native/sandbox-init.c `call -N`): the call's
+  listener goes to the node over its worker's feed socket before the
+  command starts, and is answered by the same kind of thread.
 - connections the network allowlist refuses: the reject rule adds each
   refused destination to an nftables set with counters inside the sandbox's
   network namespace (runtime/backends/netpolicy.py), read when asked for.
 - OOM kills and forks refused at the pids limit: the kernel's counters of the
-  sandbox's cgroups, read when asked for.
+  sandbox's cgroups, read when asked for (fncall: of the worker's cgroup
+  during the call, recorded when the call ends).
 
 Events are counts per (kind, detail), with the first and last time seen;
 at most MAX_DETAILS details per sandbox and kind (more are counted under
@@ -34,6 +38,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import select
 import socket
 import struct
@@ -42,7 +47,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .spec import EventKind, SandboxEvent
+from .spec import SANDBOX_ID_PATTERN, EventKind, SandboxEvent
 
 log = logging.getLogger(__name__)
 
@@ -135,33 +140,71 @@ class _Bucket:
         self.tokens -= 1.0
         return 0.0
 
+    def full(self, now: float) -> bool:
+        return self.tokens + (now - self.at) * self.rate >= self.burst
+
+
+# the node's ration: one for every listener of the process (the container
+# and fncall backends each have one), so two backends do not double it
+_ALL = _Bucket(ALL_RATE, ALL_RATE)
+_ALL_LOCK = threading.Lock()
+_SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
+
 
 class SeccompListener:
-    """The node's end of every container sandbox's seccomp notifications
-    (answers rationed: RATE, BURST, ALL_RATE)."""
+    """The node's end of every sandbox's seccomp notifications (answers
+    rationed per sandbox: RATE, BURST; all together ALL_RATE).
 
-    def __init__(self, path: Path, denials: DenialLog) -> None:
+    Listener descriptors arrive two ways: from runc, over the unix socket at
+    `path` (one connection per container, the OCI state naming it), and over
+    feeds (feed()): a connected socket on which an fncall worker's
+    sandbox-init sends, per call, the sandbox's id with the call's listener."""
+
+    def __init__(self, path: Path | None, denials: DenialLog) -> None:
         self.path = path
         self.denials = denials
         self._poll = select.epoll()  # O(1) per wake however many sandboxes
         self._sandbox_of: dict[int, str] = {}
-        self._buckets: dict[int, _Bucket] = {}
-        self._all = _Bucket(ALL_RATE, ALL_RATE)
+        self._fds_of: dict[str, set[int]] = {}
+        # per sandbox, not per descriptor: an fncall sandbox gets a listener
+        # per call, and its ration must not start afresh with each
+        self._buckets: dict[str, _Bucket] = {}
+        self._pruned = time.monotonic()
         self._held: dict[int, float] = {}  # fd -> when it may be answered again
+        self._feeds: dict[int, socket.socket] = {}
         self._stop_r, self._stop_w = os.pipe()
-        path.unlink(missing_ok=True)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self._sock.bind(str(path))
-        finally:
-            os.umask(old)
-        self._sock.listen(128)
-        self._poll.register(self._sock.fileno(), select.EPOLLIN)
+        self._sock: socket.socket | None = None
+        if path is not None:
+            path.unlink(missing_ok=True)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)
+            try:
+                self._sock.bind(str(path))
+            finally:
+                os.umask(old)
+            self._sock.listen(128)
+            self._poll.register(self._sock.fileno(), select.EPOLLIN)
         self._poll.register(self._stop_r, select.EPOLLIN)
         self._syscall_name = _syscall_names()
+        self._lock = threading.Lock()  # feed() and forget() from other threads
         self._thread = threading.Thread(target=self._serve, name="seccomp-notify", daemon=True)
         self._thread.start()
+
+    def feed(self, sock: socket.socket) -> None:
+        """Take `sock` (a connected SOCK_SEQPACKET socket; closed here once
+        its peer is gone): each message on it is a sandbox id with one
+        listener descriptor. Only code of ours writes there (the fncall
+        worker and its sandbox-init before the call's command starts)."""
+        sock.setblocking(False)
+        with self._lock:
+            self._feeds[sock.fileno()] = sock
+            self._poll.register(sock.fileno(), select.EPOLLIN)
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox is gone: its ration too."""
+        with self._lock:
+            if not self._fds_of.get(sandbox_id):
+                self._buckets.pop(sandbox_id, None)
 
     def _serve(self) -> None:
         while True:
@@ -178,16 +221,20 @@ class SeccompListener:
                 if fd == self._stop_r:
                     return
                 try:
-                    if fd == self._sock.fileno():
-                        self._accept()
-                    elif ev & (select.EPOLLHUP | select.EPOLLERR):
-                        self._drop(fd)  # every process under the filter is gone
-                    else:
-                        self._answer(fd)
+                    with self._lock:
+                        if self._sock is not None and fd == self._sock.fileno():
+                            self._accept()
+                        elif fd in self._feeds:
+                            self._from_feed(fd, ev)
+                        elif ev & (select.EPOLLHUP | select.EPOLLERR):
+                            self._drop(fd)  # every process under the filter is gone
+                        elif fd in self._sandbox_of:
+                            self._answer(fd)
                 except OSError as e:  # one sandbox's trouble must not stop the others'
                     log.warning("seccomp notifications: %s", e)
 
     def _accept(self) -> None:
+        assert self._sock is not None
         conn, _ = self._sock.accept()
         with conn:
             conn.settimeout(5)
@@ -200,24 +247,59 @@ class SeccompListener:
                 os.close(fd)
             raise OSError("runc sent an unreadable container state") from None
         for fd in fds:
-            self._sandbox_of[fd] = sandbox_id
-            self._buckets[fd] = _Bucket(RATE, BURST)
-            self._poll.register(fd, select.EPOLLIN)
+            self._register(fd, sandbox_id)
+
+    def _from_feed(self, feed: int, ev: int) -> None:
+        try:
+            msg, fds = recv_fds_cloexec(self._feeds[feed], 256, 1)
+        except BlockingIOError:
+            if not ev & (select.EPOLLHUP | select.EPOLLERR):
+                return
+            msg, fds = b"", []
+        if not msg and not fds:  # the worker is gone
+            self._poll.unregister(feed)
+            self._feeds.pop(feed).close()
+            return
+        key = msg.decode(errors="replace")
+        if not _SANDBOX_ID.fullmatch(key) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"a feed sent {len(fds)} descriptors with {key[:40]!r}")
+        self._register(fds[0], key)
+
+    def _register(self, fd: int, sandbox_id: str) -> None:
+        now = time.monotonic()
+        if now - self._pruned > 1.0:  # rations of sandboxes without listeners, refilled
+            self._pruned = now
+            for sid in [s for s, b in self._buckets.items()
+                        if not self._fds_of.get(s) and b.full(now)]:
+                del self._buckets[sid]
+        self._sandbox_of[fd] = sandbox_id
+        self._fds_of.setdefault(sandbox_id, set()).add(fd)
+        self._buckets.setdefault(sandbox_id, _Bucket(RATE, BURST))
+        self._poll.register(fd, select.EPOLLIN)
 
     def _drop(self, fd: int) -> None:
         self._poll.unregister(fd)
-        self._sandbox_of.pop(fd, None)
-        self._buckets.pop(fd, None)
+        sid = self._sandbox_of.pop(fd, None)
+        if sid is not None:
+            fds = self._fds_of.get(sid, set())
+            fds.discard(fd)
+            if not fds:
+                self._fds_of.pop(sid, None)
         self._held.pop(fd, None)
         os.close(fd)
 
     def _answer(self, fd: int) -> None:
         now = time.monotonic()
-        wait = self._buckets[fd].take(now) if fd in self._buckets else 0.0
+        sid = self._sandbox_of[fd]
+        bucket = self._buckets.setdefault(sid, _Bucket(RATE, BURST))
+        wait = bucket.take(now)
         if not wait:
-            wait = self._all.take(now)
+            with _ALL_LOCK:
+                wait = _ALL.take(now)
             if wait:  # give the sandbox's token back: the node's ration ran out
-                self._buckets[fd].tokens += 1.0
+                bucket.tokens += 1.0
         if wait:  # not now: stop watching it until its turn (EPOLLHUP still comes)
             self._held[fd] = now + wait
             self._poll.modify(fd, 0)
@@ -234,20 +316,26 @@ class SeccompListener:
             fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_SEND, NOTIF_RESP.pack(nid, 0, -errno.EPERM, 0))
         except OSError:
             pass  # the caller died before the answer
-        self.denials.record(self._sandbox_of.get(fd, "?"), "syscall",
-                            self._syscall_name(arch, nr))
+        self.denials.record(sid, "syscall", self._syscall_name(arch, nr))
 
     def close(self) -> None:
+        if self._poll.closed:
+            return
         os.write(self._stop_w, b"x")
         self._thread.join(5)
-        for fd in list(self._sandbox_of):
+        for fd in self._sandbox_of:
             os.close(fd)
+        for sock in self._feeds.values():
+            sock.close()
         self._sandbox_of.clear()
-        self._sock.close()
+        self._feeds.clear()
+        if self._sock is not None:
+            self._sock.close()
         self._poll.close()
         os.close(self._stop_r)
         os.close(self._stop_w)
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 def recv_fds_cloexec(conn: socket.socket, bufsize: int, maxfds: int

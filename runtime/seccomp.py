@@ -68,12 +68,14 @@ def oci_section(listener: Path | None = None) -> dict[str, Any]:
 class Compiled:
     """The policy as a ready BPF program, loaded with one prctl: for code
     that applies it per process (fncall calls) where libseccomp's own load
-    (which recompiles, ~0.7 ms) would be most of the cost."""
+    (which recompiles, ~0.7 ms) would be most of the cost. With `notify`, a
+    denied call raises a user notification (the loader asks the kernel for
+    the listener descriptor and hands it to the node, runtime/denials.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, notify: bool = False) -> None:
         import tempfile
         with tempfile.TemporaryFile() as f:
-            build_filter().export_bpf(f)
+            build_filter(notify).export_bpf(f)
             f.seek(0)
             code = f.read()
         self.code = code
@@ -96,19 +98,22 @@ class _SockFprog(ctypes.Structure):
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
-def build_filter() -> Any:
+def build_filter(notify: bool = False) -> Any:
     """The same policy as a libseccomp filter; `.load()` applies it to the
     calling process (inherited by children). Build it before a chroot: the
-    library is loaded here."""
+    library is loaded here. `notify`: denied calls raise a user notification
+    instead of failing with EPERM at once (whoever holds the listener answers;
+    with no listener left the kernel answers ENOSYS: still refused)."""
     import pyseccomp as seccomp  # imported late: only fncall workers need it
 
     f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    deny = seccomp.NOTIFY if notify else seccomp.ERRNO(errno.EPERM)
     for name in DENIED:
         try:
-            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+            f.add_rule(deny, name)
         except (RuntimeError, ValueError, OSError):
             pass  # not a syscall on this architecture / libseccomp
     f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     for bit in _ns_bits():
-        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, bit, bit))
+        f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, bit, bit))
     return f

@@ -323,3 +323,23 @@ def test_a_full_vms_init_is_found_in_the_composed_layers() -> None:
     assert find_init(tree([*base, hard])) == "/bin/init"
     gone = Entry("sbin/init", Kind.WHITEOUT)
     assert find_init(tree([*base, link], [d(""), d("sbin"), gone])) is None
+
+
+def test_a_file_capability_is_recorded_for_the_root_of_any_sandbox() -> None:
+    """security.capability as packed from an upper written with host ids
+    `ids`: revision 3 for the range's root becomes revision 2 (the root of
+    whichever sandbox the layer becomes), a rootid inside the range the id
+    the sandbox saw, one outside it dropped; revision 2 stays."""
+    from composer.snapshot import HostIds, relative_capability
+
+    ids = HostIds(1 << 31, 65536)
+    caps = (4).to_bytes(4, "little") + bytes(12)  # CAP_DAC_READ_SEARCH permitted
+
+    def v3(rootid: int) -> bytes:
+        return (0x03000001).to_bytes(4, "little") + caps + rootid.to_bytes(4, "little")
+
+    v2 = (0x02000001).to_bytes(4, "little") + caps
+    assert relative_capability(v3(ids.base), ids) == v2
+    assert relative_capability(v3(ids.base + 1000), ids) == v3(1000)
+    assert relative_capability(v3(0), ids) is None  # host root's: grants no sandbox anything
+    assert relative_capability(v2, ids) == v2

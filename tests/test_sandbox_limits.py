@@ -278,6 +278,50 @@ def test_a_refused_connection_is_an_event(node: Node) -> None:
         server.close()
 
 
+def test_the_allowlist_holds_where_landlock_could_not_and_cannot_be_rewritten(
+        node: Node) -> None:
+    """Why containers get no Landlock network rules (docs/security.md): the
+    nftables allowlist in the sandbox's own netns already refuses what
+    Landlock's TCP-only rules (ABI 7) would, plus what they cannot name, and
+    the sandbox cannot change it. From inside: UDP to a refused destination
+    (a DNS query) is rejected and counted, ICMP (ping) gets no answer, and rewriting
+    the namespace's addresses, links or routes (which the rules are written
+    against) is refused (no CAP_NET_ADMIN, CAP_NET_RAW). Control: the allowed
+    TCP port connects."""
+    server = socket.create_server(("0.0.0.0", 0))
+    allowed = server.getsockname()[1]
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                server.accept()[0].close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        with Sandbox.create(IMAGE, node=node,
+                            network=NetworkPolicy.allow_only(f"node:{allowed}")) as s:
+            host = s.info.host_address
+            r = s.exec(f"busybox nc -w 2 {host} {allowed} </dev/null; echo tcp=$?; "
+                       f"busybox timeout 5 busybox nslookup example.org {host}; echo udp=$?; "
+                       f"busybox timeout 3 busybox ping -c 1 -W 1 {host}; echo ping=$?; "
+                       "busybox ip addr add 10.255.0.9/32 dev eth0; echo addr=$?; "
+                       "busybox ip link set eth0 down; echo link=$?; "
+                       "busybox ip route del default; echo route=$?", timeout=60)
+            out = r.stdout.decode()
+            assert "tcp=0" in out, r  # the control
+            assert "udp=0" not in out and "ping=0" not in out and "addr=0" not in out, r
+            assert "link=0" not in out and "route=0" not in out, r
+            assert r.stderr.count(b"Operation not permitted") >= 3, r
+            got = {(e.kind, e.detail): e.count for e in s.events()}
+            assert got.get(("connect", f"{host}:53/udp"), 0) >= 1, (got, r.stderr.decode())
+            again = s.exec(f"busybox nc -w 2 {host} {allowed} </dev/null; echo tcp=$?")
+            assert b"tcp=" in again.stdout  # the rules and the route are as they were
+            assert s.exec("busybox ip route").stdout.startswith(b"default via"), r
+    finally:
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        server.close()
+
+
 def test_the_network_policy_follows_the_task_phase(node: Node) -> None:
     """set_network: a sandbox made without network gets one for its setup
     phase, loses it for the agent's (new connects refused, and a connection

@@ -10,6 +10,7 @@ host user, a different one for every sandbox."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -17,9 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from chunkstore import ChunkStore
+from composer.catalog import Catalog
+from composer.convert import convert
 from runtime import Sandbox, idmap
 from runtime.node import Node
-from tests.helpers.sandboxes import IMAGE, busybox_node, runtime_missing
+from tests.helpers.images import build_busybox_rootfs
+from tests.helpers.sandboxes import IMAGE, busybox_node, node_for, runtime_missing
 
 # root (mounts, cgroups) and runc
 pytestmark = [pytest.mark.root, pytest.mark.skipif(runtime_missing() is not None,
@@ -155,6 +160,68 @@ def test_a_snapshot_keeps_the_owners_the_sandbox_saw(node: Node) -> None:
         r = child.exec("stat -c '%n %u:%g' /work/r /work/u /bin/busybox")
         assert r.stdout.decode().split("\n")[:3] == ["/work/r 0:0", "/work/u 1000:100",
                                                      "/bin/busybox 0:0"], r.stdout
+
+
+FILECAP_SOURCE = Path(__file__).parent / "helpers" / "filecap.c"
+CAPS_IMAGE = "caps:1"
+# security.capability, revision 2: CAP_DAC_READ_SEARCH permitted + effective
+CAP_V2 = (0x02000001).to_bytes(4, "little") + (4).to_bytes(4, "little") + bytes(12)
+CAP = b"rev 2 permitted 0x4\n"  # as the root of a sandbox's namespace reads it
+
+
+@pytest.fixture(scope="module")
+def filecap(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc (filecap.c)")
+    out = tmp_path_factory.mktemp("filecap") / "filecap"
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(FILECAP_SOURCE)], check=True,
+                   capture_output=True)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def caps_node(tmp_path_factory: pytest.TempPathFactory, filecap: bytes) -> Iterator[Node]:
+    """A node whose image has a file with a capability (/capcat, a copy of
+    busybox, as an image's ping or an installed tool would carry one)."""
+    d = tmp_path_factory.mktemp("caps")
+    root = build_busybox_rootfs(d / "rootfs")
+    shutil.copyfile(root / "bin" / "busybox", root / "capcat")
+    os.chmod(root / "capcat", 0o755)
+    os.setxattr(root / "capcat", "security.capability", CAP_V2)
+    (root / "filecap").write_bytes(filecap)
+    os.chmod(root / "filecap", 0o755)
+    with ChunkStore.open(d / "store", create=True) as store, Catalog(store) as cat:
+        convert(store, cat, f"dir:{root}", CAPS_IMAGE)
+    with node_for(d / "store", d) as n:
+        yield n
+
+
+def test_a_file_capability_follows_a_snapshot_into_another_range(caps_node: Node) -> None:
+    """A sandbox that touches an image file with a capability copies it up:
+    the kernel writes the capability into the upper for the sandbox's root,
+    by its host id (revision 3, rootid = the range's base). A snapshot
+    records it for the root of whatever sandbox it becomes, so a sandbox made
+    from it (another range) and a fork read the capability the writer read;
+    recorded as written, it named the first sandbox's host root and read as
+    no capability at all (EOVERFLOW) in every other sandbox. A sandbox cannot
+    set one itself (no CAP_SETFCAP: EPERM)."""
+    node = caps_node
+    with Sandbox.create(CAPS_IMAGE, node=node) as sb:
+        assert sb.exec("/filecap get /capcat").stdout == CAP  # control: the image's own
+        r = sb.exec("touch /capcat && /filecap get /capcat && cp /bin/busybox /mine && "
+                    "/filecap set /mine")
+        assert r.stdout == CAP + b"error 1\n", r
+        # as the host reads it: for this range's root
+        raw = os.getxattr(f"/proc/{_init(node, sb)}/root/capcat", "security.capability")
+        assert len(raw) == 24 and int.from_bytes(raw[20:24], "little") == _base(node, sb), raw
+        snap = sb.snapshot()
+        [fork] = sb.fork(1)
+        with fork:
+            assert _base(node, fork) != _base(node, sb)
+            assert fork.exec("/filecap get /capcat").stdout == CAP
+    with Sandbox.create(snap, node=node) as child:
+        assert child.exec("/filecap get /capcat").stdout == CAP
+        assert child.exec("/filecap get /mine").stdout == b"error 61\n"  # none (ENODATA)
 
 
 def test_a_released_range_and_its_namespace_serve_the_next(tmp_path: Path) -> None:

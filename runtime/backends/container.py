@@ -189,6 +189,7 @@ class ContainerBackend:
                     raise BackendUnavailable(f"the state directory's path is too long for a "
                                              f"unix socket: {path}")
                 self._listener = SeccompListener(path, self.denials)
+            assert self._listener.path is not None
             return self._listener.path
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
@@ -352,6 +353,8 @@ class ContainerBackend:
             rootfs.rmdir()
         netpolicy.remove_all(h.id, h.state.net_slot)
         self.denials.forget(h.id)
+        if self._listener is not None:
+            self._listener.forget(h.id)
         ids = h.state.id_range()
         if ids is not None:
             self.ranges.release(ids, h.id)

@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -38,11 +39,12 @@ from lazyfs.node import NodePaths
 
 from .. import cgroups, hostlimits
 from ..config import RuntimeConfig
+from ..denials import DenialLog, SeccompListener
 from ..errors import BackendUnavailable, Unsupported
 from ..files import SandboxFiles
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxSpec
+from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxEvent, SandboxSpec
 from .base import BackendState, Capabilities, Handle, Sink
 
 log = logging.getLogger(__name__)
@@ -81,20 +83,34 @@ def _remove_cgroup(name: str) -> None:
 
 class Worker:
     """A worker process and its own cgroup (`name`), created here and removed
-    by close()."""
+    by close(). With a `listener`, the worker's calls' seccomp listeners go
+    to it over a socket pair made here (its node end is the listener's)."""
 
     def __init__(self, rootfs: Path, init: Path, scratch_mb: int, logfile: Path,
-                 name: str) -> None:
+                 name: str, listener: SeccompListener | None = None) -> None:
         self.cgroup = name
         for d in _cgroup_dirs(name):
             d.mkdir(parents=True, exist_ok=True)
-        with open(logfile, "ab") as log_f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "runtime.backends.fncall_worker", "--root", str(rootfs),
-                 "--init", str(init), "--scratch-mb", str(scratch_mb),
-                 "--cgroup", f"{cgroups.PARENT}/{name}"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_f, cwd=REPO,
-                start_new_session=True)
+        node_end, worker_end = (socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                                if listener else (None, None))
+        notify = ["--notify-fd", str(worker_end.fileno())] if worker_end else []
+        try:
+            with open(logfile, "ab") as log_f:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "runtime.backends.fncall_worker", "--root",
+                     str(rootfs), "--init", str(init), "--scratch-mb", str(scratch_mb),
+                     "--cgroup", f"{cgroups.PARENT}/{name}", *notify],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_f, cwd=REPO,
+                    start_new_session=True,
+                    pass_fds=[worker_end.fileno()] if worker_end else [])
+        except BaseException:
+            if node_end and worker_end:
+                node_end.close()
+                worker_end.close()
+            raise
+        if listener and node_end and worker_end:
+            worker_end.close()  # the worker's now: its end closes when it exits
+            listener.feed(node_end)
         self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=256 << 20)
         self.cleaning = False  # a call returned; its cleanup not yet confirmed
         ready = self._next(START_TIMEOUT)
@@ -129,15 +145,16 @@ class Worker:
                 return False
         return self.proc.poll() is None
 
-    def call(self, req: ExecRequest, spec: SandboxSpec, uid: int, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
+    def call(self, sandbox_id: str, req: ExecRequest, spec: SandboxSpec, uid: int,
+             on_stdout: Sink | None, on_stderr: Sink | None,
+             denials: DenialLog | None = None) -> ExecResult:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(msgpack.packb({
                 "cmd": list(req.cmd), "cwd": req.cwd, "env": req.env, "stdin": req.stdin,
                 "timeout": req.timeout, "max_output": req.max_output_bytes,
                 "memory": spec.memory_mb << 20, "pids": spec.pids, "cpu": spec.cpu,
-                "uid": uid}))
+                "uid": uid, "sandbox": sandbox_id}))
             self.proc.stdin.flush()
         except OSError as e:
             raise BackendUnavailable(f"fncall worker {self.proc.pid} is gone: {e}") from e
@@ -157,10 +174,16 @@ class Worker:
                     err += f"fncall: {msg['err']}\n".encode()
                 code = int(msg["x"])
                 self.cleaning = True
+                oom = bool(msg.get("oom"))
+                if denials is not None:  # the worker's cgroup served this call alone
+                    if oom:
+                        denials.record(sandbox_id, "oom_kill", "memory limit")
+                    if int(msg.get("pf", 0)) > 0:
+                        denials.record(sandbox_id, "process_limit", f"pids={spec.pids}",
+                                       int(msg["pf"]))
                 return ExecResult(exit_code=code, stdout=bytes(out), stderr=bytes(err),
                                   duration=float(msg["d"]), truncated=bool(msg["t"]),
-                                  timed_out=bool(msg["to"]),
-                                  oom_killed=bool(msg.get("oom")) and code == 137)
+                                  timed_out=bool(msg["to"]), oom_killed=oom and code == 137)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -205,15 +228,16 @@ class Pool:
         # node's leftovers from a live one's, whatever its state directory
         name = (f"{backend.prefix}-p{os.getpid()}-{Digest.parse(self.digest).hex[:12]}"
                 f"-{self._serial}")
-        return Worker(self.rootfs, backend.init(), SCRATCH_MB, self.dir / "workers.log", name)
+        return Worker(self.rootfs, backend.init(), SCRATCH_MB, self.dir / "workers.log", name,
+                      backend.listener())
 
     def _spawn(self, backend: FncallBackend) -> None:
         w = self._worker(backend)
         self.workers.append(w)
         self.idle.put(w)
 
-    def call(self, req: ExecRequest, spec: SandboxSpec, uid: int, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
+    def call(self, sandbox_id: str, req: ExecRequest, spec: SandboxSpec, uid: int,
+             on_stdout: Sink | None, on_stderr: Sink | None) -> ExecResult:
         try:
             w = self.idle.get(timeout=WAIT_FOR_WORKER)
         except queue.Empty:
@@ -228,7 +252,7 @@ class Pool:
             w = self._worker(self.backend)
             self.workers.append(w)
         try:
-            r = w.call(req, spec, uid, on_stdout, on_stderr)
+            r = w.call(sandbox_id, req, spec, uid, on_stdout, on_stderr, self.backend.denials)
         except BaseException:
             self.workers.remove(w)
             w.proc.kill()
@@ -314,7 +338,7 @@ Fncall = Handle[FncallState]
 class FncallBackend:
     name = "fncall"
     state_type = FncallState
-    capabilities = Capabilities("fncall", frozenset({"exec", "stream"}),
+    capabilities = Capabilities("fncall", frozenset({"exec", "stream", "events"}),
                                 "stateless calls: fresh restricted process per exec, "
                                 "read-only image, fresh /tmp, no network")
 
@@ -325,11 +349,20 @@ class FncallBackend:
         self._lock = threading.Lock()
         self._init: Path | None = None
         self.prefix = cgroup_prefix(config)
+        self.denials = DenialLog()
+        self._listener: SeccompListener | None = None
 
     def init(self) -> Path:
         if self._init is None:
             self._init = sandbox_init(self.config.bin_dir)
         return self._init
+
+    def listener(self) -> SeccompListener:
+        """The node's end of the calls' seccomp notifications (no socket
+        path: workers get a socket pair each), started with the first pool."""
+        if self._listener is None:  # under self._lock (pools are made there)
+            self._listener = SeccompListener(None, self.denials)
+        return self._listener
 
     def _pool(self, image: ResolvedImage) -> Pool:
         """The pool of the image's digest; made (mounting by digest) the
@@ -348,8 +381,14 @@ class FncallBackend:
              on_stderr: Sink | None) -> ExecResult:
         # each sandbox's calls run as a uid of its own: the kernel's per-user
         # budgets (inotify instances and watches) are the sandbox's
-        return self._pool(h.image).call(req, h.spec, hostlimits.fncall_uid(h.id), on_stdout,
-                                        on_stderr)
+        return self._pool(h.image).call(h.id, req, h.spec, hostlimits.fncall_uid(h.id),
+                                        on_stdout, on_stderr)
+
+    def events(self, h: Fncall) -> list[SandboxEvent]:
+        """What the sandbox's calls were refused: denied system calls
+        (answered by the node, runtime/denials.py), OOM kills and forks
+        refused at the pids limit."""
+        return self.denials.events(h.id)
 
     def files(self, h: Fncall) -> SandboxFiles:
         raise Unsupported("fncall sandboxes are stateless: pass data through stdin/stdout")
@@ -361,7 +400,10 @@ class FncallBackend:
         raise Unsupported("fncall sandboxes cannot resume")
 
     def kill(self, h: Fncall) -> None:
-        pass  # nothing of a call outlives it; the pool stays warm for others
+        # nothing of a call outlives it; the pool stays warm for others
+        self.denials.forget(h.id)
+        if self._listener is not None:
+            self._listener.forget(h.id)
 
     def status(self, h: Fncall) -> str:
         return "running" if self._pools else "stopped"
@@ -371,3 +413,6 @@ class FncallBackend:
             for p in self._pools.values():
                 p.close()
             self._pools.clear()
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None

@@ -10,8 +10,10 @@ and the worker trust each other, the output does not):
     limits of the calling sandbox written to the worker's cgroup
     vfork + exec of `sandbox-init call` (a copy in a root-owned /tmp/.lazyfs),
     which joins the cgroup → new PID namespace → rlimits → Landlock (read-only
-    image, writable /tmp, no TCP) → no_new_privs → seccomp → the sandbox's uid →
-    the command (PID 1 of its namespace); in C, so no Python runs in the
+    image, writable /tmp, no TCP) → no_new_privs → seccomp (with --notify-fd:
+    a notifying filter whose listener sandbox-init sends, with the sandbox's
+    id, over that socket to the node, runtime/denials.py) → the sandbox's uid
+    → the command (PID 1 of its namespace); in C, so no Python runs in the
     child and the fork is a vfork
     after it: every process left in the cgroup (a setsid'd child escapes any
     process group, never the cgroup) is killed; /tmp is emptied; a worker that
@@ -19,8 +21,9 @@ and the worker trust each other, the output does not):
     replaces it) rather than serve the next call dirty.
 
 Frames: request {cmd, cwd, env, stdin, timeout, max_output, memory, pids,
-cpu, uid}; answers {"o": bytes} / {"e": bytes} while it runs, then {"x":
-exit_code, "d": duration, "t": truncated, "to": timed_out, "oom": bool}.
+cpu, uid, sandbox}; answers {"o": bytes} / {"e": bytes} while it runs, then
+{"x": exit_code, "d": duration, "t": truncated, "to": timed_out, "oom": bool,
+"pf": forks refused at the pids limit}.
 """
 
 from __future__ import annotations
@@ -110,6 +113,17 @@ class Cgroup:
             if state not in (b"Z", b"X"):
                 out.append(int(pid))
         return out
+
+    def fork_refusals(self) -> int:
+        fd = os.open("pids.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.pids_dir)
+        try:
+            text = os.read(fd, 4096).decode()
+        finally:
+            os.close(fd)
+        for line in text.splitlines():
+            if line.startswith("max "):
+                return int(line.split()[1])
+        return 0
 
     def oom_kills(self) -> int:
         for line in self._read(self.oom).splitlines():
@@ -214,33 +228,40 @@ def _rmdir_shallow(path: str, depth: int = 0) -> None:
 
 
 class Call:
-    def __init__(self, req: dict[str, Any], cgroup: Cgroup, seccomp_fd: int) -> None:
+    def __init__(self, req: dict[str, Any], cgroup: Cgroup, seccomp_fd: int,
+                 notify_fd: int | None) -> None:
         self.req = req
         self.cgroup = cgroup
         self.seccomp_fd = seccomp_fd
+        self.notify_fd = notify_fd
 
     def _stop(self) -> None:
         self.cgroup.kill_all()
 
     def run(self, out: Any) -> None:
         self.cgroup.limit(self.req["memory"], self.req["pids"], self.req["cpu"])
-        ooms = self.cgroup.oom_kills()
+        ooms, forks = self.cgroup.oom_kills(), self.cgroup.fork_refusals()
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
                **self.req["env"]}
         joins = [a for fd in self.cgroup.join_fds for a in ("-j", str(fd))]
-        argv = [INIT, "call", *joins, "-s", str(self.seccomp_fd),
+        notify = ([] if self.notify_fd is None or not self.req.get("sandbox") else
+                  ["-N", str(self.notify_fd), "-k", str(self.req["sandbox"])])
+        argv = [INIT, "call", *joins, "-s", str(self.seccomp_fd), *notify,
                 "-t", str(int(self.req["timeout"]) + 1), "-u", str(self.req.get("uid", NOBODY)),
                 "-r", "/", "-w", "/tmp", "-c", self.req.get("cwd") or "/tmp", "--",
                 *self.req["cmd"]]
         proc = subprocess.Popen(argv, env=env, cwd="/", stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=(*self.cgroup.join_fds, self.seccomp_fd))
+                                pass_fds=(*self.cgroup.join_fds, self.seccomp_fd,
+                                          *([self.notify_fd] if self.notify_fd is not None
+                                            and notify else [])))
         res = procio.run(proc, stdin=self.req["stdin"], timeout=self.req["timeout"],
                          max_output=self.req["max_output"], stop=self._stop,
                          on_stdout=lambda b: out({"o": b}), on_stderr=lambda b: out({"e": b}))
         code = res.returncode if res.returncode >= 0 else 128 - res.returncode  # as shells show
         out({"x": code, "d": res.duration, "t": res.truncated,
-             "to": res.timed_out, "oom": self.cgroup.oom_kills() > ooms})
+             "to": res.timed_out, "oom": self.cgroup.oom_kills() > ooms,
+             "pf": self.cgroup.fork_refusals() - forks})
 
 
 def main() -> None:
@@ -250,12 +271,15 @@ def main() -> None:
     ap.add_argument("--cgroup", required=True, help="cgroup name under each controller")
     ap.add_argument("--cgroup-root", default="/sys/fs/cgroup")
     ap.add_argument("--scratch-mb", type=int, default=64)
+    ap.add_argument("--notify-fd", type=int, default=None,
+                    help="a socket to the node's seccomp listener (denials become events)")
     args = ap.parse_args()
     with open(args.init, "rb") as f:  # copied into the worker's /tmp after the chroot
         init_binary = f.read()
     cgroup = Cgroup(args.cgroup_root, args.cgroup)
     seccomp_fd = os.memfd_create("lazyfs-seccomp", os.MFD_CLOEXEC)
-    os.write(seccomp_fd, seccomp.Compiled().code)  # libseccomp, before the chroot hides it
+    # libseccomp, before the chroot hides it
+    os.write(seccomp_fd, seccomp.Compiled(notify=args.notify_fd is not None).code)
     setup(args.root, args.scratch_mb, init_binary)
     rx, tx = sys.stdin.buffer, sys.stdout.buffer
     packer = msgpack.Packer()
@@ -273,7 +297,7 @@ def main() -> None:
         unpacker.feed(data)
         for req in unpacker:
             try:
-                Call(req, cgroup, seccomp_fd).run(out)
+                Call(req, cgroup, seccomp_fd, args.notify_fd).run(out)
             except Exception as e:  # noqa: BLE001 - one bad call must not end the worker
                 out({"x": 127, "d": 0.0, "t": False, "to": False, "oom": False, "err": str(e)})
             try:  # never hand a dirty cgroup or /tmp to the next call

@@ -28,8 +28,8 @@
  *                                     -n: enter the network namespace open at FD
  *                                     (a VM's QEMU: its tap and rules are there).
  *
- *   sandbox-init call [-j FD]... [-s FD] [-t SECS] [-u ID] [-r PATH]... [-w PATH]...
- *                     [-c DIR] -- ARGV...
+ *   sandbox-init call [-j FD]... [-s FD] [-N FD -k KEY] [-t SECS] [-u ID] [-r PATH]...
+ *                     [-w PATH]... [-c DIR] -- ARGV...
  *                                     (fncall) restrict itself, then as exec:
  *                                     join the cgroups whose cgroup.procs are
  *                                     open at FD, new PID namespace for the
@@ -37,6 +37,12 @@
  *                                     write -w, no TCP, scoped signals and
  *                                     abstract sockets), no_new_privs, the
  *                                     seccomp BPF program at FD, uid/gid ID.
+ *                                     -N: the program notifies: the filter's
+ *                                     listener descriptor is sent, with KEY
+ *                                     (the sandbox's id), over the socket at
+ *                                     FD to the node (runtime/denials.py) and
+ *                                     closed here, before the command starts:
+ *                                     no process of the call ever holds it.
  *                                     Done here, in C, so the worker can start
  *                                     calls with vfork (no Python in the child).
  *
@@ -483,14 +489,39 @@ static void landlock(char **ro, int nro, char **rw, int nrw) {
     close(fd);
 }
 
-static void seccomp_from(int fd) {
+/* The listener of a notifying filter goes to the node, never further: if
+ * the send fails (the node's end is gone), it is closed all the same and the
+ * kernel answers every denied call ENOSYS: refused, not recorded. */
+static void hand_listener(int sock, int listener, const char *key) {
+    char cbuf[CMSG_SPACE(sizeof listener)];
+    memset(cbuf, 0, sizeof cbuf);
+    struct iovec iov = {(void *)key, strlen(key)};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                        .msg_controllen = sizeof cbuf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof listener);
+    memcpy(CMSG_DATA(c), &listener, sizeof listener);
+    if (sendmsg(sock, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+        perror("sandbox-init: denials will not be recorded");
+    close(listener);
+    close(sock);
+}
+
+static void seccomp_from(int fd, int notify_sock, const char *key) {
     struct stat st;
     if (fstat(fd, &st) != 0 || st.st_size <= 0 || st.st_size % sizeof(struct sock_filter))
         die("seccomp program");
     struct sock_filter *code = malloc(st.st_size);
     if (!code || pread(fd, code, st.st_size, 0) != st.st_size) die("seccomp program");
     struct sock_fprog prog = {(unsigned short)(st.st_size / sizeof(struct sock_filter)), code};
-    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0) != 0) die("seccomp");
+    if (notify_sock >= 0) {
+        int listener = (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
+                                    SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+        if (listener < 0) die("seccomp");
+        hand_listener(notify_sock, listener, key ? key : "");
+    } else if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0) != 0) die("seccomp");
     free(code);
     close(fd);
 }
@@ -506,6 +537,8 @@ int main(int argc, char **argv) {
     int i = 2;
     const char *cwd = NULL;
     int idle = 0, listen_fd = -1, netns_fd = -1, njoin = 0, nro = 0, nrw = 0, seccomp_fd = -1, uid = -1;
+    int notify_fd = -1;
+    const char *key = NULL;
     long cpu = -1;
     int join[MAX_OPT];
     char *ro[MAX_OPT], *rw[MAX_OPT];
@@ -517,6 +550,8 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "-j") == 0 && more && njoin < MAX_OPT) join[njoin++] = atoi(argv[++i]);
         else if (strcmp(argv[i], "-n") == 0 && more) netns_fd = atoi(argv[++i]);
         else if (strcmp(argv[i], "-s") == 0 && more) seccomp_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "-N") == 0 && more) notify_fd = atoi(argv[++i]);
+        else if (strcmp(argv[i], "-k") == 0 && more) key = argv[++i];
         else if (strcmp(argv[i], "-t") == 0 && more) cpu = atol(argv[++i]);
         else if (strcmp(argv[i], "-u") == 0 && more) uid = atoi(argv[++i]);
         else if (strcmp(argv[i], "-r") == 0 && more && nro < MAX_OPT) ro[nro++] = argv[++i];
@@ -536,7 +571,8 @@ int main(int argc, char **argv) {
             setrlimit(RLIMIT_CPU, &c);
         }
         landlock(ro, nro, rw, nrw);
-        if (seccomp_fd >= 0) seccomp_from(seccomp_fd);
+        if (seccomp_fd >= 0) seccomp_from(seccomp_fd, notify_fd, key);
+        else if (notify_fd >= 0) close(notify_fd);
         if (uid >= 0) {
             if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0) die("uid");
         }

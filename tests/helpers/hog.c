@@ -2,6 +2,7 @@
  * lets it (tests/test_sandbox_limits.py copies a static build into a sandbox).
  *
  *   hog files|inotify|watches|denied PROCS
+ *   hog calls
  *
  * forks PROCS children; each takes open files (open /dev/null), inotify
  * instances (inotify_init1) or inotify watches (one instance, a watch on each
@@ -9,7 +10,10 @@
  * and reports "N ERRNO" on one line; denied: each calls mount(2) (denied by
  * the sandbox's seccomp policy) in a loop for DENIED_S seconds and reports how
  * many calls came back. Once all have reported, the parent prints
- * "total N" and the children keep what they took until the sandbox goes. */
+ * "total N" and the children keep what they took until the sandbox goes.
+ * calls: one each of mount, unshare, bpf, keyctl (all denied by the seccomp
+ * policy), a line "NAME ERRNO" per call, "fds N" (descriptors open beyond
+ * stdin, stdout and stderr), then "alive". */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -18,6 +22,8 @@
 #include <string.h>
 #include <sys/inotify.h>
 #include <sys/mount.h>
+#include <sched.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -61,7 +67,28 @@ static long take(const char *what, int child, int *err) {
     return n;
 }
 
+static int calls(void) {
+    long r;
+    r = mount("x", "/mnt", "tmpfs", 0, NULL);
+    printf("mount %d\n", r ? errno : 0);
+    r = unshare(CLONE_NEWNS);
+    printf("unshare %d\n", r ? errno : 0);
+    char attr[128] = {0};
+    unsigned int *a = (unsigned int *)attr;
+    a[0] = 2; a[1] = 4; a[2] = 4; a[3] = 1;   /* BPF_MAP_TYPE_ARRAY, key 4, value 4, 1 entry */
+    r = syscall(SYS_bpf, 0 /* BPF_MAP_CREATE */, attr, sizeof attr);
+    printf("bpf %d\n", r < 0 ? errno : 0);
+    r = syscall(SYS_keyctl, 0 /* KEYCTL_GET_KEYRING_ID */, -3 /* session */, 0);
+    printf("keyctl %d\n", r < 0 ? errno : 0);
+    int open_fds = 0;   /* beyond stdio: the seccomp listener must not be among them */
+    for (int fd = 3; fd < 1024; fd++) open_fds += fcntl(fd, F_GETFD) >= 0;
+    printf("fds %d\n", open_fds);
+    printf("alive\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 2 && !strcmp(argv[1], "calls")) return calls();
     if (argc != 3) { fprintf(stderr, "usage: hog files|inotify|watches|denied PROCS\n"); return 2; }
     int procs = atoi(argv[2]);
     int report[2];
