@@ -12,12 +12,14 @@ memory.stat / memory.events / memory.reclaim; that port is not written yet
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import math
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +170,29 @@ def set_cpu_idle(sandbox_id: str) -> bool:
             return False
         raise
     return True
+
+
+@contextlib.contextmanager
+def cpu_unidled(sandbox_id: str) -> Iterator[None]:
+    """The sandbox's cpu group at its normal weight for the duration: freezing
+    and dying need each of its processes to run once, and an idle group on a
+    node whose cores are all taken gets next to no CPU, so a pause or kill
+    would wait on the busy sandboxes. Its idle class is back afterwards
+    (frozen tasks do not run; a group being removed is left alone)."""
+    f = path("cpu", sandbox_id) / "cpu.idle"
+    lifted = False
+    try:
+        if f.read_text().strip() == "1":
+            f.write_text("0")
+            lifted = True
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        if lifted:
+            with contextlib.suppress(OSError):
+                f.write_text("1")
 
 
 def cpu_idle(sandbox_id: str) -> bool:

@@ -5,12 +5,15 @@ the exact figures)."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runtime import Sandbox, cgroups
+from runtime.errors import SandboxNotFound
 from runtime.node import Node
 from tests.helpers.qos import (
     Inflation,
@@ -54,3 +57,32 @@ def test_best_effort_hogs_leave_a_latency_sandbox_its_speed(node: Node, tmp_path
     assert contended.mean > 1.5, f"the hogs did not load the node: {contended}"
     assert protected.mean < 1.3, f"best-effort hogs slowed the latency sandbox: {protected}"
     assert protected.mean < contended.mean / 1.4, (protected, contended)
+
+
+def test_a_starved_best_effort_sandbox_still_pauses_and_dies_promptly(node: Node) -> None:
+    """Freezing and dying need the sandbox's processes to run once; an idle
+    group on a node whose cores are all taken gets next to no CPU, so a
+    pause or kill used to wait on the busy sandboxes (a best-effort pause
+    failed "unable to freeze" on a loaded node)."""
+    victims = [Sandbox.create(IMAGE, node=node, qos="best_effort", cpu=1) for _ in range(2)]
+    try:
+        for sb in victims:  # several processes to freeze and to kill
+            r = sb.exec("for i in 1 2 3 4 5 6 7 8; do sleep 600 >/dev/null 2>&1 & done; echo started")
+            assert r.stdout.strip() == b"started", r
+        with hogs(IMAGE, node, hog_count(), "latency"):
+            time.sleep(1)  # the hogs take the cores
+            t0 = time.monotonic()
+            victims[0].pause()
+            paused_s = time.monotonic() - t0
+            assert victims[0].refresh().state == "paused"
+            victims[0].resume()
+            assert cgroups.cpu_idle(victims[0].id), "resume left the sandbox out of its class"
+            t0 = time.monotonic()
+            victims[1].kill()
+            kill_s = time.monotonic() - t0
+    finally:
+        for sb in victims:
+            with contextlib.suppress(SandboxNotFound):
+                sb.kill()
+    assert paused_s < 5.0, f"pausing a starved best-effort sandbox took {paused_s:.1f} s"
+    assert kill_s < 5.0, f"killing a starved best-effort sandbox took {kill_s:.1f} s"

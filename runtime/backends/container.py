@@ -336,9 +336,10 @@ class ContainerBackend:
         # `runc delete --force` sleeps 100 ms after its SIGKILL; killing init
         # ourselves (the whole PID namespace goes with it) and then deleting
         # the stopped container takes a few ms.
-        if self.runc is not None and (not self._kill_init(h) or self._runc(
-                "delete", h.id, check=False).returncode):
-            self._runc("delete", "--force", h.id, check=False)
+        with cgroups.cpu_unidled(h.id):
+            if self.runc is not None and (not self._kill_init(h) or self._runc(
+                    "delete", h.id, check=False).returncode):
+                self._runc("delete", "--force", h.id, check=False)
         cgroups.remove_empty(h.id)
         rootfs = h.state.rootfs or h.dir / "rootfs"
         if h.state.held or sysmount.is_mount_point(rootfs):
@@ -457,7 +458,8 @@ class ContainerBackend:
     def pause(self, h: Container) -> dict[str, Any]:
         before = cgroups.memory_figures(h.id)
         t0 = time.monotonic()
-        self._runc("pause", h.id)
+        with cgroups.cpu_unidled(h.id):
+            self._runc("pause", h.id)
         frozen = time.monotonic()
         cgroups.reclaim(h.id)
         after = cgroups.memory_figures(h.id)
@@ -476,9 +478,10 @@ class ContainerBackend:
         freezer = cgroups.path("freezer", h.id) / "freezer.state"
         was_frozen = freezer.read_text().strip() == "FROZEN"
         if not was_frozen:
-            freezer.write_text("FROZEN")
-            while freezer.read_text().strip() == "FREEZING":
-                time.sleep(0.001)
+            with cgroups.cpu_unidled(h.id):
+                freezer.write_text("FROZEN")
+                while freezer.read_text().strip() == "FREEZING":
+                    time.sleep(0.001)
         try:
             yield (rw or self._rw(h)) / "upper"
         finally:
