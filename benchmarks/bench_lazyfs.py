@@ -50,6 +50,13 @@ per-node overlay fixup layer removed, so nothing of the image is on the node.
    image's layers (daemon stats), beside the reference system's figures
    (C++ 8.7 %, Go 13.3 %, Python 6.0 %). Go is not in the image (nor on this
    machine, which has no Go toolchain offline), so it is not measured.
+5. Second cold start with an automatic trace (lazyfs.autotrace): each
+   COLD_COMMANDS workload once on a cold node with no trace (the daemon
+   records one and stores it at the unmount), then on a fresh cold node
+   that replays it from the mount on while the command runs, then warm (a
+   new mount on the warm node); medians of --repeats. Sections 1-4 run with
+   automatic traces off (--auto-trace-seconds 0): a cold node there has
+   nothing of the image, its trace included. `--sections 5` runs only this.
 
 Prints one table per section, writes benchmarks/results/lazyfs.json and, if
 matplotlib imports, benchmarks/results/lazyfs_coldstart.png. Needs root,
@@ -93,6 +100,7 @@ from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
 from composer.catalog import Catalog
 from composer.compose import overlay_fixups
+from composer.remote import trace_key
 from lazyfs.mounts import write_fixups
 from lazyfs.node import NodePaths, request
 
@@ -168,13 +176,34 @@ class Node:
     mounts: list[Path] = field(default_factory=list)
     fixup_workaround: bool = False
     problems: list[str] = field(default_factory=list)
+    # automatic traces (lazyfs.autotrace): off in sections 1-4, which
+    # measure a node that has nothing of the image, trace included
+    auto_trace: bool = False
 
     def cli(self, *args: str | Path) -> subprocess.CompletedProcess[str]:
         return run([LAZYFS, "--store", self.store, *args])
 
     def start(self) -> None:
         self.cli("daemon", "--root", self.paths.root, "--cache", self.cache,
-                 "--cache-size", "8G", "--detach")
+                 "--cache-size", "8G", "--detach",
+                 *([] if self.auto_trace else ["--auto-trace-seconds", "0"]))
+
+    def drop_trace(self, name: str) -> None:
+        """Remove the image's stored trace (the store's traces/ object)."""
+        (self.store / trace_key(image_layers(self.store, name)[0])).unlink(missing_ok=True)
+
+    def wait_trace(self, digest: str, states: set[str], timeout: float = 120.0
+                   ) -> dict[str, Any]:
+        """The daemon's stats once the image's trace is in one of `states`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            state = st.get("auto_traces", {}).get(digest, {}).get("state")
+            if state in states:
+                return st
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"trace of {digest}: {state}, not {sorted(states)}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Unmount every composed mount (they hold the daemon's trees), then the daemon."""
@@ -587,6 +616,93 @@ class Bench:
                f"`lazyfs --version` alone takes {cli_s:.2f} s (CLI start, in both setups)"],
             left=2))
 
+    # 5 ---------------------------------------------------------------------------
+    def traced(self) -> None:
+        """A second cold start of the same workload on a fresh node, with the
+        trace the first one stored (automatic, no flag), against the first
+        cold start and the warm run, in the same run."""
+        out: dict[str, Any] = {}
+        rows: list[list[str]] = []
+        self.node.auto_trace = True
+        try:
+            for name, cmd in COLD_COMMANDS.items():
+                log(f"traced cold start: {name}: {cmd}")
+                digest, layers, data_bytes = image_layers(self.store, name)
+                mnt = self.work / f"traced-{name}"
+                samples: list[dict[str, Any]] = []
+                for r in range(self.args.repeats):
+                    s: dict[str, Any] = {}
+                    # first use: no trace in the store; it records one
+                    self.node.drop_trace(name)
+                    self.node.restart_cold(name)
+                    t0 = time.perf_counter()
+                    self.node.mount(name, mnt)
+                    _, expected = chroot(mnt, sh(cmd))
+                    s["first_s"] = time.perf_counter() - t0
+                    s["first_fetched_bytes"] = self.node.stats()["cache"]["fetched_bytes"]
+                    self.node.umount(mnt)
+                    st = self.node.wait_trace(digest, {"saved"})
+                    s["trace_events"] = st["auto_traces"][digest]["events"]
+                    # a fresh node: the trace is replayed from the mount on
+                    self.node.restart_cold(name)
+                    t0 = time.perf_counter()
+                    s["second_mount_s"] = self.node.mount(name, mnt)
+                    s["second_cmd_s"], got = chroot(mnt, sh(cmd))
+                    s["second_s"] = time.perf_counter() - t0
+                    touch = self.node.image_touch(layers)
+                    st = self.node.wait_trace(digest, {"prefetched"})
+                    s["touched_bytes"] = touch["touched_bytes"]
+                    s["fetched_bytes"] = st["cache"]["fetched_bytes"]  # prefetch + misses
+                    s["prefetched_chunks"] = st["auto_traces"][digest]["chunks"]
+                    # warm: the same command again, then a new mount of it
+                    s["warm_cmd_s"], _ = chroot(mnt, sh(cmd))
+                    self.node.umount(mnt)
+                    t0 = time.perf_counter()
+                    s["warm_mount_s"] = self.node.mount(name, mnt)
+                    _, again = chroot(mnt, sh(cmd))
+                    s["warm_s"] = time.perf_counter() - t0
+                    self.node.umount(mnt)
+                    if not got == again == expected:
+                        raise RuntimeError(f"{name}: traced run {r} printed {got!r} / "
+                                           f"{again!r}, not {expected!r}")
+                    samples.append(s)
+                    log(f"  run {r}: first {s['first_s']:.2f} s, second {s['second_s']:.2f} s,"
+                        f" warm {s['warm_s']:.2f} s; fetched {s['fetched_bytes'] / MB:.1f} MB"
+                        f" for {s['touched_bytes'] / MB:.1f} MB touched")
+
+                def med(key: str, ss: list[dict[str, Any]] = samples) -> float:
+                    return float(statistics.median(x[key] for x in ss))
+                o = out[name] = {
+                    "command": cmd, "image_bytes": data_bytes, "samples": samples,
+                    **{k: med(k) for k in samples[0]},
+                }
+                o["second_over_warm"] = o["second_s"] / o["warm_s"]
+                o["second_cmd_over_warm_cmd"] = o["second_cmd_s"] / o["warm_cmd_s"]
+                o["first_over_warm"] = o["first_s"] / o["warm_s"]
+                o["fetched_over_touched"] = (o["fetched_bytes"] / o["touched_bytes"]
+                                             if o["touched_bytes"] else 0.0)
+                rows.append([name, f2(o["first_s"]), f2(o["second_s"]), f2(o["warm_s"]),
+                             f2(o["second_over_warm"]), f2(o["first_over_warm"]),
+                             f"{o['second_cmd_s']:.3f}", f"{o['warm_cmd_s']:.3f}",
+                             f1(o["touched_bytes"] / MB), f1(o["fetched_bytes"] / MB),
+                             f2(o["fetched_over_touched"])])
+        finally:
+            self.node.auto_trace = False
+            self.node.restart_cold()
+        self.results["traced"] = out
+        self.tables.append(table(
+            f"5. Second cold start with the stored trace (medians of {self.args.repeats})",
+            ["image", "first cold s", "second cold s", "warm s", "second/warm",
+             "first/warm", "second cmd s", "warm cmd s", "touched MB", "fetched MB",
+             "fetched/touched"], rows,
+            [("first = mount + command on a cold node with no trace (it records one); "
+             "second = the same on a fresh cold node (daemon restarted, node cache emptied, "
+             "page cache dropped) that replays the stored trace from the mount on, "
+             "concurrently with the command; warm = a new mount + the command on the warm "
+             "node; each includes the CLI's mount"),
+             ("targets: second/warm <= 1.2, fetched/touched <= 1.2 (fetched = prefetch + "
+             "what the command still missed)")]))
+
     # 2 ---------------------------------------------------------------------------
     def sequential(self) -> None:
         size = self.args.big_mb * MiB
@@ -781,6 +897,8 @@ class Bench:
         plt = pyplot()
         if plt is None:
             return NO_PLOT
+        if "cold_start" not in self.results:
+            return "no plot: section 1 (cold start) was not run"
         cs = self.results["cold_start"]
         names = list(cs)
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -824,6 +942,8 @@ def main() -> None:
     ap.add_argument("--warm-repeats", type=int, default=3, help="sequential-read runs per row")
     ap.add_argument("--meta-repeats", type=int, default=5, help="metadata runs per side")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
+    ap.add_argument("--sections", default="1,2,3,4,5",
+                    help="which sections to run (comma-separated numbers)")
     ap.add_argument("--json", type=Path, default=HERE / "results/lazyfs.json")
     ap.add_argument("--plot", type=Path, default=HERE / "results/lazyfs_coldstart.png")
     args = ap.parse_args()
@@ -855,10 +975,11 @@ def main() -> None:
         for name in ("minbase", "dev"):
             log(f"converting debian-{name}")
             converts[name] = bench.convert(CACHE_ROOT / f"debian-{name}", name)
-        bench.cold_start()
-        bench.sequential()
-        bench.metadata()
-        bench.touched()
+        sections = {int(x) for x in args.sections.split(",") if x.strip()}
+        for n, fn in ((1, bench.cold_start), (2, bench.sequential), (3, bench.metadata),
+                      (4, bench.touched), (5, bench.traced)):
+            if n in sections:
+                fn()
     finally:
         try:
             node.stop()

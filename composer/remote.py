@@ -35,11 +35,17 @@ log = logging.getLogger(__name__)
 _IMAGES = "images/"
 _IMAGE_SUFFIX = ".json"
 _TAGS = "tags/"
+_TRACES = "traces/"
 
 
 def image_key(digest: str) -> str:
     """The object key of an image record."""
     return f"{_IMAGES}{Digest.parse(digest).key()}{_IMAGE_SUFFIX}"
+
+
+def trace_key(digest: str) -> str:
+    """The object key of an image's access trace (lazyfs.autotrace)."""
+    return f"{_TRACES}{Digest.parse(digest).key()}{_IMAGE_SUFFIX}"
 
 
 def tag_key(name: str) -> str:

@@ -20,6 +20,10 @@ Control requests (one JSON object per line, one answer each):
     {"op": "prefetch", "events": [...]}  -> {"ok": true, "queued": n} (runs in the background)
     {"op": "drop_cache"}                 -> {"ok": true} (empties the node cache)
     {"op": "forget_mount", "mount": M}   -> {"ok": true} (drop an unmounted mount's counters)
+    {"op": "mounted", "image": D, "mount": M}
+                                         -> {"ok": true, "trace": state} (a composed mount of
+                                            image D was made: record or replay its trace,
+                                            lazyfs.autotrace)
 
 With `--metrics-listen HOST:PORT` the daemon also answers GET /metrics over
 HTTP there (lazyfs.metrics; no token: bind it where only the operator's
@@ -55,8 +59,10 @@ import trio
 from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
 from chunkstore.errors import LazyfsError
+from chunkstore.objects import ObjectStore, PosixObjectStore
 
 from . import erofsmounts, logs, metrics, sysmount
+from .autotrace import AutoTraces
 from .errors import ConfigError, DaemonError
 from .fetch import FetchEngine
 from .fs import FIRST_BASE, LazyFS
@@ -206,6 +212,8 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
                                         else None),
                     options, Attribution(paths))
         fs.source = cluster_url or str(Path(store_path or "").absolute())
+        fs.traces = AutoTraces(_trace_objects(catalog, store_path), catalog, fs.fetch,
+                               options.auto_trace_seconds)
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
                                                "allow_other"}
         pyfuse3.init(fs, str(paths.mnt), opts)
@@ -215,6 +223,19 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
             pyfuse3.close(unmount=True)
             for p in (paths.control, paths.pidfile):
                 p.unlink(missing_ok=True)
+
+
+def _trace_objects(catalog: object, store_path: Path | None) -> ObjectStore | None:
+    """Where images' access traces live: the cluster store's objects (they
+    travel with the image to every node), else the local store's directory
+    (the same keys: STORE/traces/...; lazyfs.autotrace)."""
+    from composer.remote import ClusterCatalog
+    if isinstance(catalog, ClusterCatalog):
+        return catalog.cluster.objects
+    if store_path is None:
+        return None
+    root = Path(store_path).absolute()
+    return PosixObjectStore(f"posix://{root}", root)
 
 
 def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
@@ -238,7 +259,8 @@ def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
     opts = Options(fetch_threads=spec.fetch_threads, fetch_timeout=spec.fetch_timeout,
                    readahead_chunks=spec.readahead_chunks, keep_cache=spec.keep_cache,
                    cache_timeout=spec.cache_timeout, inline_fetch_bytes=spec.inline_fetch_bytes,
-                   keep_local_reads=spec.keep_local_reads)
+                   keep_local_reads=spec.keep_local_reads,
+                   auto_trace_seconds=spec.auto_trace_seconds)
     with erofsmounts.locked(spec.paths):  # layer mounts a crashed daemon left, unused now
         erofsmounts.release_unused(spec.paths)
     run(spec.paths, spec.store, spec.cache_dir, size, cluster_url=spec.cluster, options=opts,
@@ -368,6 +390,8 @@ async def _control_conn(fs: LazyFS, paths: NodePaths, stream: trio.SocketStream)
 def _stats(fs: LazyFS) -> dict[str, Any]:
     snap = fs.fetch.tracer.snapshot()
     st = fs.fetch.cache.stats
+    if fs.traces is not None:
+        snap["auto_traces"] = fs.traces.snapshot()
     snap["cache"] = {"bytes": fs.fetch.cache.size, "capacity": fs.fetch.cache.capacity,
                      "chunks": len(fs.fetch.cache), "hits": st.hits, "misses": st.misses,
                      "waits": st.waits, "fetched_bytes": st.fetched_bytes,
@@ -443,7 +467,17 @@ async def _answer(fs: LazyFS, paths: NodePaths, line: bytes) -> dict[str, Any]:
         return {"ok": True, "queued": len(events)}
     if op == "forget_mount":
         fs.fetch.tracer.forget_mount(str(req.get("mount")))
+        if fs.traces is not None:
+            fs.traces.unmounted(str(req.get("mount")))
         return {"ok": True}
+    if op == "mounted":
+        if fs.traces is None:
+            return {"ok": True, "trace": "off"}
+        try:
+            state = await fs.traces.mounted(req.get("image"), str(req.get("mount")))
+        except ValueError as e:
+            return {"ok": False, "error": str(e)}
+        return {"ok": True, "trace": state}
     if op == "drop_cache":
         fs.fetch.drop_hot()
         await trio.to_thread.run_sync(fs.fetch.cache.clear)

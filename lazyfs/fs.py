@@ -31,6 +31,7 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyfuse3
 
@@ -42,6 +43,9 @@ from .fetch import BlobReader, FetchEngine, FileReader
 from .layers import Layers
 from .options import Options
 from .tree import LayerTree
+
+if TYPE_CHECKING:
+    from .autotrace import AutoTraces
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class LazyFS(pyfuse3.Operations):
         self._next_fh = 1
         self.started = time.time()
         self.source = ""  # what it serves from (local store path or cluster URL)
+        self.traces: AutoTraces | None = None  # automatic traces (the daemon sets them)
 
     # -- layers ---------------------------------------------------------------
 

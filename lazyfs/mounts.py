@@ -284,7 +284,19 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
             if isinstance(e, MountError):
                 raise
             raise MountError(f"cannot mount {name} on {mountpoint}: {e}") from e
+    _announce(paths, digest, mountpoint)
     return ComposedMount(mountpoint, digest, list(image.layers), writable, use_kernel)
+
+
+def _announce(paths: NodePaths, digest: str, mountpoint: Path) -> None:
+    """Tell the daemon a root of the image is up, so it records the image's
+    first use or prefetches its stored trace (lazyfs.autotrace). Best
+    effort: a daemon that cannot answer costs the mount nothing."""
+    try:
+        request(paths, {"op": "mounted", "image": digest, "mount": str(mountpoint)},
+                timeout=2.0)
+    except (OSError, DaemonError) as e:
+        log.debug("daemon not told of the mount of %s on %s: %s", digest, mountpoint, e)
 
 
 def _kernel_ready(paths: NodePaths, catalog: ImageCatalog, name: str, layers: list[str],

@@ -175,6 +175,7 @@ class DaemonSpec:
     verbose: int = 0
     inline_fetch_bytes: int = Options.inline_fetch_bytes
     keep_local_reads: bool = Options.keep_local_reads
+    auto_trace_seconds: float = Options.auto_trace_seconds
     metrics_listen: str | None = None  # HOST:PORT of GET /metrics (lazyfs.metrics)
 
     def metrics_address(self) -> tuple[str, int] | None:
@@ -214,7 +215,8 @@ class DaemonSpec:
                 "--cache-timeout", repr(self.cache_timeout),
                 "--keep-cache" if self.keep_cache else "--no-keep-cache",
                 "--inline-fetch-bytes", str(self.inline_fetch_bytes),
-                "--keep-local-reads" if self.keep_local_reads else "--no-keep-local-reads"]
+                "--keep-local-reads" if self.keep_local_reads else "--no-keep-local-reads",
+                "--auto-trace-seconds", repr(self.auto_trace_seconds)]
         args += ["--cluster", self.cluster] if self.cluster else ["--store", str(self.store)]
         if self.prefetch is not None:
             args += ["--prefetch", str(self.prefetch.absolute())]
@@ -243,6 +245,7 @@ class DaemonSpec:
         p.add_argument("--inline-fetch-bytes", type=int, default=Options.inline_fetch_bytes)
         p.add_argument("--keep-local-reads", action=argparse.BooleanOptionalAction,
                        default=Options.keep_local_reads)
+        p.add_argument("--auto-trace-seconds", type=float, default=Options.auto_trace_seconds)
         p.add_argument("--metrics-listen", metavar="HOST:PORT")
         p.add_argument("-v", "--verbose", action="count", default=0)
         a = p.parse_args(list(argv))
@@ -250,7 +253,9 @@ class DaemonSpec:
                    a.cache.absolute(), a.cache_size, a.prefetch, a.fetch_timeout,
                    a.fetch_threads, a.readahead_chunks, a.read_ahead_kb, a.keep_cache,
                    a.cache_timeout, a.verbose, inline_fetch_bytes=a.inline_fetch_bytes,
-                   keep_local_reads=a.keep_local_reads, metrics_listen=a.metrics_listen)
+                   keep_local_reads=a.keep_local_reads,
+                   auto_trace_seconds=max(0.0, a.auto_trace_seconds),
+                   metrics_listen=a.metrics_listen)
 
 
 def check_fuse() -> None:

@@ -33,6 +33,10 @@ class Options:
     # (off: the store already is on local disk, and writing one cache file per
     # chunk halved cold reads; trace prefetch keeps them either way)
     keep_local_reads: bool = False
+    # automatic traces (lazyfs/autotrace.py): how long the first use of an
+    # image on a node is recorded when the store has no trace of it (0: no
+    # automatic recording or replay)
+    auto_trace_seconds: float = 30.0
     # -- the FUSE adapter (lazyfs/fs.py) --
     keep_cache: bool = True  # keep the page cache across opens (content is immutable)
     cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)

@@ -1,0 +1,201 @@
+"""Automatic trace-driven prefetch (lazyfs.autotrace): the first use of an
+image records what it read; a later mount on a fresh node, from the same
+local store or from the same cluster store (SeaweedFS on loopback),
+prefetches exactly that, with no flag; a trace can never make a node fetch
+another image's chunks.
+
+Real daemons, real kernel EROFS mounts (root, /dev/fuse); every mount is
+taken down by LazyNode.close, also on failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chunkstore import ChunkStore
+from chunkstore.cluster import Cluster
+from chunkstore.objects import S3ObjectStore, open_object_store
+from composer.catalog import Catalog
+from composer.convert import convert
+from composer.push import push
+from composer.remote import ClusterCatalog, trace_key
+from lazyfs import erofsmounts
+from lazyfs.autotrace import MAX_TRACE_BYTES, decode, encode
+from tests.helpers.lazynode import LazyNode, fuse_missing
+from tests.helpers.seaweed import SeaweedFS
+
+MIB = 1 << 20
+
+
+def _missing() -> str | None:
+    if (why := fuse_missing()) is not None:
+        return why
+    if not erofsmounts.available():
+        return "this kernel has no EROFS (CONFIG_EROFS_FS)"
+    return None
+
+
+def needs_node(fn: Any) -> Any:
+    """Root, /dev/fuse and EROFS: a real daemon and kernel mounts."""
+    return pytest.mark.root(pytest.mark.skipif(_missing() is not None,
+                                               reason=str(_missing()))(fn))
+
+READ = [f"data/f{i}" for i in (3, 0, 5, 1)]  # the workload: these, in this order
+
+
+def _tree(d: Path, seed: int) -> Path:
+    """Ten files of 1.5 MiB of random bytes (several chunks each)."""
+    (d / "data").mkdir(parents=True)
+    rng = random.Random(seed)
+    for i in range(10):
+        (d / "data" / f"f{i}").write_bytes(rng.randbytes(3 * MIB // 2))
+    return d
+
+
+def _image(store: ChunkStore, cat: Catalog, tmp_path: Path, tag: str, seed: int
+           ) -> tuple[str, dict[str, list[int]]]:
+    """(image digest, path -> its chunks' lengths) of a fresh one-layer image."""
+    convert(store, cat, f"dir:{_tree(tmp_path / tag.replace(':', '_'), seed)}", tag)
+    digest, image = cat.resolve(tag)
+    m = cat.load_layer(image.layers[0])
+    return digest, {e.path: [c.length for c in e.chunks] for e in m.entries if e.chunks}
+
+
+def _wait_state(node: LazyNode, digest: str, states: set[str], timeout: float = 60.0
+                ) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = node.stats()
+        got = st.get("auto_traces", {}).get(digest, {})
+        if got.get("state") in states:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"trace of {digest} stayed {got} (wanted {states}); "
+                                 f"daemon log:\n{node.log()[-2000:]}")
+        time.sleep(0.1)
+
+
+def _read(root: Path, paths: list[str], tree: Path) -> None:
+    for p in paths:
+        assert (root / p).read_bytes() == (tree / p).read_bytes()
+
+
+def _first_use_then_fresh_node(catalog_of: Any, digest: str, chunks: dict[str, list[int]],
+                               tree: Path, tmp_path: Path, node_args: dict[str, Any]) -> None:
+    """Node A reads READ and unmounts: the image's trace is stored; node B,
+    fresh, mounts the image and prefetches exactly READ's chunks before
+    anything reads them; reading them then fetches nothing more."""
+    want = sum(sum(chunks[p]) for p in READ)
+    with LazyNode(tmp_path / "a", **node_args) as a:
+        root = a.mount(catalog_of(), digest, tmp_path / "ra")
+        _read(root, READ, tree)
+        a.unmount(root)
+        st = _wait_state(a, digest, {"saved"})
+        assert st["auto_traces"][digest]["events"] == sum(len(chunks[p]) for p in READ)
+        assert st["cache"]["fetched_bytes"] == want  # the first use fetched on demand
+    with LazyNode(tmp_path / "b", **node_args) as b:
+        before = b.stats()["cache"]["fetched_bytes"]
+        assert before == 0
+        root = b.mount(catalog_of(), digest, tmp_path / "rb")
+        st = _wait_state(b, digest, {"prefetched"})
+        assert st["auto_traces"][digest]["chunks"] == sum(len(chunks[p]) for p in READ)
+        # exactly what the first use read, nothing of the six files it did not
+        assert st["cache"]["fetched_bytes"] == want, st["cache"]
+        _read(root, READ, tree)
+        after = b.stats()
+        assert after["cache"]["fetched_bytes"] == want, "a read after the prefetch fetched"
+        assert after["cache"]["misses"] == st["cache"]["misses"], "a read missed the cache"
+        b.unmount(root)
+
+
+@needs_node
+def test_a_fresh_node_prefetches_what_the_first_use_read(store: ChunkStore, cat: Catalog,
+                                                         tmp_path: Path) -> None:
+    digest, chunks = _image(store, cat, tmp_path, "traced:1", seed=1)
+    _first_use_then_fresh_node(lambda: cat, digest, chunks, tmp_path / "traced_1", tmp_path,
+                               {"store": Path(store.root)})
+    # the trace is a file of the store, named by the image (one place: trace_key)
+    assert (Path(store.root) / trace_key(digest)).is_file()
+
+
+@needs_node
+def test_a_trace_prefetches_only_chunks_of_its_own_image(store: ChunkStore, cat: Catalog,
+                                                         tmp_path: Path) -> None:
+    x, x_chunks = _image(store, cat, tmp_path, "x:1", seed=2)
+    y, y_chunks = _image(store, cat, tmp_path, "y:1", seed=3)
+    y_layer = cat.resolve(y)[1].layers[0]
+    x_layer = cat.resolve(x)[1].layers[0]
+    # a hostile trace stored for X: every chunk of Y's layer, then X's f0
+    # twice; Y's events must be dropped and X's chunk fetched once
+    events = [{"layer": y_layer, "path": p, "chunk": k}
+              for p, ls in y_chunks.items() for k in range(len(ls))]
+    events += [{"layer": x_layer, "path": "data/f0", "chunk": 0}] * 2
+    (Path(store.root) / "traces").mkdir(exist_ok=True)
+    (Path(store.root) / trace_key(x)).write_bytes(encode(x, events))
+    # and Y's key holds a trace naming X: refused whole
+    (Path(store.root) / trace_key(y)).write_bytes(encode(x, events))
+    with LazyNode(tmp_path / "n", Path(store.root)) as node:
+        rx = node.mount(cat, x, tmp_path / "rx")
+        st = _wait_state(node, x, {"prefetched"})
+        assert st["auto_traces"][x]["chunks"] == 1
+        assert st["cache"]["fetched_bytes"] == x_chunks["data/f0"][0]
+        ry = node.mount(cat, y, tmp_path / "ry")
+        st = _wait_state(node, y, {"refused"})
+        assert st["cache"]["fetched_bytes"] == x_chunks["data/f0"][0], "Y's trace fetched"
+        assert "names image" in node.log()
+        # the refused image's mount works as ever
+        assert (ry / "data/f9").stat().st_size == 3 * MIB // 2
+        node.unmount(rx)
+        node.unmount(ry)
+
+
+def test_stored_traces_are_checked_as_untrusted_input() -> None:
+    d = "blake3:" + "ab" * 32
+    layers = frozenset({"L"})
+    ok = encode(d, [{"layer": "L", "path": "a", "chunk": 1},
+                    {"layer": "L", "path": "a", "chunk": 1},
+                    {"layer": "M", "path": "b", "chunk": 0}])
+    assert decode(ok, d, layers) == [{"layer": "L", "path": "a", "chunk": 1}]
+    bad = {
+        b"{": "not JSON",
+        json.dumps({"version": 99, "image": d, "events": []}).encode(): "not a lazyfs trace",
+        encode("blake3:" + "cd" * 32, []): "names image",
+        json.dumps({"version": 1, "image": d, "events": [{"layer": 1}]}).encode(): "malformed",
+        b" " * (MAX_TRACE_BYTES + 1): "bytes",
+        b"[" * 100_000: "not JSON",
+    }
+    for raw, why in bad.items():
+        with pytest.raises(ValueError, match=why):
+            decode(raw, d, layers)
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    with SeaweedFS(tmp_path_factory.mktemp("weed")) as sw:
+        objects = open_object_store(sw.url("x"))
+        assert isinstance(objects, S3ObjectStore)
+        objects.ensure_bucket()
+        yield sw
+
+
+@needs_node
+def test_the_trace_travels_with_the_image_through_the_cluster_store(
+        seaweed: SeaweedFS, store: ChunkStore, cat: Catalog, tmp_path: Path) -> None:
+    digest, chunks = _image(store, cat, tmp_path, "traced:2", seed=4)
+    url = seaweed.url("traces")
+    with Cluster(open_object_store(url)) as cluster:
+        push(cluster, store, cat, "traced:2")
+    # two nodes with no local store: A records, B (fresh) prefetches
+    with Cluster(open_object_store(url)) as cluster:
+        _first_use_then_fresh_node(lambda: ClusterCatalog(cluster), digest, chunks,
+                                   tmp_path / "traced_2", tmp_path,
+                                   {"store": tmp_path / "no-local-store", "cluster": url})
+        assert cluster.objects.exists(trace_key(digest))
+    assert not os.path.exists(tmp_path / "no-local-store")
