@@ -69,6 +69,7 @@ class _Image:
     state: str = "looking"  # -> recording -> saved | empty; or prefetching -> prefetched
     events: int = 0  # events recorded or replayed
     chunks: int = 0  # chunks a replay fetched
+    seconds: float = 0.0  # how long the replay took, from the mount
     gone: trio.Event = field(default_factory=trio.Event)  # its last mount went
 
 
@@ -152,11 +153,12 @@ class AutoTraces:
                     img.gone.set()
 
     def snapshot(self) -> dict[str, Any]:
-        return {d: {"state": i.state, "events": i.events, "chunks": i.chunks}
-                for d, i in self.images.items()}
+        return {d: {"state": i.state, "events": i.events, "chunks": i.chunks,
+                    "seconds": round(i.seconds, 6)} for d, i in self.images.items()}
 
     async def _run(self, digest: str, img: _Image) -> None:
         assert self.objects is not None
+        t0 = trio.current_time()
         key = trace_key(digest)
         try:
             raw: bytes | None = await trio.to_thread.run_sync(self.objects.get, key)
@@ -178,7 +180,7 @@ class AutoTraces:
                 img.chunks = await self.fetch.prefetch_trace(events)
             except (ChunkStoreError, ComposerError) as e:
                 log.warning("trace of %s: replay stopped: %s", digest, e)
-            img.state = "prefetched"
+            img.state, img.seconds = "prefetched", trio.current_time() - t0
             log.info("trace of %s: %d events, %d chunks prefetched", digest, img.events,
                      img.chunks)
             return
