@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,13 +116,14 @@ def write_fixups(dest: Path, entries: list[Entry], id_base: int = 0) -> None:
         _apply(dest / e.path if e.path else dest, e, id_base)
 
 
-def _fixup_layer(paths: NodePaths, image_digest: str, entries: list[Entry]) -> Path:
+def _fixup_layer(paths: NodePaths, image_digest: str,
+                 entries: Callable[[], list[Entry]]) -> Path:
     dest = paths.fixups / digest_key(image_digest)
     if (dest / ".complete").exists():
         return dest / "tree"
     tmp = paths.fixups / f".tmp-{os.getpid()}-{time.monotonic_ns()}"
     try:
-        write_fixups(tmp / "tree", entries)
+        write_fixups(tmp / "tree", entries())
         (tmp / ".complete").touch()
         os.rename(tmp, dest)
     except OSError as e:
@@ -215,8 +216,10 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
         raise MountError(f"mount point {mountpoint} is not a directory")
     if sysmount.is_mount_point(mountpoint):
         raise MountError(f"{mountpoint} is already a mount point")
-    comp = _composition(catalog, digest, image)
-    layer_digests, fixups = list(comp.layers), list(comp.fixups)
+    layer_digests = _mount_layers(paths, catalog, digest, image)
+
+    def fixups() -> list[Entry]:  # needs every manifest: only for a new fixup layer
+        return list(_composition(catalog, digest, image).fixups)
     use_kernel = _kernel_ready(paths, catalog, name, layer_digests, kernel)
     if not use_kernel:
         for low in (paths.layers / d for d in layer_digests):
@@ -233,7 +236,7 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
             try:
                 if idmap is not None:  # the root's owner, unless a fixup says otherwise
                     os.chown(upper, idmap.base, idmap.base)
-                write_fixups(upper, fixups, idmap.base if idmap is not None else 0)
+                write_fixups(upper, fixups(), idmap.base if idmap is not None else 0)
             except OSError as e:
                 raise MountError(f"cannot write directory fixups into {upper}: {e}") from e
             done.write_text(digest + "\n")
@@ -351,6 +354,40 @@ def _composition(catalog: ImageCatalog, digest: str, image: Image) -> _Composed:
         while len(_compositions) > COMPOSITION_CACHE:
             _compositions.popitem(last=False)
     return comp
+
+
+def _mount_layers(paths: NodePaths, catalog: ImageCatalog, digest: str, image: Image
+                  ) -> list[str]:
+    """The layers a root of the image is made of, lowest first: from this
+    process's composition cache, else from the node's record of the image
+    (ROOT/compositions/<image>.json, written the first time: a mount of an
+    image the node has mounted before reads no manifest), else from the
+    manifests. A record that is not a suffix of the image's layers (the
+    opaque-root rule only ever drops lower ones) is ignored and rewritten."""
+    with _compositions_lock:
+        hit = _compositions.get(digest)
+    if hit is not None:
+        return list(hit.layers)
+    path = paths.compositions / f"{digest_key(digest)}.json"
+    try:
+        layers = json.loads(path.read_text())["layers"]
+        if (isinstance(layers, list) and layers and all(isinstance(d, str) for d in layers)
+                and list(image.layers[len(image.layers) - len(layers):]) == layers):
+            return list(layers)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    layers = list(_composition(catalog, digest, image).layers)
+    try:
+        paths.compositions.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            tmp.write_text(json.dumps({"image": digest, "layers": layers}))
+            os.rename(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:  # the next mount reads the manifests again
+        log.debug("cannot record the composition of %s: %s", digest, e)
+    return layers
 
 
 def _register(paths: NodePaths, mountpoint: Path, record: dict[str, object]) -> None:

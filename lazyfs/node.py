@@ -101,6 +101,11 @@ class NodePaths:
         return self.mnt / "blobs"
 
     @property
+    def compositions(self) -> Path:
+        """Per image: the layers its composed roots use (lazyfs.mounts)."""
+        return self.root / "compositions"
+
+    @property
     def erofs_images(self) -> Path:
         return self.root / "erofs"
 
@@ -344,6 +349,15 @@ def ensure_daemon(spec: DaemonSpec) -> int | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    """Whether process pid still exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def stop_daemon(paths: NodePaths, lazy: bool = False) -> None:
     """Stop the daemon at paths: release the shared layer mounts, SIGTERM it
     and wait for it to unmount; detach a FUSE mount a dead daemon left.
@@ -376,6 +390,10 @@ def stop_daemon(paths: NodePaths, lazy: bool = False) -> None:
         if paths.pidfile.exists() and running(paths):
             raise DaemonError(f"the lazyfs daemon (pid {pid}) did not stop within "
                               f"{STOP_TIMEOUT:g} s")
+        # it has unmounted; stopped means its process is gone too (it closes
+        # its store and cache after removing the pid file)
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.02)
     if sysmount.find_mount(paths.mnt) is not None:  # dead daemon, stale mount
         sysmount.umount(paths.mnt, lazy=True)
 

@@ -18,7 +18,16 @@ from .errors import EXIT_FAILED, EXIT_STORE, QuietError
 
 class LazyfsGroup(click.Group):
     """Turns every LazyfsError (the root of the packages' errors) into a
-    one-line message and an exit code (tracebacks with --debug)."""
+    one-line message and an exit code (tracebacks with --debug); loads a
+    subcommand's module only when it is asked for (_COMMANDS)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _COMMANDS and cmd_name not in self.commands:
+            self.add_command(_load(cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -71,28 +80,26 @@ def cli(ctx: click.Context, store_path: str | None, zstd_level: int | None,
                             cluster=cluster)
 
 
-def _register() -> None:
-    from . import (
-        cluster_cmd,
-        daemon_cmd,
-        demo_cmd,
-        fleet_cmd,
-        image_cmd,
-        mount_cmd,
-        sandbox_cmd,
-        store_cmd,
-    )
-    cli.add_command(demo_cmd.demo)
-    cli.add_command(store_cmd.store)
-    for cmd in (image_cmd.convert, image_cmd.images, image_cmd.inspect, image_cmd.export,
-                image_cmd.rm, image_cmd.gc, image_cmd.build, daemon_cmd.daemon,
-                mount_cmd.mount, mount_cmd.umount, daemon_cmd.stats, cluster_cmd.push,
-                cluster_cmd.seaweed, cluster_cmd.cluster, sandbox_cmd.agent,
-                sandbox_cmd.sandbox, fleet_cmd.fleet):
-        cli.add_command(cmd)
+# command name -> module (under tools) and attribute: each is imported when
+# it runs (or for --help), so `lazyfs mount` does not load the sandbox SDK,
+# the fleet client or the daemon's FUSE stack
+_COMMANDS = {
+    "demo": "demo_cmd:demo", "store": "store_cmd:store", "convert": "image_cmd:convert",
+    "images": "image_cmd:images", "inspect": "image_cmd:inspect",
+    "export": "image_cmd:export", "rm": "image_cmd:rm", "gc": "image_cmd:gc",
+    "build": "image_cmd:build", "daemon": "daemon_cmd:daemon", "mount": "mount_cmd:mount",
+    "umount": "mount_cmd:umount", "stats": "daemon_cmd:stats", "push": "cluster_cmd:push",
+    "seaweed": "cluster_cmd:seaweed", "cluster": "cluster_cmd:cluster",
+    "agent": "sandbox_cmd:agent", "sandbox": "sandbox_cmd:sandbox", "fleet": "fleet_cmd:fleet",
+}
 
 
-_register()
+def _load(name: str) -> click.Command:
+    import importlib
+    module, attr = _COMMANDS[name].split(":")
+    cmd = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+    assert isinstance(cmd, click.Command)
+    return cmd
 
 
 def main() -> None:

@@ -12,8 +12,6 @@ from typing import Any
 import click
 
 from composer.catalog import Catalog
-from composer.envspec import build as build_env
-from composer.envspec import load_spec
 from lazyfs import sysmount
 from lazyfs.errors import DaemonError
 from lazyfs.mounts import MountError, mount_image, unmount
@@ -60,6 +58,9 @@ def _check_mountpoint(mountpoint: Path, nonempty: bool) -> None:
 
 def _image_name(settings: Settings, target: str) -> str:
     if target.endswith(".toml") and Path(target).is_file():
+        # an environment spec: the builder (and its registry client) only then
+        from composer.envspec import build as build_env
+        from composer.envspec import load_spec
         spec = load_spec(Path(target))
         with open_store(settings, create=True) as store, Catalog(store) as catalog:
             build_env(store, catalog, spec)
