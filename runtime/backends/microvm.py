@@ -55,7 +55,7 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     state_type = MicrovmState
     capabilities = Capabilities("microvm", frozenset(
         {"exec", "stream", "files", "pause", "resume", "snapshot", "network_allowlist",
-         "events"}),
+         "events", "hidden"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; image "
         "layers are virtio-pmem devices mounted EROFS -o dax (one host page-cache copy for "
         "all VMs), upper in guest memory; a static guest agent over virtio-serial; pause = "
