@@ -46,6 +46,9 @@ from .base import Capabilities, Handle
 from .qemubase import PATH_ENV, PAUSE_WAIT, QemuBackend, QemuState
 
 SYNC_TIMEOUT = 60.0  # the guest's `sync` before its disk is captured
+# what flushes the guest's page cache onto its disk, run from the image (the
+# agent has no call for it): coreutils' or busybox's
+SYNC_COMMANDS = (("sync",), ("busybox", "sync"))
 
 
 class VmState(QemuState):
@@ -128,16 +131,21 @@ class VmBackend(QemuBackend[VmState]):
             raise SandboxStateError(f"{h.id} is paused: resume it before capturing its disk "
                                     "(what it wrote may still be in its memory)")
         vm = self._vm(h)
-        try:
-            st, _, err = vm.agent.exec(("sync",), env={"PATH": PATH_ENV}, cwd="/", stdin=b"",
-                                       timeout=SYNC_TIMEOUT, max_output=4096,
-                                       on_stdout=None, on_stderr=None, grace=self.agent_grace)
-        except AgentError as e:
-            raise self._unavailable(h, vm, e) from e
+        for argv in SYNC_COMMANDS:
+            try:
+                st, _, err = vm.agent.exec(argv, env={"PATH": PATH_ENV}, cwd="/", stdin=b"",
+                                           timeout=SYNC_TIMEOUT, max_output=4096,
+                                           on_stdout=None, on_stderr=None,
+                                           grace=self.agent_grace)
+            except AgentError as e:
+                raise self._unavailable(h, vm, e) from e
+            if st.code != 127:
+                break
         if st.code != 0:
-            raise SandboxError(f"{h.id}: the guest's sync exited {st.code} "
-                               f"({bytes(err).decode(errors='replace').strip()[-200:]}): its "
-                               "writes may not be on its disk")
+            raise SandboxError(f"{h.id}: the guest's {' '.join(argv)} exited {st.code} "
+                               f"({bytes(err).decode(errors='replace').strip()[-200:]}): what "
+                               "it wrote may not be on its disk (capturing a VM's disk needs "
+                               "sync or busybox in its image)")
         upper = h.state.disk or self._vmdir(h) / "upper.ext4"
         if not vm.agent.lock.acquire(timeout=PAUSE_WAIT):
             raise SandboxStateError(f"{h.id} is running a command or a file call; "
