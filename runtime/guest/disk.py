@@ -37,7 +37,6 @@ from pathlib import Path
 
 from composer.compose import compose
 from composer.manifest import Entry, Kind
-
 from lazyfs import sysmount
 
 from ..errors import BackendUnavailable, SandboxError
