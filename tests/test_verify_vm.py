@@ -61,6 +61,8 @@ def test_vm_hidden_answer_and_a_verifier_the_agent_cannot_touch(
     node, d = env
     secret = d / "host-secret"
     secret.write_bytes(b"HOST-ONLY-SECRET\n")
+    caps = Sandbox.capabilities("vm", node=node)
+    assert caps["verify"] and caps["hidden"] and not caps["fork"]
     with Sandbox.create(TASK, backend="vm", node=node, memory_mb=256, cpu=1,
                         hidden=["/task/answers"]) as sb:
         # the agent cannot find the answer: not there, not merely unreadable
@@ -112,6 +114,8 @@ def test_vm_hidden_answer_and_a_verifier_the_agent_cannot_touch(
 def test_microvm_hidden_path_is_not_there_and_verify_is_unsupported(
         env: tuple[Node, Path]) -> None:
     node, _ = env
+    caps = Sandbox.capabilities("microvm", node=node)
+    assert caps["hidden"] and not caps["verify"]
     with Sandbox.create(TASK, backend="microvm", node=node, memory_mb=256, cpu=1,
                         hidden=["/task/answers"]) as sb:
         r = sb.exec("ls -a /task; find / -xdev -name expected; echo end")

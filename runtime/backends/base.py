@@ -34,8 +34,8 @@ Sink = Callable[[bytes], None]
 # metadata of layer 1/2", "booting the guest (tcg)"): the caller's on_progress
 Progress = Callable[[str], None]
 
-OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "checkpoint",
-              "network_allowlist", "persistent", "events")
+OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "fork", "verify",
+              "hidden", "checkpoint", "network_allowlist", "persistent", "events")
 
 
 @dataclass(frozen=True)
