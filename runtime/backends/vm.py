@@ -114,7 +114,15 @@ class VmBackend(QemuBackend[VmState]):
             append=[f"lazyfs.layers={len(layers)}",
                     *([f"lazyfs.init={init}"] if init else self._limits(h))])
 
+    def kill(self, h: Handle[VmState]) -> None:
+        super().kill(h)
+        disk.release(self._capture_dir(h))  # a capture a dead node left mounted
+
     # -- capture (verify) ------------------------------------------------------
+    @staticmethod
+    def _capture_dir(h: Handle[VmState]) -> Path:
+        return h.dir / "capture"
+
     def capture_rules(self, h: Handle[VmState]) -> UpperRules:
         """The guest's root makes real device nodes (left out) and sparse
         files of any size (refused past the disk's size)."""
@@ -155,7 +163,7 @@ class VmBackend(QemuBackend[VmState]):
             try:
                 q.execute("stop")
                 try:
-                    with disk.reading(upper, h.dir / "capture") as root:
+                    with disk.reading(upper, self._capture_dir(h)) as root:
                         yield root
                 finally:
                     q.execute("cont")

@@ -170,3 +170,12 @@ def reading(upper: Path, mountpoint: Path) -> Iterator[Path]:
     finally:
         with contextlib.suppress(OSError):
             mountpoint.rmdir()
+
+
+def release(mountpoint: Path) -> None:
+    """Undo what a capture killed midway left at `mountpoint` (reading's):
+    its mount and the directory."""
+    if os.path.ismount(mountpoint):
+        sysmount.umount(mountpoint, lazy=True)
+    with contextlib.suppress(FileNotFoundError):
+        mountpoint.rmdir()
