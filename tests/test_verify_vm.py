@@ -3,13 +3,15 @@ QEMU (TCG here), the image's layers as lazy pmem EROFS lowers.
 
 vm: an agent VM created with a hidden answer cannot find it (not in its
 file system at all), writes its own files and plants a fake answer, a
-symlink to a host file, device nodes and a name with a newline; verify()
-boots a fresh VM from the image plus the agent's disk as packed on the host:
-the agent's files, the image's answer, none of the agent's processes, no
-network, no device node, no host file; an upper with a sparse file past the
-disk's size is refused before any VM boots. Boots: the agent VM, one
-verifier. microvm: a VM created with a hidden path does not see it (one boot);
-verify is Unsupported (its upper is in guest memory).
+symlink to a host file, a setuid file, a name with a newline and a
+background process (mknod is refused to its commands); verify() boots a
+fresh VM from the image plus the agent's disk as packed on the host: the
+agent's files, the image's answer, none of the agent's processes, no
+network, no host file; an upper with a sparse file past the disk's size is
+refused before any VM boots. Boots: the agent VM, one verifier. Device
+nodes a guest kernel could make (no command can) are checked where the
+host packs an upper. microvm: a VM created with a hidden path does not see
+it (one boot); verify is Unsupported (its upper is in guest memory).
 """
 
 from __future__ import annotations
