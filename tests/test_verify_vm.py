@@ -8,7 +8,7 @@ background process (mknod is refused to its commands); verify() boots a
 fresh VM from the image plus the agent's disk as packed on the host: the
 agent's files, the image's answer, none of the agent's processes, no
 network, no host file; an upper with a sparse file past the disk's size is
-refused before any VM boots. Boots: the agent VM, one verifier. Device
+refused before any VM boots; a disk e2fsck finds wrong is never mounted. Boots: the agent VM, one verifier. Device
 nodes a guest kernel could make (no command can) are checked where the
 host packs an upper. microvm: a VM created with a hidden path does not see
 it (one boot); verify is Unsupported (its upper is in guest memory).
@@ -17,7 +17,9 @@ it (one boot); verify is Unsupported (its upper is in guest memory).
 from __future__ import annotations
 
 import os
+import re
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from composer.errors import DiffError
 from composer.manifest import Kind
 from composer.snapshot import UpperRules, pack_diff
 from runtime import Sandbox, SandboxError, Unsupported
+from runtime.guest import disk
 from runtime.node import Node
 from tests.helpers.images import build_busybox_rootfs
 from tests.helpers.sandboxes import node_for, vm_missing
@@ -149,3 +152,38 @@ def test_device_nodes_a_guest_kernel_made_are_left_out_of_its_layer(tmp_path: Pa
     with ChunkStore.open(tmp_path / "store") as s, \
             pytest.raises(DiffError, match="workspace/answer.*past 2 bytes"):
         pack_diff(s, upper, rules=UpperRules(max_bytes=2))
+
+
+def test_a_disk_e2fsck_finds_wrong_is_never_mounted_on_the_host(tmp_path: Path) -> None:
+    """What the guest's root cannot do from a command (it has no raw access
+    to its disk) but a guest kernel could: write bad metadata. The bytes are
+    corrupted here from the host (the fault injection), on a disk made as a
+    VM's is."""
+    good = tmp_path / "good.ext4"
+    disk.make_upper(good, 32)
+    with disk.reading(good, tmp_path / "mnt") as upper:
+        assert os.path.ismount(tmp_path / "mnt")
+        assert not upper.exists()  # a fresh disk: the guest makes /upper at boot
+    assert not (tmp_path / "mnt").exists()
+    bad = tmp_path / "bad.ext4"
+    disk.make_upper(bad, 32)
+    # where the root inode (2) is, as debugfs says: "located at block N, offset 0xM"
+    imap = subprocess.run(["debugfs", "-R", "imap <2>", str(bad)], capture_output=True,
+                          text=True, check=True).stdout
+    m = re.search(r"located at block (\d+), offset (0x[0-9a-f]+)", imap)
+    assert m, imap
+    with open(bad, "r+b") as f:
+        f.seek(int(m.group(1)) * _block_size(bad) + int(m.group(2), 16))
+        f.write(b"\xff" * 128)  # garbage where the root directory's inode was
+    with pytest.raises(SandboxError, match="fails e2fsck -fn"):
+        with disk.reading(bad, tmp_path / "mnt2"):
+            pass
+    assert not (tmp_path / "mnt2").exists()
+    assert not any(m.split()[1].startswith(str(tmp_path))
+                   for m in Path("/proc/mounts").read_text().splitlines())
+
+
+def _block_size(image: Path) -> int:
+    with open(image, "rb") as f:
+        f.seek(1024 + 24)  # s_log_block_size
+        return 1024 << int.from_bytes(f.read(4), "little")

@@ -161,8 +161,8 @@ def reading(upper: Path, mountpoint: Path) -> Iterator[Path]:
         except (OSError, subprocess.TimeoutExpired) as e:
             raise SandboxError(f"mounting the VM's disk {upper.name}: {e}") from e
         if m.returncode != 0:
-            raise SandboxError(f"mounting the VM's disk {upper.name}: "
-                               f"{(m.stderr or m.stdout).strip()[-300:]}")
+            said = " ".join((m.stderr or m.stdout).split())
+            raise SandboxError(f"mounting the VM's disk {upper.name}: {said[-300:]}")
         try:
             yield mountpoint / "upper"
         finally:
