@@ -73,25 +73,43 @@ class HostIds:
         return n if 0 <= n < self.count else OVERFLOW_ID
 
 
+@dataclass(frozen=True)
+class UpperRules:
+    """What a guest-written upper (a VM's disk, whose root could make any
+    file) is held to beyond a container's: devices=False leaves out device
+    nodes (a VM guest's root makes real ones; overlayfs' whiteouts stay),
+    max_bytes refuses an upper whose regular files' sizes add up to more
+    (sparse files the host would read as zeros)."""
+
+    devices: bool = True
+    max_bytes: int | None = None
+
+
 def pack_diff(store: ChunkStore, upper: Path, *, domain: TrustDomain = UNTRUSTED,
               source: str = "", chunk_size: int = DEFAULT_CHUNK_SIZE,
-              progress: ProgressFn | None = None, ids: HostIds | None = None
-              ) -> LayerManifest:
+              progress: ProgressFn | None = None, ids: HostIds | None = None,
+              rules: UpperRules | None = None) -> LayerManifest:
     """The layer that, put on top of the lowers the upper was written
     against, gives the tree the overlay showed (ids: as a user namespace
-    mapping `ids` showed it)."""
+    mapping `ids` showed it; rules: what more a guest-written upper is
+    refused or left out for)."""
     layer = source or f"upper:{upper}"
+    rules = rules or UpperRules()
     builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
                            progress=progress, source=layer)
     seen: dict[tuple[int, int], str] = {}
     root_st = os.lstat(upper)
-    _add(builder, str(upper), "", seen, layer, root_st.st_dev, ids)
+    if not stat.S_ISDIR(root_st.st_mode):
+        raise DiffError(f"{layer}: the upper {upper} is not a directory")
+    budget = [rules.max_bytes]
+    _add(builder, str(upper), "", seen, layer, root_st.st_dev, ids, rules, budget)
     for dirpath, dirnames, filenames in os.walk(upper):
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, upper)
         for name in sorted(filenames + dirnames):
             rel = os.path.normpath(os.path.join(rel_dir, name))
-            _add(builder, os.path.join(dirpath, name), rel, seen, layer, root_st.st_dev, ids)
+            _add(builder, os.path.join(dirpath, name), rel, seen, layer, root_st.st_dev, ids,
+                 rules, budget)
     manifest = builder.finish()
     # the upper's own root says nothing about the image's root
     manifest.entries[0].implicit = True
@@ -151,10 +169,22 @@ def _xattrs(full: str, layer: str, rel: str, ids: HostIds | None = None
 
 
 def _add(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, int], str],
-         layer: str, dev: int, ids: HostIds | None) -> None:
+         layer: str, dev: int, ids: HostIds | None, rules: UpperRules,
+         budget: list[int | None]) -> None:
     st = os.lstat(full)
     if st.st_dev != dev:
         raise DiffError(f"{layer}: {rel} is another filesystem mounted in the upper")
+    if not rules.devices and (stat.S_ISBLK(st.st_mode) or
+                              (stat.S_ISCHR(st.st_mode) and st.st_rdev != 0)):
+        log.warning("%s: leaving out the device node %r (a guest's root made it)", layer, rel)
+        return
+    left = budget[0]
+    if left is not None and stat.S_ISREG(st.st_mode):
+        if st.st_size > left:
+            raise DiffError(f"{layer}: {rel!r} ({st.st_size} bytes) takes the upper's files "
+                            f"past {rules.max_bytes} bytes, more than its disk holds "
+                            "(a sparse file?)")
+        budget[0] = left - st.st_size
     xattrs, opaque = _xattrs(full, layer, rel, ids)
     uid, gid = (st.st_uid, st.st_gid) if ids is None else (ids.inside(st.st_uid),
                                                            ids.inside(st.st_gid))

@@ -73,6 +73,7 @@ from composer.remote import ClusterCatalog
 from composer.snapshot import (
     UNTRUSTED,
     HostIds,
+    UpperRules,
     hide_layer,
     keep_only,
     pack_diff,
@@ -268,17 +269,19 @@ class Captures:
         return ResolvedImage(name=image.name, digest=out, layers=tuple(all_layers))
 
     def pack(self, sandbox_id: str, upper: Path, what: str = "snapshot",
-             chunk_size: int = DEFAULT_CHUNK_SIZE, ids: HostIds | None = None) -> Packed:
+             chunk_size: int = DEFAULT_CHUNK_SIZE, ids: HostIds | None = None,
+             rules: UpperRules | None = None) -> Packed:
         """The sandbox's upper (or CRIU's images of its processes) as a layer
         (call with the sandbox frozen); ids: the host ids its processes write
-        (owners recorded as the sandbox sees them)."""
+        (owners recorded as the sandbox sees them); rules: those of an upper
+        a VM guest wrote (composer.snapshot.UpperRules)."""
         with self._lock:
             stage = self._stage() if self.config.cluster else None
             store = stage.store if stage is not None else self._open()[0]
             before = store.counters.new_bytes
             try:
                 m = pack_diff(store, upper, source=f"{what}:{sandbox_id}",
-                              chunk_size=chunk_size, ids=ids)
+                              chunk_size=chunk_size, ids=ids, rules=rules)
             except (ComposerError, OSError) as e:
                 if stage is not None:
                     stage.close()

@@ -39,6 +39,7 @@ from .backends.base import (
     Capturing,
     Checkpointing,
     Eventful,
+    GuestCapturing,
     Networked,
     Progress,
     StateSaving,
@@ -65,6 +66,7 @@ from .fleet.records import sandbox_id as fleet_sandbox_id
 from .images import Images
 from .preempt import PreemptedSandboxes
 from .spec import (
+    VERIFIER_LABEL,
     VM_STATE_KEY,
     CheckpointInfo,
     ExecRequest,
@@ -424,9 +426,11 @@ class Node:
         with self._state_lock(sandbox_id):  # no pause/resume meanwhile
             info, h = self._get(sandbox_id)
             backend = self._capturing(info, op)
+            rules = backend.capture_rules(h) if isinstance(backend, GuestCapturing) else None
             with backend.capture(h) as upper:
                 t0 = time.monotonic()
-                packed = self.captures.pack(sandbox_id, upper, op, ids=h.state.host_ids())
+                packed = self.captures.pack(sandbox_id, upper, op, ids=h.state.host_ids(),
+                                            rules=rules)
                 frozen = time.monotonic() - t0
         self._touch(info, h)
         return info, h, packed, frozen
@@ -602,7 +606,7 @@ class Node:
                                                    packed, keep)
         spec = info.spec.model_copy(update={
             "image": digest, "hidden": (), "network": NetworkPolicy.none(),
-            "labels": {"lazyfs.verifier-of": sandbox_id}, "idle_timeout": None,
+            "labels": {VERIFIER_LABEL: sandbox_id}, "idle_timeout": None,
             "timeout": max(60.0, req.timeout + 60.0)})
         try:
             verifier = self.create(spec)

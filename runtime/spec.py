@@ -230,6 +230,8 @@ class ExecResult(_Model):
         return self.exit_code == 0
 
 
+# the label of a verifier's sandbox: the id of the sandbox it grades
+VERIFIER_LABEL = "lazyfs.verifier-of"
 VM_STATE_KEY = "lazyfs.vm-state"  # in an image's config: a microVM snapshot (VmState)
 VM_STATE_FILE = "snapshot.bin"  # the one file of a VM-state layer: QEMU's migration stream
 

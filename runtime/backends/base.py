@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
-from composer.snapshot import HostIds
+from composer.snapshot import HostIds, UpperRules
 
 from ..files import SandboxFiles
 from ..spec import (
@@ -34,8 +34,8 @@ Sink = Callable[[bytes], None]
 # metadata of layer 1/2", "booting the guest (tcg)"): the caller's on_progress
 Progress = Callable[[str], None]
 
-OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "checkpoint",
-              "network_allowlist", "persistent", "events")
+OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "fork", "verify",
+              "hidden", "checkpoint", "network_allowlist", "persistent", "events")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,15 @@ class Capturing(Protocol):
     verify): the writable upper, with the sandbox's processes stopped."""
 
     def capture(self, handle: Handle[Any]) -> AbstractContextManager[Path]: ...
+
+
+@runtime_checkable
+class GuestCapturing(Protocol):
+    """A Capturing backend whose uppers a guest kernel wrote (a VM's disk):
+    what packing them is held to beyond a container's."""
+
+    def capture(self, handle: Handle[Any]) -> AbstractContextManager[Path]: ...
+    def capture_rules(self, handle: Handle[Any]) -> UpperRules: ...
 
 
 @runtime_checkable

@@ -55,13 +55,14 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     state_type = MicrovmState
     capabilities = Capabilities("microvm", frozenset(
         {"exec", "stream", "files", "pause", "resume", "snapshot", "network_allowlist",
-         "events"}),
+         "events", "hidden"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; image "
         "layers are virtio-pmem devices mounted EROFS -o dax (one host page-cache copy for "
         "all VMs), upper in guest memory; a static guest agent over virtio-serial; pause = "
         "snapshot to disk and exit the VMM; snapshot and preemption = that state (memory, "
         "devices, the upper) as a layer in the store, loaded into a VM of the same shape on "
-        "any node (no fork: a copy would share the guest kernel's identity). QEMU in per-sandbox host cgroups (cpu, memory, "
+        "any node (no fork: a copy would share the guest kernel's identity); hidden paths, but no "
+        "verify (the upper is in guest memory, outside what the agent serves). QEMU in per-sandbox host cgroups (cpu, memory, "
         "pids; best_effort = cpu.idle + SCHED_IDLE). Network allowlists as containers' (a "
         "virtio-net NIC on a tap in the VMM's own network namespace, the same nftables rules "
         "there; none by default: no NIC). VMs end with the node process (not persistent).")

@@ -27,18 +27,28 @@ created.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import Field
 
+from composer.snapshot import UpperRules
+
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, SandboxError, SandboxStateError
 from ..guest import disk, initramfs, qemu
 from ..guest.pmemimages import DEFAULT_CACHE as PMEM_CACHE
+from ..guest.protocol import AgentError
 from ..images import Images
-from ..spec import SandboxSpec
+from ..spec import VERIFIER_LABEL, SandboxSpec
 from .base import Capabilities, Handle
-from .qemubase import QemuBackend, QemuState
+from .qemubase import PATH_ENV, PAUSE_WAIT, QemuBackend, QemuState
+
+SYNC_TIMEOUT = 60.0  # the guest's `sync` before its disk is captured
+# what flushes the guest's page cache onto its disk, run from the image (the
+# agent has no call for it): coreutils' or busybox's
+SYNC_COMMANDS = (("sync",), ("busybox", "sync"))
 
 
 class VmState(QemuState):
@@ -55,7 +65,8 @@ class VmBackend(QemuBackend[VmState]):
     boot_timeout_env = "LAZYFS_VM_BOOT_TIMEOUT"
     boot_timeout_default = 120.0
     capabilities = Capabilities("vm", frozenset(
-        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "events"}),
+        {"exec", "stream", "files", "pause", "resume", "network_allowlist", "events",
+         "verify", "hidden"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; the "
         "root is the image's layers as lazy virtio-pmem EROFS lowers (as microvm's: nothing "
         "copied, guest page faults fetch chunks) under an overlayfs whose upper is a "
@@ -77,7 +88,10 @@ class VmBackend(QemuBackend[VmState]):
         return disk.tools_missing() or super()._tools_missing()
 
     def _prepare(self, h: Handle[VmState], vmdir: Path) -> None:
-        h.state.init = disk.image_init(self.images, h.image)
+        # a verifier runs no init of its image: its layers include what the
+        # agent wrote (an /sbin/init of its own would run before the grader)
+        h.state.init = None if VERIFIER_LABEL in h.spec.labels else \
+            disk.image_init(self.images, h.image)
         size = h.spec.disk_mb or self.config.disk_mb
         upper = vmdir / "upper.ext4"
         disk.make_upper(upper, size)
@@ -99,3 +113,61 @@ class VmBackend(QemuBackend[VmState]):
             drives=[qemu.Drive(upper, disk.UPPER_LABEL, "raw", readonly=False)],
             append=[f"lazyfs.layers={len(layers)}",
                     *([f"lazyfs.init={init}"] if init else self._limits(h))])
+
+    def kill(self, h: Handle[VmState]) -> None:
+        super().kill(h)
+        disk.release(self._capture_dir(h))  # a capture a dead node left mounted
+
+    # -- capture (verify) ------------------------------------------------------
+    @staticmethod
+    def _capture_dir(h: Handle[VmState]) -> Path:
+        return h.dir / "capture"
+
+    def capture_rules(self, h: Handle[VmState]) -> UpperRules:
+        """The guest's root makes real device nodes (left out) and sparse
+        files of any size (refused past the disk's size)."""
+        return UpperRules(devices=False, max_bytes=(h.state.disk_mb or self.config.disk_mb) << 20)
+
+    @contextlib.contextmanager
+    def capture(self, h: Handle[VmState]) -> Iterator[Path]:
+        """The upper on the VM's disk, with the VM stopped: the guest
+        flushes its page cache (`sync` through the agent), QMP stops its
+        vCPUs, the disk is checked and mounted read-only on the host
+        (disk.reading); the VM goes on after. A paused VM's disk misses
+        what its memory had not written back: resume it first."""
+        if h.state.snapshot is not None:
+            raise SandboxStateError(f"{h.id} is paused: resume it before capturing its disk "
+                                    "(what it wrote may still be in its memory)")
+        vm = self._vm(h)
+        for argv in SYNC_COMMANDS:
+            try:
+                st, _, err = vm.agent.exec(argv, env={"PATH": PATH_ENV}, cwd="/", stdin=b"",
+                                           timeout=SYNC_TIMEOUT, max_output=4096,
+                                           on_stdout=None, on_stderr=None,
+                                           grace=self.agent_grace)
+            except AgentError as e:
+                raise self._unavailable(h, vm, e) from e
+            if st.code != 127:
+                break
+        if st.code != 0:
+            raise SandboxError(f"{h.id}: the guest's {' '.join(argv)} exited {st.code} "
+                               f"({bytes(err).decode(errors='replace').strip()[-200:]}): what "
+                               "it wrote may not be on its disk (capturing a VM's disk needs "
+                               "sync or busybox in its image)")
+        upper = h.state.disk or self._vmdir(h) / "upper.ext4"
+        if not vm.agent.lock.acquire(timeout=PAUSE_WAIT):
+            raise SandboxStateError(f"{h.id} is running a command or a file call; "
+                                    "capture it once that ends")
+        try:
+            q = qemu.Qmp(vm.config.qmp_socket)
+            try:
+                q.execute("stop")
+                try:
+                    with disk.reading(upper, self._capture_dir(h)) as root:
+                        yield root
+                finally:
+                    q.execute("cont")
+            finally:
+                q.close()
+        finally:
+            vm.agent.lock.release()

@@ -26,17 +26,20 @@ data read) and remembered per image digest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from composer.compose import compose
 from composer.manifest import Entry, Kind
+from lazyfs import sysmount
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, SandboxError
 from ..images import Images
 from ..spec import ResolvedImage
 
@@ -128,3 +131,51 @@ def make_upper(dest: Path, size_mb: int) -> None:
         dest.unlink(missing_ok=True)
         raise BackendUnavailable(f"making the VM's writable disk {dest}: mkfs.ext4 failed: "
                                  f"{(p.stderr or p.stdout).strip()[-400:]}")
+
+
+@contextlib.contextmanager
+def reading(upper: Path, mountpoint: Path) -> Iterator[Path]:
+    """The overlay upper on a VM's disk (the VMM stopped: nothing writes the
+    file meanwhile) as a read-only host directory, for packing. The guest
+    wrote every byte of it, metadata included: it is checked by `e2fsck -fn`
+    (userspace, read-only) before the host kernel mounts it, and mounted
+    ro, noload, nodev, nosuid, noexec from a read-only loop device; what is
+    in it is then read as any sandbox's upper is (composer.snapshot
+    .pack_diff: lstat, O_NOFOLLOW, never a path resolved through it)."""
+    try:
+        p = subprocess.run(["e2fsck", "-f", "-n", str(upper)], capture_output=True, text=True,
+                           timeout=TOOL_TIMEOUT, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxError(f"checking the VM's disk {upper.name}: {e}") from e
+    if p.returncode != 0:
+        lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
+        raise SandboxError(f"the VM's disk {upper.name} fails e2fsck -fn (exit {p.returncode}), "
+                           f"so it is not mounted on the host: {' / '.join(lines[-3:])[-300:]}")
+    mountpoint.mkdir(mode=0o700)
+    try:
+        try:
+            m = subprocess.run(["mount", "-t", "ext4", "-o",
+                                "loop,ro,noload,nodev,nosuid,noexec,errors=continue",
+                                str(upper), str(mountpoint)], capture_output=True, text=True,
+                               timeout=TOOL_TIMEOUT, check=False, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SandboxError(f"mounting the VM's disk {upper.name}: {e}") from e
+        if m.returncode != 0:
+            said = " ".join((m.stderr or m.stdout).split())
+            raise SandboxError(f"mounting the VM's disk {upper.name}: {said[-300:]}")
+        try:
+            yield mountpoint / "upper"
+        finally:
+            sysmount.umount(mountpoint, lazy=True)  # the loop device goes with it (autoclear)
+    finally:
+        with contextlib.suppress(OSError):
+            mountpoint.rmdir()
+
+
+def release(mountpoint: Path) -> None:
+    """Undo what a capture killed midway left at `mountpoint` (reading's):
+    its mount and the directory."""
+    if os.path.ismount(mountpoint):
+        sysmount.umount(mountpoint, lazy=True)
+    with contextlib.suppress(FileNotFoundError):
+        mountpoint.rmdir()
