@@ -153,8 +153,14 @@ class AutoTraces:
                     img.gone.set()
 
     def snapshot(self) -> dict[str, Any]:
-        return {d: {"state": i.state, "events": i.events, "chunks": i.chunks,
-                    "seconds": round(i.seconds, 6)} for d, i in self.images.items()}
+        events = self.fetch.tracer.events
+
+        def recorded(i: _Image) -> int:  # so far, while recording
+            return sum(1 for e in events[i.start:] if e["layer"] in i.layers)
+        return {d: {"state": i.state,
+                    "events": recorded(i) if i.state == "recording" else i.events,
+                    "chunks": i.chunks, "seconds": round(i.seconds, 6)}
+                for d, i in self.images.items()}
 
     async def _run(self, digest: str, img: _Image) -> None:
         assert self.objects is not None

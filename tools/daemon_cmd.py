@@ -132,6 +132,12 @@ def stats(settings: Settings, root: Path | None, as_json: bool, prometheus: bool
                f"(shared waits {c['waits']:,}); fetched {c['fetched_bytes'] / 1e6:,.1f} MB; "
                f"fetch p50 {c['fetch_ms_p50']:.2f} ms p99 {c['fetch_ms_p99']:.2f} ms")
     click.echo(f"errors {snap['errors']}  prefetched chunks {snap['prefetched_chunks']:,}")
+    traces = snap.get("auto_traces") or {}
+    if traces:
+        click.echo("\nautomatic traces (per image digest)")
+        for digest, t in sorted(traces.items()):
+            click.echo(f"  {digest[:19]}…  {t['state']}: {t['events']:,} events, "
+                       f"{t['chunks']:,} chunks prefetched")
     per_image = _group(snap["layers"], names)
     click.echo("\nper image (all mounts)")
     for label, s in sorted(per_image.items()):
