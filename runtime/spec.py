@@ -339,14 +339,15 @@ class PreemptedSandbox(_Model):
     snapshot: SnapshotInfo
 
 
-EventKind = Literal["syscall", "connect", "oom_kill", "process_limit"]
+EventKind = Literal["syscall", "connect", "oom_kill", "process_limit", "disk_limit"]
 
 
 class SandboxEvent(_Model):
     """Something the sandbox was refused (runtime/denials.py), counted:
     kind `syscall` (detail: the system call), `connect` (the refused
     destination, ADDR:PORT/PROTO), `oom_kill`, `process_limit` (forks refused
-    at the pids limit). `first` is None for what the kernel counts (we learn
+    at the pids limit), `disk_limit` (a command ended with the sandbox's disk
+    full: containers; each such command counts once). `first` is None for what the kernel counts (we learn
     of it when asked)."""
 
     kind: EventKind

@@ -84,9 +84,14 @@ def test_a_default_sandbox_sees_and_hits_its_disk_limit(node: Node) -> None:
         # the neighbour: its own layer, untouched by A's
         got_b, out_b = _mb_written(b, "/mine", NODE_DISK_MB // 2)
         assert got_b == NODE_DISK_MB // 2 and b"rc=0" in out_b, out_b
-        # A, having freed its space, writes again
+        # the hit is an event of A's (the command that filled it), none of B's
+        full = [e for e in a.events() if e.kind == "disk_limit"]
+        assert [(e.detail, e.count) for e in full] == [(f"disk_mb={NODE_DISK_MB} full", 1)]
+        assert not [e for e in b.events() if e.kind == "disk_limit"]
+        # A, having freed its space, writes again (and records no new hit)
         a.exec("rm /fill")
         assert a.exec("echo ok > /small && cat /small").stdout == b"ok\n"
+        assert [e.count for e in a.events() if e.kind == "disk_limit"] == [1]
         # no sandbox adds a mount to the host's table (its upper left it too)
         assert not [m for m in sysmount.mounts() if str(node.config.sandboxes) in m.mount_point]
 

@@ -580,9 +580,26 @@ class ContainerBackend:
             proc.close()
         oom = cgroups.oom_kills(h.id) > ooms
         code = out.returncode
+        self._note_disk_full(h)
         return ExecResult(exit_code=code, stdout=bytes(out.stdout), stderr=bytes(out.stderr),
                           duration=out.duration, truncated=out.truncated,
                           timed_out=out.timed_out, oom_killed=oom and code == 128 + signal.SIGKILL)
+
+    def _note_disk_full(self, h: Container) -> None:
+        """A command that ended with the sandbox's disk (its size-limited
+        tmpfs rw/) full is recorded as a `disk_limit` event: tmpfs counts no
+        refused writes, so what is recorded is "a command ended at the
+        limit" (each such command once), the trace a writer hitting ENOSPC
+        leaves."""
+        if not h.state.rw_tmpfs:
+            return
+        try:
+            st = os.statvfs(self._rw(h))
+        except OSError:
+            return
+        if st.f_bavail == 0:
+            self.denials.record(h.id, "disk_limit",
+                                f"disk_mb={h.spec.disk_mb or self.config.disk_mb} full")
 
     def _exec_failed(self, h: Container, e: Exception, refused: bool) -> NoReturn:
         """The channel could not start the command: say why in one line."""
