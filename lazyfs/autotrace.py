@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -48,6 +51,7 @@ from chunkstore.errors import BadDigest, ChunkStoreError
 from chunkstore.objects import ObjectNotFound, ObjectStore
 from composer.catalog import ImageCatalog
 from composer.errors import ComposerError
+from composer.manifest import Kind
 from composer.remote import trace_key
 
 from .fetch import FetchEngine
@@ -107,16 +111,42 @@ def decode(raw: bytes, digest: str, layers: frozenset[str]) -> list[dict[str, An
     return out
 
 
+def _read_spans(path: Path, spans: list[tuple[int, int]]) -> None:
+    """Read (offset, length) spans of a file, for their pages; a file that
+    is not there (no kernel mount of its layer) is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        # no readahead on this descriptor: read the spans, not their
+        # neighbours (the layer mount's readahead would fetch past them)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for off, n in sorted(spans):
+            while n > 0:
+                got = os.pread(fd, min(n, 1 << 20), off)
+                if not got:
+                    break
+                off, n = off + len(got), n - len(got)
+    except OSError as e:
+        log.debug("page-in of %s: %s", path, e)
+    finally:
+        os.close(fd)
+
+
 class AutoTraces:
     """Per image on this node: record its trace or replay the stored one.
     `objects` is where traces live (None: automatic traces off)."""
 
     def __init__(self, objects: ObjectStore | None, catalog: ImageCatalog,
-                 fetch: FetchEngine, record_seconds: float = RECORD_SECONDS) -> None:
+                 fetch: FetchEngine, record_seconds: float = RECORD_SECONDS,
+                 layer_mount: Callable[[str], Path] | None = None) -> None:
         self.objects = objects
         self.catalog = catalog
         self.fetch = fetch
         self.record_seconds = record_seconds
+        # where a layer's shared kernel EROFS mount is (erofsmounts.mount_path)
+        self.layer_mount = layer_mount
         self.images: dict[str, _Image] = {}
 
     @property
@@ -184,6 +214,7 @@ class AutoTraces:
             img.state, img.events = "prefetching", len(events)
             try:
                 img.chunks = await self.fetch.prefetch_trace(events)
+                await self._page_in(events)
             except (ChunkStoreError, ComposerError) as e:
                 log.warning("trace of %s: replay stopped: %s", digest, e)
             img.state, img.seconds = "prefetched", trio.current_time() - t0
@@ -197,6 +228,43 @@ class AutoTraces:
         finally:  # also when the daemon stops: what was recorded is kept
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await self._save(digest, img, key)
+
+    async def _page_in(self, events: list[dict[str, Any]]) -> None:
+        """The replayed chunks' bytes read through their layers' shared
+        kernel EROFS mounts, so they are in the page cache every root of
+        the layer reads from (overlayfs reads the lower's own inode): a
+        replayed workload then reads at page-cache speed, not one daemon
+        round trip per read. Layers without a kernel mount (FUSE trees) are
+        left to the node cache. Reads run in the prefetch pool's threads
+        (each is served by this daemon's event loop)."""
+        if self.layer_mount is None:
+            return
+        ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        for ev in events:
+            t = self.fetch.layers.by_digest.get(ev["layer"])  # the replay loaded it, or failed
+            if t is None:
+                continue
+            i = t.path_index(ev["path"])
+            if i is None or t.entries[i].kind != Kind.FILE:
+                continue
+            data = t.file_data(i)
+            k = ev["chunk"]
+            if 0 <= k < len(data.starts):
+                ranges.setdefault((ev["layer"], ev["path"]), []).append(
+                    (data.starts[k], data.lengths[k]))
+        mount = self.layer_mount
+        layers = {layer for layer, _ in ranges}
+        self.fetch.quiet_layers.update(layers)  # read the spans, nothing past them
+        try:
+            for (layer, path), spans in ranges.items():
+                where = mount(layer) / path
+                await trio.to_thread.run_sync(_read_spans, where, spans,
+                                              limiter=self.fetch.prefetch_limit)
+        finally:
+            self.fetch.quiet_layers.subtract(layers)
+            for layer in layers:
+                if self.fetch.quiet_layers[layer] <= 0:
+                    del self.fetch.quiet_layers[layer]
 
     async def _save(self, digest: str, img: _Image, key: str) -> None:
         assert self.objects is not None

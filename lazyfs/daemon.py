@@ -213,7 +213,8 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
                     options, Attribution(paths))
         fs.source = cluster_url or str(Path(store_path or "").absolute())
         fs.traces = AutoTraces(_trace_objects(catalog, store_path), catalog, fs.fetch,
-                               options.auto_trace_seconds)
+                               options.auto_trace_seconds,
+                               layer_mount=lambda d: erofsmounts.mount_path(paths, d))
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
                                                "allow_other"}
         pyfuse3.init(fs, str(paths.mnt), opts)

@@ -42,6 +42,7 @@ import collections
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,14 @@ class FetchEngine:
         self._hot_size = 0
         self._fetch_limit = trio.CapacityLimiter(options.fetch_threads)
         self._prefetch_limit = trio.CapacityLimiter(options.prefetch_threads)
+        # layers whose blob readahead is off for now: a trace replay reading
+        # its chunks' pages in (lazyfs.autotrace) must not read past them
+        self.quiet_layers: collections.Counter[str] = collections.Counter()
+
+    @property
+    def prefetch_limit(self) -> trio.CapacityLimiter:
+        """The background pool's threads (readahead, trace replay)."""
+        return self._prefetch_limit
 
     # -- reads ------------------------------------------------------------------
 
@@ -172,7 +181,7 @@ class FetchEngine:
         b.streams[off + size] = None
         while len(b.streams) > 64:
             b.streams.popitem(last=False)
-        if not sequential or size <= 0:
+        if not sequential or size <= 0 or self.quiet_layers[b.blob.tree.digest]:
             return
         last = b.blob.pieces(off + size - 1, 1)
         if not last or last[0].entry < 0:
@@ -324,10 +333,30 @@ class FetchEngine:
         background pool. Events naming layers, paths or chunks this node does
         not have are skipped (a trace may come from another node or an older
         catalog). Returns how many chunks were fetched."""
+        bad_layers: set[str] = set()
+        # batches in flight together, one per prefetch thread (each batch is
+        # one thread's serial fetch): in trace order, so the reader that
+        # follows the trace finds its next chunks on their way
+        slots = trio.Semaphore(self.options.prefetch_threads)
+
+        async def one(t: LayerTree, ids: list[ChunkId]) -> None:
+            try:
+                await self._fetch_batch(t, ids)
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            done = await self._replay(events, nursery, slots, one, bad_layers)
+        self.tracer.prefetch_runs += 1
+        return done
+
+    async def _replay(self, events: list[dict[str, Any]], nursery: trio.Nursery,
+                      slots: trio.Semaphore,
+                      one: Callable[[LayerTree, list[ChunkId]], Awaitable[None]],
+                      bad_layers: set[str]) -> int:
         done = 0
         batch: list[ChunkId] = []
         tree: LayerTree | None = None
-        bad_layers: set[str] = set()
         for n, ev in enumerate(events):
             if n % 256 == 255:
                 await trio.lowlevel.checkpoint()  # never hold the loop for long
@@ -351,15 +380,16 @@ class FetchEngine:
             if cid is None or self.cache.contains(cid, t.domain):
                 continue
             if batch and tree is not None and (t.domain != tree.domain or len(batch) >= 8):
-                await self._fetch_batch(tree, batch)
+                await slots.acquire()
+                nursery.start_soon(one, tree, batch)
                 done += len(batch)
                 batch = []
             batch.append(cid)
             tree = t
         if batch and tree is not None:
-            await self._fetch_batch(tree, batch)
+            await slots.acquire()
+            nursery.start_soon(one, tree, batch)
             done += len(batch)
-        self.tracer.prefetch_runs += 1
         return done
 
     async def _fetch_batch(self, tree: LayerTree, ids: list[ChunkId]) -> None:

@@ -112,6 +112,10 @@ def _first_use_then_fresh_node(catalog_of: Any, digest: str, chunks: dict[str, l
         after = b.stats()
         assert after["cache"]["fetched_bytes"] == want, "a read after the prefetch fetched"
         assert after["cache"]["misses"] == st["cache"]["misses"], "a read missed the cache"
+        # and the replay read those pages in through the layer's kernel mount:
+        # the workload's reads never reached the daemon
+        reads = {d: v["reads"] for d, v in st["layers"].items()}
+        assert {d: v["reads"] for d, v in after["layers"].items()} == reads
         b.unmount(root)
 
 
