@@ -196,6 +196,22 @@ class NodeCache:
     def get(self, chunk_id: ChunkId, domain: TrustDomain) -> bytes:
         return self.get_many([chunk_id], domain)[0]
 
+    def keep(self, chunk_id: ChunkId, domain: TrustDomain, data: bytes) -> bool:
+        """Keep a chunk the caller already has (read with keep=False, its
+        bytes checked then) on disk, written in the background; False when
+        it is kept already."""
+        key = (str(domain), bytes(chunk_id))
+        with self._mu:
+            if key in self._lru or key in self._pending:
+                return False
+            self._pending[key] = data
+            self._pending_bytes += len(data)
+        try:
+            self._filler.submit(self._fill, [(key, data)])
+        except RuntimeError:  # closing: write it here
+            self._fill([(key, data)])
+        return True
+
     def get_many(self, ids: Sequence[ChunkId], domain: TrustDomain, *,
                  wait_timeout: float | None = None, keep: bool = True) -> list[bytes]:
         """The plain bytes of each chunk, in order: from the cache when there,

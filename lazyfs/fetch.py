@@ -48,7 +48,7 @@ from typing import Any
 
 import trio
 
-from chunkstore import ChunkId, ChunkStore, ChunkStoreError
+from chunkstore import ChunkId, ChunkStore, ChunkStoreError, TrustDomain
 from chunkstore.cache import NodeCache
 from composer.errors import ComposerError
 from composer.manifest import Kind
@@ -104,6 +104,11 @@ class FetchEngine:
         self._hot_size = 0
         self._fetch_limit = trio.CapacityLimiter(options.fetch_threads)
         self._prefetch_limit = trio.CapacityLimiter(options.prefetch_threads)
+        # bytes served of each hot chunk, while partly-read chunks leaving the
+        # hot set are spilled into the node cache (a local store whose reads
+        # are not kept: _spill_partial)
+        self._served: dict[tuple[str, bytes], int] = {}
+        self._spill = local_store is not None and not options.keep_local_reads
         # layers whose blob readahead is off for now: a trace replay reading
         # its chunks' pages in (lazyfs.autotrace) must not read past them
         self.quiet_layers: collections.Counter[str] = collections.Counter()
@@ -238,9 +243,15 @@ class FetchEngine:
                 out.append(memoryview(b""))
                 continue
             parts = []
+            end = off + size
             for k in span:
                 cid = data.ids[k]
                 parts.append(hot[cid] if cid is not None else bytes(data.lengths[k]))
+                if cid is not None and self._spill:
+                    c0 = data.starts[k]
+                    key = (dom, bytes(cid))
+                    self._served[key] = self._served.get(key, 0) + (
+                        min(end, c0 + data.lengths[k]) - max(off, c0))
             start = off - data.starts[span[0]]
             length = min(size, data.size - off)
             # one chunk (the common case): a view, no copy; pyfuse3 takes any buffer
@@ -263,12 +274,25 @@ class FetchEngine:
         self._hot[key] = data
         self._hot_size += len(data)
         while self._hot_size > self.options.hot_bytes and self._hot:
-            _, old = self._hot.popitem(last=False)
+            old_key, old = self._hot.popitem(last=False)
             self._hot_size -= len(old)
+            self._spill_partial(old_key, old)
+
+    def _spill_partial(self, key: tuple[str, bytes], data: bytes) -> None:
+        """A chunk leaving the hot set whose bytes were not all served yet
+        (a file read in parts, e.g. a binary's pages faulted in over time)
+        is kept in the node cache: its other parts are likely read later,
+        and would otherwise come from the store a second time. Chunks read
+        whole are not (their pages are in the page cache); with a remote
+        source or keep_local_reads every chunk is kept anyway."""
+        served = self._served.pop(key, 0)
+        if self._spill and served < len(data):
+            self.cache.keep(ChunkId(key[1]), TrustDomain(key[0]), data)
 
     def drop_hot(self) -> None:
         self._hot.clear()
         self._hot_size = 0
+        self._served.clear()
 
     # -- fetching -------------------------------------------------------------------
 
