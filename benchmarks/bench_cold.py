@@ -46,6 +46,9 @@ Then, per lazyfs view, a cold start of a Python program (`python3 -c
 bytes the daemon fetched against the file-level bound, the total size of
 the regular files the program opened or executed.
 
+Automatic traces (lazyfs.autotrace) are off in every view: a view mounted
+after another of the same image would otherwise replay its trace.
+
 Prints the tables, writes benchmarks/results/cold.json. Needs root, /dev/fuse,
 EROFS, strace. Mounts, the daemons and the scratch directory are removed at the end,
 also on failure.
@@ -97,6 +100,10 @@ MB = 1_000_000
 WORKLOADS = ("read-all", "find+stat")
 QUICK = {"repeats": 1}
 FULL = {"repeats": 3}
+# every view cold means no automatic trace either (lazyfs.autotrace: a view
+# mounted after another of the same image would replay its trace);
+# bench_lazyfs section 5 measures the replay
+NO_TRACES = ["--auto-trace-seconds", "0"]
 BEFORE = ["--inline-fetch-bytes", "0", "--keep-local-reads"]
 BDI = Path("/sys/class/bdi")
 MS_BIND = 4096
@@ -252,7 +259,8 @@ class Bench:
                 if name == "before" and not self.args.before:
                     continue
                 node = self.nodes[name] = LazyNode(self.work / f"node-{name}", self.store,
-                                                   cache_size="8G", extra=extra)
+                                                   cache_size="8G",
+                                                   extra=[*NO_TRACES, *extra])
                 node.start()
             for view in self.views[2:]:
                 catalog: ImageCatalog = cat
@@ -306,7 +314,7 @@ class Bench:
             log(f"pushed dev:1 to SeaweedFS in {time.perf_counter() - t0:.1f} s")
         node = self.nodes["cluster"] = LazyNode(self.work / "node-cluster",
                                                 self.work / "no-local-store", cache_size="8G",
-                                                cluster=url)
+                                                cluster=url, extra=NO_TRACES)
         node.start()
 
     def close(self) -> None:
