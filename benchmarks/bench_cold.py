@@ -62,6 +62,7 @@ import shutil
 import signal
 import stat
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -187,10 +188,39 @@ def opened_bytes(trace: Path, root: Path) -> tuple[int, int]:
         real = resolve_in(root, path)
         if real is None:
             continue
-        st = os.stat(real)
-        if stat.S_ISREG(st.st_mode):
-            seen[(st.st_dev, st.st_ino)] = st.st_size
+        found = [real]
+        if "execve(" in line:  # the kernel opens its ELF interpreter itself: no openat
+            interp = elf_interpreter(real)
+            if interp is not None and (ld := resolve_in(root, interp)) is not None:
+                found.append(ld)
+        for f in found:
+            st = os.stat(f)
+            if stat.S_ISREG(st.st_mode):
+                seen[(st.st_dev, st.st_ino)] = st.st_size
     return len(seen), sum(seen.values())
+
+
+def elf_interpreter(path: Path) -> str | None:
+    """The PT_INTERP of a 64-bit little-endian ELF executable (what execve
+    maps before the program runs), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return None
+            phoff, = struct.unpack_from("<Q", head, 32)
+            phentsize, phnum = struct.unpack_from("<HH", head, 54)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for i in range(phnum):
+                p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(
+                    "<IIQQQQ", table, i * phentsize)
+                if p_type == 3:  # PT_INTERP
+                    f.seek(p_offset)
+                    return f.read(p_filesz).rstrip(b"\0").decode("utf-8", "replace")
+    except (OSError, struct.error):
+        return None
+    return None
 
 
 def erofs_bdis() -> set[str]:
