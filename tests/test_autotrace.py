@@ -21,25 +21,21 @@ import pytest
 
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
-from chunkstore.objects import S3ObjectStore, open_object_store
+from chunkstore.objects import open_object_store
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
 from composer.remote import ClusterCatalog, trace_key
-from lazyfs import erofsmounts
 from lazyfs.autotrace import MAX_TRACE_BYTES, decode, encode
-from tests.helpers.lazynode import LazyNode, fuse_missing
+from tests.helpers.lazynode import LazyNode
 from tests.helpers.seaweed import SeaweedFS
+from tests.test_kernel_path import _kernel_path_missing
 
 MIB = 1 << 20
 
 
 def _missing() -> str | None:
-    if (why := fuse_missing()) is not None:
-        return why
-    if not erofsmounts.available():
-        return "this kernel has no EROFS (CONFIG_EROFS_FS)"
-    return None
+    return _kernel_path_missing()
 
 
 def needs_node(fn: Any) -> Any:
@@ -183,9 +179,6 @@ def test_stored_traces_are_checked_as_untrusted_input() -> None:
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     with SeaweedFS(tmp_path_factory.mktemp("weed")) as sw:
-        objects = open_object_store(sw.url("x"))
-        assert isinstance(objects, S3ObjectStore)
-        objects.ensure_bucket()
         yield sw
 
 
@@ -193,7 +186,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
 def test_the_trace_travels_with_the_image_through_the_cluster_store(
         seaweed: SeaweedFS, store: ChunkStore, cat: Catalog, tmp_path: Path) -> None:
     digest, chunks = _image(store, cat, tmp_path, "traced:2", seed=4)
-    url = seaweed.url("traces")
+    url = seaweed.store_url("traces")
     with Cluster(open_object_store(url)) as cluster:
         push(cluster, store, cat, "traced:2")
     # two nodes with no local store: A records, B (fresh) prefetches
