@@ -27,7 +27,7 @@ def test_sigkill_mid_put_leaves_a_consistent_store(tmp_path: Path) -> None:
     rng = random.Random(1234)
     committed: dict[str, bytes] = {}
     torn_rounds = 0
-    for rnd in range(16):
+    for rnd in range(48):  # until two kills landed mid-commit (more rounds on a busy machine)
         proc = start_worker("writer", str(path), f"r{rnd}", "50", str(PER_BATCH), str(SIZE),
                             "32")
         try:
