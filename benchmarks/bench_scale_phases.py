@@ -13,10 +13,10 @@ PhaseTimer; median ms per create + kill):
 runc run (`_run_detached`), the inotify budgets (`limit_sandbox`, an
 nsenter), composing the root (`mount_image`), detaching it, the other runc
 calls, unmounting, removing the directory. Besides wall times, the CPU of the
-node's children (runc, nsenter: getrusage) and the host's whole system time
-(/proc/stat) per create + kill: wall times on a shared machine mislead, the
-host's system time shows kernel work that grows with N (kernel workers
-included). With --perf DIR, `perf record -a -g` runs through each sample
+node's children (runc, nsenter: getrusage, and what the node's spawner
+reaped) and the host's whole system time (/proc/stat) per create + kill:
+wall times on a shared machine mislead, the host's system time shows kernel
+work that grows with N (kernel workers included). With --perf DIR, `perf record -a -g` runs through each sample
 window (DIR/perf.<N>.<userns>) and through the final kill_many
 (DIR/perf.kill_many). Results: benchmarks/results/scale_phases.json.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import resource
 import shutil
 import signal
@@ -40,7 +41,7 @@ from typing import Any
 
 from benchmarks.bench_runtime import PhaseTimer
 from benchmarks.report import exit_on_sigterm, int_list, log, machine_info, write_json
-from runtime import Sandbox, hostlimits
+from runtime import Sandbox, cgroups, hostlimits
 from runtime.backends import container
 from runtime.config import RuntimeConfig
 from runtime.node import Node
@@ -55,7 +56,8 @@ TIMER = PhaseTimer()  # per thread: the idle-growing threads' steps do not count
 
 def _instrument() -> None:
     cb = container.ContainerBackend
-    for name, label in (("_run_detached", "runc run"), ("_runc", "runc delete/state"),
+    for name, label in (("_run_detached", "runc run"), ("_runc", "other runc calls"),
+                        ("_init_alive", "init alive"),
                         ("_kill_init", "kill init"), ("create", "backend create"),
                         ("kill", "backend kill")):
         TIMER.wrap(cb, name, label)
@@ -63,13 +65,28 @@ def _instrument() -> None:
                         ("unmount", "unmount root"), ("_remove", "remove dir")):
         TIMER.wrap(container, name, label)
     TIMER.wrap(hostlimits, "limit_sandbox", "inotify budgets (nsenter)")
+    TIMER.wrap(cgroups, "remove_empty", "groups away (pool or rmdir)")
+    TIMER.wrap(cgroups.GroupPool, "claim", "claim pooled groups")
+
+
+def _spawned_cpu() -> float:
+    """CPU seconds of the programs the node's spawners (runtime/spawner.py,
+    our children) started and reaped: runc runs there, not here."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                if b"spawner.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    total += int(fields[13]) + int(fields[14])  # cutime, cstime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu() -> tuple[float, int]:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open("/proc/stat") as f:
         system_ticks = int(f.readline().split()[3])
-    return ru.ru_utime + ru.ru_stime, system_ticks
+    return ru.ru_utime + ru.ru_stime + _spawned_cpu(), system_ticks
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ from composer.snapshot import HostIds
 from lazyfs import sysmount
 from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 
-from .. import cgroups, hostlimits, idmap, oci, procio
+from .. import cgroups, hostlimits, idmap, oci, procio, spawner
 from ..config import RuntimeConfig
 from ..denials import DenialLog, SeccompListener, merged
 from ..errors import (
@@ -168,6 +168,9 @@ class ContainerBackend:
         self._listener: SeccompListener | None = None
         self._listener_lock = threading.Lock()
         self.ranges = idmap.RangePool()
+        self.groups = cgroups.GroupPool()
+        self.spawner = spawner.Spawner()
+        cgroups.GroupPool.remove_stale()
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
@@ -217,16 +220,14 @@ class ContainerBackend:
         try:
             with open(errlog, "wb") as err, open(os.devnull, "wb") as null, \
                     initexec.listen(h.dir / CHANNEL) as channel:
-                # posix_spawn: it places rw/ at exactly RW_FD (subprocess keeps
-                # a passed descriptor's own number), without a preexec hook
-                pid = os.posix_spawn(self.runc, argv, os.environ, file_actions=[
-                    (os.POSIX_SPAWN_DUP2, channel.fileno(), 0),
-                    (os.POSIX_SPAWN_DUP2, null.fileno(), 1),
-                    (os.POSIX_SPAWN_DUP2, err.fileno(), 2),
-                    (os.POSIX_SPAWN_DUP2, rw, RW_FD)])
+                # through the spawner (few descriptors to copy, whatever the
+                # node holds), with rw/ at exactly RW_FD
+                code = self.spawner.run(argv, {0: channel.fileno(), 1: null.fileno(),
+                                               2: err.fileno(), RW_FD: rw}, RUNC_TIMEOUT)
+        except spawner.SpawnError as e:
+            raise SandboxError(f"runc run failed: {e}") from e
         finally:
             os.close(rw)
-        code = _wait(pid, RUNC_TIMEOUT)
         if code != 0:
             msg = errlog.read_text(errors="replace").strip()
             raise SandboxError(f"runc run failed: {msg[-400:] or f'exit status {code}'}")
@@ -309,6 +310,7 @@ class ContainerBackend:
                 oci.config(h.id, h.spec, rootfs, init, ids, self._seccomp_listener(),
                            init.parent, None if restoring else self.config.budgets)))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
+            self.groups.claim(h.id)  # groups an earlier sandbox left, if any
             run()
             st.init_pid = int((h.dir / "init.pid").read_text())
             if ids is not None and restoring:  # (created: the config's hook)
@@ -333,14 +335,19 @@ class ContainerBackend:
 
     def kill(self, h: Container) -> None:
         """Stop everything of the sandbox; safe on half-created ones and twice."""
-        # `runc delete --force` sleeps 100 ms after its SIGKILL; killing init
-        # ourselves (the whole PID namespace goes with it) and then deleting
-        # the stopped container takes a few ms.
+        # `runc delete --force` sleeps 100 ms after its SIGKILL, and any runc
+        # call is a Go process start (~7 ms, more on a full node): init is
+        # killed here (the whole PID namespace goes with it), and what
+        # `runc delete` does for a stopped container is done directly:
+        # remove its groups and its state directory (no poststop hooks are
+        # configured). runc deletes only what this cannot tell is stopped.
         with cgroups.cpu_unidled(h.id):
-            if self.runc is not None and (not self._kill_init(h) or self._runc(
-                    "delete", h.id, check=False).returncode):
-                self._runc("delete", "--force", h.id, check=False)
-        cgroups.remove_empty(h.id)
+            if self.runc is not None:
+                if self._kill_init(h):
+                    shutil.rmtree(self.config.runc_root / h.id, ignore_errors=True)
+                else:
+                    self._runc("delete", "--force", h.id, check=False)
+        cgroups.remove_empty(h.id, pool=self.groups)
         rootfs = h.state.rootfs or h.dir / "rootfs"
         if h.state.held or sysmount.is_mount_point(rootfs):
             try:
@@ -391,13 +398,31 @@ class ContainerBackend:
         return False
 
     def status(self, h: Container) -> str:
-        if self.runc is None:
+        """running, paused or stopped, from the kernel (what `runc state`
+        reads, without its process start): init alive in the sandbox's
+        groups, and the freezer's state."""
+        if self.runc is None or not self._init_alive(h):
             return "stopped"
-        p = self._runc("state", h.id, check=False)
-        if p.returncode != 0:
+        state = cgroups.path("freezer", h.id) / "freezer.state"
+        try:
+            frozen = state.read_text().strip() != "THAWED"
+        except OSError:
             return "stopped"
-        st = json.loads(p.stdout).get("status", "stopped")
-        return {"running": "running", "paused": "paused"}.get(st, "stopped")
+        return "paused" if frozen else "running"
+
+    def _init_alive(self, h: Container) -> bool:
+        """The sandbox's init is the process we started (not a reused pid)
+        and not yet dead."""
+        pid = h.state.init_pid
+        if pid is None:
+            return False
+        try:
+            if f"/{cgroups.PARENT}/{h.id}\n" not in Path(f"/proc/{pid}/cgroup").read_text():
+                return False
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return False
 
     def close(self) -> None:
         # running containers keep their bind of init (their own mount
@@ -411,6 +436,8 @@ class ContainerBackend:
             with contextlib.suppress(OSError):
                 empty.rmdir()
         self.ranges.close()
+        self.groups.drain()
+        self.spawner.close()
         with self._listener_lock:
             if self._listener is not None:
                 self._listener.close()
@@ -661,26 +688,6 @@ def _traversable(d: Path) -> None:
         p.mkdir(mode=0o711, exist_ok=True)
         if os.stat(p).st_mode & 0o777 != 0o711:
             os.chmod(p, 0o711)
-
-
-def _wait(pid: int, timeout: float) -> int:
-    """The exit status of child `pid`, killed after `timeout` seconds. Any
-    failure while waiting kills and reaps it first: a runc left running would
-    finish making its container after the caller's cleanup."""
-    try:
-        pidfd = os.pidfd_open(pid)
-        try:
-            if not procio.ready([pidfd], timeout=timeout)[0]:
-                os.kill(pid, signal.SIGKILL)
-        finally:
-            os.close(pidfd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-        raise
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _fd_links(pid: int) -> list[str]:
