@@ -366,7 +366,7 @@ class ContainerBackend:
         ids = h.state.id_range()
         if ids is not None:
             self.ranges.release(ids, h.id)
-        _remove(h.dir)
+        _remove(h.dir, self.spawner)
 
     def _kill_init(self, h: Container, wait: float = 5.0) -> bool:
         """SIGKILL the sandbox's init if it is still the process we started;
@@ -732,8 +732,17 @@ def _tree(leader: int | None, members: list[int], pipes: set[str]) -> list[int]:
     return out
 
 
-def _remove(d: Path) -> None:
+def _remove(d: Path, via: spawner.Spawner) -> None:
+    """remove_tree's `rm -rf --one-file-system`, started by the spawner: a
+    fork of the node copies a descriptor table that grows with its
+    sandboxes (2.7 -> 5.4 ms per kill at 3,000 idle ones)."""
+    argv = [shutil.which("rm") or "/bin/rm", "-rf", "--one-file-system", "--", str(d)]
     try:
-        remove_tree(d)
-    except OSError as e:
-        log.warning("%s", e)
+        code = via.run(argv, {}, timeout=RUNC_TIMEOUT)
+    except OSError:
+        code = None
+    if code != 0:
+        try:
+            remove_tree(d)
+        except OSError as e:
+            log.warning("%s", e)
