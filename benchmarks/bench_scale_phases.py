@@ -2,7 +2,7 @@
 phases at 0 and N idle sandboxes, with user namespaces on and off in the same run.
 
     python -m benchmarks.bench_scale_phases [--idle 1500,3000] [--samples 15]
-                                            [--perf DIR]
+                                            [--perf DIR] [--netns-control]
 
 One lazyfs daemon and two embedded nodes (RuntimeConfig(user_namespaces=True)
 and False) over one busybox image (tests/helpers/sandboxes.py); the idle
@@ -16,7 +16,12 @@ calls, unmounting, removing the directory. Besides wall times, the CPU of the
 node's children (runc, nsenter: getrusage, and what the node's spawner
 reaped) and the host's whole system time (/proc/stat) per create + kill:
 wall times on a shared machine mislead, the host's system time shows kernel
-work that grows with N (kernel workers included). With --perf DIR, `perf record -a -g` runs through each sample
+work that grows with N (kernel workers included). Before each N's
+samples, 5 s with the node idle: the host's system CPU and the three
+threads that ran most (schedstat). --netns-control samples the empty node
+once more while max(--idle) bare network namespaces are held (sleeping
+`unshare -n` processes, no sandbox): what the host charges for the
+namespaces alone. With --perf DIR, `perf record -a -g` runs through each sample
 window (DIR/perf.<N>.<userns>) and through the final kill_many
 (DIR/perf.kill_many). Results: benchmarks/results/scale_phases.json.
 """
@@ -103,6 +108,58 @@ def _perf(out: Path | None) -> Iterator[None]:
         p.wait(60)
 
 
+def _thread_runtimes() -> dict[tuple[str, str], tuple[str, int]]:
+    """Every thread on the host: (pid, tid) -> (comm, ns run so far, from
+    schedstat: exact, where tick-based stat times alias)."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    d = f"/proc/{pid}/task/{tid}"
+                    comm = Path(f"{d}/comm").read_text().strip()
+                    ns = int(Path(f"{d}/schedstat").read_text().split()[0])
+                    out[(pid, tid)] = (comm, ns)
+    return out
+
+
+def idle_window(seconds: float = 5.0) -> dict[str, Any]:
+    """The host's system CPU while the node does nothing, and the threads
+    that ran most meanwhile: kernel work or other programs that grow with
+    the sandboxes on the host take CPU from the next creates."""
+    a, t0 = _thread_runtimes(), time.perf_counter()
+    with open("/proc/stat") as f:
+        s0 = int(f.readline().split()[3])
+    time.sleep(seconds)
+    with open("/proc/stat") as f:
+        s1 = int(f.readline().split()[3])
+    dt, b = time.perf_counter() - t0, _thread_runtimes()
+    ran = sorted(((ns - a.get(k, (comm, 0))[1], comm, k[0]) for k, (comm, ns) in b.items()),
+                 reverse=True)[:3]
+    return {"host_system_pct_of_a_cpu": (s1 - s0) / 100 / dt * 100,
+            "busiest": [{"comm": comm, "pid": int(pid), "pct_of_a_cpu": ns / 1e9 / dt * 100}
+                        for ns, comm, pid in ran]}
+
+
+@contextlib.contextmanager
+def netns_holders(n: int) -> Iterator[None]:
+    """n sleeping processes, each in a network namespace of its own, and
+    nothing else: what a network namespace per sandbox costs the host
+    without any sandbox (the control for the runs at n idle)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen(["unshare", "-n", "sleep", "3600"]))
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
 def sample(node: Node, n: int) -> dict[str, Any]:
     creates, kills = [], []
     steps: dict[str, list[float]] = {}
@@ -152,6 +209,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     log(f"{n} idle ({(n - idle) / (time.perf_counter() - t0):.1f} creates/s)")
                     idle = n
                 time.sleep(2)
+                quiet = idle_window()
+                log(f"{n} idle, node quiet: host system {quiet['host_system_pct_of_a_cpu']:.1f} % of a "
+                    "CPU; busiest " + ", ".join(f"{b['comm']} (pid {b['pid']}) {b['pct_of_a_cpu']:.1f} %"
+                                                for b in quiet["busiest"]))
+                rows.append({"idle": n, "quiet": quiet})
                 for u, node in nodes.items():
                     out = None if perf_dir is None else perf_dir / f"perf.{n}.{int(u)}"
                     with _perf(out):
@@ -161,6 +223,20 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                         f"{row['kill_ms']:.1f} ms, children CPU {row['children_cpu_ms']:.1f} ms, "
                         f"host system {row['host_system_ms']:.1f} ms; " +
                         ", ".join(f"{k} {v:.1f}" for k, v in row["phases_ms"].items()))
+                if n == 0 and args.netns_control:
+                    with netns_holders(max(args.idle)):
+                        time.sleep(2)
+                        quiet = idle_window()
+                        rows.append({"idle": 0, "netns_holders": max(args.idle), "quiet": quiet})
+                        log(f"0 idle + {max(args.idle)} network namespaces, nothing else: host "
+                            f"system {quiet['host_system_pct_of_a_cpu']:.1f} % of a CPU")
+                        for u, node in nodes.items():
+                            row = {"idle": 0, "netns_holders": max(args.idle), "user_namespaces": u,
+                                   **sample(node, args.samples)}
+                            rows.append(row)
+                            log(f"N=0 + {max(args.idle)} netns userns={u}: create "
+                                f"{row['create_ms']:.1f} ms, kill {row['kill_ms']:.1f} ms, host "
+                                f"system {row['host_system_ms']:.1f} ms")
             with _perf(None if perf_dir is None else perf_dir / "perf.kill_many"):
                 t0 = time.perf_counter()
                 killed = Sandbox.kill_many(IDLE, node=nodes[True])
@@ -181,6 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--idle", type=int_list, default=[1500, 3000],
                     help="idle sandbox counts to measure at besides 0 (default: 1500,3000)")
     ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--netns-control", action="store_true",
+                    help="after the empty node's samples, sample it again while as many bare "
+                         "network namespaces as the largest --idle are held (no sandbox)")
     ap.add_argument("--perf", type=Path, default=None, help="record perf profiles here")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "scale_phases.json")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))

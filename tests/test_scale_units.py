@@ -189,3 +189,46 @@ def test_the_spawner_gives_a_program_only_its_descriptors(tmp_path: Path) -> Non
         sp.close()
         for fd in held:
             os.close(fd)
+
+
+
+@pytest.mark.root
+def test_a_fresh_nodes_first_creates_may_run_at_once(tmp_path: Path) -> None:
+    """The first create of a node sets up the sandbox-init view every
+    container binds (a tmpfs and a copy of the binary, shared by the nodes
+    of a host): eight first creates at once, in threads of one node, all
+    get the same complete, executable copy, on one tmpfs (one of four
+    threads creating on a fresh node once failed on another's half-done
+    copy)."""
+    import threading
+
+    from runtime.backends.container import _init_view
+    from runtime.native import sandbox_init
+    built = sandbox_init(tmp_path / "bin")
+    for round_ in range(3):
+        d = tmp_path / f"r{round_}" / "init"
+        d.parent.mkdir()
+        gate = threading.Barrier(8)
+        got: list[object] = []
+
+        def first(d: Path, gate: threading.Barrier, got: list[object]) -> None:
+            gate.wait()
+            try:
+                got.append(_init_view(d, built))
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                got.append(e)
+        threads = [threading.Thread(target=first, args=(d, gate, got)) for _ in range(8)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert got == [d / built.name] * 8, got
+            assert (d / built.name).read_bytes() == built.read_bytes()
+            assert os.access(d / built.name, os.X_OK)
+            mounts = [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+                      if ln.split()[4] == str(d)]
+            assert len(mounts) == 1, mounts
+        finally:
+            while subprocess.run(["umount", str(d)], check=False, capture_output=True).returncode == 0:
+                pass

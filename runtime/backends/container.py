@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -125,6 +126,9 @@ class ContainerState(BackendState):
 Container = Handle[ContainerState]
 
 
+_INIT_VIEW_LOCK = threading.Lock()
+
+
 def _init_view(d: Path, built: Path) -> Path:
     """sandbox-init as containers bind it: a copy on a small tmpfs of the
     node's (d). The bind's source shows in every sandbox's mountinfo as a
@@ -132,6 +136,14 @@ def _init_view(d: Path, built: Path) -> Path:
     directory."""
     _traversable(d.parent)
     d.mkdir(mode=0o711, exist_ok=True)
+    # nodes of one host share d: the first create of each (and of each of
+    # a node's threads) would mount and copy at once
+    with _INIT_VIEW_LOCK, open(d.parent / ".init.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _init_view_locked(d, built)
+
+
+def _init_view_locked(d: Path, built: Path) -> Path:
     if not sysmount.is_mount_point(d):
         try:
             sysmount.mount("tmpfs", d, "tmpfs", sysmount.MS_NOSUID | sysmount.MS_NODEV,
@@ -142,7 +154,7 @@ def _init_view(d: Path, built: Path) -> Path:
     oci.make_node_dirs(d)  # oci.config's node_dir
     out = d / built.name
     if not out.exists():
-        tmp = d / f".{built.name}.tmp"
+        tmp = d / f".{built.name}.{os.getpid()}.tmp"
         shutil.copyfile(built, tmp)
         os.chmod(tmp, 0o755)
         os.replace(tmp, out)
@@ -178,7 +190,7 @@ class ContainerBackend:
             raise BackendUnavailable("the container backend needs runc (apt-get install runc)")
         if os.geteuid() != 0:
             raise BackendUnavailable("the container backend needs root (cgroups, mounts)")
-        if self._init is None:
+        if self._init is None:  # _init_view is safe to run twice at once
             self._init = _init_view(self.config.init_dir, sandbox_init(self.config.bin_dir))
         return self._init
 
