@@ -4,11 +4,13 @@ node holds 0, 1,000, 2,000, 3,000, 3,200 idle ones, and a sustained load.
     python -m benchmarks.bench_scale [--n 3200] [--checkpoints 1000,2000,3000,3200]
                                      [--sustain 600] [--rate 30]
                                      [--samples 30] [--threads 4] [--quick]
+                                     [--netns-control]
 
 Through the embedded SDK (`Sandbox.create(..., node=node)`), one busybox image
 (tests/helpers/sandboxes.py), one node and lazyfs daemon of its own. Idle
-sandboxes are created in batches (K threads) up to each checkpoint; at each
-checkpoint, `--samples` extra sandboxes are created, exec'd (`true`) and
+sandboxes are created in batches (K threads) up to each checkpoint; once the
+host's CPU use stops falling after the batch (what a batch leaves behind
+ends; at most 60 s), at each checkpoint, `--samples` extra sandboxes are created, exec'd (`true`) and
 killed one at a time (create p50/p99, kill p50/p99, first exec), `true` is
 exec'd in idle sandboxes (exec p50), and the batch gives the creation rate and
 the memory per idle sandbox (MemAvailable drop; cgroup charge). At the end
@@ -19,6 +21,9 @@ its slowest 10 s window) and the latencies, and the disk used under the
 state directory and node root before and after it. At the end the node's
 mounts, sandbox cgroups, processes and network namespaces are compared with
 the baseline.
+With --netns-control, N=0 is measured once more while as many sleeping
+`unshare -n` processes as the largest checkpoint hold a network namespace
+each (every sandbox has one): the growth the host itself puts on a create.
 Ratios are against N=0 of the same run; the target (the issue "A node at full
 load") is create and kill p50 within 1.25x of the empty node and kill_many of
 2,000 under 60 s. Results: benchmarks/results/scale.json.
@@ -41,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_scale_phases import netns_holders
 from benchmarks.report import (
     add_run_options,
     apply_profile,
@@ -71,6 +77,32 @@ TARGET_KILL_MANY_2000_S = 60.0
 IDLE = {"bench": "scale-idle"}
 SAMPLE = {"bench": "scale-sample"}
 SETTLE_S = 2.0
+SETTLE_MAX_S = 60.0
+
+
+def host_cpu_s() -> float:
+    """CPU seconds the whole host has spent (all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def settle() -> dict[str, float]:
+    """Wait for the work a batch of creates leaves behind (kernel workers
+    freeing, RCU callbacks, other programs reacting to new namespaces) to
+    end before measuring at a checkpoint: until the host's CPU use over 2 s
+    stops falling (within 10 % of the window before), at most SETTLE_MAX_S.
+    What stays is the steady cost of holding the sandboxes."""
+    t0 = time.perf_counter()
+    prev = None
+    while True:
+        a = host_cpu_s()
+        time.sleep(SETTLE_S)
+        rate = (host_cpu_s() - a) / SETTLE_S
+        waited = time.perf_counter() - t0
+        if (prev is not None and rate >= prev * 0.9) or waited >= SETTLE_MAX_S:
+            return {"seconds": waited, "host_cpus_busy": rate}
+        prev = rate
 
 
 def ms(x: float) -> str:
@@ -148,22 +180,25 @@ class Scale:
         wall = time.perf_counter() - t0
         self.idle += made
         self.made += made
-        time.sleep(SETTLE_S)
+        settled = settle()
         drop = before - mem_available()
         charged = [charge(sid) for sid in made]
         if failures:
             self.problems.append(f"{len(failures)} creations failed growing to {target}: "
                                  f"{failures[0]}")
-        out = {"created": len(made), "failed": len(failures), "seconds": wall,
+        out: dict[str, Any] = {"created": len(made), "failed": len(failures), "seconds": wall,
                "per_second": len(made) / wall if wall else 0.0,
                "mem_available_drop_per_sandbox": drop / len(made) if made else 0.0,
                "cgroup_charge_per_sandbox": sum(charged) / len(charged) if charged else 0.0}
+        out["settled"] = settled
         log(f"{len(self.idle)} idle: +{len(made)} in {wall:.1f}s "
             f"({out['per_second']:.1f}/s), {out['mem_available_drop_per_sandbox'] / MiB:.2f} "
-            f"MiB/sandbox MemAvailable, {out['cgroup_charge_per_sandbox'] / MiB:.2f} charged")
+            f"MiB/sandbox MemAvailable, {out['cgroup_charge_per_sandbox'] / MiB:.2f} charged; "
+            f"settled in {settled['seconds']:.0f} s, host then {settled['host_cpus_busy']:.2f} "
+            "CPUs busy")
         return out
 
-    def measure(self, n_idle: int, batch: dict[str, Any]) -> None:
+    def measure(self, n_idle: int, batch: dict[str, Any], control: int = 0) -> None:
         creates, first_execs, kills, execs = [], [], [], []
         failed: list[str] = []
         for _ in range(self.args.samples):
@@ -193,11 +228,13 @@ class Scale:
         if failed:
             self.problems.append(f"N={n_idle}: {len(failed)} sample creations failed: "
                                  f"{failed[0]}")
-        cp: dict[str, Any] = {"idle": n_idle, "failed_creates": len(failed), "create": summary(creates), "first_exec": summary(first_execs),
+        cp: dict[str, Any] = {"idle": n_idle, **({"netns_holders": control} if control else {}),
+                              "failed_creates": len(failed), "create": summary(creates), "first_exec": summary(first_execs),
                               "kill": summary(kills),
                               "exec_idle": summary(execs) if execs else None, "batch": batch, "mountinfo_lines": host_state(self.work)["mounts"]}
         self.checkpoints.append(cp)
-        log(f"N={n_idle}: create p50 {ms(cp['create']['p50'])} ms, kill p50 "
+        log(f"N={n_idle}{f' + {control} bare netns' if control else ''}: create p50 "
+            f"{ms(cp['create']['p50'])} ms, kill p50 "
             f"{ms(cp['kill']['p50'])} ms, exec p50 "
             f"{ms(cp['exec_idle']['p50']) if execs else '-'} ms")
 
@@ -297,7 +334,9 @@ def render(res: dict[str, Any]) -> str:
     rows = []
     for cp in cps:
         b = cp["batch"]
-        rows.append([str(cp["idle"]), ms(cp["create"]["p50"]), ms(cp["create"]["p99"]),
+        label = (f"0 + {cp['netns_holders']:,} bare network namespaces"
+                 if cp.get("netns_holders") else f"{cp['idle']:,}")
+        rows.append([label, ms(cp["create"]["p50"]), ms(cp["create"]["p99"]),
                      ratio(cp, "create"), ms(cp["kill"]["p50"]), ms(cp["kill"]["p99"]),
                      ratio(cp, "kill"), ms(cp["first_exec"]["p50"]),
                      ms(cp["exec_idle"]["p50"]) if cp["exec_idle"] else "-",
@@ -345,6 +384,13 @@ def run(args: argparse.Namespace, work: Path, problems: list[str]) -> dict[str, 
             for target in [0, *sorted(set(args.checkpoints))]:
                 batch = scale.grow(target)
                 scale.measure(len(scale.idle), batch)
+                if target == 0 and args.netns_control:
+                    # the host's cost of the sandboxes' network namespaces alone
+                    with netns_holders(max(args.checkpoints)):
+                        settled = settle()
+                        log(f"{max(args.checkpoints)} bare network namespaces: host "
+                            f"{settled['host_cpus_busy']:.2f} CPUs busy")
+                        scale.measure(0, {}, control=max(args.checkpoints))
             log(f"kill_many of {len(scale.idle)}")
             t0 = time.perf_counter()
             killed = Sandbox.kill_many(IDLE, node=node)
@@ -387,6 +433,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help=f"create+kill samples per checkpoint [{FULL['samples']}]")
     ap.add_argument("--threads", type=int, default=4,
                     help="threads creating the idle sandboxes (default: %(default)s)")
+    ap.add_argument("--netns-control", action="store_true",
+                    help="after N=0, measure the empty node again while as many bare network "
+                         "namespaces as the largest checkpoint are held (no sandbox): what "
+                         "the host charges for the sandboxes' namespaces alone")
     ap.add_argument("--sustain", type=float, default=None,
                     help=f"seconds of paced create -> exec -> kill after kill_many "
                          f"[{FULL['sustain']:g}, --quick {QUICK['sustain']:g}; 0: none]")
@@ -434,7 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"runtime {runtime_s:.0f} s")
     print(text)
     base = res["checkpoints"][0] if res.get("checkpoints") else None
-    ratios = {str(cp["idle"]): {"create_p50": cp["create"]["p50"] / base["create"]["p50"],
+    ratios = {str(cp["idle"]) + (f"+{cp['netns_holders']}netns" if cp.get("netns_holders")
+                                 else ""): {"create_p50": cp["create"]["p50"] / base["create"]["p50"],
                                 "kill_p50": cp["kill"]["p50"] / base["kill"]["p50"]}
               for cp in res.get("checkpoints", [])} if base else {}
     write_json(args.json, {
