@@ -2,8 +2,9 @@
 roots on the kernel path (`mounts.mount_image(..., kernel=True)`).
 
     ROOT/erofs/<digest>.meta.erofs   the layer's metadata image (pmem.erofs),
-                                     built on first use and kept: deterministic,
-                                     written atomically
+                                     on first use fetched from the copy stored
+                                     with the layer (fetch_image) or else built,
+                                     and kept: deterministic, written atomically
     ROOT/erofs-mnt/<digest>/         the layer's one EROFS mount on this node:
                                      mount(2) source = the meta image, data
                                      "device=ROOT/mnt/blobs/<digest>.data"
