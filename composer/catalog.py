@@ -19,10 +19,10 @@ import lmdb
 
 from chunkstore import ChunkId, ChunkStore, TrustDomain
 from chunkstore.digests import Digest
-from chunkstore.errors import BadDigest
+from chunkstore.errors import BadDigest, ChunkStoreError
 
 from .errors import BadImageName, ImageNotFound, ManifestError
-from .manifest import LayerManifest
+from .manifest import Entry, LayerManifest
 from .refs import ImageRef, normalize_tag
 
 _MANIFEST_CHUNK = 4 << 20
@@ -117,6 +117,10 @@ class ImageCatalog(Protocol):
 
     def load_layer(self, digest: str) -> LayerManifest: ...
 
+    def load_erofs_meta(self, digest: str) -> bytes | None: ...
+
+    def load_composition(self, image_digest: str) -> tuple[list[str], list[Entry]] | None: ...
+
     def list_tags(self) -> list[tuple[str, str]]: ...
 
 
@@ -142,6 +146,9 @@ class Catalog:
         self.images = self.env.open_db(b"images")
         self.tags = self.env.open_db(b"tags")
         self.blobs = self.env.open_db(b"blobs")  # registry blob -> layer digest
+        # layer digest -> its stored EROFS metadata image's record, from
+        # store_layer until commit_image writes it into the layer's record
+        self._metas: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
         self.env.close()
@@ -164,9 +171,49 @@ class Catalog:
         digest = Digest.of(raw)
         pieces = [raw[i:i + _MANIFEST_CHUNK] for i in range(0, len(raw), _MANIFEST_CHUNK)]
         ids = self.store.put_many(pieces, manifest.domain)
+        meta_ids = self._store_meta(manifest, digest)
         data = manifest.chunk_ids() if data_here else []
-        self.store.set_root(f"layer:{digest}", [*ids, *data], manifest.domain)
+        self.store.set_root(f"layer:{digest}", [*ids, *meta_ids, *data], manifest.domain)
         return digest, ids
+
+    def _store_meta(self, manifest: LayerManifest, digest: str) -> list[ChunkId]:
+        """Build the layer's EROFS metadata image (what a node's first kernel
+        mount of the layer needs: pmem.erofs) and store it as chunks, so a
+        node fetches it instead of building it; its digest goes into the
+        layer's record at commit. A layer EROFS cannot hold stores none."""
+        from pmem.erofs import IMAGE_FORMAT, build_image  # pmem imports composer
+        from pmem.errors import PmemError
+        try:
+            meta = build_image(manifest, layer=digest).meta
+        except PmemError:
+            return []
+        pieces = [meta[i:i + _MANIFEST_CHUNK] for i in range(0, len(meta), _MANIFEST_CHUNK)]
+        ids = self.store.put_many(pieces, manifest.domain)
+        self._metas[digest] = {"format": IMAGE_FORMAT, "digest": str(Digest.of(meta)),
+                               "chunks": [str(c) for c in ids]}
+        return ids
+
+    def load_erofs_meta(self, digest: str) -> bytes | None:
+        """The layer's stored EROFS metadata image, or None when its record
+        names none this lazyfs reads (older conversions, another format).
+        Raises ManifestError when the stored bytes are not the image the
+        record names (the store's contents are not trusted; the record is)."""
+        from pmem.erofs import IMAGE_FORMAT
+        rec = self.layer_info(digest)
+        meta = rec.get("erofs")
+        if not isinstance(meta, dict) or meta.get("format") != IMAGE_FORMAT:
+            return None
+        try:
+            want = Digest.parse(str(meta["digest"]))
+            ids = [ChunkId.from_hex(str(h)) for h in meta["chunks"]]
+            raw = b"".join(self.store.get_many(ids, rec["domain"]))
+        except (KeyError, TypeError, ValueError, ChunkStoreError) as e:
+            raise ManifestError(f"layer {digest}: stored EROFS metadata image "
+                                f"unreadable: {e}") from e
+        if not want.matches(raw):
+            raise ManifestError(f"layer {digest}: stored EROFS metadata image does not "
+                                "match its digest")
+        return raw
 
     def has_image(self, digest: str) -> bool:
         with self.env.begin(db=self.images) as txn:
@@ -211,20 +258,81 @@ class Catalog:
 
     def commit_image(self, tag: str, image: Image,
                      layers: dict[str, tuple[LayerManifest, list[ChunkId]]],
-                     blobs: dict[str, str] | None = None) -> str:
-        """Record the layers, the image and its tag in one transaction."""
+                     blobs: dict[str, str] | None = None, *,
+                     manifests: list[LayerManifest] | None = None) -> str:
+        """Record the layers, the image and its tag in one transaction.
+        manifests: those of all the image's layers, in its order: then the
+        image's composition (what a root of it is made of) is stored with
+        it, so a node's first mount reads no manifest for it."""
         tag = normalize_tag(tag)
+        record = image.to_json()
+        if manifests is not None:
+            record = self._store_composition(image, manifests)
         with self.env.begin(write=True) as txn:
             for digest, (m, ids) in layers.items():
                 rec = {"chunks": [str(c) for c in ids], "domain": str(m.domain),
                        "size": m.data_size, "entries": len(m.entries),
                        "data_chunks": len(m.chunk_ids()), "source": m.source}
+                meta = self._metas.get(digest)
+                if meta is not None:
+                    rec["erofs"] = meta
                 txn.put(digest.encode(), json.dumps(rec).encode(), db=self.layers)
             for key, digest in (blobs or {}).items():
                 txn.put(key.encode(), digest.encode(), db=self.blobs)
-            txn.put(image.digest.encode(), image.to_json(), db=self.images)
+            txn.put(image.digest.encode(), record, db=self.images)
             txn.put(tag.encode(), image.digest.encode(), db=self.tags)
+        for digest in layers:
+            self._metas.pop(digest, None)
         return image.digest
+
+    def _store_composition(self, image: Image, manifests: list[LayerManifest]) -> bytes:
+        """Store the image's composition (composer.compose: the layers a root
+        uses and its directory fixups, the fixups as a manifest's
+        serialization) as chunks rooted with the image; its record, naming
+        the object's digest."""
+        from .compose import COMPOSITION_FORMAT, mount_layers, overlay_fixups
+        if len(manifests) != len(image.layers) or not manifests:
+            raise ValueError("commit_image: one manifest per layer of the image")
+        used, digests = mount_layers(manifests, list(image.layers))
+        domain = manifests[-1].domain
+        raw = LayerManifest(overlay_fixups(used), domain).serialize()
+        pieces = [raw[i:i + _MANIFEST_CHUNK] for i in range(0, len(raw), _MANIFEST_CHUNK)]
+        ids = self.store.put_many(pieces, domain)
+        self.store.set_root(f"composition:{image.digest}", ids, domain)
+        doc = json.loads(image.to_json())
+        doc["composition"] = {"format": COMPOSITION_FORMAT, "layers": digests,
+                              "digest": str(Digest.of(raw)), "domain": str(domain),
+                              "chunks": [str(c) for c in ids]}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    def load_composition(self, image_digest: str) -> tuple[list[str], list[Entry]] | None:
+        """The composition stored with the image (the layers a root of it
+        uses, lowest first, and its directory fixups), or None when its
+        record names none this lazyfs reads. Raises ManifestError when the
+        stored object is not the one the record names."""
+        from .compose import COMPOSITION_FORMAT
+        with self.env.begin(db=self.images) as txn:
+            raw_rec = txn.get(image_digest.encode())
+        if raw_rec is None:
+            raise ImageNotFound(image_digest)
+        doc = json.loads(raw_rec)
+        comp = doc.get("composition")
+        if not isinstance(comp, dict) or comp.get("format") != COMPOSITION_FORMAT:
+            return None
+        what = f"image {image_digest}: stored composition"
+        try:
+            layers = [str(d) for d in comp["layers"]]
+            want = Digest.parse(str(comp["digest"]))
+            ids = [ChunkId.from_hex(str(h)) for h in comp["chunks"]]
+            raw = b"".join(self.store.get_many(ids, TrustDomain(str(comp["domain"]))))
+        except (KeyError, TypeError, ValueError, ChunkStoreError) as e:
+            raise ManifestError(f"{what} unreadable: {e}") from e
+        image_layers = [str(d) for d in doc["layers"]]
+        if not layers or image_layers[len(image_layers) - len(layers):] != layers:
+            raise ManifestError(f"{what} names layers the image does not end with")
+        if not want.matches(raw):
+            raise ManifestError(f"{what} does not match its digest")
+        return layers, LayerManifest.deserialize(raw).entries
 
     def resolve(self, name: str) -> tuple[str, Image]:
         ref = parse_ref(name)
@@ -316,6 +424,8 @@ class Catalog:
                 txn.delete(d.encode(), db=self.layers)
         known = set(used)
         for root in self.store.roots():
-            if root.startswith("layer:") and root[len("layer:"):] not in known:
+            kind, _, name = root.partition(":")
+            if ((kind == "layer" and name not in known)
+                    or (kind == "composition" and name.encode() not in tagged)):
                 self.store.remove_root(root)
         return len(dropped)

@@ -73,6 +73,12 @@ def compose(layers: list[LayerManifest]) -> list[tuple[Entry, int]]:
     return result
 
 
+# The version of what a stored composition means (mount_layers and
+# overlay_fixups): a node uses an image's stored composition (composer.catalog)
+# only when it was made by the same rules; bump when they change.
+COMPOSITION_FORMAT = 1
+
+
 def overlay_fixups(layers: list[LayerManifest]) -> list[Entry]:
     """Directories whose composed metadata overlayfs would get wrong, parents first.
 
@@ -97,3 +103,17 @@ def overlay_fixups(layers: list[LayerManifest]) -> list[Entry]:
                 need.add(path)
                 path = path.rpartition("/")[0]
     return [composed[p] for p in sorted(need, key=lambda p: p.split("/")) if p in composed]
+
+
+def mount_layers(layers: list[LayerManifest], digests: list[str]
+                 ) -> tuple[list[LayerManifest], list[str]]:
+    """The layers a composed root is made of (manifests and digests, lowest
+    first). overlayfs never looks up a layer's root, so an opaque root marker
+    would be ignored: a layer whose root is opaque hides every layer below
+    it, so those are left out of the mount."""
+    start = 0
+    for i, m in enumerate(layers):
+        root = next((e for e in m.entries if e.path == ""), None)
+        if i > 0 and root is not None and root.opaque:
+            start = i
+    return layers[start:], digests[start:]

@@ -56,7 +56,9 @@ def convert_image(store: ChunkStore, catalog: Catalog, ref: str, tag: str, *,
     blobs: dict[str, str] = {}
     digests: list[str] = []
     layers_known = 0
+    manifests: list[LayerManifest] = []
     for manifest in src.layers:
+        manifests.append(manifest)
         if manifest.stored_digest:  # converted before: nothing to store again
             digests.append(manifest.stored_digest)
             layers_known += 1
@@ -69,5 +71,5 @@ def convert_image(store: ChunkStore, catalog: Catalog, ref: str, tag: str, *,
             blobs[Catalog.blob_key(manifest.blob, str(domain), chunk_size)] = digest
     image = Image(digests, src.config, ref)
     image_known = catalog.has_image(image.digest)
-    digest = catalog.commit_image(tag, image, stored, blobs)
+    digest = catalog.commit_image(tag, image, stored, blobs, manifests=manifests)
     return Converted(digest, len(digests), layers_known, image_known)

@@ -27,7 +27,7 @@ from chunkstore.objects import ObjectNotFound
 
 from .catalog import Image, parse_ref
 from .errors import ImageNotFound
-from .manifest import LayerManifest
+from .manifest import Entry, LayerManifest
 from .refs import normalize_tag
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,16 @@ class ClusterCatalog:
         manifest = LayerManifest.deserialize(raw)
         manifest.stored_digest = digest
         return manifest
+
+    def load_erofs_meta(self, digest: str) -> bytes | None:
+        """None: cluster layers carry no stored EROFS metadata image (yet);
+        a node builds it from the manifest."""
+        return None
+
+    def load_composition(self, image_digest: str) -> tuple[list[str], list[Entry]] | None:
+        """None: cluster images carry no stored composition (yet); a node
+        computes it from the manifests."""
+        return None
 
     def list_tags(self) -> list[tuple[str, str]]:
         objects = self.cluster.objects

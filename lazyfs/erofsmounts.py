@@ -2,8 +2,9 @@
 roots on the kernel path (`mounts.mount_image(..., kernel=True)`).
 
     ROOT/erofs/<digest>.meta.erofs   the layer's metadata image (pmem.erofs),
-                                     built on first use and kept: deterministic,
-                                     written atomically
+                                     on first use fetched from the copy stored
+                                     with the layer (fetch_image) or else built,
+                                     and kept: deterministic, written atomically
     ROOT/erofs-mnt/<digest>/         the layer's one EROFS mount on this node:
                                      mount(2) source = the meta image, data
                                      "device=ROOT/mnt/blobs/<digest>.data"
@@ -57,8 +58,10 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+from composer.catalog import ImageCatalog
+from composer.errors import ComposerError
 from composer.manifest import LayerManifest
-from pmem.erofs import cached_image, meta_name
+from pmem.erofs import cached_image, meta_name, write_meta
 
 from . import sysmount
 from .blob import blob_name
@@ -123,6 +126,24 @@ def build_images(paths: NodePaths, layers: dict[str, LayerManifest]) -> dict[str
     Raises pmem.errors.PmemError for a layer EROFS cannot hold."""
     paths.erofs_images.mkdir(mode=0o700, parents=True, exist_ok=True)
     return {d: cached_image(m, paths.erofs_images, layer=d) for d, m in layers.items()}
+
+
+def fetch_image(paths: NodePaths, catalog: ImageCatalog, digest: str) -> bool:
+    """Write the layer's metadata image from the one stored with it (made
+    when the layer was converted), if the catalog has one this lazyfs reads
+    and it is the image the layer's record names; whether it did. A stored
+    image that does not match is refused (logged: the caller builds the
+    image from the manifest instead), never written."""
+    try:
+        meta = catalog.load_erofs_meta(digest)
+    except ComposerError as e:
+        log.warning("%s; building it from the manifest", e)
+        return False
+    if meta is None:
+        return False
+    paths.erofs_images.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_meta(meta, image_path(paths, digest))
+    return True
 
 
 # daemon mount point -> the device number of the FUSE mount found there and

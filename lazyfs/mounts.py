@@ -39,7 +39,8 @@ from pathlib import Path
 
 from chunkstore.digests import digest_key
 from composer.catalog import Image, ImageCatalog
-from composer.compose import overlay_fixups
+from composer.compose import mount_layers, overlay_fixups
+from composer.errors import ComposerError
 from composer.manifest import Entry, LayerManifest
 from pmem.errors import PmemError
 
@@ -134,19 +135,6 @@ def _fixup_layer(paths: NodePaths, image_digest: str,
     return dest / "tree"
 
 
-def _effective_layers(layers: list[LayerManifest], digests: list[str]
-                      ) -> tuple[list[LayerManifest], list[str]]:
-    """overlayfs never looks up a layer's root, so an opaque root marker would
-    be ignored: a layer whose root is opaque hides every layer below it, so
-    those are left out of the mount."""
-    start = 0
-    for i, m in enumerate(layers):
-        root = next((e for e in m.entries if e.path == ""), None)
-        if i > 0 and root is not None and root.opaque:
-            start = i
-    return layers[start:], digests[start:]
-
-
 def _escape(path: Path) -> str:
     # overlayfs splits lowerdir on ':' and unescapes '\'
     return str(path).replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
@@ -216,11 +204,12 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
         raise MountError(f"mount point {mountpoint} is not a directory")
     if sysmount.is_mount_point(mountpoint):
         raise MountError(f"{mountpoint} is already a mount point")
-    layer_digests = _mount_layers(paths, catalog, digest, image)
+    load = _Manifests(catalog)  # each manifest deserialised once per mount, if at all
+    layer_digests = _mount_layers(paths, load, digest, image)
 
     def fixups() -> list[Entry]:  # needs every manifest: only for a new fixup layer
-        return list(_composition(catalog, digest, image).fixups)
-    use_kernel = _kernel_ready(paths, catalog, name, layer_digests, kernel)
+        return list(_composition(load, digest, image).fixups)
+    use_kernel = _kernel_ready(paths, load, name, layer_digests, kernel)
     if not use_kernel:
         for low in (paths.layers / d for d in layer_digests):
             if not low.is_dir():  # loads the layer's manifest in the daemon: metadata only
@@ -302,19 +291,22 @@ def _announce(paths: NodePaths, digest: str, mountpoint: Path) -> None:
         log.debug("daemon not told of the mount of %s on %s: %s", digest, mountpoint, e)
 
 
-def _kernel_ready(paths: NodePaths, catalog: ImageCatalog, name: str, layers: list[str],
+def _kernel_ready(paths: NodePaths, load: _Manifests, name: str, layers: list[str],
                   kernel: bool | None) -> bool:
-    """Whether this mount takes the kernel path; builds the layers' metadata
-    images where missing (outside the lock: they are deterministic and
-    atomic; the manifests are loaded only for those)."""
+    """Whether this mount takes the kernel path; fetches the layers' metadata
+    images where missing from the catalog (stored with the layer when it was
+    converted, checked against the digest the layer's record names), else
+    builds them (outside the lock: they are deterministic and atomic; the
+    manifests are loaded only for those built)."""
     if not (KERNEL_DEFAULT if kernel is None else kernel):
         return False
     try:
         if not erofsmounts.available():
             raise MountError("this kernel has no EROFS (CONFIG_EROFS_FS)")
         missing = [d for d in layers if not erofsmounts.image_path(paths, d).exists()]
+        missing = [d for d in missing if not erofsmounts.fetch_image(paths, load.catalog, d)]
         if missing:
-            erofsmounts.build_images(paths, {d: catalog.load_layer(d) for d in missing})
+            erofsmounts.build_images(paths, {d: load(d) for d in missing})
     except (MountError, PmemError, OSError) as e:
         if kernel:
             raise MountError(f"kernel path for {name}: {e}") from e
@@ -340,15 +332,39 @@ _compositions: OrderedDict[str, _Composed] = OrderedDict()
 _compositions_lock = threading.Lock()
 
 
-def _composition(catalog: ImageCatalog, digest: str, image: Image) -> _Composed:
+class _Manifests:
+    """A catalog's layer manifests for one mount: each loaded on first use
+    and kept while the mount is being made (the composition and the EROFS
+    metadata images both need them)."""
+
+    def __init__(self, catalog: ImageCatalog) -> None:
+        self.catalog = catalog
+        self._loaded: dict[str, LayerManifest] = {}
+
+    def __call__(self, digest: str) -> LayerManifest:
+        m = self._loaded.get(digest)
+        if m is None:
+            m = self._loaded[digest] = self.catalog.load_layer(digest)
+        return m
+
+
+def _composition(load: _Manifests, digest: str, image: Image) -> _Composed:
     with _compositions_lock:
         hit = _compositions.get(digest)
         if hit is not None:
             _compositions.move_to_end(digest)
             return hit
-    manifests, layer_digests = _effective_layers(
-        [catalog.load_layer(d) for d in image.layers], list(image.layers))
-    comp = _Composed(tuple(layer_digests), tuple(overlay_fixups(manifests)))
+    try:
+        stored = load.catalog.load_composition(digest)
+    except ComposerError as e:
+        log.warning("%s; composing the image from its manifests", e)
+        stored = None
+    if stored is not None:
+        comp = _Composed(tuple(stored[0]), tuple(stored[1]))
+    else:
+        manifests, layer_digests = mount_layers(
+            [load(d) for d in image.layers], list(image.layers))
+        comp = _Composed(tuple(layer_digests), tuple(overlay_fixups(manifests)))
     with _compositions_lock:
         _compositions[digest] = comp
         while len(_compositions) > COMPOSITION_CACHE:
@@ -356,7 +372,7 @@ def _composition(catalog: ImageCatalog, digest: str, image: Image) -> _Composed:
     return comp
 
 
-def _mount_layers(paths: NodePaths, catalog: ImageCatalog, digest: str, image: Image
+def _mount_layers(paths: NodePaths, load: _Manifests, digest: str, image: Image
                   ) -> list[str]:
     """The layers a root of the image is made of, lowest first: from this
     process's composition cache, else from the node's record of the image
@@ -376,7 +392,7 @@ def _mount_layers(paths: NodePaths, catalog: ImageCatalog, digest: str, image: I
             return list(layers)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    layers = list(_composition(catalog, digest, image).layers)
+    layers = list(_composition(load, digest, image).layers)
     try:
         paths.compositions.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")

@@ -110,6 +110,13 @@ _XATTR_PREFIXES = (("user.", 1), ("trusted.", 4), ("security.", 6))
 _XATTR_EXACT = {"system.posix_acl_access": 2, "system.posix_acl_default": 3}
 
 
+# The version of what build_image makes (its layout of the blob included): a
+# metadata image stored with a layer (composer.catalog) is used by a node
+# only when its builder made the same format; bump on any change to the
+# bytes build_image writes for a manifest.
+IMAGE_FORMAT = 1
+
+
 def meta_name(digest: str) -> str:
     """File name of a layer's metadata image."""
     return f"{digest}.meta.erofs"
@@ -544,12 +551,20 @@ def write_image(manifest: LayerManifest, dest: str | os.PathLike[str], *,
     """Build a layer's metadata image and write it to dest atomically
     (temporary file, fsync, rename)."""
     image = build_image(manifest, layer=layer)
+    write_meta(image.meta, dest)
+    return image
+
+
+def write_meta(meta: bytes, dest: str | os.PathLike[str]) -> None:
+    """Write a metadata image's bytes to dest atomically (temporary file in
+    the same directory, fsync, rename): a reader sees the whole image or
+    none."""
     path = Path(dest)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(image.meta)
+            f.write(meta)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -557,7 +572,6 @@ def write_image(manifest: LayerManifest, dest: str | os.PathLike[str], *,
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return image
 
 
 def cached_image(manifest: LayerManifest, directory: str | os.PathLike[str], *,

@@ -14,14 +14,13 @@ from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
 from composer.bloblayout import BLOCK
 from composer.catalog import Catalog
-from composer.compose import overlay_fixups
+from composer.compose import mount_layers, overlay_fixups
 from composer.convert import convert
 from composer.errors import ManifestError
 from composer.manifest import Entry, Kind, LayerManifest
 from lazyfs.errors import FetchError
 from lazyfs.fetch import FetchEngine
 from lazyfs.layers import Layers
-from lazyfs.mounts import _effective_layers
 from lazyfs.options import Options
 from lazyfs.trace import Tracer
 from lazyfs.tree import OPAQUE_XATTR, LayerTree
@@ -72,7 +71,7 @@ def test_an_opaque_root_hides_the_layers_below() -> None:
     mid = _layer(Entry("mid", Kind.FILE, 0o644))
     top = LayerManifest([Entry("", Kind.DIR, 0o755, opaque=True),
                          Entry("new", Kind.FILE, 0o644)])
-    kept, digests = _effective_layers([base, mid, top], ["a", "b", "c"])
+    kept, digests = mount_layers([base, mid, top], ["a", "b", "c"])
     assert digests == ["c"] and kept == [top]
 
 
