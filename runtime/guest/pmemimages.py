@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunkstore.digests import digest_key
-from composer.compose import overlay_fixups
+from composer.compose import mount_layers, overlay_fixups
 from composer.manifest import LayerManifest
 from lazyfs.blob import MAP_ALIGN, map_name, map_size
 from pmem.erofs import build_image
@@ -110,17 +110,6 @@ def _write_meta(dest: Path, meta: bytes) -> None:
     _publish(dest, write)
 
 
-def _effective(manifests: list[LayerManifest], digests: list[str]
-               ) -> tuple[list[LayerManifest], list[str]]:
-    # as lazyfs.mounts: a layer with an opaque root hides every layer below it
-    start = 0
-    for i, m in enumerate(manifests):
-        root = next((e for e in m.entries if e.path == ""), None)
-        if i > 0 and root is not None and root.opaque:
-            start = i
-    return manifests[start:], digests[start:]
-
-
 def pmem_layers(images: Images, image: ResolvedImage, cache: Path,
                 progress: Callable[[str], None] | None = None) -> list[PmemLayer]:
     """The pmem files of the image, bottom layer first, the fixup layer
@@ -129,8 +118,8 @@ def pmem_layers(images: Images, image: ResolvedImage, cache: Path,
     read here)."""
     catalog = images.catalog()
     name, image_digest = image.name, image.digest
-    manifests, digests = _effective([catalog.load_layer(d) for d in image.layers],
-                                    list(image.layers))
+    manifests, digests = mount_layers([catalog.load_layer(d) for d in image.layers],
+                                       list(image.layers))
     fp = fingerprint()
     out = []
     paths = None
