@@ -17,19 +17,19 @@ from typing import Any
 import pytest
 
 import pmem.erofs
-from chunkstore import TRUSTED, ChunkStore
+from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
-from composer.catalog import Catalog, Image
+from composer.catalog import Catalog
 from composer.convert import convert
 from composer.errors import ManifestError
 from composer.manifest import LayerManifest
-from composer.tarlayer import import_tar
 from lazyfs import erofsmounts, mounts
 from lazyfs.node import NodePaths
 from tests.helpers.images import build_busybox_rootfs, extract_layers, tar_of, whiteout_layer
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.treediff import diff_trees
 from tests.test_kernel_path import _kernel_path_missing
+from tests.test_lazyfs import make_image
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(_kernel_path_missing() is not None,
@@ -53,17 +53,7 @@ def tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _commit(store: ChunkStore, cat: Catalog, tag: str, tars: list[Path]) -> list[str]:
     """An image as a conversion stores it: layers, and the composition."""
-    stored, digests, manifests = {}, [], []
-    for tar in tars:
-        with open(tar, "rb") as f:
-            m = import_tar(store, f, layer=str(tar), domain=TRUSTED)
-        digest, ids = cat.store_layer(m)
-        stored[digest] = (m, ids)
-        digests.append(digest)
-        manifests.append(m)
-    cat.commit_image(tag, Image(digests, {"Cmd": ["/bin/sh"]}, "test"), stored,
-                     manifests=manifests)
-    return digests
+    return make_image(store, cat, tag, tars, composition=True)
 
 
 @pytest.fixture

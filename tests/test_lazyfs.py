@@ -38,16 +38,22 @@ pytestmark = [pytest.mark.root,
               pytest.mark.skipif(fuse_missing() is not None, reason=str(fuse_missing()))]
 
 
-def make_image(store: ChunkStore, cat: Catalog, tag: str, tars: list[Path]) -> list[str]:
+def make_image(store: ChunkStore, cat: Catalog, tag: str, tars: list[Path], *,
+               composition: bool = False) -> list[str]:
+    """The layers of tars stored and committed as one image; with
+    composition, also the image's stored composition (as a conversion)."""
     stored = {}
     digests = []
+    manifests = []
     for tar in tars:
         with open(tar, "rb") as f:
             m = import_tar(store, f, layer=str(tar), domain=TRUSTED)
         digest, ids = cat.store_layer(m)
         stored[digest] = (m, ids)
         digests.append(digest)
-    cat.commit_image(tag, Image(digests, {"Cmd": ["/bin/sh"]}, "test"), stored)
+        manifests.append(m)
+    cat.commit_image(tag, Image(digests, {"Cmd": ["/bin/sh"]}, "test"), stored,
+                     manifests=manifests if composition else None)
     return digests
 
 
