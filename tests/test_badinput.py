@@ -3,10 +3,14 @@ stays usable afterwards."""
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import subprocess
 import sys
+import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,9 @@ from chunkstore import (
     StoreReadOnly,
 )
 from chunkstore.index import Entry, Txn, chunk_key
+from composer.catalog import Catalog
+from composer.convert import convert
+from composer.errors import BadLayer
 from tests.helpers.support import flip_byte, mounted, pack_path, root_only
 
 REPO = Path(__file__).resolve().parent.parent
@@ -302,3 +309,43 @@ def test_every_package_error_is_a_lazyfs_error() -> None:
     for cls in (ChunkStoreError, ComposerError, PmemError, NodeError, ConfigError,
                 DaemonError, MountError, SandboxError, QuietError):
         assert issubclass(cls, LazyfsError), cls
+
+
+def _store_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+@root_only
+@pytest.mark.parametrize("fault", ["disk full", "truncated archive"])
+def test_a_failed_conversion_stops_every_write(tmp_path: Path, fault: str) -> None:
+    """A conversion stores one batch in the background while it reads the
+    next. Whichever side fails (the store: a full disk on a later batch; the
+    source: an archive cut short while a batch is being stored), that is the
+    conversion's one error, no image is tagged, and nothing writes to the
+    store once convert has returned."""
+    src = tmp_path / "layer.tar"
+    with tarfile.open(src, "w") as tar:  # 96 MiB that does not compress
+        for n in range(24):
+            data = os.urandom(4 << 20)
+            info = tarfile.TarInfo(f"f{n:02d}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    if fault == "truncated archive":
+        os.truncate(src, src.stat().st_size - (5 << 20))
+    before = {t.ident for t in threading.enumerate()}
+    small = tmp_path / "small"
+    size = "48m" if fault == "disk full" else "512m"
+    with (mounted("-t", "tmpfs", "-o", f"size={size}", "tmpfs", target=small),
+          ChunkStore.open(small / "store", create=True) as s, Catalog(s) as cat):
+        error = (StoreFull, "no space left") if fault == "disk full" else (BadLayer,
+                                                                           "end of data")
+        with pytest.raises(error[0], match=error[1]):
+            convert(s, cat, f"tar:{src}", "big:1")
+        written = [_store_bytes(small / "store")]
+        time.sleep(1.0)
+        written.append(_store_bytes(small / "store"))
+        assert written[0] == written[1], f"the store was written after convert returned: {written}"
+        assert cat.list_tags() == []
+        # no storing thread is left behind
+        assert not [t.name for t in threading.enumerate()
+                    if t.ident not in before and t.name.startswith("layer-put")]
