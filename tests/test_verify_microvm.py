@@ -331,3 +331,30 @@ def test_microvm_verify_sees_the_answer_and_nothing_of_the_agents(
         assert not [s for s in node.sandboxes() if s.id != sb.id]
         assert sb.exec("echo alive").stdout == b"alive\n"
 
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@vm
+def test_microvm_verify_stops_the_guests_processes_while_its_upper_is_read(
+        env: tuple[Node, Path]) -> None:
+    """A background process truncating and refilling a 4 MiB file without
+    pause: unstopped, the agent would read the file shorter than it said
+    (the call fails) or the host would see other bytes than the file held
+    at one instant; stopped, the verifier sees one state of it (zeros, of a
+    size the writes reached) and the writer goes on after."""
+    node, _ = env
+    with Sandbox.create(TASK, backend="microvm", node=node, memory_mb=256, cpu=1) as sb:
+        r = sb.exec("(while :; do dd if=/dev/zero of=/workspace/churn bs=64k count=64 "
+                    "2>/dev/null; echo x >> /workspace/rounds; done </dev/null >/dev/null "
+                    "2>&1 &); while [ ! -s /workspace/rounds ]; do sleep 0.1; done",
+                    timeout=60)
+        assert r.exit_code == 0, r
+        for _ in range(2):
+            v = sb.verify("s=$(stat -c %s /workspace/churn); [ $s -le 4194304 ] && "
+                          "[ $(tr -d '\\0' < /workspace/churn | wc -c) = 0 ] && echo $s")
+            assert v.exit_code == 0 and int(v.stdout) % 4096 == 0, v
+        n = len(sb.files.read("/workspace/rounds"))
+        assert sb.exec("sleep 2").exit_code == 0
+        assert len(sb.files.read("/workspace/rounds")) > n  # it runs on
+    assert not _captures(node)
