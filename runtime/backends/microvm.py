@@ -16,6 +16,11 @@ files, pause as snapshot-and-exit, kill) is the shared VM backend's
 snapshot (x-ignore-shared: they are the shared image files), a paused
 microVM's snapshot holds only guest memory and device state.
 
+verify (capture): the upper is a tmpfs in guest memory, outside the root
+the agent serves; the agent's UPPER call streams it to the host with every
+other process of the guest stopped (runtime/guest/upper.py checks the
+stream and writes it into a fresh directory, packed as a full VM's disk).
+
 Memory the guest frees goes back to the host: the VMM has a virtio-balloon
 with free page reporting (never inflated), whose driver the initramfs loads;
 the guest reports free 2 MiB blocks and QEMU discards them.
