@@ -16,6 +16,11 @@ files, pause as snapshot-and-exit, kill) is the shared VM backend's
 snapshot (x-ignore-shared: they are the shared image files), a paused
 microVM's snapshot holds only guest memory and device state.
 
+verify (capture): the upper is a tmpfs in guest memory, outside the root
+the agent serves; the agent's UPPER call streams it to the host with every
+other process of the guest stopped (runtime/guest/upper.py checks the
+stream and writes it into a fresh directory, packed as a full VM's disk).
+
 Memory the guest frees goes back to the host: the VMM has a virtio-balloon
 with free page reporting (never inflated), whose driver the initramfs loads;
 the guest reports free 2 MiB blocks and QEMU discards them.
@@ -23,25 +28,33 @@ the guest reports free 2 MiB blocks and QEMU discards them.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
+from composer.snapshot import UpperRules
+
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, SandboxError, SandboxStateError
+from ..files import remove_tree
 from ..guest import qemu
 from ..guest.initramfs import initramfs
 from ..guest.pmemimages import DEFAULT_CACHE as PMEM_CACHE
+from ..guest.protocol import AgentError
+from ..guest.upper import UpperRefused, UpperTree
 from ..images import Images
 from .base import Capabilities, Handle
-from .qemubase import QemuBackend, QemuState
+from .qemubase import PAUSE_WAIT, QemuBackend, QemuState
 from .qemuproc import vmm_pss
 
 __all__ = ["MicrovmBackend", "MicrovmState", "vmm_pss"]
 
 LayersOn = Literal["pmem", "blk"]
+MAX_UPPER_ENTRIES = 1_000_000  # entries of one captured upper, whatever the guest's size
 
 
 class MicrovmState(QemuState):
@@ -55,14 +68,15 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     state_type = MicrovmState
     capabilities = Capabilities("microvm", frozenset(
         {"exec", "stream", "files", "pause", "resume", "snapshot", "network_allowlist",
-         "events", "hidden"}),
+         "events", "hidden", "verify"}),
         "QEMU q35 guests (KVM where it works, else TCG) booting Debian's cloud kernel; image "
         "layers are virtio-pmem devices mounted EROFS -o dax (one host page-cache copy for "
         "all VMs), upper in guest memory; a static guest agent over virtio-serial; pause = "
         "snapshot to disk and exit the VMM; snapshot and preemption = that state (memory, "
         "devices, the upper) as a layer in the store, loaded into a VM of the same shape on "
-        "any node (no fork: a copy would share the guest kernel's identity); hidden paths, but no "
-        "verify (the upper is in guest memory, outside what the agent serves). QEMU in per-sandbox host cgroups (cpu, memory, "
+        "any node (no fork: a copy would share the guest kernel's identity); hidden paths and "
+        "verify (the agent streams its upper, the guest's processes stopped, into a host "
+        "directory packed as a container's upper; the verifier a fresh microVM). QEMU in per-sandbox host cgroups (cpu, memory, "
         "pids; best_effort = cpu.idle + SCHED_IDLE). Network allowlists as containers' (a "
         "virtio-net NIC on a tap in the VMM's own network namespace, the same nftables rules "
         "there; none by default: no NIC). VMs end with the node process (not persistent).")
@@ -87,12 +101,17 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
     def _prepare(self, h: Handle[MicrovmState], vmdir: Path) -> None:
         h.state.layers_on = self.layers_on
 
+    @staticmethod
+    def _upper_mb(h: Handle[MicrovmState]) -> int:
+        """The size of the guest's tmpfs upper."""
+        return h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
+
     def _config(self, h: Handle[MicrovmState], vmdir: Path, incoming: str | None = None
                 ) -> qemu.VmConfig:
         kernel = self._kernel()
         layers = self._pmem_layers(h, self.pmem_cache)
         h.state.layers = [x.digest for x in layers]
-        upper_mb = h.spec.disk_mb or max(16, h.spec.memory_mb // 2)
+        upper_mb = self._upper_mb(h)
         on = h.state.layers_on
         if on == "blk":  # the same files as read-only disks: each guest caches what it reads
             pmem: list[Path] = []
@@ -105,3 +124,55 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
             pmem=pmem, drives=drives,
             append=[f"lazyfs.layers={len(layers)}", f"lazyfs.layers_on={on}",
                     f"lazyfs.upper_mb={upper_mb}", *self._limits(h)])
+
+    def kill(self, h: Handle[MicrovmState]) -> None:
+        super().kill(h)
+        remove_tree(self._capture_dir(h))  # a capture a dead node left
+
+    # -- capture (verify) ------------------------------------------------------
+    @staticmethod
+    def _capture_dir(h: Handle[MicrovmState]) -> Path:
+        return h.dir / "capture"
+
+    def upper_bounds(self, h: Handle[MicrovmState]) -> tuple[int, int]:
+        """What one captured upper may hold: (bytes of regular files, entries).
+        The bytes are the tmpfs upper's size (files past it are sparse);
+        the entries twice the inodes a tmpfs of the guest's RAM holds by
+        default (one per 2 pages), for hard links."""
+        return self._upper_mb(h) << 20, min(MAX_UPPER_ENTRIES,
+                                            max(10_000, h.spec.memory_mb * 256))
+
+    def capture_rules(self, h: Handle[MicrovmState]) -> UpperRules:
+        """As a full VM's disk: device nodes left out (the stream carries
+        none; a compromised agent's would be refused before), files past the
+        upper's size refused."""
+        return UpperRules(devices=False, max_bytes=self.upper_bounds(h)[0])
+
+    @contextlib.contextmanager
+    def capture(self, h: Handle[MicrovmState]) -> Iterator[Path]:
+        """The guest's upper (a tmpfs in its memory), streamed by its agent
+        with every other process of the guest stopped (SIGSTOP from PID 1,
+        SIGCONT after: the VM runs on, its processes with it) into a fresh
+        host directory (runtime/guest/upper.py: what the stream is held to),
+        removed after. A paused VM's upper is in its snapshot: resume it
+        first."""
+        if h.state.snapshot is not None:
+            raise SandboxStateError(f"{h.id} is paused: resume it before verifying it (its "
+                                    "upper is in its memory)")
+        vm = self._vm(h)
+        dest = self._capture_dir(h)
+        remove_tree(dest)  # a capture cut short
+        max_bytes, max_entries = self.upper_bounds(h)
+        try:
+            with UpperTree(dest, max_bytes=max_bytes, max_entries=max_entries) as tree:
+                try:
+                    vm.agent.upper(tree, lock_wait=PAUSE_WAIT)
+                except UpperRefused as e:
+                    raise SandboxError(f"{h.id}: its upper was refused: {e}") from None
+                except SandboxStateError as e:
+                    raise SandboxStateError(f"{h.id}: {e}") from None
+                except AgentError as e:
+                    raise self._unavailable(h, vm, e) from e
+            yield dest
+        finally:
+            remove_tree(dest)

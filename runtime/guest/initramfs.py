@@ -19,9 +19,10 @@ microvm  /init loads the modules, mounts each layer from its two virtio-pmem
          devices (EROFS metadata image, EROFS blob as its extra device) with
          `-o ro,dax` at /layers/<i> -- or, with lazyfs.layers_on=blk, the same
          two files as virtio-blk disks (serials lz<i>m, lz<i>b) without dax --
-         composes them with overlayfs under a tmpfs upper at /sandbox, gives
-         that root a minimal /dev, /proc and /sys, and becomes the agent
-         (PID 1), which chroots each command into /sandbox.
+         composes them with overlayfs under a tmpfs upper (/rw/upper) at
+         /sandbox, gives that root a minimal /dev, /proc and /sys, and becomes
+         the agent (PID 1), which chroots each command into /sandbox and
+         streams /rw/upper to the host for verify (--upper).
 vm       /init mounts the layers as microvm's does (always pmem + dax),
          composes them under the sandbox's ext4 disk (serial lazyfs-upper,
          virtio-blk, read-write) as the overlayfs upper at /newroot. With
@@ -209,7 +210,8 @@ if [ "$test" = noagent ]; then
     exec sleep 2147483647
 fi
 # lazyfs.test=noreap: the agent's fault injection (tests only; guest-agent.c)
-exec /lazyfs-agent $(cg_arg) $([ "$test" = noreap ] && echo --test-fault noreap) "$port" /sandbox
+exec /lazyfs-agent $(cg_arg) --upper /rw/upper \
+    $([ "$test" = noreap ] && echo --test-fault noreap) "$port" /sandbox
 """
 
 # The full VM: the image's layers as in a microVM, under an overlayfs whose

@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import FileError, SandboxError
+from ..errors import FileError, SandboxError, SandboxStateError
 from ..procio import ready
+from .upper import UpperRefused, UpperTree, shown
 
 MAX_FRAME = 1 << 20
 CHUNK = 1 << 16
@@ -35,7 +36,7 @@ MAX_NAME = 255  # a directory entry's name (NAME_MAX)
 MAX_ENTRIES = 100_000  # a listing (as runtime.files.MAX_LIST)
 EXEC_GRACE = 30.0  # past an exec's own timeout, for the guest to kill and report
 
-EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN = range(1, 11)
+EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN, UPPER = range(1, 12)
 READY, STDOUT, STDERR, EXIT, FDATA, ENTRY, OK, ERROR = range(32, 40)
 
 Sink = Callable[[bytes], None]
@@ -383,6 +384,50 @@ class AgentConnection:
             except FileError:
                 return False
             return True
+
+    # -- the upper (verify) ----------------------------------------------------
+    def upper(self, tree: UpperTree, *, lock_wait: float) -> None:
+        """Stream the guest's writable upper into `tree` (runtime/guest/upper.py
+        has the stream and what is refused), the guest's processes stopped
+        meanwhile (the agent's SIGSTOP, SIGCONT after). The guest's own
+        refusal (its bounds, an upper it cannot read) raises UpperRefused and
+        keeps the connection in step; a stream breaking the host's rules
+        raises UpperRefused and leaves the connection broken (out of step:
+        the rest of the stream is not read). One deadline for the whole call,
+        sized by the bounds."""
+        if not self.lock.acquire(timeout=lock_wait):
+            raise SandboxStateError("it is running a command or a file call; verify it "
+                                    "once that ends")
+        try:
+            self._check()
+            self._send(UPPER, struct.pack("<QI", tree.max_bytes, tree.max_entries))
+            deadline = time.monotonic() + CALL_TIMEOUT + tree.max_bytes / MIN_RATE + \
+                tree.max_entries / 1000
+            while True:
+                kind, payload = self.recv(deadline)
+                try:
+                    if kind == FDATA:
+                        tree.data(payload)
+                        continue
+                    if kind == ERROR:  # also in the middle of a file: it stopped there
+                        _, msg = _error_fields(payload)
+                        raise UpperRefused(f"the guest agent refused: {shown(msg, 300)}")
+                    if tree.expecting:
+                        raise UpperRefused(f"a frame of type {kind} where "
+                                           f"{tree.expecting} bytes of file data were due")
+                    if kind == ENTRY:
+                        tree.entry(payload)
+                    elif kind == OK:
+                        tree.finish()
+                        return
+                    else:
+                        raise UpperRefused(f"unexpected frame {kind}")
+                except UpperRefused as e:
+                    if kind != ERROR:
+                        self.broken = f"refused the guest's upper stream: {e}"
+                    raise
+        finally:
+            self.lock.release()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         with self.lock:

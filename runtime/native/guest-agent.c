@@ -1,6 +1,6 @@
 /* lazyfs-agent: PID 1 of a sandbox VM, the host's only way in.
  *
- *   lazyfs-agent [--chroot] [--cgroup DIR] [--test-fault noreap] PORT ROOT
+ *   lazyfs-agent [--chroot] [--cgroup DIR] [--upper DIR] [--test-fault noreap] PORT ROOT
  *
  * PORT is the virtio-serial port named lazyfs.agent (/dev/vportNpM); ROOT
  * is the sandbox's composed root (overlayfs of the EROFS layers + a
@@ -13,6 +13,9 @@
  * script gives it the sandbox's pids.max and a memory.max below the guest's
  * RAM, so a fork or memory bomb is held there and the agent, outside it,
  * keeps answering); an OOM kill in DIR during a command sets EXIT's flag 4.
+ *
+ * --upper DIR: the overlayfs upper of ROOT (a microVM's tmpfs, outside ROOT),
+ * which UPPER streams to the host for verify (see do_upper).
  *
  * --chroot: the agent chroots itself into ROOT after opening PORT, for a
  * full VM whose image's own init becomes PID 1 (switch_root moves ROOT to
@@ -43,6 +46,10 @@
  *   REMOVE recursive u32, path           OK | ERROR
  *   STAT   path                          OK | ERROR
  *   PING                                 OK
+ *   UPPER  max_bytes u64, max_entries u32 ENTRY.. (each file's bytes after it as
+ *                                         DATA), then OK | ERROR; every other
+ *                                         process stopped meanwhile (do_upper;
+ *                                         runtime/guest/upper.py has the entry)
  *   SHUTDOWN                             OK, then power off
  *   (on every new host connection)       READY version
  *
@@ -89,6 +96,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -101,7 +109,7 @@
 
 enum {
     T_EXEC = 1, T_DATA = 2, T_KILL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_REMOVE = 7,
-    T_STAT = 8, T_PING = 9, T_SHUTDOWN = 10,
+    T_STAT = 8, T_PING = 9, T_SHUTDOWN = 10, T_UPPER = 11,
     T_READY = 32, T_STDOUT = 33, T_STDERR = 34, T_EXIT = 35, T_FDATA = 36, T_ENTRY = 37,
     T_OK = 38, T_ERROR = 39,
 };
@@ -814,14 +822,279 @@ out:
     if (envp) { for (uint32_t i = 0; i < envc; i++) free(envp[i]); free(envp); }
 }
 
+/* ---- the upper (verify) ------------------------------------------------- */
+
+/* UPPER streams the writable upper (--upper DIR, the overlayfs upperdir,
+ * outside ROOT) with every other process of the guest stopped, so the host
+ * packs one consistent state. Only as PID 1 (a microVM): kill(-1) from PID 1
+ * reaches every process of the guest, whatever cgroup or root it moved to.
+ *
+ * Stop: SIGSTOP to all; wait until each user process is stopped (T, t) or
+ * dead (Z, X), STOP_WAIT_MS; one that is not (e.g. a vfork parent waiting
+ * on a stopped child) is SIGKILLed and waited for KILL_WAIT_MS more, else
+ * the request fails (EBUSY). After the stream (or a failure): SIGCONT to all.
+ * Kernel threads (PF_KTHREAD) take no signals and are skipped. */
+#define STOP_WAIT_MS 3000
+#define KILL_WAIT_MS 2000
+#define PF_KTHREAD 0x00200000
+#define UPPER_PATH_MAX 4096
+
+enum { U_FILE = 1, U_DIR = 2, U_SYMLINK = 3, U_WHITEOUT = 4, U_FIFO = 5, U_LINK = 6 };
+static int upperfd = -1;  /* --upper DIR (O_PATH) */
+
+/* Processes that are neither stopped nor dead (1 once any is found); with
+ * kill_them, SIGKILL each of them. */
+static int unstopped(int kill_them) {
+    DIR *d = opendir("/proc");
+    if (!d) return 1;
+    struct dirent *e;
+    int found = 0;
+    while ((e = readdir(d)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end || pid <= 1 || pid == getpid()) continue;
+        char statp[64], line[1024];
+        snprintf(statp, sizeof statp, "/proc/%ld/stat", pid);
+        int fd = open(statp, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        ssize_t n = read(fd, line, sizeof line - 1);
+        close(fd);
+        if (n <= 0) continue;
+        line[n] = 0;
+        char *rp = strrchr(line, ')');
+        char state;
+        int ppid, pgrp, session, tty, tpgid;
+        unsigned long flags;
+        if (!rp || sscanf(rp + 2, "%c %d %d %d %d %d %lu", &state, &ppid, &pgrp, &session,
+                          &tty, &tpgid, &flags) != 7) continue;
+        if (flags & PF_KTHREAD) continue;
+        if (state == 'T' || state == 't' || state == 'Z' || state == 'X') continue;
+        found = 1;
+        if (kill_them) kill((pid_t)pid, SIGKILL);
+    }
+    closedir(d);
+    return found;
+}
+
+static int stop_all(void) {
+    kill(-1, SIGSTOP);
+    long long t0 = now_ms();
+    while (unstopped(0)) {
+        int st;
+        reap(-1, &st);
+        if (now_ms() - t0 > STOP_WAIT_MS) {
+            unstopped(1);
+            long long t1 = now_ms();
+            for (;;) {
+                reap(-1, &st);
+                if (!unstopped(0)) return 0;
+                if (now_ms() - t1 > KILL_WAIT_MS) return -1;
+                nap(10);
+            }
+        }
+        nap(5);
+    }
+    return 0;
+}
+
+struct ustate {
+    char path[UPPER_PATH_MAX + 1];
+    uint64_t bytes_left;
+    uint32_t entries_left;
+    int err;                   /* errno of the failure (its message in what) */
+    char what[512];
+    struct { dev_t dev; ino_t ino; char *path; } *links;  /* files with nlink > 1 */
+    size_t nlinks, cap;
+};
+
+static void ufail(struct ustate *u, int err, const char *why) {
+    if (u->err) return;
+    u->err = err;
+    snprintf(u->what, sizeof u->what, "%.300s%s%.100s", u->path[0] ? u->path : "/",
+             why[0] ? ": " : "", why);
+}
+
+static int has_xattr(int fd, const char *name, const char *want) {
+    char v[8];
+    ssize_t n = fgetxattr(fd, name, v, sizeof v);
+    if (n < 0) return 0;
+    return want == NULL || ((size_t)n == strlen(want) && memcmp(v, want, (size_t)n) == 0);
+}
+
+/* One ENTRY frame: kind, mode, uid, gid (u32), mtime_ns (i64), size (u64),
+ * flags (u32: 1 opaque), path (u32 len + bytes), target (u32 len + bytes). */
+static int send_entry(struct ustate *u, uint32_t kind, const struct stat *st, uint64_t size,
+                      uint32_t flags, const char *target) {
+    static unsigned char buf[48 + 2 * (UPPER_PATH_MAX + 4)];
+    uint32_t mode = st->st_mode & 07777, uid = st->st_uid, gid = st->st_gid;
+    int64_t mtime = (int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec;
+    uint32_t plen = (uint32_t)strlen(u->path), tlen = target ? (uint32_t)strlen(target) : 0;
+    size_t o = 0;
+    memcpy(buf + o, &kind, 4); o += 4;
+    memcpy(buf + o, &mode, 4); o += 4;
+    memcpy(buf + o, &uid, 4); o += 4;
+    memcpy(buf + o, &gid, 4); o += 4;
+    memcpy(buf + o, &mtime, 8); o += 8;
+    memcpy(buf + o, &size, 8); o += 8;
+    memcpy(buf + o, &flags, 4); o += 4;
+    memcpy(buf + o, &plen, 4); o += 4;
+    memcpy(buf + o, u->path, plen); o += plen;
+    memcpy(buf + o, &tlen, 4); o += 4;
+    if (tlen) { memcpy(buf + o, target, tlen); o += tlen; }
+    if (send_frame(T_ENTRY, buf, (uint32_t)o) != 0) { u->err = EPIPE; return -1; }
+    return 0;
+}
+
+static int send_file(struct ustate *u, int dfd, const char *name, const struct stat *st) {
+    if ((uint64_t)st->st_size > u->bytes_left) {
+        ufail(u, EFBIG, "the upper's files add up past its size (a sparse file?)");
+        return -1;
+    }
+    if (st->st_nlink > 1) {
+        for (size_t i = 0; i < u->nlinks; i++)
+            if (u->links[i].dev == st->st_dev && u->links[i].ino == st->st_ino)
+                return send_entry(u, U_LINK, st, 0, 0, u->links[i].path);
+    }
+    int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) { ufail(u, errno, "open"); return -1; }
+    if (has_xattr(fd, "trusted.overlay.metacopy", NULL)) {
+        close(fd);
+        ufail(u, EOPNOTSUPP, "an overlayfs metacopy upper");
+        return -1;
+    }
+    uint64_t size = (uint64_t)st->st_size;
+    u->bytes_left -= size;
+    if (send_entry(u, U_FILE, st, size, 0, NULL) != 0) { close(fd); return -1; }
+    static unsigned char buf[CHUNK];
+    uint64_t sent = 0;
+    while (sent < size) {
+        size_t want = size - sent < sizeof buf ? (size_t)(size - sent) : sizeof buf;
+        ssize_t n = read(fd, buf, want);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) { close(fd); ufail(u, n < 0 ? errno : EIO, "read (shorter than its size)"); return -1; }
+        if (send_frame(T_FDATA, buf, (uint32_t)n) != 0) { close(fd); u->err = EPIPE; return -1; }
+        sent += (uint64_t)n;
+    }
+    close(fd);
+    if (st->st_nlink > 1) {
+        if (u->nlinks == u->cap) {
+            size_t cap = u->cap ? 2 * u->cap : 64;
+            void *p = realloc(u->links, cap * sizeof *u->links);
+            if (!p) { ufail(u, ENOMEM, "hard links"); return -1; }
+            u->links = p;
+            u->cap = cap;
+        }
+        char *copy = strdup(u->path);
+        if (!copy) { ufail(u, ENOMEM, "hard links"); return -1; }
+        u->links[u->nlinks].dev = st->st_dev;
+        u->links[u->nlinks].ino = st->st_ino;
+        u->links[u->nlinks++].path = copy;
+    }
+    return 0;
+}
+
+/* Send the entries below the directory dfd, whose path is u->path. */
+static int send_dir(struct ustate *u, int dfd) {
+    DIR *d = fdopendir(dfd);
+    if (!d) { close(dfd); ufail(u, errno, "opendir"); return -1; }
+    size_t base = strlen(u->path);
+    struct dirent *e;
+    int rc = 0;
+    while (rc == 0 && (e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        size_t n = strlen(e->d_name);
+        if (base + (base ? 1 : 0) + n > UPPER_PATH_MAX) {
+            ufail(u, ENAMETOOLONG, "a path below it is too long");
+            rc = -1;
+            break;
+        }
+        if (base) u->path[base] = '/';
+        memcpy(u->path + base + (base ? 1 : 0), e->d_name, n + 1);
+        if (u->entries_left == 0) {
+            u->path[base] = 0;
+            ufail(u, E2BIG, "the upper has more entries than the host takes");
+            rc = -1;
+            break;
+        }
+        u->entries_left--;
+        struct stat st;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            ufail(u, errno, "stat");
+            rc = -1;
+        } else if (S_ISDIR(st.st_mode)) {
+            int fd = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (fd < 0) { ufail(u, errno, "open"); rc = -1; }
+            else if (has_xattr(fd, "trusted.overlay.redirect", NULL)) {
+                close(fd);
+                ufail(u, EOPNOTSUPP, "an overlayfs redirect_dir upper");
+                rc = -1;
+            } else {
+                uint32_t fl = has_xattr(fd, "trusted.overlay.opaque", "y") ? 1 : 0;
+                rc = send_entry(u, U_DIR, &st, 0, fl, NULL);
+                if (rc == 0) rc = send_dir(u, fd); else close(fd);
+            }
+        } else if (S_ISREG(st.st_mode)) {
+            rc = send_file(u, dirfd(d), e->d_name, &st);
+        } else if (S_ISLNK(st.st_mode)) {
+            char target[UPPER_PATH_MAX + 1];
+            ssize_t t = readlinkat(dirfd(d), e->d_name, target, UPPER_PATH_MAX);
+            if (t < 0) { ufail(u, errno, "readlink"); rc = -1; }
+            else { target[t] = 0; rc = send_entry(u, U_SYMLINK, &st, 0, 0, target); }
+        } else if (S_ISCHR(st.st_mode) && st.st_rdev == 0) {
+            rc = send_entry(u, U_WHITEOUT, &st, 0, 0, NULL);
+        } else if (S_ISFIFO(st.st_mode)) {
+            rc = send_entry(u, U_FIFO, &st, 0, 0, NULL);
+        } else {
+            u->entries_left++;  /* device nodes and sockets stay in the guest */
+        }
+        u->path[base] = 0;
+    }
+    closedir(d);
+    return rc;
+}
+
+static void do_upper(struct cur *c) {
+    uint64_t max_bytes = get_u64(c);
+    uint32_t max_entries = get_u32(c);
+    if (c->bad) { send_error(EINVAL, "bad UPPER request"); return; }
+    if (upperfd < 0 || getpid() != 1) {
+        send_error(EOPNOTSUPP, "the upper (an agent started with --upper, as PID 1)");
+        return;
+    }
+    if (stop_all() != 0) {
+        kill(-1, SIGCONT);
+        send_error(EBUSY, "stopping the guest's processes (one would neither stop nor die)");
+        return;
+    }
+    struct ustate *u = calloc(1, sizeof *u);
+    if (!u) { kill(-1, SIGCONT); send_error(ENOMEM, "upper"); return; }
+    u->bytes_left = max_bytes;
+    u->entries_left = max_entries;
+    int fd = openat(upperfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) ufail(u, errno, "open");
+    else send_dir(u, fd);
+    kill(-1, SIGCONT);
+    if (u->err == EPIPE) {}  /* the host is gone: nothing to say */
+    else if (u->err) {
+        char msg[600];
+        snprintf(msg, sizeof msg, "upper %s", u->what);
+        errno = u->err;
+        send_error(u->err, msg);
+    } else send_ok();
+    for (size_t i = 0; i < u->nlinks; i++) free(u->links[i].path);
+    free(u->links);
+    free(u);
+}
+
 /* ---- main loop ---------------------------------------------------------- */
 
 int main(int argc, char **argv) {
     int self_chroot = 0;
-    const char *cgroup = NULL;
+    const char *cgroup = NULL, *upper = NULL;
     while (argc > 3) {
         if (strcmp(argv[1], "--chroot") == 0) { self_chroot = 1; argv++; argc--; }
         else if (strcmp(argv[1], "--cgroup") == 0 && argc > 4) { cgroup = argv[2]; argv += 2; argc -= 2; }
+        else if (strcmp(argv[1], "--upper") == 0 && argc > 4) { upper = argv[2]; argv += 2; argc -= 2; }
         else if (strcmp(argv[1], "--test-fault") == 0 && argc > 4) {
             fault_noreap = strcmp(argv[2], "noreap") == 0;
             argv += 2; argc -= 2;
@@ -829,7 +1102,7 @@ int main(int argc, char **argv) {
         else break;
     }
     if (argc != 3) {
-        fprintf(stderr, "usage: lazyfs-agent [--chroot] [--cgroup DIR] [--test-fault noreap] "
+        fprintf(stderr, "usage: lazyfs-agent [--chroot] [--cgroup DIR] [--upper DIR] [--test-fault noreap] "
                 "PORT ROOT\n");
         return 2;
     }
@@ -848,6 +1121,10 @@ int main(int argc, char **argv) {
     if (port < 0) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[1], strerror(errno)); return 1; }
     rootfd = open(argv[2], O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (rootfd < 0 || !rbuf) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[2], strerror(errno)); return 1; }
+    if (upper) {
+        upperfd = open(upper, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (upperfd < 0) fprintf(stderr, "lazyfs-agent: %s: %s (no UPPER)\n", upper, strerror(errno));
+    }
     if (self_chroot) {
         pid1_dir = open("/proc/1", O_PATH | O_DIRECTORY | O_CLOEXEC);
         started_ms = now_ms();
@@ -892,6 +1169,7 @@ int main(int argc, char **argv) {
         case T_REMOVE: do_remove(&c); break;
         case T_STAT: do_stat(&c); break;
         case T_PING: send_ok(); break;
+        case T_UPPER: do_upper(&c); break;
         case T_SHUTDOWN:
             send_ok();
             sync();
