@@ -16,12 +16,11 @@ in batches spanning many files; all-zero chunks are recorded as holes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import posixpath
 from collections.abc import Callable
 from typing import IO
 
-from chunkstore import ChunkId, ChunkStore, TrustDomain
+from chunkstore import ChunkStore, TrustDomain
 
 from .errors import BadLayer, BadLink, UnsafePath
 from .manifest import ChunkRef, Entry, Kind, LayerManifest
@@ -69,32 +68,7 @@ class LayerBuilder:
         self._linked: dict[str, list[str]] = {}  # hardlink target -> link paths
         self._pending: list[tuple[Entry, int, bytes]] = []  # entry, chunk index, data
         self._pending_bytes = 0
-        # the batch being stored while the next one is read: the store
-        # compresses and writes in its own threads (zstd lets go of the GIL),
-        # so reading the source and storing overlap on separate cores
-        self._putter: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: tuple[list[tuple[Entry, int, bytes]],
-                              concurrent.futures.Future[list[ChunkId]]] | None = None
         self.chunks_written = 0
-
-    def __enter__(self) -> LayerBuilder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Wait for a batch still being stored (its error, if any, is the
-        caller's to have seen already) and stop the storing thread. A
-        builder is closed before its store is: nothing writes to the store
-        after the conversion that used it returned or failed."""
-        if self._inflight is not None:
-            _, fut = self._inflight
-            self._inflight = None
-            concurrent.futures.wait([fut])
-        if self._putter is not None:
-            self._putter.shutdown(wait=True)
-            self._putter = None
 
     # -- entries -------------------------------------------------------------
 
@@ -190,36 +164,16 @@ class LayerBuilder:
                 self._pending.append((entry, len(entry.chunks) - 1, piece))
                 self._pending_bytes += len(piece)
             if self._pending_bytes >= _BATCH_BYTES:
-                self.flush(wait=False)
+                self.flush()
         if self.progress is not None:
             self.progress(entry.size, 1)
 
-    def flush(self, *, wait: bool = True) -> None:
-        """Store the chunks read so far; `wait=False`: in the background,
-        while the caller reads on (at most one batch stored at a time, so at
-        most two in memory). Every chunk id is final once flush() returns
-        (or flush(wait=False) for the batch before)."""
-        if self._pending:
-            pending, self._pending, self._pending_bytes = self._pending, [], 0
-            if self._putter is None:
-                self._putter = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="layer-put")
-            self._settle()  # one batch stored at a time
-            fut = self._putter.submit(self.store.put_many, [p[2] for p in pending],
-                                      self.domain)
-            self._inflight = (pending, fut)
-        if wait:
-            self._settle()
-
-    def _settle(self) -> None:
-        """Wait for the batch being stored and fill in its chunk ids (its
-        error, a full store say, is raised here)."""
-        if self._inflight is None:
+    def flush(self) -> None:
+        if not self._pending:
             return
-        pending, fut = self._inflight
-        self._inflight = None
-        ids = fut.result()
-        for (entry, i, piece), cid in zip(pending, ids, strict=True):
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        ids = self.store.put_many([p[2] for p in pending], self.domain)
+        for (entry, i, piece), cid in zip(pending, ids):
             entry.chunks[i] = ChunkRef(cid, len(piece))
         self.chunks_written += len(ids)
 
@@ -227,7 +181,6 @@ class LayerBuilder:
 
     def finish(self) -> LayerManifest:
         self.flush()
-        self.close()
         # hardlinks whose target was later replaced by a non-file
         for e in self.entries.values():
             if e.kind == Kind.HARDLINK:

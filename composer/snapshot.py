@@ -95,22 +95,22 @@ def pack_diff(store: ChunkStore, upper: Path, *, domain: TrustDomain = UNTRUSTED
     refused or left out for)."""
     layer = source or f"upper:{upper}"
     rules = rules or UpperRules()
-    with LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
-                      progress=progress, source=layer) as builder:
-        seen: dict[tuple[int, int], str] = {}
-        root_st = os.lstat(upper)
-        if not stat.S_ISDIR(root_st.st_mode):
-            raise DiffError(f"{layer}: the upper {upper} is not a directory")
-        budget = [rules.max_bytes]
-        _add(builder, str(upper), "", seen, layer, root_st.st_dev, ids, rules, budget)
-        for dirpath, dirnames, filenames in os.walk(upper):
-            dirnames.sort()
-            rel_dir = os.path.relpath(dirpath, upper)
-            for name in sorted(filenames + dirnames):
-                rel = os.path.normpath(os.path.join(rel_dir, name))
-                _add(builder, os.path.join(dirpath, name), rel, seen, layer, root_st.st_dev, ids,
-                     rules, budget)
-        manifest = builder.finish()
+    builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
+                           progress=progress, source=layer)
+    seen: dict[tuple[int, int], str] = {}
+    root_st = os.lstat(upper)
+    if not stat.S_ISDIR(root_st.st_mode):
+        raise DiffError(f"{layer}: the upper {upper} is not a directory")
+    budget = [rules.max_bytes]
+    _add(builder, str(upper), "", seen, layer, root_st.st_dev, ids, rules, budget)
+    for dirpath, dirnames, filenames in os.walk(upper):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, upper)
+        for name in sorted(filenames + dirnames):
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            _add(builder, os.path.join(dirpath, name), rel, seen, layer, root_st.st_dev, ids,
+                 rules, budget)
+    manifest = builder.finish()
     # the upper's own root says nothing about the image's root
     manifest.entries[0].implicit = True
     return manifest

@@ -328,17 +328,17 @@ def import_dir(store: ChunkStore, root: Path, *, domain: TrustDomain,
                progress: ProgressFn | None = None) -> LayerManifest:
     """One layer from a directory tree, with every POSIX attribute."""
     layer = f"dir:{root}"
-    with LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
-                      progress=progress, source=layer) as builder:
-        seen: dict[tuple[int, int], str] = {}
-        _add_path(builder, str(root), ".", seen, layer)
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames.sort()
-            rel_dir = os.path.relpath(dirpath, root)
-            for name in sorted(filenames + dirnames):
-                _add_path(builder, os.path.join(dirpath, name),
-                          os.path.normpath(os.path.join(rel_dir, name)), seen, layer)
-        return builder.finish()
+    builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
+                           progress=progress, source=layer)
+    seen: dict[tuple[int, int], str] = {}
+    _add_path(builder, str(root), ".", seen, layer)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in sorted(filenames + dirnames):
+            _add_path(builder, os.path.join(dirpath, name),
+                      os.path.normpath(os.path.join(rel_dir, name)), seen, layer)
+    return builder.finish()
 
 
 def _add_path(builder: LayerBuilder, full: str, rel: str, seen: dict[tuple[int, int], str],

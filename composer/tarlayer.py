@@ -54,29 +54,29 @@ def import_tar(store: ChunkStore, raw: BinaryIO, *, layer: str,
                progress: ProgressFn | None = None) -> LayerManifest:
     """Convert one tar layer. Raises BadLayer naming the layer (and entry) on
     anything malformed: corrupt compression, truncated archive, unsafe names."""
-    with LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
-                      progress=progress, source=layer) as builder:
-        stream = MeteredReader(open_decompressed(raw, layer))
-        name = None
-        try:
-            with tarfile.open(fileobj=stream, mode="r|", encoding="utf-8",
-                              errors="surrogateescape") as tar:
-                for member in tar:
-                    name = member.name
-                    builder.add(name, _entry(member, layer), tar.extractfile(member)
-                                if member.isreg() else None)
-                # tarfile takes a clean EOF after a member for the end of the
-                # archive; a real end has a zero block there
-                if stream.count < tar.offset + tarfile.BLOCKSIZE:
-                    raise BadLayer(layer, name, "archive ends without its end-of-archive "
-                                   "marker (truncated)")
-            # read to the end so the compressor checks its trailer (gzip CRC and
-            # length, zstd checksum): a flipped byte inside file data shows there
-            while stream.read(1 << 20):
-                pass
-        except (tarfile.TarError, EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
-            raise BadLayer(layer, name, f"cannot read the archive: {e}") from e
-        return builder.finish()
+    builder = LayerBuilder(store, layer, domain=domain, chunk_size=chunk_size,
+                           progress=progress, source=layer)
+    stream = MeteredReader(open_decompressed(raw, layer))
+    name = None
+    try:
+        with tarfile.open(fileobj=stream, mode="r|", encoding="utf-8",
+                          errors="surrogateescape") as tar:
+            for member in tar:
+                name = member.name
+                builder.add(name, _entry(member, layer), tar.extractfile(member)
+                            if member.isreg() else None)
+            # tarfile takes a clean EOF after a member for the end of the
+            # archive; a real end has a zero block there
+            if stream.count < tar.offset + tarfile.BLOCKSIZE:
+                raise BadLayer(layer, name, "archive ends without its end-of-archive "
+                               "marker (truncated)")
+        # read to the end so the compressor checks its trailer (gzip CRC and
+        # length, zstd checksum): a flipped byte inside file data shows there
+        while stream.read(1 << 20):
+            pass
+    except (tarfile.TarError, EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
+        raise BadLayer(layer, name, f"cannot read the archive: {e}") from e
+    return builder.finish()
 
 
 def _entry(m: tarfile.TarInfo, layer: str) -> Entry:

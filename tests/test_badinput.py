@@ -318,11 +318,11 @@ def _store_bytes(root: Path) -> int:
 @root_only
 @pytest.mark.parametrize("fault", ["disk full", "truncated archive"])
 def test_a_failed_conversion_stops_every_write(tmp_path: Path, fault: str) -> None:
-    """A conversion stores one batch in the background while it reads the
-    next. Whichever side fails (the store: a full disk on a later batch; the
-    source: an archive cut short while a batch is being stored), that is the
-    conversion's one error, no image is tagged, and nothing writes to the
-    store once convert has returned."""
+    """Whichever side of a conversion fails (the store: a full disk on a
+    later batch; the source: an archive cut short after batches were
+    stored), that is the conversion's one error, no image is tagged, and
+    nothing writes to the store once convert has returned (no storing
+    thread left running)."""
     src = tmp_path / "layer.tar"
     with tarfile.open(src, "w") as tar:  # 96 MiB that does not compress
         for n in range(24):
