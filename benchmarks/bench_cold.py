@@ -10,6 +10,11 @@ built by the tests' helpers if missing), converted into a fresh store under
   erofs-file  `mkfs.erofs IMG TREE` (uncompressed) mounted straight from the
               file with mount(2) (no loop device): what the kernel reads at
               its best from one local file;
+  erofs-fuse  the same image file served through FUSE by the least a server
+              can do (benchmarks/fuse_proxy.py: pyfuse3 under trio, one
+              direct_io file, each read a pread) and mounted by EROFS from
+              there, readahead as lazyfs sets it: what the FUSE round trip
+              itself costs, apart from lazyfs's own work per read;
   kernel      lazyfs's default path: a read-only composed root over the
               layer's kernel EROFS mount, data from the node daemon's blob,
               fetched from the local store through the daemon;
@@ -63,6 +68,7 @@ import signal
 import stat
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,6 +98,7 @@ from composer.convert import convert
 from composer.push import push
 from composer.remote import ClusterCatalog
 from lazyfs import sysmount
+from lazyfs.daemon import READ_AHEAD_KB
 from lazyfs.node import request
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.seaweed import SeaweedFS, weed_binary
@@ -254,9 +261,11 @@ class Bench:
         self.nodes: dict[str, LazyNode] = {}
         self.node_of: dict[str, LazyNode] = {}
         self.erofs_mount: Path | None = None
+        self.proxy: subprocess.Popen[str] | None = None
+        self.proxy_mounts: list[Path] = []
         self.weed: SeaweedFS | None = None
         self.cluster: Cluster | None = None
-        self.views = ["ext4", "erofs-file", "kernel", "fuse"] + (
+        self.views = ["ext4", "erofs-file", "erofs-fuse", "kernel", "fuse"] + (
             ["kernel-cluster"] if args.cluster else []) + (
             ["kernel-before"] if args.before else [])
         self.go_roots: dict[str, Path] = {}
@@ -280,6 +289,7 @@ class Bench:
         mp.mkdir()
         sysmount.mount(str(img), mp, "erofs", sysmount.MS_RDONLY)
         self.erofs_mount = self.roots["erofs-file"] = mp
+        self.prepare_proxy(img)
         if self.args.go:
             self.prepare_go()
         if self.args.cluster:
@@ -292,7 +302,7 @@ class Bench:
                                                    cache_size="8G",
                                                    extra=[*NO_TRACES, *extra])
                 node.start()
-            for view in self.views[2:]:
+            for view in self.views[3:]:
                 catalog: ImageCatalog = cat
                 if view == "kernel-cluster":
                     assert self.cluster is not None
@@ -317,6 +327,26 @@ class Bench:
             for root in self.go_roots.values():
                 sysmount.mount("/dev/null", root / "dev/null", "", MS_BIND)
                 self.binds.append(root / "dev/null")
+
+    def prepare_proxy(self, img: Path) -> None:
+        """The erofs-fuse view: the image file behind benchmarks/fuse_proxy.py."""
+        served = self.work / "proxy"
+        served.mkdir()
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.fuse_proxy", str(served), str(img)],
+            cwd=HERE.parent, stdout=subprocess.PIPE, text=True)
+        assert self.proxy.stdout is not None
+        if self.proxy.stdout.readline().strip() != "ready":
+            raise RuntimeError("benchmarks.fuse_proxy did not start")
+        self.proxy_mounts.append(served)
+        mp = self.work / "erofs-fuse"
+        mp.mkdir()
+        bdis = erofs_bdis()
+        sysmount.mount(str(served / "blob"), mp, "erofs", sysmount.MS_RDONLY)
+        self.proxy_mounts.insert(0, mp)
+        for bdi in erofs_bdis() - bdis:
+            (BDI / bdi / "read_ahead_kb").write_text(str(READ_AHEAD_KB))
+        self.roots["erofs-fuse"] = mp
 
     def prepare_go(self) -> None:
         """The Go toolchain tree with the module, copied to the work dir (the
@@ -361,12 +391,24 @@ class Bench:
             self.weed.stop_process()
         if self.erofs_mount is not None and sysmount.find_mount(self.erofs_mount) is not None:
             sysmount.umount(self.erofs_mount, lazy=True)
+        for path in self.proxy_mounts:  # the EROFS mount first, then the proxy's
+            if sysmount.find_mount(path) is not None:
+                sysmount.umount(path, lazy=True)
+        if self.proxy is not None:
+            self.proxy.terminate()
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait()
 
     def _pids(self, view: str) -> list[int]:
         """The processes serving a view (their CPU counts): its daemon, and
         for the cluster view the SeaweedFS server."""
         node = self.node_of.get(view)
         pids = [node.proc.pid] if node is not None and node.proc is not None else []
+        if view == "erofs-fuse" and self.proxy is not None:
+            pids.append(self.proxy.pid)
         if view == "kernel-cluster" and self.weed is not None and self.weed.proc is not None:
             pids.append(self.weed.proc.pid)
         return pids
