@@ -26,7 +26,7 @@ class ChunkId(bytes):
     def __new__(cls, raw: bytes) -> ChunkId:
         if len(raw) != 16:
             raise ValueError(f"a chunk id is 16 bytes, got {len(raw)}")
-        return super().__new__(cls, raw)
+        return bytes.__new__(cls, raw)
 
     @classmethod
     def of(cls, data: bytes | memoryview) -> ChunkId:

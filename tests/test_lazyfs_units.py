@@ -54,6 +54,43 @@ def test_unsafe_manifest_paths_are_refused(path: str, target: str) -> None:
         LayerManifest.deserialize(blob)
 
 
+def _row_manifest(rows: list[object]) -> bytes:
+    """A manifest blob with these rows, written as the builder writes one."""
+    import msgpack
+    import zstandard
+
+    from composer.manifest import _HEADER, MAGIC, VERSION
+    return _HEADER.pack(MAGIC, VERSION) + zstandard.ZstdCompressor().compress(
+        msgpack.packb(["trusted", rows], use_bin_type=True))
+
+
+def test_manifest_rows_are_checked_whatever_their_types() -> None:
+    """Rows the builder wrote load as written (every kind, chunks, holes,
+    xattrs, devices); a row with a field of another type (a bool for an
+    integer, a string for bytes, a chunk id of the wrong length, chunks not
+    covering the size) is a ManifestError naming it, never an entry."""
+    from chunkstore import ChunkId
+    from composer.manifest import ChunkRef
+    entries = [Entry("", Kind.DIR, 0o755), Entry("f", Kind.FILE, 0o4755, 1, 2, 3, 10,
+                                                  [ChunkRef(ChunkId(b"x" * 16), 6),
+                                                   ChunkRef(None, 4)],
+                                                  xattrs={"user.a": b"\0b"}),
+               Entry("l", Kind.HARDLINK, target="f"), Entry("s", Kind.SYMLINK, target="/abs"),
+               Entry("c", Kind.CHAR, rdev=(1, 3)), Entry("w", Kind.WHITEOUT),
+               Entry("o", Kind.DIR, opaque=True, implicit=True)]
+    good = LayerManifest(entries, "trusted")  # type: ignore[arg-type]
+    assert LayerManifest.deserialize(good.serialize()).entries == entries
+    row = entries[1].pack()
+    for field, value, error in [(3, True, "integer"), (0, b"f", "string"),
+                                (7, [[b"short", 10]], "16 bytes"),
+                                (7, [[b"x" * 16, 9]], "chunks cover"),
+                                (10, [["user.a", "text"]], "bytes"), (1, 99, "99")]:
+        bad = list(row)
+        bad[field] = value
+        with pytest.raises(ManifestError, match=error):
+            LayerManifest.deserialize(_row_manifest([entries[0].pack(), bad]))
+
+
 def test_hardlink_to_a_directory_is_refused() -> None:
     m = _layer(Entry("d", Kind.DIR, 0o755), Entry("l", Kind.HARDLINK, target="d"))
     with pytest.raises(ValueError, match="hardlink"):
