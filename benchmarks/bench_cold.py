@@ -29,6 +29,9 @@ built by the tests' helpers if missing), converted into a fresh store under
               (--inline-fetch-bytes 0), chunks copied into the node cache
               (--keep-local-reads), the EROFS mount's readahead at the kernel's
               128 KiB.
+  kernel-noattr  (with --attribution-control) the kernel path of a daemon
+              started with --no-attribute-opens: the default's per-mount
+              attribution (a fanotify event per file opened) left out
 
 Workloads, in this process: read-all (walk the tree, read every regular
 file in 1 MiB reads) and find+stat (walk, lstat every entry). Cold: the
@@ -267,7 +270,8 @@ class Bench:
         self.cluster: Cluster | None = None
         self.views = ["ext4", "erofs-file", "erofs-fuse", "kernel", "fuse"] + (
             ["kernel-cluster"] if args.cluster else []) + (
-            ["kernel-before"] if args.before else [])
+            ["kernel-before"] if args.before else []) + (
+            ["kernel-noattr"] if args.attribution_control else [])
         self.go_roots: dict[str, Path] = {}
         self.binds: list[Path] = []
         self.results: dict[str, Any] = {"cold": {}, "warm": {}, "size": {}}
@@ -295,8 +299,10 @@ class Bench:
         if self.args.cluster:
             self.prepare_cluster()
         with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
-            for name, extra in (("now", []), ("before", BEFORE)):
-                if name == "before" and not self.args.before:
+            for name, extra in (("now", []), ("before", BEFORE),
+                                ("noattr", ["--no-attribute-opens"])):
+                if (name == "before" and not self.args.before
+                        or name == "noattr" and not self.args.attribution_control):
                     continue
                 node = self.nodes[name] = LazyNode(self.work / f"node-{name}", self.store,
                                                    cache_size="8G",
@@ -309,7 +315,8 @@ class Bench:
                     node = self.nodes["cluster"]
                     catalog = ClusterCatalog(self.cluster)
                 else:
-                    node = self.nodes["before" if view.endswith("before") else "now"]
+                    node = self.nodes["before" if view.endswith("before") else
+                                      "noattr" if view.endswith("noattr") else "now"]
                 self.node_of[view] = node
                 bdis = erofs_bdis()
                 self.roots[view] = node.mount(catalog, "dev:1", self.work / f"root-{view}",
@@ -585,6 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="runs per view and phase")
     ap.add_argument("--before", action="store_true",
                     help="also the kernel path with the settings before the cold-path work")
+    ap.add_argument("--attribution-control", action="store_true",
+                    help="also the kernel path of a daemon with --no-attribute-opens "
+                         "(what per-mount attribution costs)")
     ap.add_argument("--no-cluster", dest="cluster", action="store_false",
                     help="leave out the view reading from SeaweedFS")
     ap.add_argument("--no-go", dest="go", action="store_false",

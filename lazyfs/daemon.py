@@ -20,10 +20,11 @@ Control requests (one JSON object per line, one answer each):
     {"op": "prefetch", "events": [...]}  -> {"ok": true, "queued": n} (runs in the background)
     {"op": "drop_cache"}                 -> {"ok": true} (empties the node cache)
     {"op": "forget_mount", "mount": M}   -> {"ok": true} (drop an unmounted mount's counters)
-    {"op": "mounted", "image": D, "mount": M}
-                                         -> {"ok": true, "trace": state} (a composed mount of
-                                            image D was made: record or replay its trace,
-                                            lazyfs.autotrace)
+    {"op": "mounted", "image": D, "mount": M, "kernel": true}
+                                         -> {"ok": true, "trace": state, "opens": state}
+                                            (a composed mount of image D was made: record
+                                            or replay its trace, lazyfs.autotrace; on the
+                                            kernel path, watch its opens, lazyfs.opens)
 
 With `--metrics-listen HOST:PORT` the daemon also answers GET /metrics over
 HTTP there (lazyfs.metrics; no token: bind it where only the operator's
@@ -55,11 +56,14 @@ from typing import Any
 
 import pyfuse3
 import trio
+import trio.lowlevel
 
 from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
-from chunkstore.errors import LazyfsError
+from chunkstore.digests import Digest
+from chunkstore.errors import BadDigest, LazyfsError
 from chunkstore.objects import ObjectStore, PosixObjectStore
+from composer.errors import ComposerError
 
 from . import erofsmounts, logs, metrics, sysmount
 from .autotrace import AutoTraces
@@ -78,6 +82,7 @@ from .node import (
     request,
     running,
 )
+from .opens import LayerFiles, OpenWatches
 from .options import Options
 from .settings import parse_size
 from .trace import Tracer, check_events, load_trace
@@ -215,6 +220,10 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
         fs.traces = AutoTraces(_trace_objects(catalog, store_path), catalog, fs.fetch,
                                options.auto_trace_seconds,
                                layer_mount=lambda d: erofsmounts.mount_path(paths, d))
+        if options.attribute_opens:
+            fs.fetch.opens = stack.enter_context(contextlib.closing(OpenWatches(
+                LayerFiles(lambda: layers.by_digest, lambda d: erofsmounts.mount_path(paths, d)),
+                lambda mount, digest, i: tracer.opened(layers.by_digest[digest], i, mount))))
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
                                                "allow_other"}
         pyfuse3.init(fs, str(paths.mnt), opts)
@@ -261,7 +270,8 @@ def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
                    readahead_chunks=spec.readahead_chunks, keep_cache=spec.keep_cache,
                    cache_timeout=spec.cache_timeout, inline_fetch_bytes=spec.inline_fetch_bytes,
                    keep_local_reads=spec.keep_local_reads,
-                   auto_trace_seconds=spec.auto_trace_seconds)
+                   auto_trace_seconds=spec.auto_trace_seconds,
+                   attribute_opens=spec.attribute_opens)
     with erofsmounts.locked(spec.paths):  # layer mounts a crashed daemon left, unused now
         erofsmounts.release_unused(spec.paths)
     run(spec.paths, spec.store, spec.cache_dir, size, cluster_url=spec.cluster, options=opts,
@@ -323,12 +333,33 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
                            read_ahead_kb)
         if prefetch:
             nursery.start_soon(guarded, "trace prefetch", fs.fetch.prefetch_trace, prefetch)
+        if fs.fetch.opens is not None:
+            nursery.start_soon(guarded, "open events", _open_events, fs.fetch.opens)
         paths.pidfile.write_text(f"{os.getpid()}\n")
         if on_ready is not None:
             on_ready()
         log.info("lazyfs serving %s (pid %d)", paths.mnt, os.getpid())
         await pyfuse3.main(max_tasks=MAX_TASKS)
         nursery.cancel_scope.cancel()
+
+
+async def _watch_opens(fs: LazyFS, opens: OpenWatches, image: object, mount: object) -> str:
+    """Attribute a kernel-path composed mount's opens to it (lazyfs.opens)."""
+    try:
+        digest = str(Digest.parse(str(image)))
+        _, img = await trio.to_thread.run_sync(fs.layers.catalog.resolve, digest)
+    except (BadDigest, ValueError, TypeError, ComposerError) as e:
+        return f"not watched: image {str(image)[:100]!r}: {e}"[:300]
+    return opens.watch(str(mount), list(reversed(img.layers)))
+
+
+async def _open_events(opens: OpenWatches) -> None:
+    """Record composed mounts' opens as the kernel queues them (the blob
+    reads drain them too, before attributing themselves)."""
+    while True:
+        await trio.lowlevel.wait_readable(opens.epoll_fd)
+        opens.drain()
+        await trio.lowlevel.checkpoint()  # (a flood of events never starves the FUSE requests)
 
 
 async def _signals(nursery: trio.Nursery) -> None:
@@ -393,6 +424,8 @@ def _stats(fs: LazyFS) -> dict[str, Any]:
     st = fs.fetch.cache.stats
     if fs.traces is not None:
         snap["auto_traces"] = fs.traces.snapshot()
+    if fs.fetch.opens is not None:
+        snap["open_watches"] = fs.fetch.opens.snapshot()
     snap["cache"] = {"bytes": fs.fetch.cache.size, "capacity": fs.fetch.cache.capacity,
                      "chunks": len(fs.fetch.cache), "hits": st.hits, "misses": st.misses,
                      "waits": st.waits, "fetched_bytes": st.fetched_bytes,
@@ -467,18 +500,23 @@ async def _answer(fs: LazyFS, paths: NodePaths, line: bytes) -> dict[str, Any]:
         fs.fetch.nursery.start_soon(guarded, "trace prefetch", fs.fetch.prefetch_trace, events)
         return {"ok": True, "queued": len(events)}
     if op == "forget_mount":
+        if fs.fetch.opens is not None:
+            fs.fetch.opens.forget(str(req.get("mount")))
         fs.fetch.tracer.forget_mount(str(req.get("mount")))
         if fs.traces is not None:
             fs.traces.unmounted(str(req.get("mount")))
         return {"ok": True}
     if op == "mounted":
+        opens = "off"
+        if fs.fetch.opens is not None and req.get("kernel", True) is True:
+            opens = await _watch_opens(fs, fs.fetch.opens, req.get("image"), req.get("mount"))
         if fs.traces is None:
-            return {"ok": True, "trace": "off"}
+            return {"ok": True, "trace": "off", "opens": opens}
         try:
             state = await fs.traces.mounted(req.get("image"), str(req.get("mount")))
         except ValueError as e:
             return {"ok": False, "error": str(e)}
-        return {"ok": True, "trace": state}
+        return {"ok": True, "trace": state, "opens": opens}
     if op == "drop_cache":
         fs.fetch.drop_hot()
         await trio.to_thread.run_sync(fs.fetch.cache.clear)

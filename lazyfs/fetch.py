@@ -56,6 +56,7 @@ from composer.manifest import Kind
 from .blob import LayerBlob
 from .errors import FetchError, ServeError
 from .layers import Layers
+from .opens import OpenWatches
 from .options import Options
 from .trace import Tracer
 from .tree import LayerTree
@@ -112,6 +113,9 @@ class FetchEngine:
         # layers whose blob readahead is off for now: a trace replay reading
         # its chunks' pages in (lazyfs.autotrace) must not read past them
         self.quiet_layers: collections.Counter[str] = collections.Counter()
+        # the kernel path's record of which composed mount opened which
+        # layer file (the daemon sets it; None: blob reads are the opener's)
+        self.opens: OpenWatches | None = None
 
     @property
     def prefetch_limit(self) -> trio.CapacityLimiter:
@@ -167,14 +171,27 @@ class FetchEngine:
         tree = b.blob.tree
         pieces = b.blob.pieces(off, size)
         ranges = [(p.entry, p.file_offset, p.length) for p in pieces if p.entry >= 0]
-        for i, _, _ in ranges:
-            self.tracer.opened(tree, i, b.mount)
+        mounts = self._blob_readers(b, ranges)
+        for (i, _, _), mount in zip(ranges, mounts, strict=True):
+            self.tracer.opened(tree, i, mount)
         paths = [tree.entries[i].path for i, _, _ in ranges[:3]] + ["..."] * (len(ranges) > 3)
         what = f"blob bytes {off}+{size} ({', '.join(paths)})"
-        views = iter(await self._read_ranges(tree, ranges, b.mount, what) if ranges else [])
+        views = iter(await self._read_ranges(tree, ranges, b.mount, what, mounts)
+                     if ranges else [])
         if len(pieces) == 1 and ranges:
             return next(views)  # type: ignore[return-value]  # any contiguous buffer will do
         return b"".join(next(views) if p.entry >= 0 else bytes(p.length) for p in pieces)
+
+    def _blob_readers(self, b: BlobReader, ranges: list[tuple[int, int, int]]) -> list[str]:
+        """The composed mount each file range of a blob read is for: the
+        one that last opened the file (lazyfs.opens, the kernel path's
+        record of opens, drained first: an open is queued before the reads
+        that follow it), else the blob's opener."""
+        if self.opens is None or b.mapped:
+            return [b.mount] * len(ranges)
+        self.opens.drain()
+        digest = b.blob.tree.digest
+        return [self.opens.opener(digest, i) or b.mount for i, _, _ in ranges]
 
     def _blob_readahead(self, b: BlobReader, off: int, size: int) -> None:
         """A blob read that continues an earlier one (EROFS reads a file's
@@ -208,10 +225,11 @@ class FetchEngine:
         self.nursery.start_soon(self._prefetch, tree, i, ahead)
 
     async def _read_ranges(self, tree: LayerTree, ranges: list[tuple[int, int, int]], mount: str,
-                           what: str) -> list[memoryview]:
+                           what: str, mounts: list[str] | None = None) -> list[memoryview]:
         """The bytes of (entry index, offset, size) file ranges of one layer,
         each chunk fetched once (hot set, node cache, then the store); every
-        range is traced as a read of its file."""
+        range is traced as a read of its file by `mount` (or by mounts[k],
+        one per range)."""
         dom = str(tree.domain)
         spans: list[range] = []
         wanted: dict[ChunkId, int] = {}  # ordered, each chunk once: its length
@@ -237,7 +255,8 @@ class FetchEngine:
         out: list[memoryview] = []
         for n, ((i, off, size), span) in enumerate(zip(ranges, spans, strict=True)):
             data = tree.file_data(i)
-            self.tracer.read(tree, i, span, mount, latency, hits=hits if n == 0 else 0,
+            self.tracer.read(tree, i, span, mount if mounts is None else mounts[n], latency,
+                             hits=hits if n == 0 else 0,
                              misses=len(wanted) - hits if n == 0 else 0)
             if not span:
                 out.append(memoryview(b""))

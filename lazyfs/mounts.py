@@ -26,6 +26,7 @@ Mounting reads manifests only: no file data is fetched before the first read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -276,17 +277,18 @@ def mount_image(paths: NodePaths, catalog: ImageCatalog, name: str, mountpoint: 
             if isinstance(e, MountError):
                 raise
             raise MountError(f"cannot mount {name} on {mountpoint}: {e}") from e
-    _announce(paths, digest, mountpoint)
+    _announce(paths, digest, mountpoint, use_kernel)
     return ComposedMount(mountpoint, digest, list(image.layers), writable, use_kernel)
 
 
-def _announce(paths: NodePaths, digest: str, mountpoint: Path) -> None:
+def _announce(paths: NodePaths, digest: str, mountpoint: Path, kernel: bool) -> None:
     """Tell the daemon a root of the image is up, so it records the image's
-    first use or prefetches its stored trace (lazyfs.autotrace). Best
+    first use or prefetches its stored trace (lazyfs.autotrace) and, on the
+    kernel path, attributes the root's opens to it (lazyfs.opens). Best
     effort: a daemon that cannot answer costs the mount nothing."""
     try:
-        request(paths, {"op": "mounted", "image": digest, "mount": str(mountpoint)},
-                timeout=2.0)
+        request(paths, {"op": "mounted", "image": digest, "mount": str(mountpoint),
+                        "kernel": kernel}, timeout=2.0)
     except (OSError, DaemonError) as e:
         log.debug("daemon not told of the mount of %s on %s: %s", digest, mountpoint, e)
 
@@ -451,16 +453,29 @@ def unmount(paths: NodePaths, mountpoint: Path, *, lazy: bool = False) -> None:
             _reg_path(paths, mountpoint).unlink(missing_ok=True)
             _release(paths, layers, mountpoint)
             if held:  # detached: the holder's end ended its use
+                _forget(paths, mountpoint)
                 return
             raise MountError(f"{mountpoint} is not mounted")
         try:
-            sysmount.umount(mountpoint, lazy=lazy)
+            try:
+                sysmount.umount(mountpoint, lazy=lazy)
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    raise
+                # open events the daemon has not read yet hold the mount
+                # (lazyfs.opens): its watch goes first, then once more
+                _forget(paths, mountpoint)
+                sysmount.umount(mountpoint, lazy=lazy)
         except OSError as e:
             hint = " (in use: close what runs there, or use --lazy)" if e.errno == 16 else ""
             raise MountError(f"cannot unmount {mountpoint}: {e.strerror}{hint}") from e
         _reg_path(paths, mountpoint).unlink(missing_ok=True)
         _release(paths, layers, mountpoint)
-    try:  # its per-mount counters go with it (the per-layer ones stay)
+    _forget(paths, mountpoint)  # its per-mount counters go with it (the per-layer ones stay)
+
+
+def _forget(paths: NodePaths, mountpoint: Path) -> None:
+    try:
         request(paths, {"op": "forget_mount", "mount": str(mountpoint)}, timeout=2.0)
     except (OSError, DaemonError):
         pass

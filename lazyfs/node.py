@@ -181,6 +181,7 @@ class DaemonSpec:
     inline_fetch_bytes: int = Options.inline_fetch_bytes
     keep_local_reads: bool = Options.keep_local_reads
     auto_trace_seconds: float = Options.auto_trace_seconds
+    attribute_opens: bool = Options.attribute_opens
     metrics_listen: str | None = None  # HOST:PORT of GET /metrics (lazyfs.metrics)
 
     def metrics_address(self) -> tuple[str, int] | None:
@@ -221,7 +222,8 @@ class DaemonSpec:
                 "--keep-cache" if self.keep_cache else "--no-keep-cache",
                 "--inline-fetch-bytes", str(self.inline_fetch_bytes),
                 "--keep-local-reads" if self.keep_local_reads else "--no-keep-local-reads",
-                "--auto-trace-seconds", repr(self.auto_trace_seconds)]
+                "--auto-trace-seconds", repr(self.auto_trace_seconds),
+                "--attribute-opens" if self.attribute_opens else "--no-attribute-opens"]
         args += ["--cluster", self.cluster] if self.cluster else ["--store", str(self.store)]
         if self.prefetch is not None:
             args += ["--prefetch", str(self.prefetch.absolute())]
@@ -251,6 +253,8 @@ class DaemonSpec:
         p.add_argument("--keep-local-reads", action=argparse.BooleanOptionalAction,
                        default=Options.keep_local_reads)
         p.add_argument("--auto-trace-seconds", type=float, default=Options.auto_trace_seconds)
+        p.add_argument("--attribute-opens", action=argparse.BooleanOptionalAction,
+                       default=Options.attribute_opens)
         p.add_argument("--metrics-listen", metavar="HOST:PORT")
         p.add_argument("-v", "--verbose", action="count", default=0)
         a = p.parse_args(list(argv))
@@ -260,6 +264,7 @@ class DaemonSpec:
                    a.cache_timeout, a.verbose, inline_fetch_bytes=a.inline_fetch_bytes,
                    keep_local_reads=a.keep_local_reads,
                    auto_trace_seconds=max(0.0, a.auto_trace_seconds),
+                   attribute_opens=a.attribute_opens,
                    metrics_listen=a.metrics_listen)
 
 

@@ -37,6 +37,9 @@ class Options:
     # image on a node is recorded when the store has no trace of it (0: no
     # automatic recording or replay)
     auto_trace_seconds: float = 30.0
+    # the kernel path's per-mount attribution (lazyfs/opens.py): each composed
+    # mount's opens, read from a fanotify group of its own
+    attribute_opens: bool = True
     # -- the FUSE adapter (lazyfs/fs.py) --
     keep_cache: bool = True  # keep the page cache across opens (content is immutable)
     cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)

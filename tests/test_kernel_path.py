@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -306,6 +307,61 @@ def test_touched_figures_match_the_fuse_path(tmp_path: Path, store: ChunkStore, 
         tf, tk = f.get("touched_bytes", 0), k.get("touched_bytes", 0)
         assert abs(tf - tk) <= 0.05 * max(tf, tk), (d, tf, tk)
     assert kern[image[0]]["touched_fraction"] > 0
+
+
+def _mount_row(stats: dict[str, Any], mount: Path) -> dict[str, Any]:
+    rows = [r for r in stats["mounts"] if r["mount"] == str(mount)]
+    return {"files_touched": sum(r["files_touched"] for r in rows),
+            "touched_bytes": sum(r["touched_bytes"] for r in rows)}
+
+
+def test_each_root_has_its_own_reads_on_the_kernel_path(node: LazyNode, cat: Catalog,
+                                                         image: list[str],
+                                                         image_tars: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """Two roots of one image on the kernel path (one shared EROFS mount per
+    layer): each root's files, touched bytes and trace are its own, also
+    when the reader sees the root from another mount namespace (as a
+    container does), and a loop of opens costs the daemon one event."""
+    a = node.mount(cat, "posix:1", tmp_path / "a", kernel=True)
+    b = node.mount(cat, "posix:1", tmp_path / "b", kernel=True)
+    big = len((image_tars["ref"] / "posix/sizes/random_3mib").read_bytes())
+    assert chroot_run(a, "/bin/busybox", "wc", "-c", "/posix/sizes/random_3mib").stdout.split()[0] \
+        == str(big)
+    assert chroot_run(b, "/bin/busybox", "cat", "/etc/motd").stdout == "hello\n"
+    # b seen from a mount namespace of its own, under another path (a container's view)
+    view = tmp_path / "view"
+    view.mkdir()
+    script = f'mount --bind "{b}" "{view}" && chroot "{view}" /bin/busybox cat /posix/links/two'
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert p.returncode == 0, p.stderr
+    st = node.stats()
+    ra, rb = _mount_row(st, a), _mount_row(st, b)
+    assert ra["touched_bytes"] >= big, st["mounts"]  # its chunks, and busybox's
+    assert ra["files_touched"] >= 2 and rb["files_touched"] >= 3, st["mounts"]
+    assert rb["touched_bytes"] < big  # busybox came from the page cache a's reads filled
+    assert _mount_row(st, Path("")) == {"files_touched": 0, "touched_bytes": 0}, st["mounts"]
+
+    def paths(mount: Path) -> set[str]:
+        events = node.request({"op": "trace", "mount": str(mount)})["trace"]["events"]
+        return {e["path"] for e in events}
+    links = {"posix/links/one", "posix/links/two", "posix/elsewhere/three"}  # one inode
+    assert "posix/sizes/random_3mib" in paths(a) and "bin/busybox" in paths(a)
+    assert "etc/motd" in paths(b) and paths(b) & links
+    assert not paths(a) & ({"etc/motd"} | links)
+    assert "posix/sizes/random_3mib" not in paths(b)
+
+    # the same file opened 20,000 times through a: one event reaches the daemon
+    before = node.stats()["open_watches"][str(a)]["events"]
+    for _ in range(20_000):
+        os.close(os.open(a / "etc/passwd", os.O_RDONLY))
+    after = node.stats()["open_watches"][str(a)]
+    assert after["state"] == "watching" and after["events"] - before <= 2, after
+    # unmounted right after its reads: nothing the daemon holds keeps it busy
+    node.unmount(a)
+    assert str(a) not in node.stats()["open_watches"]
+    node.unmount(b)
 
 
 def test_concurrent_cold_reads_give_the_source_bytes(node: LazyNode, cat: Catalog,

@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from lazyfs import sysmount
+from lazyfs.node import request
 from runtime import (
     AsyncSandbox,
     BackendUnavailable,
@@ -42,6 +43,7 @@ from tests.helpers.sandboxes import (
     SECOND,
     SECOND_MOTD,
     add_second_image,
+    busybox_node,
     busybox_store,
     node_for,
     retag,
@@ -232,6 +234,36 @@ def test_kill_leaves_nothing(node: Node) -> None:
         s.exec("true")
     with pytest.raises(SandboxNotFound):
         Sandbox.connect(s.id, node=node)
+
+
+def test_each_sandbox_has_its_own_reads(tmp_path: Path) -> None:
+    """Two sandboxes of one image share its layers' kernel mounts; the node's
+    lazyfs daemon still tells their reads apart (files, touched bytes, trace
+    per sandbox root), and forgets a root once its sandbox is killed."""
+    with busybox_node(tmp_path) as node:
+        a = Sandbox.create(IMAGE, node=node)
+        b = Sandbox.create(IMAGE, node=node)
+        assert a.exec("wc -c < /data/big.bin").stdout.strip() == str(3 << 20).encode()
+        assert b.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        paths = node.images.paths
+        roots = {s: str(node.config.container_dir / s.id) for s in (a, b)}
+        st = request(paths, {"op": "stats"})["stats"]
+
+        def row(s: Sandbox) -> tuple[int, int]:
+            rows = [r for r in st["mounts"] if r["mount"] == roots[s]]
+            return (sum(r["files_touched"] for r in rows), sum(r["touched_bytes"] for r in rows))
+
+        def traced(s: Sandbox) -> set[str]:
+            t = request(paths, {"op": "trace", "mount": roots[s]})["trace"]
+            return {e["path"] for e in t["events"]}
+        assert row(a)[1] >= 3 << 20 and row(a)[0] >= 2, st["mounts"]  # busybox, big.bin
+        assert row(b)[1] < 3 << 20 and row(b)[0] >= 2, st["mounts"]  # busybox, motd
+        assert "data/big.bin" in traced(a) and "etc/motd" not in traced(a)
+        assert "etc/motd" in traced(b) and "data/big.bin" not in traced(b)
+        a.kill()
+        b.kill()
+        watches = request(paths, {"op": "stats"})["stats"]["open_watches"]
+        assert not set(roots.values()) & set(watches), watches
 
 
 def test_bad_input(node: Node) -> None:

@@ -62,6 +62,10 @@ from .options import cache_options, root_option
               metavar="SECONDS", type=click.FloatRange(min=0),
               help="Record an image's first use this long when the store has no trace "
                    "of it; later mounts on any node prefetch it (0: off).")
+@click.option("--attribute-opens/--no-attribute-opens", default=Options.attribute_opens,
+              show_default=True,
+              help="On the kernel path, attribute each composed mount's opens and reads "
+                   "to it (a fanotify group per mount).")
 @click.option("--metrics-listen", metavar="HOST:PORT", default=None,
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (no token: "
                    "bind where only your Prometheus reaches).")
@@ -70,7 +74,8 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
            cache_size: str | None, detach: bool, prefetch: Path | None, fetch_timeout: float,
            fetch_threads: int, readahead_chunks: int, read_ahead_kb: int, keep_cache: bool,
            cache_timeout: float, inline_fetch_bytes: int, keep_local_reads: bool,
-           auto_trace_seconds: float, metrics_listen: str | None) -> None:
+           auto_trace_seconds: float, attribute_opens: bool,
+           metrics_listen: str | None) -> None:
     """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
 
     One per node, shared by every mount and sandbox. Foreground until Ctrl-C
@@ -82,7 +87,8 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
         readahead_chunks=readahead_chunks, read_ahead_kb=read_ahead_kb,
         keep_cache=keep_cache, cache_timeout=cache_timeout,
         inline_fetch_bytes=inline_fetch_bytes, keep_local_reads=keep_local_reads,
-        auto_trace_seconds=auto_trace_seconds, metrics_listen=metrics_listen, verbose=click.get_current_context().find_root().params.get("verbose") or 0)
+        auto_trace_seconds=auto_trace_seconds, attribute_opens=attribute_opens,
+        metrics_listen=metrics_listen, verbose=click.get_current_context().find_root().params.get("verbose") or 0)
     if running(spec.paths):
         raise QuietError(f"a lazyfs daemon already serves {spec.paths.mnt}")
     if detach:
