@@ -30,8 +30,9 @@ attributing a blob read. Two mounts reading one file at the same moment
 share the chunks the page cache serves once: the later opener gets them.
 
 Bounds (a sandbox is hostile, and every event costs the daemon's CPU):
-after a file's first event, an ignore mark on its overlay inode keeps the
-kernel from queueing its later opens (at most IGNORE_MARKS per mount); each
+a file's second event puts an ignore mark on its overlay inode, which keeps
+the kernel from queueing its later opens (at most IGNORE_MARKS per mount;
+most files are opened once and cost no mark); each
 mount's events are rationed (BURST, then RATE a second); a mount past its
 ration stops being watched (its group is closed, a warning logged, its
 state says so) rather than slowing the daemon; the kernel's queue drops
@@ -80,6 +81,7 @@ _METADATA_VERSION = 3
 BURST = 50_000  # events a mount may send at once ...
 RATE = 5_000.0  # ... and then per second
 IGNORE_MARKS = 8_192  # files per mount whose later opens the kernel drops
+SEEN = 200_000  # files per mount remembered as seen
 
 
 class Unavailable(OSError):
@@ -122,6 +124,8 @@ class Watch:
     fd: int
     layers: list[str]  # the image's layer digests, top first
     devices: dict[int, str] = field(default_factory=dict)  # overlay device -> layer
+    # (device, inode) of each file seen opened -> the layer file, or None
+    seen: dict[tuple[int, int], tuple[str, int] | None] = field(default_factory=dict)
     tokens: float = BURST
     stamp: float = field(default_factory=time.monotonic)
     ignored: int = 0  # ignore marks placed
@@ -137,9 +141,10 @@ class Watch:
         return self.tokens >= 0
 
 
-# (device, inode, path relative to the overlay root, watch) -> the (layer
-# digest, entry index) of the opened layer file, or None
-Resolver = Callable[[int, int, str, "Watch"], "tuple[str, int] | None"]
+# (device, inode, path relative to the overlay root, watch, whether the path
+# is the likeliest guess) -> the (layer digest, entry index) of the opened
+# layer file, or None
+Resolver = Callable[[int, int, str, "Watch", bool], "tuple[str, int] | None"]
 
 
 class OpenWatches:
@@ -279,28 +284,41 @@ class OpenWatches:
         w.events += 1
         try:
             st = os.fstat(efd)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino)
+        if key in w.seen:
+            # opened again: the kernel drops its later opens in this mount
+            # from now on (a file opened once, as most are, costs no mark)
+            found = w.seen[key]
+            if w.ignored < IGNORE_MARKS:
+                try:
+                    _mark(w.fd, FAN_MARK_ADD | FAN_MARK_IGNORED_MASK
+                          | FAN_MARK_IGNORED_SURV_MODIFY, FAN_OPEN | FAN_OPEN_EXEC, efd, None)
+                    w.ignored += 1
+                except Unavailable:
+                    w.ignored = IGNORE_MARKS  # the user's mark budget: stop asking
+            if found is not None:
+                self.openers[found] = w.mount
+            return
+        try:
             link = os.readlink(f"/proc/self/fd/{efd}")
         except OSError:
             return
-        if w.ignored < IGNORE_MARKS:  # its later opens in this mount: not queued
-            try:
-                _mark(w.fd, FAN_MARK_ADD | FAN_MARK_IGNORED_MASK | FAN_MARK_IGNORED_SURV_MODIFY,
-                      FAN_OPEN | FAN_OPEN_EXEC, efd, None)
-                w.ignored += 1
-            except Unavailable:
-                w.ignored = IGNORE_MARKS  # the user's mark budget: stop asking
         found = None
-        for rel in _relative_paths(link, w.mount):
-            found = self.resolve(st.st_dev, st.st_ino, rel, w)
+        for k, rel in enumerate(_relative_paths(link, w.mount)):
+            found = self.resolve(st.st_dev, st.st_ino, rel, w, k == 0)
             if found is not None:
                 break
+        if len(w.seen) < SEEN:
+            w.seen[key] = found
         if found is None:
             return
         w.counted += 1
         self.openers[found] = w.mount
         if len(self.openers) > 1_000_000:  # bounded: the oldest go first
-            for key in list(self.openers)[:100_000]:
-                del self.openers[key]
+            for old in list(self.openers)[:100_000]:
+                del self.openers[old]
         self.on_open(w.mount, *found)
 
     def _stop(self, w: Watch, why: str) -> None:
@@ -379,14 +397,16 @@ class LayerFiles:
     a regular file at that path with that inode number. A file of the
     writable layer (a copy-up, a new file) matches none. Each overlay
     device found is remembered per mount, so later events of it look at
-    that one layer only."""
+    that one layer only, by path alone where the path is the likeliest
+    guess (the mount's own path, or the root's in another namespace)."""
 
     def __init__(self, trees: Callable[[], Mapping[str, LayerTree]],
                  layer_mount: Callable[[str], Path]) -> None:
         self.trees = trees  # digest -> LayerTree of every loaded layer
         self.layer_mount = layer_mount
 
-    def __call__(self, dev: int, ino: int, rel: str, w: Watch) -> tuple[str, int] | None:
+    def __call__(self, dev: int, ino: int, rel: str, w: Watch,
+                 likeliest: bool) -> tuple[str, int] | None:
         trees = self.trees()
         known = w.devices.get(dev)
         for digest in ([known] if known is not None else w.layers):
@@ -396,6 +416,8 @@ class LayerFiles:
             i = tree.path_index(rel)
             if i is None or tree.entries[i].kind != Kind.FILE:
                 continue
+            if known is not None and likeliest:  # a device of this layer, the path as seen
+                return digest, i
             try:
                 st = os.stat(self.layer_mount(digest) / rel, follow_symlinks=False)
             except (OSError, ValueError):
