@@ -146,6 +146,25 @@ def request(paths: NodePaths, req: dict[str, Any], timeout: float = 10.0) -> dic
     return answer
 
 
+def mount_reads(paths: NodePaths, mountpoint: str | Path, *, trace: bool = False
+                ) -> dict[str, Any]:
+    """What the daemon counted for one composed mount (a sandbox's root),
+    summed over its layers: `files` opened, `chunks` first read through it,
+    `touched_bytes` they hold, `served_bytes`, `reads`; with trace, also
+    `trace`: its first reads in order (t, layer, path, chunk). OSError or
+    DaemonError as `request`."""
+    mount = str(mountpoint)
+    rows = [r for r in request(paths, {"op": "stats"})["stats"]["mounts"] if r["mount"] == mount]
+    out: dict[str, Any] = {k: sum(int(r[src]) for r in rows) for k, src in (
+        ("files", "files_touched"), ("chunks", "chunks_touched"),
+        ("touched_bytes", "touched_bytes"), ("served_bytes", "served_bytes"),
+        ("reads", "reads"))}
+    if trace:
+        events = request(paths, {"op": "trace", "mount": mount}, timeout=60.0)["trace"]["events"]
+        out["trace"] = [{k: e[k] for k in ("t", "layer", "path", "chunk")} for e in events]
+    return out
+
+
 def serving(paths: NodePaths) -> str | None:
     """What the daemon at paths serves (its store path or cluster URL), or
     None when no daemon answers there."""

@@ -32,20 +32,23 @@ from .errors import (
 )
 from .sdk import AsyncSandbox, Checkpoint, Sandbox, Snapshot
 from .spec import (
-    CheckpointInfo,
-    ExecResult,
-    NetworkPolicy,
-    PreemptedSandbox,
-    Rule,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SnapshotInfo,
+                     CheckpointInfo,
+                     ExecResult,
+                     NetworkPolicy,
+                     PreemptedSandbox,
+                     ReadEvent,
+                     ReadLedger,
+                     Rule,
+                     SandboxEvent,
+                     SandboxInfo,
+                     SandboxSpec,
+                     SnapshotInfo,
 )
 
 __all__ = ["AsyncSandbox", "BackendUnavailable", "Checkpoint", "CheckpointInfo", "ExecError",
            "ExecResult", "ExecStatusUnknown", "ExecTimeout", "FileError", "FleetUnavailable", "ImageNotFound",
            "InvalidSpec", "NetworkPolicy", "NodeLost", "NotCheckpointable", "OutOfMemory", "OutputTruncated",
-           "PreemptedSandbox", "QuotaExceeded", "RestoreConflict", "Rule", "Sandbox", "SandboxError",
+           "PreemptedSandbox", "QuotaExceeded", "ReadEvent", "ReadLedger", "RestoreConflict", "Rule",
+           "Sandbox", "SandboxError",
            "SandboxEvent", "SandboxInfo", "SandboxNotFound", "SandboxPreempted", "SandboxSpec",
            "SandboxStateError", "Snapshot", "SnapshotInfo", "Unsupported"]

@@ -42,6 +42,7 @@ from .backends.base import (
     GuestCapturing,
     Networked,
     Progress,
+    Readable,
     StateSaving,
 )
 from .backends.criu import CRIU_VERSION
@@ -74,6 +75,7 @@ from .spec import (
     NetworkPolicy,
     PreemptedSandbox,
     Qos,
+    ReadLedger,
     ResolvedImage,
     SandboxEvent,
     SandboxInfo,
@@ -806,6 +808,14 @@ class Node:
         backend = self._require(info, "events")
         assert isinstance(backend, Eventful), backend
         return backend.events(h)
+
+    def reads(self, sandbox_id: str, trace: bool = False) -> ReadLedger:
+        """What the sandbox read of its image so far (its root's figures in
+        the node's lazyfs daemon; with trace, the first reads in order)."""
+        info, h = self._get(sandbox_id)
+        backend = self._require(info, "reads")
+        assert isinstance(backend, Readable), backend
+        return backend.reads(h, trace)
 
     def denial_counts(self) -> dict[str, int]:
         """Every event of this node's sandboxes, live and killed, by kind

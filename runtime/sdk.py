@@ -47,6 +47,7 @@ from .spec import (
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
+    ReadLedger,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -298,6 +299,12 @@ class Sandbox:
         with the first and last time seen."""
         return self._t.events(self.id)
 
+    def reads(self, trace: bool = False) -> ReadLedger:
+        """What the sandbox read of its image so far (files opened, chunks
+        and bytes first read through its root; with trace, those reads in
+        order): a rollout's read ledger. Containers."""
+        return self._t.reads(self.id, trace)
+
     def pause(self) -> dict[str, Any]:
         """Freeze; returns memory figures before/after the reclaim."""
         return self._t.pause(self.id)
@@ -446,6 +453,10 @@ class AsyncSandbox:
 
     async def events(self) -> builtins.list[SandboxEvent]:
         out: builtins.list[SandboxEvent] = await _thread(self.sync.events)
+        return out
+
+    async def reads(self, trace: bool = False) -> ReadLedger:
+        out: ReadLedger = await _thread(self.sync.reads, trace)
         return out
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:

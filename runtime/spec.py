@@ -357,6 +357,33 @@ class SandboxEvent(_Model):
     last: float
 
 
+class ReadEvent(_Model):
+    """One chunk of the image read for the first time through the sandbox's
+    root: seconds since the node's lazyfs daemon started, the layer, the
+    file's path in it and the chunk's index in the file."""
+
+    t: float
+    layer: str
+    path: str
+    chunk: int
+
+
+class ReadLedger(_Model):
+    """What a sandbox read of its image so far, as the node's lazyfs daemon
+    counted it for the sandbox's root (docs/lazyfs.md, "Tracing and
+    stats"): image files opened, chunks first read through this root and
+    the bytes they hold, bytes served, read requests; `trace` (when asked
+    for) the first reads in order. Chunks another sandbox had already
+    brought into the page cache are read from there and are not counted."""
+
+    files: int
+    chunks: int
+    touched_bytes: int
+    served_bytes: int
+    reads: int
+    trace: list[ReadEvent] | None = None
+
+
 class CheckpointInfo(_Model):
     """A container sandbox's processes and files at one instant: its files
     as a snapshot image (`files`) and CRIU's images of its processes packed

@@ -40,6 +40,7 @@ from .spec import (
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
+    ReadLedger,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -88,6 +89,7 @@ class Transport(Protocol):
                            ) -> SandboxInfo: ...
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult: ...
     def events(self, sandbox_id: str) -> list[SandboxEvent]: ...
+    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger: ...
     def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
 
 
@@ -176,6 +178,9 @@ class Embedded:
 
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         return self.node.events(sandbox_id)
+
+    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger:
+        return self.node.reads(sandbox_id, trace)
 
     def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         return self.node.set_network(sandbox_id, policy)
@@ -403,6 +408,11 @@ class Http:
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         return [SandboxEvent.model_validate(x) for x in self._call(
             "GET", f"/v1/sandboxes/{sandbox_id}/events").json()]
+
+    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger:
+        return ReadLedger.model_validate(self._call(
+            "GET", f"/v1/sandboxes/{sandbox_id}/reads",
+            params={"trace": "true" if trace else "false"}).json())
 
     def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         return SandboxInfo.model_validate(self._call(

@@ -61,6 +61,20 @@ def test_set_network_over_http(agent: Agent) -> None:
         fn.set_network(NetworkPolicy.none())
 
 
+def test_read_ledger_over_http(agent: Agent) -> None:
+    """sb.reads() through the agent: the sandbox root's own figures and,
+    asked for, its trace; a backend without a root of its own says so."""
+    with Sandbox.create(IMAGE, node=agent.unix) as sb:
+        assert sb.exec("cat /etc/motd /data/big.bin | wc -c").exit_code == 0
+        r = sb.reads(trace=True)
+        assert r.files >= 3 and r.trace is not None, r  # busybox, motd, big.bin opened
+        assert all(e.layer.startswith("blake3:") for e in r.trace)
+        assert sb.reads().trace is None
+    with Sandbox.create(IMAGE, backend="fncall", node=agent.unix) as fn, \
+            pytest.raises(Unsupported, match="reads"):
+        fn.reads()
+
+
 def test_sdk_over_the_unix_socket(agent: Agent) -> None:
     with Sandbox.create(IMAGE, node=agent.unix, labels={"via": "unix"}) as sb:
         got: list[bytes] = []

@@ -237,33 +237,27 @@ def test_kill_leaves_nothing(node: Node) -> None:
 
 
 def test_each_sandbox_has_its_own_reads(tmp_path: Path) -> None:
-    """Two sandboxes of one image share its layers' kernel mounts; the node's
-    lazyfs daemon still tells their reads apart (files, touched bytes, trace
-    per sandbox root), and forgets a root once its sandbox is killed."""
+    """Two sandboxes of one image share its layers' kernel mounts; each
+    one's read ledger (sb.reads()) is still its own: files, touched bytes,
+    trace. The daemon forgets a root once its sandbox is killed."""
     with busybox_node(tmp_path) as node:
         a = Sandbox.create(IMAGE, node=node)
         b = Sandbox.create(IMAGE, node=node)
         assert a.exec("wc -c < /data/big.bin").stdout.strip() == str(3 << 20).encode()
         assert b.exec("cat /etc/motd").stdout == b"hello from the image\n"
-        paths = node.images.paths
-        roots = {s: str(node.config.container_dir / s.id) for s in (a, b)}
-        st = request(paths, {"op": "stats"})["stats"]
-
-        def row(s: Sandbox) -> tuple[int, int]:
-            rows = [r for r in st["mounts"] if r["mount"] == roots[s]]
-            return (sum(r["files_touched"] for r in rows), sum(r["touched_bytes"] for r in rows))
-
-        def traced(s: Sandbox) -> set[str]:
-            t = request(paths, {"op": "trace", "mount": roots[s]})["trace"]
-            return {e["path"] for e in t["events"]}
-        assert row(a)[1] >= 3 << 20 and row(a)[0] >= 2, st["mounts"]  # busybox, big.bin
-        assert row(b)[1] < 3 << 20 and row(b)[0] >= 2, st["mounts"]  # busybox, motd
-        assert "data/big.bin" in traced(a) and "etc/motd" not in traced(a)
-        assert "etc/motd" in traced(b) and "data/big.bin" not in traced(b)
+        ra, rb = a.reads(trace=True), b.reads(trace=True)
+        assert ra.touched_bytes >= 3 << 20 and ra.files >= 2, ra.model_dump(exclude={"trace"})
+        assert rb.touched_bytes < 3 << 20 and rb.files >= 2, rb.model_dump(exclude={"trace"})
+        assert ra.trace is not None and rb.trace is not None
+        assert a.reads().trace is None  # only when asked for
+        traced_a, traced_b = {e.path for e in ra.trace}, {e.path for e in rb.trace}
+        assert "data/big.bin" in traced_a and "etc/motd" not in traced_a
+        assert "etc/motd" in traced_b and "data/big.bin" not in traced_b
+        roots = {str(node.config.container_dir / s.id) for s in (a, b)}
         a.kill()
         b.kill()
-        watches = request(paths, {"op": "stats"})["stats"]["open_watches"]
-        assert not set(roots.values()) & set(watches), watches
+        watches = request(node.images.paths, {"op": "stats"})["stats"]["open_watches"]
+        assert not roots & set(watches), watches
 
 
 def test_bad_input(node: Node) -> None:

@@ -55,6 +55,7 @@ from ..spec import (
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
+    ReadLedger,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -271,6 +272,11 @@ def make_app(node: Node, token: str | None = None,
     @app.get("/v1/sandboxes/{sandbox_id}/events")
     async def events(sandbox_id: str) -> list[SandboxEvent]:
         out: list[SandboxEvent] = await run(node.events, sandbox_id)
+        return out
+
+    @app.get("/v1/sandboxes/{sandbox_id}/reads")
+    async def reads(sandbox_id: str, trace: bool = False) -> ReadLedger:
+        out: ReadLedger = await run(node.reads, sandbox_id, trace)
         return out
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")

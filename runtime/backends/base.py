@@ -23,6 +23,7 @@ from ..spec import (
     ExecRequest,
     ExecResult,
     NetworkPolicy,
+    ReadLedger,
     ResolvedImage,
     SandboxEvent,
     SandboxSpec,
@@ -35,7 +36,7 @@ Sink = Callable[[bytes], None]
 Progress = Callable[[str], None]
 
 OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "fork", "verify",
-              "hidden", "checkpoint", "network_allowlist", "persistent", "events")
+              "hidden", "checkpoint", "network_allowlist", "persistent", "events", "reads")
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,14 @@ class Eventful(Protocol):
     """A backend that records what its sandboxes were refused (events)."""
 
     def events(self, handle: Handle[Any]) -> list[SandboxEvent]: ...
+
+
+@runtime_checkable
+class Readable(Protocol):
+    """A backend whose sandboxes each read their image through a root of
+    their own (reads: a ledger of what each read)."""
+
+    def reads(self, handle: Handle[Any], trace: bool) -> ReadLedger: ...
 
 
 class Backend(Protocol):

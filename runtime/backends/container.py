@@ -55,7 +55,9 @@ from pydantic import Field
 
 from composer.snapshot import HostIds
 from lazyfs import sysmount
+from lazyfs.errors import DaemonError
 from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
+from lazyfs.node import mount_reads
 
 from .. import cgroups, hostlimits, idmap, oci, procio, spawner
 from ..config import RuntimeConfig
@@ -70,7 +72,15 @@ from ..errors import (
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
-from ..spec import EventKind, ExecRequest, ExecResult, NetworkPolicy, Qos, SandboxEvent
+from ..spec import (
+    EventKind,
+    ExecRequest,
+    ExecResult,
+    NetworkPolicy,
+    Qos,
+    ReadLedger,
+    SandboxEvent,
+)
 from . import criu, initexec, netpolicy
 from .base import BackendState, Capabilities, Handle, Sink
 
@@ -166,7 +176,7 @@ class ContainerBackend:
     state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
         {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent",
-         "snapshot", "fork", "verify", "hidden", "events", "checkpoint"}),
+         "snapshot", "fork", "verify", "hidden", "events", "checkpoint", "reads"}),
         "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim; "
         "snapshot = the upper packed into a layer; checkpoint = that + CRIU memory images "
         "(runc --criu)")
@@ -480,6 +490,17 @@ class ContainerBackend:
             if n:
                 self.denials.record(h.id, "connect", dest, n)
         netpolicy.apply(st.net_slot, policy)
+
+    # -- reads ---------------------------------------------------------------
+    def reads(self, h: Container, trace: bool) -> ReadLedger:
+        """What the sandbox read of its image: the node daemon's figures for
+        its root (a composed mount of its own, lazyfs.opens on the kernel path)."""
+        root = h.state.rootfs or self.config.container_dir / h.id
+        try:
+            return ReadLedger.model_validate(mount_reads(self.images.paths, root, trace=trace))
+        except (OSError, DaemonError) as e:
+            raise BackendUnavailable(f"{h.id}: the node's lazyfs daemon did not answer: "
+                                     f"{e}") from e
 
     # -- events --------------------------------------------------------------
     def events(self, h: Container) -> list[SandboxEvent]:

@@ -55,6 +55,7 @@ from ..spec import (
     ExecResult,
     NetworkPolicy,
     PreemptedSandbox,
+    ReadLedger,
     SandboxEvent,
     SandboxInfo,
     SandboxSpec,
@@ -349,6 +350,9 @@ class Fleet:
 
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
         return self._on(sandbox_id, lambda a: a.events(sandbox_id))
+
+    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger:
+        return self._on(sandbox_id, lambda a: a.reads(sandbox_id, trace))
 
     def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         return self._on(sandbox_id, lambda a: a.set_network(sandbox_id, policy))
