@@ -79,6 +79,7 @@ from .node import (
     check_fuse,
     default_root,
     open_images,
+    raise_open_files,
     request,
     running,
 )
@@ -254,6 +255,7 @@ def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
     check_fuse()
     if running(spec.paths):
         raise DaemonError(f"a lazyfs daemon already serves {spec.paths.mnt}")
+    raise_open_files()  # a fanotify group per composed mount (lazyfs.opens)
     events = None
     if spec.prefetch is not None:
         try:

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -120,6 +121,20 @@ class NodePaths:
     @property
     def erofs_lock(self) -> Path:
         return self.root / "erofs.lock"
+
+
+def raise_open_files() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to the hard limit (no
+    privilege needed), as Go and systemd services do, for a process that
+    holds descriptors per sandbox or mount (the node, its daemon: a fanotify
+    group per composed mount); the soft limit it ends with."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
 
 
 # -- talking to a running daemon ---------------------------------------------------------

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import resource
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from lazyfs.node import raise_open_files
 
 from .errors import BackendUnavailable
 
@@ -69,16 +70,10 @@ def _raise(name: str, want: int, root: Path = SYSCTL) -> bool:
 def raise_own_open_files() -> int:
     """The node holds a descriptor or more per sandbox (its exec channel
     while a command runs, its seccomp notifications): raise this process's
-    soft RLIMIT_NOFILE to the hard limit (no privilege needed), as Go and
-    systemd services do; the soft limit it ends with. Children that must not
-    inherit it set their own (sandboxes: open_files; fncall workers: 1024)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = 1 << 20
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        soft = hard
-    return soft
+    soft RLIMIT_NOFILE to the hard limit (lazyfs.node.raise_open_files).
+    Children that must not inherit it set their own (sandboxes: open_files;
+    fncall workers: 1024)."""
+    return raise_open_files()
 
 
 def prepare_host(max_sandboxes: int, budgets: Budgets, root: Path = SYSCTL) -> list[str]:
