@@ -95,6 +95,42 @@ def test_a_leftover_process_cannot_forge_a_later_command(sb: Sandbox) -> None:
     assert b"forge" in sb.exec("ps -o pid,args").stdout  # it is alive, not killed
 
 
+def _tampering(s: Sandbox) -> dict[str, int]:
+    return {e.detail: e.count for e in s.events() if e.kind == "tampering"}
+
+
+def test_a_leftover_process_tampering_is_recorded(node: Node, sb: Sandbox) -> None:
+    """The same attack, as events: every refused ptrace, /proc/PID/fd open
+    and signal of the leftover forger becomes a `tampering` event of its
+    sandbox (Landlock's audit records, read by the node), counted in the
+    node's metric; the attack still fails; a neighbour sandbox, whose own
+    command ran meanwhile, has none. Without the node's audit listener (or
+    without LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON in sandbox-init) the
+    attack is refused the same and no event appears."""
+    audit = getattr(node.backend("container"), "_audit", None)
+    if audit is None:
+        pytest.skip("the kernel's audit records cannot be read here (see the node's log)")
+    before = node.denial_counts().get("tampering", 0)
+    with Sandbox.create(IMAGE, node=node, memory_mb=128) as neighbour:
+        sb.exec(f"setsid {FORGE} hunt {MARK} /tmp/forge.log </dev/null >/dev/null 2>&1 &")
+        wait_until(lambda: b"ready" in sb.exec("cat /tmp/forge.log 2>/dev/null").stdout, 10,
+                   "the forger to start")
+        r = sb.exec(victim(3), timeout=30)
+        assert (r.exit_code, r.stdout) == (3, b"honest\n"), r
+        assert neighbour.exec("sleep 0.5; echo ok").stdout == b"ok\n"
+        log = sb.files.read("/tmp/forge.log").decode()
+        assert any(line.startswith("ptrace ") for line in log.splitlines()), log
+
+        def seen() -> dict[str, int] | None:
+            t = _tampering(sb)
+            return t if {"ptrace", "scope.signal"} <= t.keys() else None
+        got = wait_until(seen, 5, "tampering events")
+        assert got is not None
+        assert got["ptrace"] >= 2 and got["scope.signal"] >= 1, got  # fd + ptrace; the kill
+        assert neighbour.events() == [], neighbour.events()
+        assert node.denial_counts().get("tampering", 0) >= before + 3
+
+
 def test_a_command_cannot_take_inits_channel_or_files(sb: Sandbox) -> None:
     """Init holds the exec channel: its descriptors are closed to the
     sandbox's root (non-dumpable, no CAP_SYS_PTRACE), and it holds no host
