@@ -86,7 +86,7 @@ PENDING_AGE = 2.0  # seconds an unmapped access record waits for its domain's re
 # strings (paths, comm, exe) come later, escaped; only these prefixes are read
 _HEADER = re.compile(rb"audit\((\d{1,20})\.(\d{1,9}):(\d{1,20})\): ")
 _ACCESS = re.compile(rb"domain=([0-9a-f]{1,16}) blockers=([a-z_]{1,32}(?:\.[a-z_]{1,32})?"
-                     rb"(?:,[a-z_]{1,32}(?:\.[a-z_]{1,32})?){0,31})(?: |\x00|$)")
+                     rb"(?:,[a-z_]{1,32}(?:\.[a-z_]{1,32})?){0,31})(?: |\x00|\Z)")
 _ALLOCATED = re.compile(rb"domain=([0-9a-f]{1,16}) status=allocated mode=[a-z]{1,16} "
                         rb"pid=(\d{1,10}) uid=(\d{1,10}) ")
 _DEALLOCATED = re.compile(rb"domain=([0-9a-f]{1,16}) status=deallocated ")
@@ -191,44 +191,17 @@ class Stats:
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
-class AuditListener:
-    """The node's reader of Landlock's audit records (one thread for every
-    sandbox of every backend registered)."""
+class RecordReader:
+    """What the listener does with each record, apart from its socket:
+    domains mapped to sandboxes, access records counted as events."""
 
     def __init__(self) -> None:
-        ctl = _control_socket()
-        try:
-            try:
-                self._sock = socket.socket(socket.AF_NETLINK,
-                                           socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
-                self._sock.bind((0, AUDIT_NLGRP_READLOG))
-            except OSError as e:
-                raise AuditUnavailable(f"cannot read the kernel's audit records: {e.strerror}"
-                                       ) from None
-            try:
-                enabled = audit_enabled(ctl)
-                self.owned = False
-                if enabled == 0:
-                    set_audit_enabled(ctl, True)
-                    self.owned = True
-            except OSError as e:
-                self._sock.close()
-                raise AuditUnavailable(f"cannot enable the kernel's audit: {e.strerror}"
-                                       ) from None
-        finally:
-            ctl.close()
-        self._sock.setblocking(False)
         self._resolvers: list[Resolver] = []
         self._lock = threading.Lock()
         self._domains: collections.OrderedDict[int, tuple[DenialLog, str] | None] = \
             collections.OrderedDict()
         self._pending: list[_Pending] = []
         self.stats = Stats()
-        self._tokens, self._at = BURST, time.monotonic()
-        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._serve, name="landlock-audit", daemon=True)
-        self._thread.start()
 
     # -- registration --------------------------------------------------------
     def add(self, resolver: Resolver) -> None:
@@ -254,52 +227,9 @@ class AuditListener:
                 return got
         return None
 
-    # -- the thread ----------------------------------------------------------
-    def _serve(self) -> None:
-        poll = select.poll()
-        poll.register(self._sock.fileno(), select.POLLIN)
-        poll.register(self._stop_r, select.POLLIN)
-        while True:
-            wait = self._ration()
-            if wait:  # past the ration: let the kernel drop what does not fit
-                if self._stopping(wait):
-                    return
-                continue
-            timeout = 1000 if self._pending else -1
-            events = poll.poll(timeout)
-            if any(fd == self._stop_r for fd, _ in events):
-                return
-            for _ in range(64):
-                try:
-                    data = self._sock.recv(1 << 16)
-                except BlockingIOError:
-                    break
-                except OSError as e:
-                    if e.errno == errno.ENOBUFS:  # the kernel dropped records for us
-                        self.stats.lost += 1
-                        continue
-                    log.warning("landlock audit: %s", e)
-                    break
-                try:
-                    self._message(data)
-                except Exception:  # never let one record end the listener
-                    log.exception("landlock audit: an unreadable record")
-                self._tokens -= 1.0
-                if self._tokens < 1.0:
-                    break
-            self._expire(time.monotonic())
-
-    def _ration(self) -> float:
-        now = time.monotonic()
-        self._tokens = min(BURST, self._tokens + (now - self._at) * RATE)
-        self._at = now
-        return 0.0 if self._tokens >= 1.0 else (1.0 - self._tokens) / RATE + 0.01
-
-    def _stopping(self, wait: float) -> bool:
-        r, _, _ = select.select([self._stop_r], [], [], wait)
-        return bool(r)
-
-    def _message(self, data: bytes) -> None:
+    def message(self, data: bytes) -> None:
+        """One datagram of the audit socket: netlink messages, a record each
+        (a short or overlong length ends the datagram)."""
         off = 0
         while off + NLMSG.size <= len(data):
             length, mtype, _, _, _ = NLMSG.unpack_from(data, off)
@@ -374,11 +304,91 @@ class AuditListener:
         self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
         denials.record(sandbox_id, kind, blockers)  # type: ignore[arg-type]
 
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         if self._pending and now - self._pending[0].at > PENDING_AGE:
             old = [p for p in self._pending if now - p.at > PENDING_AGE]
             self.stats.unattributed += len(old)
             self._pending = [p for p in self._pending if now - p.at <= PENDING_AGE]
+
+
+class AuditListener(RecordReader):
+    """The node's reader of Landlock's audit records (one thread for every
+    sandbox of every backend registered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ctl = _control_socket()
+        try:
+            try:
+                self._sock = socket.socket(socket.AF_NETLINK,
+                                           socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+                self._sock.bind((0, AUDIT_NLGRP_READLOG))
+            except OSError as e:
+                raise AuditUnavailable(f"cannot read the kernel's audit records: {e.strerror}"
+                                       ) from None
+            try:
+                enabled = audit_enabled(ctl)
+                self.owned = False
+                if enabled == 0:
+                    set_audit_enabled(ctl, True)
+                    self.owned = True
+            except OSError as e:
+                self._sock.close()
+                raise AuditUnavailable(f"cannot enable the kernel's audit: {e.strerror}"
+                                       ) from None
+        finally:
+            ctl.close()
+        self._sock.setblocking(False)
+        self._tokens, self._at = BURST, time.monotonic()
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._serve, name="landlock-audit", daemon=True)
+        self._thread.start()
+
+    # -- the thread ----------------------------------------------------------
+    def _serve(self) -> None:
+        poll = select.poll()
+        poll.register(self._sock.fileno(), select.POLLIN)
+        poll.register(self._stop_r, select.POLLIN)
+        while True:
+            wait = self._ration()
+            if wait:  # past the ration: let the kernel drop what does not fit
+                if self._stopping(wait):
+                    return
+                continue
+            timeout = 1000 if self._pending else -1
+            events = poll.poll(timeout)
+            if any(fd == self._stop_r for fd, _ in events):
+                return
+            for _ in range(64):
+                try:
+                    data = self._sock.recv(1 << 16)
+                except BlockingIOError:
+                    break
+                except OSError as e:
+                    if e.errno == errno.ENOBUFS:  # the kernel dropped records for us
+                        self.stats.lost += 1
+                        continue
+                    log.warning("landlock audit: %s", e)
+                    break
+                try:
+                    self.message(data)
+                except Exception:  # never let one record end the listener
+                    log.exception("landlock audit: an unreadable record")
+                self._tokens -= 1.0
+                if self._tokens < 1.0:
+                    break
+            self.expire(time.monotonic())
+
+    def _ration(self) -> float:
+        now = time.monotonic()
+        self._tokens = min(BURST, self._tokens + (now - self._at) * RATE)
+        self._at = now
+        return 0.0 if self._tokens >= 1.0 else (1.0 - self._tokens) / RATE + 0.01
+
+    def _stopping(self, wait: float) -> bool:
+        r, _, _ = select.select([self._stop_r], [], [], wait)
+        return bool(r)
 
     def close(self) -> None:
         os.write(self._stop_w, b"x")
