@@ -174,6 +174,42 @@ def _control_socket() -> socket.socket:
     return s
 
 
+def unreadable() -> str | None:
+    """Why this process could not read Landlock's audit records (None: it
+    can): the multicast group needs CAP_AUDIT_READ, enabling audit
+    CAP_AUDIT_CONTROL in the initial namespaces, and Landlock ABI 7."""
+    try:
+        abi = _landlock_abi()
+    except OSError as e:
+        return f"no Landlock: {e.strerror}"
+    if abi < 7:
+        return f"Landlock ABI {abi} logs no denials (7 does)"
+    try:
+        ctl = _control_socket()
+        try:
+            audit_enabled(ctl)
+        finally:
+            ctl.close()
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
+        try:
+            s.bind((0, AUDIT_NLGRP_READLOG))
+        finally:
+            s.close()
+    except (OSError, AuditUnavailable) as e:
+        return f"the kernel's audit cannot be read: {e}"
+    return None
+
+
+def _landlock_abi() -> int:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = int(libc.syscall(444, None, 0, 1))  # landlock_create_ruleset(VERSION)
+    if abi < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return abi
+
+
 @dataclass
 class _Pending:
     at: float

@@ -220,9 +220,25 @@ class ContainerBackend:
                     raise BackendUnavailable(f"the state directory's path is too long for a "
                                              f"unix socket: {path}")
                 self._listener = SeccompListener(path, self.denials)
-                self._audit = landlock_audit.acquire(self._whose)
+                self._read_landlock_audit()
             assert self._listener.path is not None
             return self._listener.path
+
+    def _read_landlock_audit(self) -> None:
+        """The node's reader of Landlock's audit records (under
+        _listener_lock), started with the first container."""
+        if self._audit is None:
+            self._audit = landlock_audit.acquire(self._whose)
+
+    def adopt(self, h: Container) -> None:
+        """A sandbox a previous node process left running (Node.recover):
+        its Landlock refusals are recorded from now on."""
+        with self._ids_lock:
+            self._live.add(h.id)
+            if h.state.id_base is not None:
+                self._by_base.setdefault(h.state.id_base, set()).add(h.id)
+        with self._listener_lock:
+            self._read_landlock_audit()
 
     def _whose(self, uid: int, pid: int | None) -> tuple[DenialLog, str] | None:
         """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
