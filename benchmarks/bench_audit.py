@@ -16,7 +16,8 @@ flood     a neighbour's exec("true") latency on a quiet node and while
           the flooder made, how many became events, how many the kernel or
           the listener dropped, and how many lines the kernel log got
           (/dev/kmsg; with no auditd each record also goes there, rationed by
-          printk_ratelimit)
+          printk_ratelimit), and whether a third sandbox's one refusal made
+          mid-flood was recorded
 
 Audit "off" is not a pristine kernel: once audit was ever enabled (by this
 run or earlier), tasks forked since keep an audit context until reboot; the
@@ -184,6 +185,8 @@ def main() -> None:
 
         log(f"neighbour's exec('true') with and without a flood, {args.rounds} rounds")
         flooder = stack.enter_context(Sandbox.create(IMAGE, node=node))
+        # refused once per round, mid-flood: is its one record still read?
+        probe = stack.enter_context(Sandbox.create(IMAGE, node=node))
         flooder.files.write(HOG, hog, mode=0o755)
         quiet: list[float] = []
         flooded: list[float] = []
@@ -196,6 +199,7 @@ def main() -> None:
             kernel_lost0 = _kernel_lost()
             stats0 = backend._audit.stats if backend._audit else None
             seen0 = sum(e.count for e in flooder.events() if e.kind == "tampering")
+            probe0 = sum(e.count for e in probe.events() if e.kind == "tampering")
             lost0, unattr0 = (stats0.lost, stats0.unattributed) if stats0 else (0, 0)
 
             def flood(out: list[bytes] = out) -> None:
@@ -205,8 +209,12 @@ def main() -> None:
             t = threading.Thread(target=flood)
             t.start()
             time.sleep(0.3)
+            probed = False
             while t.is_alive() and len(flooded) < n:
                 flooded.append(_timed(sb))
+                if not probed and len(flooded) >= 10:
+                    assert probe.exec("kill -0 1; echo $?").stdout == b"1\n"
+                    probed = True
             t.join()
             time.sleep(1.0)  # what the listener still has to read
             stats = backend._audit.stats if backend._audit else None
@@ -215,6 +223,8 @@ def main() -> None:
                 "events": sum(e.count for e in flooder.events() if e.kind == "tampering") - seen0,
                 "listener_lost": (stats.lost - lost0) if stats else -1,
                 "unattributed": (stats.unattributed - unattr0) if stats else -1,
+                "probe_recorded": sum(e.count for e in probe.events()
+                                      if e.kind == "tampering") - probe0,
                 "kernel_lost": _kernel_lost() - kernel_lost0,
                 **{f"kernel_log_{k}": v for k, v in _kmsg_since(kmsg).items()}})
         res["flood"] = {"quiet": summary(quiet), "flooded": summary(flooded),

@@ -23,7 +23,7 @@ same event, when the process has an audit context) is a sandbox's own: a
 container's user namespace maps it to a host range of its own
 (runtime/idmap.py), an fncall call runs as its sandbox's uid
 (hostlimits.fncall_uid; sandbox-init takes it before it makes the domain).
-Each backend registers a resolver (uid, pid) -> (DenialLog, sandbox id).
+Each backend registers a resolver (uid, pid) -> the sandbox's sink (kind, detail).
 A domain is mapped once; later records of it use the map.
 
 Kinds: a refused ptrace-class access (ptrace, /proc/PID/fd and mem,
@@ -58,10 +58,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .denials import DenialLog
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +89,11 @@ _DEALLOCATED = re.compile(rb"domain=([0-9a-f]{1,16}) status=deallocated ")
 _SYSCALL = re.compile(rb"arch=[0-9a-f]{1,8} syscall=\d{1,5} (?:[a-z0-9_]{1,16}=\S{1,40} ){0,12}?"
                       rb"ppid=\d{1,10} pid=(\d{1,10}) auid=\d{1,10} uid=(\d{1,10}) ")
 
-Resolver = Callable[[int, "int | None"], "tuple[DenialLog, str] | None"]
+# where a sandbox's events go: called with (kind, detail); a sandbox killed
+# meanwhile ignores it (records arrive after the kill)
+Sink = Callable[[str, str], None]
+# (host uid, pid) of a record -> the sink of the sandbox it names, or None
+Resolver = Callable[[int, "int | None"], "Sink | None"]
 
 
 class AuditUnavailable(Exception):
@@ -234,7 +234,7 @@ class RecordReader:
     def __init__(self) -> None:
         self._resolvers: list[Resolver] = []
         self._lock = threading.Lock()
-        self._domains: collections.OrderedDict[int, tuple[DenialLog, str] | None] = \
+        self._domains: collections.OrderedDict[int, Sink | None] = \
             collections.OrderedDict()
         self._pending: list[_Pending] = []
         self.stats = Stats()
@@ -250,7 +250,7 @@ class RecordReader:
                 self._resolvers.remove(resolver)
             return len(self._resolvers)
 
-    def _resolve(self, uid: int, pid: int | None) -> tuple[DenialLog, str] | None:
+    def _resolve(self, uid: int, pid: int | None) -> Sink | None:
         with self._lock:
             resolvers = list(self._resolvers)
         for r in resolvers:
@@ -317,7 +317,7 @@ class RecordReader:
                 if p.domain not in self._domains:
                     self._map(p.domain, target)
 
-    def _map(self, domain: int, target: tuple[DenialLog, str] | None) -> None:
+    def _map(self, domain: int, target: Sink | None) -> None:
         self._domains[domain] = target
         self._domains.move_to_end(domain)
         while len(self._domains) > MAX_DOMAINS:
@@ -330,15 +330,14 @@ class RecordReader:
                 keep.append(p)
         self._pending = keep
 
-    def _count(self, target: tuple[DenialLog, str] | None, blockers: str) -> None:
+    def _count(self, target: Sink | None, blockers: str) -> None:
         if target is None:
             self.stats.unattributed += 1
             return
-        denials, sandbox_id = target
         kind = kind_of(blockers)
         self.stats.recorded += 1
         self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
-        denials.record(sandbox_id, kind, blockers)  # type: ignore[arg-type]
+        target(kind, blockers)
 
     def expire(self, now: float) -> None:
         if self._pending and now - self._pending[0].at > PENDING_AGE:

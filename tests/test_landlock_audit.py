@@ -30,11 +30,12 @@ def reader() -> tuple[RecordReader, DenialLog]:
     log = DenialLog()
     r = RecordReader()
 
-    def whose(uid: int, pid: int | None) -> tuple[DenialLog, str] | None:
+    def whose(uid: int, pid: int | None) -> landlock_audit.Sink | None:
         if BASE <= uid < BASE + 65536:
-            return log, SANDBOX
+            return lambda kind, detail: log.record(SANDBOX, kind, detail)  # type: ignore[arg-type]
         if BASE + 65536 <= uid < BASE + 2 * 65536:
-            return log, NEIGHBOUR
+            return lambda kind, detail: log.record(NEIGHBOUR, kind,  # type: ignore[arg-type]
+                                                   detail)
         return None
     r.add(whose)
     return r, log

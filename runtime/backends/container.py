@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -240,7 +241,14 @@ class ContainerBackend:
         with self._listener_lock:
             self._read_landlock_audit()
 
-    def _whose(self, uid: int, pid: int | None) -> tuple[DenialLog, str] | None:
+    def _landlock_event(self, sandbox_id: str, kind: str, detail: str) -> None:
+        """A Landlock refusal of the sandbox, unless it was killed since."""
+        with self._ids_lock:
+            if sandbox_id not in self._live:
+                return
+        self.denials.record(sandbox_id, kind, detail)  # type: ignore[arg-type]
+
+    def _whose(self, uid: int, pid: int | None) -> landlock_audit.Sink | None:
         """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
         the one whose host id range holds `uid`, or (no user namespaces, or
         a range restores share) the one whose cgroup process `pid` is in."""
@@ -250,7 +258,7 @@ class ContainerBackend:
                 ids = set(self._by_base.get(
                     idmap.FIRST + (uid - idmap.FIRST) // idmap.RANGE * idmap.RANGE, ()))
                 if len(ids) == 1:
-                    return self.denials, ids.pop()
+                    return functools.partial(self._landlock_event, ids.pop())
             live = set(self._live)
         if pid is None or pid <= 0:
             return None
@@ -260,7 +268,7 @@ class ContainerBackend:
             return None  # gone: the uid alone could not tell
         found = {m.group(1) for m in _CGROUP_LINE.finditer(text)}
         found &= ids or live
-        return (self.denials, found.pop()) if len(found) == 1 else None
+        return functools.partial(self._landlock_event, found.pop()) if len(found) == 1 else None
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
               ) -> subprocess.CompletedProcess[str]:

@@ -17,6 +17,7 @@ in cluster mode).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -368,7 +369,14 @@ class FncallBackend:
             self._audit = landlock_audit.acquire(self._whose)
         return self._listener
 
-    def _whose(self, uid: int, pid: int | None) -> tuple[DenialLog, str] | None:
+    def _landlock_event(self, sandbox_id: str, kind: str, detail: str) -> None:
+        """A Landlock refusal of the sandbox, unless it was killed since."""
+        with self._uid_lock:
+            if sandbox_id not in self._by_uid.get(hostlimits.fncall_uid(sandbox_id), ()):
+                return
+        self.denials.record(sandbox_id, kind, detail)  # type: ignore[arg-type]
+
+    def _whose(self, uid: int, pid: int | None) -> landlock_audit.Sink | None:
         """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
         the one live sandbox whose calls run as `uid` (the domain's creator,
         sandbox-init, takes the call's uid before it makes the domain). Two
@@ -376,7 +384,8 @@ class FncallBackend:
         not recorded."""
         with self._uid_lock:
             ids = self._by_uid.get(uid, set())
-            return (self.denials, next(iter(ids))) if len(ids) == 1 else None
+            return functools.partial(self._landlock_event, next(iter(ids))) \
+                if len(ids) == 1 else None
 
     def _pool(self, image: ResolvedImage) -> Pool:
         """The pool of the image's digest; made (mounting by digest) the
