@@ -12,8 +12,9 @@ when a logged domain is freed, `status=deallocated`.
 
 Records exist only while the kernel's audit is enabled, a host setting: a
 node turns it on if it is off (AUDIT_SET enabled=1, never the auditd pid: the
-node does not become the host's audit daemon) and, when its last listener
-stops, off again if it turned it on and no other reader is bound. The records
+node does not become the host's audit daemon; OWNER_MARK says a node did)
+and the last reader of the host to stop turns it off again if a node turned
+it on (no other socket bound to the group, /proc/net/netlink). The records
 are read from the audit netlink socket's read-only multicast group
 (AUDIT_NLGRP_READLOG, CAP_AUDIT_READ), one thread for all sandboxes.
 
@@ -71,6 +72,11 @@ NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 STATUS = struct.Struct("=10I")  # struct audit_status (the fields up to backlog_wait_time_actual)
+
+# made by the node that turned the kernel's audit on (and removed by the one
+# that turns it off): the last node of the host to stop restores it, whichever
+# node (process) turned it on
+OWNER_MARK = Path("/run/lazyfs-audit-enabled")
 
 RATE = 2000.0  # records handled a second, all sandboxes together
 BURST = 4000.0
@@ -364,10 +370,12 @@ class AuditListener(RecordReader):
                                        ) from None
             try:
                 enabled = audit_enabled(ctl)
-                self.owned = False
                 if enabled == 0:
                     set_audit_enabled(ctl, True)
-                    self.owned = True
+                    try:
+                        OWNER_MARK.touch()
+                    except OSError as e:
+                        log.warning("the kernel's audit, turned on, will stay on: %s", e)
             except OSError as e:
                 self._sock.close()
                 raise AuditUnavailable(f"cannot enable the kernel's audit: {e.strerror}"
@@ -431,11 +439,12 @@ class AuditListener(RecordReader):
         self._sock.close()
         os.close(self._stop_r)
         os.close(self._stop_w)
-        if self.owned and not _other_readers():
+        if OWNER_MARK.exists() and not _other_readers():
             try:
                 ctl = _control_socket()
                 try:
                     set_audit_enabled(ctl, False)
+                    OWNER_MARK.unlink(missing_ok=True)
                 finally:
                     ctl.close()
             except (OSError, AuditUnavailable) as e:
