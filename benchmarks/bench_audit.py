@@ -10,7 +10,8 @@ syscalls  the same alternation for a command making ~400,000 system calls
           (busybox dd of 200,000 one-byte blocks): audit, once enabled, puts
           every task forked since on the kernel's audited system call path
 flood     a neighbour's exec("true") latency on a quiet node and while
-          another sandbox's command loops on kill(1, 0) in 2 processes
+          another sandbox's command loops on kill(1, 0) in 2 processes, with
+          audit on and (the control: the same refusals, no records) off
           (tests/helpers/hog.c `signal 2`, 3 s a round; each call is a
           refused signal, an audit record), plus per round how many refusals
           the flooder made, how many became events, how many the kernel or
@@ -132,6 +133,47 @@ def _kernel_lost() -> int:
     return lost
 
 
+def _tampering(sb: Sandbox) -> int:
+    return sum(e.count for e in sb.events() if e.kind == "tampering")
+
+
+def _flood(node: Node, sb: Sandbox, flooder: Sandbox, probe: Sandbox, times: list[float],
+           samples: int) -> dict[str, Any]:
+    """One flood round: sb's exec latencies into `times` meanwhile, and
+    what became of the refusals."""
+    backend = node.backend("container")
+    assert isinstance(backend, ContainerBackend)
+    audit = backend._audit
+    out: list[bytes] = []
+    kmsg = _kmsg_end()
+    kernel_lost0 = _kernel_lost()
+    lost0, unattr0 = (audit.stats.lost, audit.stats.unattributed) if audit else (0, 0)
+    seen0, probe0 = _tampering(flooder), _tampering(probe)
+
+    def flood() -> None:
+        out.append(flooder.exec(f"{HOG} signal 2 >/tmp/out; cat /tmp/out; killall hog",
+                                timeout=60).stdout)
+
+    t = threading.Thread(target=flood)
+    t.start()
+    time.sleep(0.3)
+    got = 0
+    while t.is_alive() and got < samples:
+        times.append(_timed(sb))
+        got += 1
+        if got == 10:  # one refusal of another sandbox, mid-flood
+            assert probe.exec("kill -0 1; echo $?").stdout == b"1\n"
+    t.join()
+    time.sleep(1.0)  # what the listener still has to read
+    return {"refused": int(out[0].split()[-1]),
+            "events": _tampering(flooder) - seen0,
+            "probe_recorded": _tampering(probe) - probe0,
+            "listener_lost": (audit.stats.lost - lost0) if audit else None,
+            "unattributed": (audit.stats.unattributed - unattr0) if audit else None,
+            "kernel_lost": _kernel_lost() - kernel_lost0,
+            **{f"kernel_log_{k}": v for k, v in _kmsg_since(kmsg).items()}}
+
+
 def _alternate(node: Node, sb: Sandbox, n: int, cmd: str) -> dict[str, list[float]]:
     got: dict[str, list[float]] = {"audit on": [], "audit off": []}
     k = 0
@@ -189,45 +231,20 @@ def main() -> None:
         probe = stack.enter_context(Sandbox.create(IMAGE, node=node))
         flooder.files.write(HOG, hog, mode=0o755)
         quiet: list[float] = []
-        flooded: list[float] = []
+        flooded: dict[str, list[float]] = {"audit on": [], "audit off": []}
         rounds: list[dict[str, Any]] = []
         load1 = os.getloadavg()[0]
-        for _ in range(args.rounds):
-            quiet += [_timed(sb) for _ in range(n // args.rounds)]
-            out: list[bytes] = []
-            kmsg = _kmsg_end()
-            kernel_lost0 = _kernel_lost()
-            stats0 = backend._audit.stats if backend._audit else None
-            seen0 = sum(e.count for e in flooder.events() if e.kind == "tampering")
-            probe0 = sum(e.count for e in probe.events() if e.kind == "tampering")
-            lost0, unattr0 = (stats0.lost, stats0.unattributed) if stats0 else (0, 0)
-
-            def flood(out: list[bytes] = out) -> None:
-                out.append(flooder.exec(f"{HOG} signal 2 >/tmp/out; cat /tmp/out; killall hog",
-                                        timeout=60).stdout)
-
-            t = threading.Thread(target=flood)
-            t.start()
-            time.sleep(0.3)
-            probed = False
-            while t.is_alive() and len(flooded) < n:
-                flooded.append(_timed(sb))
-                if not probed and len(flooded) >= 10:
-                    assert probe.exec("kill -0 1; echo $?").stdout == b"1\n"
-                    probed = True
-            t.join()
-            time.sleep(1.0)  # what the listener still has to read
-            stats = backend._audit.stats if backend._audit else None
-            rounds.append({
-                "refused": int(out[0].split()[-1]),
-                "events": sum(e.count for e in flooder.events() if e.kind == "tampering") - seen0,
-                "listener_lost": (stats.lost - lost0) if stats else -1,
-                "unattributed": (stats.unattributed - unattr0) if stats else -1,
-                "probe_recorded": sum(e.count for e in probe.events()
-                                      if e.kind == "tampering") - probe0,
-                "kernel_lost": _kernel_lost() - kernel_lost0,
-                **{f"kernel_log_{k}": v for k, v in _kmsg_since(kmsg).items()}})
-        res["flood"] = {"quiet": summary(quiet), "flooded": summary(flooded),
+        per_round = max(10, n // args.rounds)
+        for r in range(args.rounds):
+            quiet += [_timed(sb) for _ in range(per_round)]
+            for variant in (["audit on", "audit off"] if r % 2 == 0 else
+                            ["audit off", "audit on"]):
+                _audit(node, variant == "audit on")
+                rounds.append({"audit": variant, **_flood(node, sb, flooder, probe,
+                                                          flooded[variant], per_round)})
+        _audit(node, True)
+        res["flood"] = {"quiet": summary(quiet),
+                        **{f"flooded, {v}": summary(xs) for v, xs in flooded.items()},
                         "rounds": rounds, "load": [load1, os.getloadavg()[0]],
                         "neighbour_events": [e.model_dump() for e in sb.events()]}
     if was == 0:  # the run's node turned it off at its close; make sure
@@ -243,12 +260,12 @@ def main() -> None:
         on, off = res[part]["audit on"], res[part]["audit off"]
         rows.append([f"{part}, on/off", f"{on['p50'] / off['p50']:.3f}",
                      f"{on['p99'] / off['p99']:.3f}"])
-    rows += [["neighbour, quiet", f"{res['flood']['quiet']['p50'] * 1e3:.2f}",
-              f"{res['flood']['quiet']['p99'] * 1e3:.2f}"],
-             ["neighbour, flooded", f"{res['flood']['flooded']['p50'] * 1e3:.2f}",
-              f"{res['flood']['flooded']['p99'] * 1e3:.2f}"]]
+    rows += [[f"neighbour, {v}", f"{res['flood'][v]['p50'] * 1e3:.2f}",
+              f"{res['flood'][v]['p99'] * 1e3:.2f}"]
+             for v in ("quiet", "flooded, audit on", "flooded, audit off")]
+    brief = [{k: v for k, v in r.items() if k != "kernel_log_first"} for r in rounds]
     print(table("Landlock audit", ["", "p50 ms", "p99 ms"], rows,
-                notes=[f"flood rounds: {rounds}",
+                notes=[f"flood rounds: {brief}",
                        f"load average: {res['exec_load']} (exec), {res['flood']['load']} (flood)"]))
     write_json(args.json, res)
 

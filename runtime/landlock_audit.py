@@ -35,9 +35,11 @@ of one command reaching for another's. File and network rules (`fs.*`,
 never a path or name the sandbox chose.
 
 Bounds: the kernel formats each record in the refused process's context,
-queues at most `backlog_limit` (64 by default; more are lost, counted by the
-kernel) and, with no auditd, also prints it to the kernel log under
-printk_ratelimit (10 lines per 5 s by default, the rest suppressed). The
+drops it past its `rate_limit` a second (a node that turns audit on sets
+KERNEL_RATE if there was none, and restores it), queues at most
+`backlog_limit` (64 by default; more are lost, counted by the kernel) and,
+with no auditd, also prints it to the kernel log under printk_ratelimit (10
+lines per 5 s by default, the rest suppressed). The
 listener handles at most RATE records a second (BURST at once); past that it
 stops reading, the socket's buffer fills and the kernel drops what does not
 fit (counted as lost here): a sandbox flooding denials costs the node a
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import json
 import logging
 import os
 import re
@@ -67,7 +70,7 @@ AUDIT_NLGRP_READLOG = 1
 AUDIT_GET, AUDIT_SET = 1000, 1001
 AUDIT_SYSCALL, AUDIT_EOE = 1300, 1320
 AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN = 1423, 1424
-AUDIT_STATUS_ENABLED = 1
+AUDIT_STATUS_ENABLED, AUDIT_STATUS_RATE_LIMIT = 1, 8
 NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
@@ -79,6 +82,7 @@ STATUS = struct.Struct("=10I")  # struct audit_status (the fields up to backlog_
 OWNER_MARK = Path("/run/lazyfs-audit-enabled")
 
 RATE = 2000.0  # records handled a second, all sandboxes together
+KERNEL_RATE = 2000  # the kernel's audit rate limit a node sets when it turns audit on
 BURST = 4000.0
 RCVBUF = 1 << 20
 MAX_DOMAINS = 1 << 16  # mapped domains kept (freed ones are dropped when the kernel says so)
@@ -144,17 +148,30 @@ def _request(sock: socket.socket, kind: int, body: bytes = b"") -> bytes | None:
     return got
 
 
-def audit_enabled(sock: socket.socket) -> int:
-    """The kernel's audit `enabled` (0 off, 1 on, 2 on and locked)."""
+def audit_status(sock: socket.socket) -> tuple[int, ...]:
+    """struct audit_status: mask, enabled (0 off, 1 on, 2 on and locked),
+    failure, pid, rate_limit, backlog_limit, lost, backlog, ..."""
     body = _request(sock, AUDIT_GET)
     if body is None or len(body) < 8:
         raise AuditUnavailable("the kernel's audit status was unreadable")
-    enabled: int = STATUS.unpack_from(body.ljust(STATUS.size, b"\0"))[1]
+    return STATUS.unpack_from(body.ljust(STATUS.size, b"\0"))
+
+
+def audit_enabled(sock: socket.socket) -> int:
+    """The kernel's audit `enabled` (0 off, 1 on, 2 on and locked)."""
+    enabled: int = audit_status(sock)[1]
     return enabled
 
 
 def set_audit_enabled(sock: socket.socket, on: bool) -> None:
     _request(sock, AUDIT_SET, STATUS.pack(AUDIT_STATUS_ENABLED, int(on), *[0] * 8))
+
+
+def set_audit_rate_limit(sock: socket.socket, per_second: int) -> None:
+    """The kernel's cap on audit records a second, all together (0: none);
+    past it a record is dropped before it is queued."""
+    _request(sock, AUDIT_SET, STATUS.pack(AUDIT_STATUS_RATE_LIMIT, 0, 0, 0, per_second,
+                                          *[0] * 5))
 
 
 def _other_readers() -> bool:
@@ -369,11 +386,16 @@ class AuditListener(RecordReader):
                 raise AuditUnavailable(f"cannot read the kernel's audit records: {e.strerror}"
                                        ) from None
             try:
-                enabled = audit_enabled(ctl)
-                if enabled == 0:
+                status = audit_status(ctl)
+                if status[1] == 0:
+                    # on, and (if it has none) capped: a sandbox flooding
+                    # refusals then costs the kernel's audit thread and this
+                    # listener a bounded rate, not a core
+                    if status[4] == 0:
+                        set_audit_rate_limit(ctl, KERNEL_RATE)
                     set_audit_enabled(ctl, True)
                     try:
-                        OWNER_MARK.touch()
+                        OWNER_MARK.write_text(json.dumps({"rate_limit": status[4]}))
                     except OSError as e:
                         log.warning("the kernel's audit, turned on, will stay on: %s", e)
             except OSError as e:
@@ -441,9 +463,14 @@ class AuditListener(RecordReader):
         os.close(self._stop_w)
         if OWNER_MARK.exists() and not _other_readers():
             try:
+                try:
+                    before = int(json.loads(OWNER_MARK.read_text())["rate_limit"])
+                except (ValueError, KeyError, TypeError):
+                    before = 0
                 ctl = _control_socket()
                 try:
                     set_audit_enabled(ctl, False)
+                    set_audit_rate_limit(ctl, before)
                     OWNER_MARK.unlink(missing_ok=True)
                 finally:
                     ctl.close()
