@@ -322,7 +322,9 @@ class RecordReader:
             a = _ALLOCATED.match(body)
             if a is not None:
                 domain = int(a.group(1), 16)
-                self._map(domain, self._resolve(int(a.group(3)), int(a.group(2))))
+                target = self._resolve(int(a.group(3)), int(a.group(2)))
+                if target is not None:  # else the SYSCALL record may tell (its creator is gone)
+                    self._map(domain, target)
                 return
             d = _DEALLOCATED.match(body)
             if d is not None:

@@ -82,10 +82,18 @@ def test_the_refused_process_names_the_sandbox_when_the_domain_record_is_missing
         f"a2=10 a3=0 items=0 ppid=16677 pid=16681 auid=4294967295 uid={BASE + 65536 + 1000} "
         f"gid=0 euid=0 comm=\"nc\" exe=\"/bin/busybox\" key=(null)").encode())
     assert events(log, NEIGHBOUR) == {("landlock", "net.connect_tcp"): 1}
+    # the domain's creator names no sandbox (it is gone, say): the refused
+    # process of the same event still does
+    r.record(AUDIT_LANDLOCK_ACCESS, access(11, "ef", "blockers=ptrace opid=1"))
+    r.record(AUDIT_LANDLOCK_DOMAIN, allocated(11, "ef", 0))
+    r.record(AUDIT_SYSCALL, (
+        f"audit(1796390763.755:11): arch=c000003e syscall=101 success=no exit=-1 a0=10 "
+        f"items=0 ppid=1 pid=2 auid=4294967295 uid={BASE + 7} gid=0").encode())
+    assert events(log, SANDBOX) == {("tampering", "ptrace"): 1}
     # a record that never finds its sandbox is dropped after PENDING_AGE
     r.record(AUDIT_LANDLOCK_ACCESS, access(10, "cd", "blockers=ptrace opid=1"))
     r.expire(1e12)
-    assert r.stats.unattributed == 1 and events(log, SANDBOX) == {}
+    assert r.stats.unattributed == 1 and events(log, SANDBOX) == {("tampering", "ptrace"): 1}
 
 
 def test_sandbox_strings_never_become_details() -> None:
