@@ -92,7 +92,7 @@ PENDING_AGE = 2.0  # seconds an unmapped access record waits for its domain's re
 # strings (paths, comm, exe) come later, escaped; only these prefixes are read
 _HEADER = re.compile(rb"audit\((\d{1,20})\.(\d{1,9}):(\d{1,20})\): ")
 _ACCESS = re.compile(rb"domain=([0-9a-f]{1,16}) blockers=([a-z_]{1,32}(?:\.[a-z_]{1,32})?"
-                     rb"(?:,[a-z_]{1,32}(?:\.[a-z_]{1,32})?){0,31})(?: |\x00|\Z)")
+                     rb"(?:,[a-z_]{1,32}(?:\.[a-z_]{1,32})?){0,31})(?: opid=(\d{1,10}) | |\x00|\Z)")
 _ALLOCATED = re.compile(rb"domain=([0-9a-f]{1,16}) status=allocated mode=[a-z]{1,16} "
                         rb"pid=(\d{1,10}) uid=(\d{1,10}) ")
 _DEALLOCATED = re.compile(rb"domain=([0-9a-f]{1,16}) status=deallocated ")
@@ -239,6 +239,7 @@ class _Pending:
     serial: int
     domain: int
     blockers: str
+    target: int | None  # the process reached for (ptrace, signal): its sandbox's too
 
 
 @dataclass
@@ -314,7 +315,9 @@ class RecordReader:
             if domain in self._domains:
                 self._count(self._domains[domain], blockers)
             else:
-                self._pending.append(_Pending(time.monotonic(), serial, domain, blockers))
+                opid = int(a.group(3)) if a.group(3) else None
+                self._pending.append(_Pending(time.monotonic(), serial, domain, blockers,
+                                              opid))
                 if len(self._pending) > 1024:
                     self._pending.pop(0)
                     self.stats.unattributed += 1
@@ -323,7 +326,9 @@ class RecordReader:
             if a is not None:
                 domain = int(a.group(1), 16)
                 target = self._resolve(int(a.group(3)), int(a.group(2)))
-                if target is not None:  # else the SYSCALL record may tell (its creator is gone)
+                if target is None:  # its creator is gone: the process reached for may tell
+                    target = self._by_target(domain)
+                if target is not None:  # else the SYSCALL record may tell
                     self._map(domain, target)
                 return
             d = _DEALLOCATED.match(body)
@@ -340,7 +345,18 @@ class RecordReader:
             target = self._resolve(int(s.group(2)), int(s.group(1)))
             for p in waiting:
                 if p.domain not in self._domains:
-                    self._map(p.domain, target)
+                    self._map(p.domain, target or self._by_target(p.domain))
+
+    def _by_target(self, domain: int) -> Sink | None:
+        """The sandbox of the process a refused ptrace or signal reached for
+        (uid unknown: its cgroup decides). A sandbox's processes can name
+        no other sandbox's (a PID namespace each), so it is the domain's."""
+        for p in self._pending:
+            if p.domain == domain and p.target:
+                got = self._resolve(-1, p.target)
+                if got is not None:
+                    return got
+        return None
 
     def _map(self, domain: int, target: Sink | None) -> None:
         self._domains[domain] = target

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Sandbox
+from runtime import Sandbox, landlock_audit
 from runtime.backends.container import RW_FD
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing, vm_missing
@@ -129,6 +129,22 @@ def test_a_leftover_process_tampering_is_recorded(node: Node, sb: Sandbox) -> No
         assert got["ptrace"] >= 2 and got["scope.signal"] >= 1, got  # fd + ptrace; the kill
         assert neighbour.events() == [], neighbour.events()
         assert node.denial_counts().get("tampering", 0) >= before + 3
+
+
+def test_tampering_is_recorded_without_user_namespaces(tmp_path: Path) -> None:
+    """With user_namespaces=False every sandbox runs as host root, so no uid
+    names a sandbox; a short command's processes are gone before the node
+    reads the record, and the process reached for (init here, whose cgroup
+    is the sandbox's) decides. A neighbour gets nothing."""
+    reason = landlock_audit.unreadable()
+    if reason is not None:
+        pytest.skip(reason)
+    with node_for(busybox_store(tmp_path), tmp_path, user_namespaces=False) as n, \
+            Sandbox.create(IMAGE, node=n) as s, Sandbox.create(IMAGE, node=n) as neighbour:
+        assert s.exec("kill -0 1; echo rc=$?").stdout == b"rc=1\n"
+        assert neighbour.exec("true").exit_code == 0
+        wait_until(lambda: _tampering(s) == {"scope.signal": 1}, 5, "the tampering event")
+        assert neighbour.events() == []
 
 
 def test_a_command_cannot_take_inits_channel_or_files(sb: Sandbox) -> None:

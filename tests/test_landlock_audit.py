@@ -90,6 +90,18 @@ def test_the_refused_process_names_the_sandbox_when_the_domain_record_is_missing
         f"audit(1796390763.755:11): arch=c000003e syscall=101 success=no exit=-1 a0=10 "
         f"items=0 ppid=1 pid=2 auid=4294967295 uid={BASE + 7} gid=0").encode())
     assert events(log, SANDBOX) == {("tampering", "ptrace"): 1}
+    # neither names one: the process reached for does (the resolver sees
+    # uid -1 and its pid; here pid 77 stands for a process of NEIGHBOUR's)
+    log2, r2 = DenialLog(), RecordReader()
+
+    def by_target(uid: int, pid: int | None) -> landlock_audit.Sink | None:
+        if (uid, pid) != (-1, 77):
+            return None
+        return lambda kind, detail: log2.record(NEIGHBOUR, kind, detail)  # type: ignore[arg-type]
+    r2.add(by_target)
+    r2.record(AUDIT_LANDLOCK_ACCESS, access(12, "12", 'blockers=scope.signal opid=77 ocomm="a"'))
+    r2.record(AUDIT_LANDLOCK_DOMAIN, allocated(12, "12", 0))
+    assert events(log2, NEIGHBOUR) == {("tampering", "scope.signal"): 1}
     # a record that never finds its sandbox is dropped after PENDING_AGE
     r.record(AUDIT_LANDLOCK_ACCESS, access(10, "cd", "blockers=ptrace opid=1"))
     r.expire(1e12)
