@@ -352,7 +352,8 @@ class SandboxEvent(_Model):
     Landlock refusal of ptrace-class access or a signal to another command's
     process; detail: the kernel's blockers, `ptrace`, `scope.signal`),
     `landlock` (a Landlock file or TCP rule: `fs.write_file`,
-    `net.connect_tcp`, ...). `first` is None for what the kernel counts (we learn
+    `net.connect_tcp`, ...; `restrict_self unlogged`: a Landlock domain made
+    so that its refusals would not be logged). `first` is None for what the kernel counts (we learn
     of it when asked)."""
 
     kind: EventKind

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,6 +130,32 @@ def test_a_leftover_process_tampering_is_recorded(node: Node, sb: Sandbox) -> No
         assert got["ptrace"] >= 2 and got["scope.signal"] >= 1, got  # fd + ptrace; the kill
         assert neighbour.events() == [], neighbour.events()
         assert node.denial_counts().get("tampering", 0) >= before + 3
+
+
+def test_a_domain_that_would_hide_its_refusals_is_recorded(sb: Sandbox) -> None:
+    """A command may make a Landlock domain of its own, but one made
+    without audit logging (here LOG_SAME_EXEC_OFF) would take the refusals
+    of its processes out of the record: its own domain is the youngest that
+    refuses, and the kernel logs for that one. The seccomp policy lets the
+    call go on and the node records it (`landlock`, `restrict_self
+    unlogged`); its refused signal to init is not a tampering event. The
+    same made with LOG_NEW_EXEC_ON is not an event itself, and its refusal
+    is. Without the seccomp rule the first leaves no trace at all."""
+    reason = landlock_audit.unreadable()
+    if reason is not None:
+        pytest.skip(reason)
+    r = sb.exec(f"{FORGE} nest 1 1")
+    assert r.stdout == b"nest 1: Operation not permitted\n", r
+    got = wait_until(lambda: {(e.kind, e.detail): e.count for e in sb.events()} or None, 5,
+                     "an event")
+    time.sleep(0.5)  # a tampering record, were there one, would be in by now
+    assert {(e.kind, e.detail): e.count for e in sb.events()} == \
+        {("landlock", "restrict_self unlogged"): 1}, got
+    r = sb.exec(f"{FORGE} nest 2 1")
+    assert r.stdout == b"nest 2: Operation not permitted\n", r
+    wait_until(lambda: {(e.kind, e.detail): e.count for e in sb.events()} ==
+               {("landlock", "restrict_self unlogged"): 1, ("tampering", "scope.signal"): 1},
+               5, "the tampering event")
 
 
 def test_tampering_is_recorded_without_user_namespaces(tmp_path: Path) -> None:
