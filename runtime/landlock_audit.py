@@ -12,9 +12,10 @@ when a logged domain is freed, `status=deallocated`.
 
 Records exist only while the kernel's audit is enabled, a host setting: a
 node turns it on if it is off (AUDIT_SET enabled=1, never the auditd pid: the
-node does not become the host's audit daemon; OWNER_MARK says a node did)
-and the last reader of the host to stop turns it off again if a node turned
-it on (no other socket bound to the group, /proc/net/netlink). The records
+node does not become the host's audit daemon), caps it at KERNEL_RATE records
+a second if it had no rate limit, and leaves OWNER_MARK (the old rate
+limit); the last reader of the host to stop (no other socket bound to the
+group, /proc/net/netlink) restores both if the mark is there. The records
 are read from the audit netlink socket's read-only multicast group
 (AUDIT_NLGRP_READLOG, CAP_AUDIT_READ), one thread for all sandboxes.
 
@@ -24,8 +25,13 @@ same event, when the process has an audit context) is a sandbox's own: a
 container's user namespace maps it to a host range of its own
 (runtime/idmap.py), an fncall call runs as its sandbox's uid
 (hostlimits.fncall_uid; sandbox-init takes it before it makes the domain).
-Each backend registers a resolver (uid, pid) -> the sandbox's sink (kind, detail).
-A domain is mapped once; later records of it use the map.
+Each backend registers a resolver (uid, pid) -> the sandbox's sink (kind,
+detail); where the uid cannot tell (no user namespaces, a range restores
+share), the cgroup of the refused process, or of the process a refused
+ptrace or signal reached for (uid -1), decides. A domain is mapped once;
+later records of it use the map. (A command's own domain made so that its
+refusals would not be logged is recorded by the seccomp policy:
+runtime/seccomp.py UNLOGGED_LANDLOCK.)
 
 Kinds: a refused ptrace-class access (ptrace, /proc/PID/fd and mem,
 pidfd_getfd, process_vm_writev: `ptrace`) or a refused signal or abstract
