@@ -16,6 +16,11 @@ Where each comes from:
   same policy per call (runtime/native/sandbox-init.c `call -N`): the call's
   listener goes to the node over its worker's feed socket before the
   command starts, and is answered by the same kind of thread.
+- a command making a Landlock domain of its own with flags that would keep
+  its refusals out of the audit log (runtime/seccomp.py
+  UNLOGGED_LANDLOCK): notified the same way, recorded as `landlock`
+  `restrict_self unlogged`, and let go on (not refused).
+- Landlock's own refusals: runtime/landlock_audit.py.
 - connections the network allowlist refuses: the reject rule adds each
   refused destination to an nftables set with counters inside the sandbox's
   network namespace (runtime/backends/netpolicy.py), read when asked for.
@@ -71,6 +76,7 @@ NOTIF = struct.Struct("<QII iIQ6Q")  # id, pid, flags, data{nr, arch, ip, args[6
 NOTIF_RESP = struct.Struct("<QqiI")  # id, val, error, flags
 SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100
 SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101
+SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
 
 
 class DenialLog:
@@ -312,11 +318,20 @@ class SeccompListener:
                 self._drop(fd)
             return
         nid, _, _, nr, arch, *_ = NOTIF.unpack(buf)
+        name = self._syscall_name(arch, nr)
+        # a Landlock domain made without audit logging (seccomp.UNLOGGED_LANDLOCK):
+        # recorded, and let go on (its flags are a register: nothing to race)
+        go_on = name == "landlock_restrict_self"
         try:
-            fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_SEND, NOTIF_RESP.pack(nid, 0, -errno.EPERM, 0))
+            fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_SEND,
+                        NOTIF_RESP.pack(nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE) if go_on
+                        else NOTIF_RESP.pack(nid, 0, -errno.EPERM, 0))
         except OSError:
             pass  # the caller died before the answer
-        self.denials.record(sid, "syscall", self._syscall_name(arch, nr))
+        if go_on:
+            self.denials.record(sid, "landlock", "restrict_self unlogged")
+        else:
+            self.denials.record(sid, "syscall", name)
 
     def close(self) -> None:
         if self._poll.closed:

@@ -973,6 +973,9 @@ class Node:
             self._sandboxes[info.id] = (info.model_copy(
                 update={"state": status, "last_active": time.time()}), h)
             self._asked[info.spec.qos] += info.spec.memory_mb
+        adopt = getattr(backend, "adopt", None)  # containers: their Landlock records
+        if adopt is not None:
+            adopt(h)
 
     def close(self) -> None:
         """Stop the node's worker pools. Container sandboxes stay (a new

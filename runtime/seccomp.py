@@ -39,6 +39,25 @@ DENIED = (
 CLONE_NS_FLAGS = 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
 
 
+# landlock_restrict_self flags (ABI 7+) with which a command's own nested
+# Landlock domain would keep its refusals out of the audit log, so a
+# refused ptrace or signal of another command's process would go
+# unrecorded: no LOG_NEW_EXEC_ON (2), or LOG_SAME_EXEC_OFF (1), or
+# LOG_SUBDOMAINS_OFF (4). As (mask, value) pairs, any one matching. Such a
+# call is not refused: it raises a notification the node records (a
+# `landlock` event, `restrict_self unlogged`) and lets it go on.
+UNLOGGED_LANDLOCK = ((2, 0), (1, 1), (4, 4))
+
+
+def _landlock_logs() -> bool:
+    """Landlock here has ABI 7 (its refusals reach the audit log)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(444, None, 0, 1)) >= 7  # landlock_create_ruleset(VERSION)
+    except (OSError, AttributeError):
+        return False
+
+
 def _ns_bits() -> list[int]:
     # one rule per flag (rules OR): "any namespace flag set" is not one comparison
     return [1 << b for b in range(32) if CLONE_NS_FLAGS & (1 << b)]
@@ -61,6 +80,10 @@ def oci_section(listener: Path | None = None) -> dict[str, Any]:
             *({"names": ["clone"], **deny,
                "args": [{"index": 0, "value": bit, "valueTwo": bit,
                          "op": "SCMP_CMP_MASKED_EQ"}]} for bit in _ns_bits()),
+            *({"names": ["landlock_restrict_self"], "action": "SCMP_ACT_NOTIFY",
+               "args": [{"index": 1, "value": mask, "valueTwo": value,
+                         "op": "SCMP_CMP_MASKED_EQ"}]}
+              for mask, value in (UNLOGGED_LANDLOCK if listener and _landlock_logs() else ())),
         ],
     }
 
@@ -116,4 +139,8 @@ def build_filter(notify: bool = False) -> Any:
     f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     for bit in _ns_bits():
         f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, bit, bit))
+    if notify and _landlock_logs():
+        for mask, value in UNLOGGED_LANDLOCK:
+            f.add_rule(seccomp.NOTIFY, "landlock_restrict_self",
+                       seccomp.Arg(1, seccomp.MASKED_EQ, mask, value))
     return f

@@ -339,7 +339,8 @@ class PreemptedSandbox(_Model):
     snapshot: SnapshotInfo
 
 
-EventKind = Literal["syscall", "connect", "oom_kill", "process_limit", "disk_limit"]
+EventKind = Literal["syscall", "connect", "oom_kill", "process_limit", "disk_limit",
+                    "tampering", "landlock"]
 
 
 class SandboxEvent(_Model):
@@ -347,7 +348,12 @@ class SandboxEvent(_Model):
     kind `syscall` (detail: the system call), `connect` (the refused
     destination, ADDR:PORT/PROTO), `oom_kill`, `process_limit` (forks refused
     at the pids limit), `disk_limit` (a command ended with the sandbox's disk
-    full: containers; each such command counts once). `first` is None for what the kernel counts (we learn
+    full: containers; each such command counts once), `tampering` (a
+    Landlock refusal of ptrace-class access or a signal to another command's
+    process; detail: the kernel's blockers, `ptrace`, `scope.signal`),
+    `landlock` (a Landlock file or TCP rule: `fs.write_file`,
+    `net.connect_tcp`, ...; `restrict_self unlogged`: a Landlock domain made
+    so that its refusals would not be logged). `first` is None for what the kernel counts (we learn
     of it when asked)."""
 
     kind: EventKind

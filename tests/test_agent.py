@@ -27,6 +27,7 @@ from runtime import (
     Sandbox,
     SandboxNotFound,
     Unsupported,
+    landlock_audit,
 )
 from tests.helpers.agents import REPO, Agent, running_agent
 from tests.helpers.sandboxes import IMAGE, runtime_missing
@@ -228,6 +229,21 @@ def test_denials_are_counted_in_the_node_metrics(agent: Agent) -> None:
             assert _denials(agent).get("syscall", 0) == before.get("syscall", 0) + 2
     after = _denials(agent)
     assert after.get("syscall", 0) == before.get("syscall", 0) + 2  # killed, still counted
+
+
+def test_tampering_is_an_event_over_http_and_a_count_in_the_metrics(agent: Agent) -> None:
+    """A command signalling the sandbox's init (outside the command's
+    Landlock domain) is refused, and the refusal is a `tampering` event read
+    over the agent's HTTP API and a count of the node's metric."""
+    reason = landlock_audit.unreadable()
+    if reason is not None:
+        pytest.skip(reason)
+    before = _denials(agent).get("tampering", 0)
+    with Sandbox.create(IMAGE, node=agent.unix) as sb:
+        assert sb.exec("kill -0 1; echo rc=$?").stdout == b"rc=1\n"
+        wait_until(lambda: [(e.kind, e.detail) for e in sb.events()] ==
+                   [("tampering", "scope.signal")], 5, "the event over HTTP")
+        assert _denials(agent).get("tampering", 0) == before + 1
 
 
 def test_an_agent_on_port_0_serves_where_it_says(tmp_path: Path) -> None:

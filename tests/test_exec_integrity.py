@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from runtime import Sandbox
+from runtime import Sandbox, landlock_audit
 from runtime.backends.container import RW_FD
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing, vm_missing
@@ -93,6 +94,84 @@ def test_a_leftover_process_cannot_forge_a_later_command(sb: Sandbox) -> None:
         assert all(("Permission denied" in a or "Operation not permitted" in a)
                    for a in attempts), log
     assert b"forge" in sb.exec("ps -o pid,args").stdout  # it is alive, not killed
+
+
+def _tampering(s: Sandbox) -> dict[str, int]:
+    return {e.detail: e.count for e in s.events() if e.kind == "tampering"}
+
+
+def test_a_leftover_process_tampering_is_recorded(node: Node, sb: Sandbox) -> None:
+    """The same attack, as events: every refused ptrace, /proc/PID/fd open
+    and signal of the leftover forger becomes a `tampering` event of its
+    sandbox (Landlock's audit records, read by the node), counted in the
+    node's metric; the attack still fails; a neighbour sandbox, whose own
+    command ran meanwhile, has none. Without the node's audit listener (or
+    without LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON in sandbox-init) the
+    attack is refused the same and no event appears."""
+    audit = getattr(node.backend("container"), "_audit", None)
+    if audit is None:
+        pytest.skip("the kernel's audit records cannot be read here (see the node's log)")
+    before = node.denial_counts().get("tampering", 0)
+    with Sandbox.create(IMAGE, node=node, memory_mb=128) as neighbour:
+        sb.exec(f"setsid {FORGE} hunt {MARK} /tmp/forge.log </dev/null >/dev/null 2>&1 &")
+        wait_until(lambda: b"ready" in sb.exec("cat /tmp/forge.log 2>/dev/null").stdout, 10,
+                   "the forger to start")
+        r = sb.exec(victim(3), timeout=30)
+        assert (r.exit_code, r.stdout) == (3, b"honest\n"), r
+        assert neighbour.exec("sleep 0.5; echo ok").stdout == b"ok\n"
+        log = sb.files.read("/tmp/forge.log").decode()
+        assert any(line.startswith("ptrace ") for line in log.splitlines()), log
+
+        def seen() -> dict[str, int] | None:
+            t = _tampering(sb)
+            return t if {"ptrace", "scope.signal"} <= t.keys() else None
+        got = wait_until(seen, 5, "tampering events")
+        assert got is not None
+        assert got["ptrace"] >= 2 and got["scope.signal"] >= 1, got  # fd + ptrace; the kill
+        assert neighbour.events() == [], neighbour.events()
+        assert node.denial_counts().get("tampering", 0) >= before + 3
+
+
+def test_a_domain_that_would_hide_its_refusals_is_recorded(sb: Sandbox) -> None:
+    """A command may make a Landlock domain of its own, but one made
+    without audit logging (here LOG_SAME_EXEC_OFF) would take the refusals
+    of its processes out of the record: its own domain is the youngest that
+    refuses, and the kernel logs for that one. The seccomp policy lets the
+    call go on and the node records it (`landlock`, `restrict_self
+    unlogged`); its refused signal to init is not a tampering event. The
+    same made with LOG_NEW_EXEC_ON is not an event itself, and its refusal
+    is. Without the seccomp rule the first leaves no trace at all."""
+    reason = landlock_audit.unreadable()
+    if reason is not None:
+        pytest.skip(reason)
+    r = sb.exec(f"{FORGE} nest 1 1")
+    assert r.stdout == b"nest 1: Operation not permitted\n", r
+    got = wait_until(lambda: {(e.kind, e.detail): e.count for e in sb.events()} or None, 5,
+                     "an event")
+    time.sleep(0.5)  # a tampering record, were there one, would be in by now
+    assert {(e.kind, e.detail): e.count for e in sb.events()} == \
+        {("landlock", "restrict_self unlogged"): 1}, got
+    r = sb.exec(f"{FORGE} nest 2 1")
+    assert r.stdout == b"nest 2: Operation not permitted\n", r
+    wait_until(lambda: {(e.kind, e.detail): e.count for e in sb.events()} ==
+               {("landlock", "restrict_self unlogged"): 1, ("tampering", "scope.signal"): 1},
+               5, "the tampering event")
+
+
+def test_tampering_is_recorded_without_user_namespaces(tmp_path: Path) -> None:
+    """With user_namespaces=False every sandbox runs as host root, so no uid
+    names a sandbox; a short command's processes are gone before the node
+    reads the record, and the process reached for (init here, whose cgroup
+    is the sandbox's) decides. A neighbour gets nothing."""
+    reason = landlock_audit.unreadable()
+    if reason is not None:
+        pytest.skip(reason)
+    with node_for(busybox_store(tmp_path), tmp_path, user_namespaces=False) as n, \
+            Sandbox.create(IMAGE, node=n) as s, Sandbox.create(IMAGE, node=n) as neighbour:
+        assert s.exec("kill -0 1; echo rc=$?").stdout == b"rc=1\n"
+        assert neighbour.exec("true").exit_code == 0
+        wait_until(lambda: _tampering(s) == {"scope.signal": 1}, 5, "the tampering event")
+        assert neighbour.events() == []
 
 
 def test_a_command_cannot_take_inits_channel_or_files(sb: Sandbox) -> None:

@@ -322,6 +322,7 @@ def test_a_new_node_finds_running_sandboxes(node: Node, tmp_path: Path) -> None:
     try:
         s = Sandbox.create(IMAGE, node=first)
         s.exec("echo before > /tmp/mark")
+        audit = getattr(first.backend("container"), "_audit", None) is not None
         with pytest.raises(BackendUnavailable, match="owns"):
             Node(config)  # one node process per state directory
     except BaseException:
@@ -333,6 +334,12 @@ def test_a_new_node_finds_running_sandboxes(node: Node, tmp_path: Path) -> None:
     try:
         again = Sandbox.connect(s.id, node=second)
         assert again.exec("cat /tmp/mark").stdout == b"before\n"
+        # its Landlock refusals are the new node's to record: a signal to
+        # init (outside the command's domain) is refused and is an event
+        assert again.exec("kill -0 1; echo rc=$?").stdout == b"rc=1\n"
+        if audit:  # (else the node's log says why Landlock denials go unrecorded)
+            wait_until(lambda: ("tampering", "scope.signal") in
+                       {(e.kind, e.detail) for e in again.events()}, 5, "a tampering event")
     finally:
         second.kill_many(None)
         second.close()

@@ -145,3 +145,34 @@ def test_denied_calls_stay_refused_without_the_listener(tmp_path: Path, hog: byt
         assert _calls(r.stdout) == {**dict.fromkeys(DENIED, ENOSYS), "fds": 0}, r
         assert s.exec("echo alive").stdout == b"alive\n"
         assert s.events() == []
+
+
+def test_landlock_refusals_in_fncall_are_events(node: Node) -> None:
+    """A call connecting and listening over TCP gets EACCES from its
+    Landlock rules, and each refusal becomes a `landlock` event of its
+    sandbox (Landlock's audit records, read by the node) named as the
+    kernel names it; a neighbour whose calls stayed inside their rules has
+    none. A write outside /tmp fails with EROFS (the read-only root refuses
+    it before Landlock looks: not a Landlock event). Without the node's
+    audit listener, or without LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON in
+    sandbox-init (the records would stop at the call's exec), the call is
+    refused the same and no event appears."""
+    with Sandbox.create(IMAGE, backend="fncall", node=node) as s, \
+            Sandbox.create(IMAGE, backend="fncall", node=node) as quiet:
+        backend = node.backend("fncall")
+        assert isinstance(backend, FncallBackend)
+        if getattr(backend, "_audit", None) is None:
+            pytest.skip("the kernel's audit records cannot be read here (see the node's log)")
+        r = s.exec("busybox nc 127.0.0.1 80; echo c=$?; busybox nc -l -p 8080; echo l=$?; "
+                   "echo x > /etc/x; echo w=$?; echo x > /tmp/ok; echo t=$?")
+        assert r.stdout == b"c=1\nl=1\nw=1\nt=0\n", r
+        assert r.stderr.count(b"Permission denied") == 2, r  # EACCES: Landlock
+        assert b"Read-only file system" in r.stderr, r
+        assert quiet.exec("echo x > /tmp/ok; cat /tmp/ok").stdout == b"x\n"
+
+        def landlock() -> dict[str, int] | None:
+            got = {e.detail: e.count for e in s.events() if e.kind == "landlock"}
+            return got if {"net.bind_tcp", "net.connect_tcp"} <= got.keys() else None
+        got = wait_until(landlock, 5, "landlock events")
+        assert got == {"net.bind_tcp": 1, "net.connect_tcp": 1}, got
+        assert quiet.events() == []

@@ -10,7 +10,8 @@ GET /metrics (behind the agent's token on TCP, like every route):
     lazyfs_exec_seconds{backend}               exec latency (histogram)
     lazyfs_sandbox_denials_total{kind}         what the sandboxes were refused
                                                (their events: syscall, connect,
-                                               oom_kill, process_limit, disk_limit), live
+                                               oom_kill, process_limit, disk_limit,
+                                               tampering, landlock), live
                                                and killed ones
     lazyfs_daemon_up                           1 when the node's lazyfs daemon answered
 

@@ -38,9 +38,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -59,7 +61,7 @@ from lazyfs.errors import DaemonError
 from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 from lazyfs.node import mount_reads
 
-from .. import cgroups, hostlimits, idmap, oci, procio, spawner
+from .. import cgroups, hostlimits, idmap, landlock_audit, oci, procio, spawner
 from ..config import RuntimeConfig
 from ..denials import DenialLog, SeccompListener, merged
 from ..errors import (
@@ -73,6 +75,7 @@ from ..files import SandboxFiles, remove_tree
 from ..images import Images
 from ..native import sandbox_init
 from ..spec import (
+    SANDBOX_ID_PATTERN,
     EventKind,
     ExecRequest,
     ExecResult,
@@ -137,6 +140,9 @@ Container = Handle[ContainerState]
 
 
 _INIT_VIEW_LOCK = threading.Lock()
+# a line of /proc/PID/cgroup naming a sandbox's group (cgroups.path)
+_CGROUP_LINE = re.compile(rf"^\d+:[^:\n]*:/{cgroups.PARENT}/({SANDBOX_ID_PATTERN[1:-1]})$",
+                          re.MULTILINE)
 
 
 def _init_view(d: Path, built: Path) -> Path:
@@ -189,6 +195,10 @@ class ContainerBackend:
         self.denials = DenialLog()
         self._listener: SeccompListener | None = None
         self._listener_lock = threading.Lock()
+        self._audit: landlock_audit.AuditListener | None = None
+        self._live: set[str] = set()  # running containers, and the host id ranges they use
+        self._by_base: dict[int, set[str]] = {}
+        self._ids_lock = threading.Lock()
         self.ranges = idmap.RangePool()
         self.groups = cgroups.GroupPool()
         self.spawner = spawner.Spawner()
@@ -214,8 +224,54 @@ class ContainerBackend:
                     raise BackendUnavailable(f"the state directory's path is too long for a "
                                              f"unix socket: {path}")
                 self._listener = SeccompListener(path, self.denials)
+                self._read_landlock_audit()
             assert self._listener.path is not None
             return self._listener.path
+
+    def _read_landlock_audit(self) -> None:
+        """The node's reader of Landlock's audit records (under
+        _listener_lock), started with the first container."""
+        if self._audit is None:
+            self._audit = landlock_audit.acquire(self._whose)
+
+    def adopt(self, h: Container) -> None:
+        """A sandbox a previous node process left running (Node.recover):
+        its Landlock refusals are recorded from now on."""
+        with self._ids_lock:
+            self._live.add(h.id)
+            if h.state.id_base is not None:
+                self._by_base.setdefault(h.state.id_base, set()).add(h.id)
+        with self._listener_lock:
+            self._read_landlock_audit()
+
+    def _landlock_event(self, sandbox_id: str, kind: str, detail: str) -> None:
+        """A Landlock refusal of the sandbox, unless it was killed since."""
+        with self._ids_lock:
+            if sandbox_id not in self._live:
+                return
+        self.denials.record(sandbox_id, kind, detail)  # type: ignore[arg-type]
+
+    def _whose(self, uid: int, pid: int | None) -> landlock_audit.Sink | None:
+        """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
+        the one whose host id range holds `uid`, or (no user namespaces, or
+        a range restores share) the one whose cgroup process `pid` is in."""
+        with self._listener_lock:
+            ids: set[str] = set()
+            if uid >= idmap.FIRST:
+                ids = set(self._by_base.get(
+                    idmap.FIRST + (uid - idmap.FIRST) // idmap.RANGE * idmap.RANGE, ()))
+                if len(ids) == 1:
+                    return functools.partial(self._landlock_event, ids.pop())
+            live = set(self._live)
+        if pid is None or pid <= 0:
+            return None
+        try:
+            text = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            return None  # gone: the uid alone could not tell
+        found = {m.group(1) for m in _CGROUP_LINE.finditer(text)}
+        found &= ids or live
+        return functools.partial(self._landlock_event, found.pop()) if len(found) == 1 else None
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
               ) -> subprocess.CompletedProcess[str]:
@@ -296,9 +352,11 @@ class ContainerBackend:
         if h.state.id_base is None:
             ids = self.ranges.acquire(h.id)
             h.state.id_base = ids.base
-            return ids
-        ids = idmap.IdRange.of_base(h.state.id_base)
-        idmap.join(ids, h.id)
+        else:
+            ids = idmap.IdRange.of_base(h.state.id_base)
+            idmap.join(ids, h.id)
+        with self._ids_lock:
+            self._by_base.setdefault(ids.base, set()).add(h.id)
         return ids
 
     def _start(self, h: Container, run: Callable[[], object], restoring: bool = False
@@ -315,6 +373,8 @@ class ContainerBackend:
         rw.mkdir()
         st = h.state
         st.rootfs, st.rw = rootfs, rw
+        with self._ids_lock:
+            self._live.add(h.id)
         try:
             ids = self._id_range(h)
             sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
@@ -386,6 +446,12 @@ class ContainerBackend:
         if self._listener is not None:
             self._listener.forget(h.id)
         ids = h.state.id_range()
+        with self._ids_lock:
+            self._live.discard(h.id)
+            if ids is not None and h.id in self._by_base.get(ids.base, ()):
+                self._by_base[ids.base].discard(h.id)
+                if not self._by_base[ids.base]:
+                    del self._by_base[ids.base]
         if ids is not None:
             self.ranges.release(ids, h.id)
         _remove(h.dir, self.spawner)
@@ -464,6 +530,9 @@ class ContainerBackend:
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
+            audit, self._audit = self._audit, None
+        if audit is not None:  # not under the lock: the listener's thread may want it
+            landlock_audit.release(self._whose)
 
     # -- network -------------------------------------------------------------
     def set_network(self, h: Container, policy: NetworkPolicy) -> None:

@@ -17,6 +17,7 @@ in cluster mode).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -37,7 +38,7 @@ from lazyfs import sysmount
 from lazyfs.mounts import MountError, mount_image, unmount
 from lazyfs.node import NodePaths
 
-from .. import cgroups, hostlimits
+from .. import cgroups, hostlimits, landlock_audit
 from ..config import RuntimeConfig
 from ..denials import DenialLog, SeccompListener
 from ..errors import BackendUnavailable, Unsupported
@@ -351,6 +352,9 @@ class FncallBackend:
         self.prefix = cgroup_prefix(config)
         self.denials = DenialLog()
         self._listener: SeccompListener | None = None
+        self._audit: landlock_audit.AuditListener | None = None
+        self._by_uid: dict[int, set[str]] = {}  # live sandboxes by the uid their calls run as
+        self._uid_lock = threading.Lock()
 
     def init(self) -> Path:
         if self._init is None:
@@ -362,7 +366,26 @@ class FncallBackend:
         path: workers get a socket pair each), started with the first pool."""
         if self._listener is None:  # under self._lock (pools are made there)
             self._listener = SeccompListener(None, self.denials)
+            self._audit = landlock_audit.acquire(self._whose)
         return self._listener
+
+    def _landlock_event(self, sandbox_id: str, kind: str, detail: str) -> None:
+        """A Landlock refusal of the sandbox, unless it was killed since."""
+        with self._uid_lock:
+            if sandbox_id not in self._by_uid.get(hostlimits.fncall_uid(sandbox_id), ()):
+                return
+        self.denials.record(sandbox_id, kind, detail)  # type: ignore[arg-type]
+
+    def _whose(self, uid: int, pid: int | None) -> landlock_audit.Sink | None:
+        """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
+        the one live sandbox whose calls run as `uid` (the domain's creator,
+        sandbox-init, takes the call's uid before it makes the domain). Two
+        sandboxes sharing a uid (hostlimits.fncall_uid) cannot be told apart:
+        not recorded."""
+        with self._uid_lock:
+            ids = self._by_uid.get(uid, set())
+            return functools.partial(self._landlock_event, next(iter(ids))) \
+                if len(ids) == 1 else None
 
     def _pool(self, image: ResolvedImage) -> Pool:
         """The pool of the image's digest; made (mounting by digest) the
@@ -376,6 +399,8 @@ class FncallBackend:
 
     def create(self, h: Fncall) -> None:
         self._pool(h.image)
+        with self._uid_lock:
+            self._by_uid.setdefault(hostlimits.fncall_uid(h.id), set()).add(h.id)
 
     def exec(self, h: Fncall, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
@@ -401,6 +426,11 @@ class FncallBackend:
 
     def kill(self, h: Fncall) -> None:
         # nothing of a call outlives it; the pool stays warm for others
+        with self._uid_lock:
+            uid = hostlimits.fncall_uid(h.id)
+            self._by_uid.get(uid, set()).discard(h.id)
+            if not self._by_uid.get(uid, True):
+                del self._by_uid[uid]
         self.denials.forget(h.id)
         if self._listener is not None:
             self._listener.forget(h.id)
@@ -416,3 +446,6 @@ class FncallBackend:
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
+            audit, self._audit = self._audit, None
+        if audit is not None:  # not under the lock: the listener's thread may want it
+            landlock_audit.release(self._whose)

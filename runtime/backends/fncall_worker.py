@@ -9,11 +9,12 @@ and the worker trust each other, the output does not):
 
     limits of the calling sandbox written to the worker's cgroup
     vfork + exec of `sandbox-init call` (a copy in a root-owned /tmp/.lazyfs),
-    which joins the cgroup → new PID namespace → rlimits → Landlock (read-only
-    image, writable /tmp, no TCP) → no_new_privs → seccomp (with --notify-fd:
-    a notifying filter whose listener sandbox-init sends, with the sandbox's
-    id, over that socket to the node, runtime/denials.py) → the sandbox's uid
-    → the command (PID 1 of its namespace); in C, so no Python runs in the
+    which joins the cgroup → new PID namespace → rlimits → the sandbox's uid
+    → Landlock (read-only image, writable /tmp, no TCP; its refusals logged
+    to the kernel's audit, runtime/landlock_audit.py) → no_new_privs →
+    seccomp (with --notify-fd: a notifying filter whose listener
+    sandbox-init sends, with the sandbox's id, over that socket to the node,
+    runtime/denials.py) → the command (PID 1 of its namespace); in C, so no Python runs in the
     child and the fork is a vfork
     after it: every process left in the cgroup (a setsid'd child escapes any
     process group, never the cgroup) is killed; /tmp is emptied; a worker that

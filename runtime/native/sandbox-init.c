@@ -33,10 +33,10 @@
  *                                     (fncall) restrict itself, then as exec:
  *                                     join the cgroups whose cgroup.procs are
  *                                     open at FD, new PID namespace for the
- *                                     command, RLIMIT_CPU, Landlock (read -r,
+ *                                     command, RLIMIT_CPU, uid/gid ID, Landlock (read -r,
  *                                     write -w, no TCP, scoped signals and
  *                                     abstract sockets), no_new_privs, the
- *                                     seccomp BPF program at FD, uid/gid ID.
+ *                                     seccomp BPF program at FD.
  *                                     -N: the program notifies: the filter's
  *                                     listener descriptor is sent, with KEY
  *                                     (the sandbox's id), over the socket at
@@ -223,6 +223,15 @@ static int read_full(int fd, char *buf, size_t n) {
     return 0;
 }
 
+/* Landlock (ABI 7+) logs a domain's denials to the kernel's audit only
+ * until its creator execs, unless asked: every domain here is made right
+ * before an exec, so ask (LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON). The node
+ * reads the records and makes each an event of the sandbox
+ * (runtime/landlock_audit.py). */
+static unsigned long restrict_flags(long abi) {
+    return abi >= 7 ? 1UL << 1 : 0UL;
+}
+
 /* A fresh Landlock domain for one command: it restricts nothing on files
  * (the only access handled, creating block devices, needs CAP_MKNOD, which
  * sandboxes lack) but scopes ptrace-class access and, from ABI 6, signals to
@@ -235,7 +244,7 @@ static int own_domain(void) {
     if (abi >= 6) { attr.scoped = 2; size = 24; }     /* LANDLOCK_SCOPE_SIGNAL */
     int fd = (int)syscall(444, &attr, size, 0UL);
     if (fd < 0) return -1;
-    int r = (int)syscall(446, fd, 0UL);
+    int r = (int)syscall(446, fd, restrict_flags(abi));
     close(fd);
     return r;
 }
@@ -485,7 +494,7 @@ static void landlock(char **ro, int nro, char **rw, int nrw) {
         close(pfd);
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) die("no_new_privs");
-    if (syscall(446, fd, 0UL) != 0) die("landlock restrict");
+    if (syscall(446, fd, restrict_flags(abi)) != 0) die("landlock restrict");
     close(fd);
 }
 
@@ -570,12 +579,15 @@ int main(int argc, char **argv) {
             struct rlimit c = {(rlim_t)cpu, (rlim_t)cpu};
             setrlimit(RLIMIT_CPU, &c);
         }
-        landlock(ro, nro, rw, nrw);
-        if (seccomp_fd >= 0) seccomp_from(seccomp_fd, notify_fd, key);
-        else if (notify_fd >= 0) close(notify_fd);
+        /* the uid first: the Landlock domain's creator, named in its audit
+         * records, is then the sandbox's uid (the node maps records to
+         * sandboxes by it); the process turns non-dumpable with the change */
         if (uid >= 0) {
             if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0) die("uid");
         }
+        landlock(ro, nro, rw, nrw);
+        if (seccomp_fd >= 0) seccomp_from(seccomp_fd, notify_fd, key);
+        else if (notify_fd >= 0) close(notify_fd);
         for (int k = 0; k < njoin; k++) close(join[k]);
         return run_exec(argc - i, argv + i, cwd);
     }

@@ -17,6 +17,9 @@
  *                        ptrace-attached to it: the exited command becomes a
  *                        zombie its parent (the VM agent) cannot reap while
  *                        that tracer lives (it sleeps 600 s)
+ *   forge nest FLAGS PID make a Landlock domain of its own (scoping signals) with
+ *                        landlock_restrict_self FLAGS, then kill(PID, 0); prints
+ *                        "nest FLAGS: allowed" or the error
  *   forge hunt MARK LOG [MODES]
  *                        loop for 30 s: every process whose command line holds
  *                        MARK gets fd, ptrace and signal (or those MODES, e.g.
@@ -207,7 +210,25 @@ static int names(const char *dir, long n) {
     return 0;
 }
 
+/* a Landlock domain of its own that scopes signals, made with `flags`
+ * (landlock_restrict_self's logging flags), then kill(pid, 0): 0 if the
+ * signal was allowed, else its errno */
+static int nest(unsigned long flags, pid_t pid) {
+    uint64_t attr[3] = {1ULL << 11, 0, 2};   /* handled: make_block; scoped: signal */
+    int fd = (int)syscall(444, attr, sizeof attr, 0UL);
+    if (fd < 0) return errno;
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return errno;
+    if (syscall(446, fd, flags) != 0) return errno;
+    close(fd);
+    return kill(pid, 0) == 0 ? 0 : errno;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && strcmp(argv[1], "nest") == 0) {
+        int e = nest(strtoul(argv[2], NULL, 0), atoi(argv[3]));
+        printf("nest %s: %s\n", argv[2], e ? strerror(e) : "allowed");
+        return e ? 1 : 0;
+    }
     if (argc == 4 && strcmp(argv[1], "names") == 0) {
         int e = names(argv[2], atol(argv[3]));
         if (e) fprintf(stderr, "forge names: %s\n", strerror(e));

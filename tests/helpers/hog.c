@@ -1,7 +1,7 @@
 /* hog: a hostile program that takes as much of a kernel table as the kernel
  * lets it (tests/test_sandbox_limits.py copies a static build into a sandbox).
  *
- *   hog files|inotify|watches|denied PROCS
+ *   hog files|inotify|watches|denied|signal PROCS
  *   hog calls
  *
  * forks PROCS children; each takes open files (open /dev/null), inotify
@@ -17,6 +17,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,16 @@ static long take(const char *what, int child, int *err) {
             n++;
             clock_gettime(CLOCK_MONOTONIC, &t);
         } while (t.tv_sec - t0.tv_sec < DENIED_S);
+    } else if (!strcmp(what, "signal")) {
+        /* kill(1, 0): PID 1 (the sandbox's init) is outside the command's
+         * Landlock domain, so each is a refused signal and an audit record */
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do {
+            if (kill(1, 0) == 0) { *err = 0; return n; }
+            n++;
+            clock_gettime(CLOCK_MONOTONIC, &t);
+        } while (t.tv_sec - t0.tv_sec < DENIED_S);
     } else {
         *err = EINVAL;
         return -1;
@@ -89,7 +100,7 @@ static int calls(void) {
 
 int main(int argc, char **argv) {
     if (argc == 2 && !strcmp(argv[1], "calls")) return calls();
-    if (argc != 3) { fprintf(stderr, "usage: hog files|inotify|watches|denied PROCS\n"); return 2; }
+    if (argc != 3) { fprintf(stderr, "usage: hog files|inotify|watches|denied|signal PROCS\n"); return 2; }
     int procs = atoi(argv[2]);
     int report[2];
     if (pipe(report) != 0) return 1;

@@ -81,6 +81,21 @@ class _SandboxIds(logging.Handler):
             self.handleError(record)
 
 
+def _audit_enabled() -> int | None:
+    """The kernel's audit `enabled`, None where it cannot be read."""
+    from runtime import landlock_audit
+    try:
+        ctl = landlock_audit._control_socket()
+    except landlock_audit.AuditUnavailable:
+        return None
+    try:
+        return landlock_audit.audit_enabled(ctl)
+    except (OSError, landlock_audit.AuditUnavailable):
+        return None
+    finally:
+        ctl.close()
+
+
 @dataclass
 class SessionWatch:
     """Started with the session (start()), checked at its end (finish())."""
@@ -90,10 +105,12 @@ class SessionWatch:
     netns_before: set[str] = field(default_factory=set)
     _ids: _SandboxIds = field(default_factory=_SandboxIds)
     _runtime_level: int = logging.NOTSET
+    audit_before: int | None = None
 
     @classmethod
     def start(cls, base: Path) -> SessionWatch:
         w = cls(base, sandbox_cgroups(), netns_names())
+        w.audit_before = _audit_enabled()
         runtime_log = logging.getLogger("runtime")
         w._runtime_level = runtime_log.level
         if runtime_log.getEffectiveLevel() > logging.INFO:  # the runtime logs creations at INFO
@@ -174,7 +191,18 @@ class SessionWatch:
         mounts = self.leaked_mounts()
         procs = self.leaked_processes()
         cgs, netns = self.leaked_sandbox_state()
-        if not (mounts or procs or cgs or netns):
+        audit = self.audit_left_on()
+        if not (mounts or procs or cgs or netns or audit):
             return ""
         return (f"left behind: mounts {mounts[:10]}, processes {procs[:10]}, sandbox cgroups "
-                f"{cgs[:10]}, network namespaces {netns}")
+                f"{cgs[:10]}, network namespaces {netns}"
+                + (", the kernel's audit enabled (it was off)" if audit else ""))
+
+    def audit_left_on(self) -> bool:
+        """The session's nodes turned the kernel's audit on (to read
+        Landlock's records) and none turned it back off, though no reader
+        of the records is left (runtime/landlock_audit.py)."""
+        if self.audit_before != 0:
+            return False
+        from runtime import landlock_audit
+        return bool(_audit_enabled()) and not landlock_audit._other_readers()
