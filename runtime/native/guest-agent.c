@@ -60,7 +60,12 @@
  * CAP_PERFMON, CAP_SYS_ADMIN are dropped from its bounding set, so nothing
  * it starts regains them) and in a Landlock domain of its own, so a process
  * left by one command cannot ptrace, take descriptors from, or (Landlock ABI
- * 6+) signal a later one.
+ * 6+) signal a later one. CAP_SYS_CHROOT is dropped too, after the agent
+ * chrooted the command: with it, chroot("sub") without a chdir and then
+ * chdir("..") leaves the root, to the initramfs' upper (/rw/upper) and the
+ * commands' cgroup (/cgroup), where a command could move itself out of its
+ * limits. (A chrooted process cannot make a user namespace either, which
+ * would give it CAP_SYS_CHROOT back.)
  *
  * A command runs in its own session; on timeout, output cap or KILL its
  * tree is killed: every process of its session and every process holding
@@ -236,7 +241,7 @@ static int recv_frame(uint32_t *len) {
 
 /* What a command gives up before it execs (see the header). */
 static const int dropped_caps[] = {CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_ADMIN,
-                                   38 /* CAP_PERFMON */, 39 /* CAP_BPF */};
+                                   CAP_SYS_CHROOT, 38 /* CAP_PERFMON */, 39 /* CAP_BPF */};
 
 static int confine_command(void) {
     for (size_t k = 0; k < sizeof dropped_caps / sizeof *dropped_caps; k++)
@@ -668,12 +673,15 @@ static void do_exec(struct cur *c) {
                     e == EAGAIN ? "the sandbox is at its process limit" : strerror(e));
             _exit(126);
         }
-        if (confine_command() != 0) {
-            dprintf(2, "lazyfs-agent: cannot confine the command: %s\n", strerror(errno));
-            _exit(127);
-        }
+        /* the chroot first: confine_command drops CAP_SYS_CHROOT, so the
+         * command cannot chroot again (chroot("sub") without a chdir, then
+         * "..": out to the initramfs root, its upper and cgroups) */
         if (fchdir(rootfd) != 0 || chroot(".") != 0) {
             dprintf(2, "lazyfs-agent: cannot enter the sandbox root: %s\n", strerror(errno));
+            _exit(127);
+        }
+        if (confine_command() != 0) {
+            dprintf(2, "lazyfs-agent: cannot confine the command: %s\n", strerror(errno));
             _exit(127);
         }
         if (chdir(cwd[0] ? cwd : "/") != 0) {
