@@ -30,7 +30,7 @@ from typing import Any
 from .. import procio
 from ..errors import BackendUnavailable
 from ..guest import qemu
-from ..guest.protocol import READY, AgentConnection, AgentError
+from ..guest.protocol import READY, AgentConnection, AgentError, ready_fields
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def wait_ready(sandbox_id: str, proc: subprocess.Popen[bytes], cfg: qemu.VmConfi
             if agent.sock in ready:
                 kind, payload = agent.recv(deadline)
                 if kind == READY:
-                    agent.version = payload.decode(errors="replace")
+                    agent.version = ready_fields(payload)[0]
                     return agent
     except AgentError as e:
         agent.close()
