@@ -91,6 +91,8 @@ GUEST_RESERVE_MB = 64  # guest RAM kept from the commands' cgroup: kernel, agent
 # and I/O buffers. Measured: an idle 256 MiB TCG guest's VMM 248 MiB PSS of
 # which ~126 MiB guest RAM.
 VMM_OVERHEAD_MB = 256
+COUNTS_WAIT = 0.1  # events(): how long to wait for a call holding the agent
+COUNTS_TIMEOUT = 2.0  # ... and for the agent's COUNTS answer (then the last counts)
 VMM_PIDS = 256  # host tasks of one QEMU (vCPU, I/O and RCU threads); the guest's own
 # processes are limited inside the guest (spec.pids, see _limits)
 
@@ -425,7 +427,9 @@ class QemuBackend(Generic[Q]):
             vm = self._vms.get(h.id)
         if vm is not None and vm.alive():
             try:
-                fresh = vm.agent.counts(wait=0.5)
+                # bounded for the node's kill and metrics scrape too: a busy
+                # agent is not waited for, a hung one costs COUNTS_TIMEOUT once
+                fresh = vm.agent.counts(wait=COUNTS_WAIT, timeout=COUNTS_TIMEOUT)
             except AgentError as e:
                 log.info("%s: no guest counters: %s", h.id, e)
         counts = self._note_counts(h, fresh)
