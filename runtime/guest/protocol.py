@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -121,7 +122,10 @@ class AgentConnection:
         self.broken: str | None = None
         self._buf = bytearray()
         self.version = ""
-        self._rid = 0  # the id of the request under way; every reply frame carries it
+        # the id of the request under way; every reply frame carries it. A new
+        # connection starts anywhere: a READY naming a request an earlier
+        # connection's agent gave up must not name one of this connection's
+        self._rid = secrets.randbelow(MAX_ID)
         # a COUNTS the host stopped waiting for: its one reply frame, when it
         # comes, is dropped (never taken for another request's)
         self._stale: int | None = None
