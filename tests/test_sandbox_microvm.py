@@ -117,7 +117,7 @@ def _vm_dir(node: Node, sandbox_id: str) -> Path:
 
 
 def test_capabilities_and_boot(sb: Sandbox, node: Node) -> None:
-    caps = Sandbox.capabilities("microvm")
+    caps = Sandbox.capabilities("microvm", node=node)  # (without node=: the host's default node)
     assert "exec" in caps and "files" in caps and "pause" in caps
     h = node._get(sb.id)[1]
     assert h.state.accel in ("tcg", "kvm") and (h.state.boot_s or 0) > 0
