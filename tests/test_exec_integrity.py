@@ -324,3 +324,29 @@ def test_a_leftover_guest_process_signalling_a_later_command(vm: Sandbox) -> Non
     else:
         assert "signal" in log, (abi, log)
     vm.exec("pkill -f 'forge hunt'; true")
+
+
+@pytest.mark.slow
+def test_a_guest_command_cannot_leave_its_root_or_its_cgroup(vm: Sandbox) -> None:
+    """The escape from a chroot (chroot("sub") without a chdir, "..", then
+    chroot(".")), the same inside a user namespace of its own, the agent's
+    and a kernel thread's /proc/PID/root, and a cgroup2 mount of its own:
+    none reaches the microVM's upper (/rw/upper, outside the root) or the
+    commands' cgroup (/cgroup), and the command stays in its limited cgroup.
+    (Before commands lost CAP_SYS_CHROOT the chroot line read "chroot ok",
+    /rw/upper was listed and the command moved itself into /cgroup.)"""
+    before = vm.exec("cat /proc/self/cgroup").stdout
+    if vm.info.spec.backend == "microvm":
+        assert before == b"0::/sandbox\n"  # the commands' cgroup, with the pids and memory limits
+    r = vm.exec(f"mkdir -p /tmp/esc && {FORGE} escape /tmp/esc; echo forge=$?", timeout=60)
+    lines = r.stdout.decode().splitlines()
+    assert lines[-1] == "forge=1", r.stdout.decode()  # 0: it got out
+    ways = {line.split()[0]: line for line in lines[:-2]}
+    assert ways["chroot"].startswith("chroot refused: Operation not permitted"), r
+    for way in ("proc1-upper", "proc2-upper", "upper", "cgroup", "mount"):
+        assert " refused: " in ways[way], r
+    # a user namespace: refused to a chrooted command (a microVM's); a full
+    # VM's command runs in the image's own root, where ".." leads nowhere new
+    assert " refused: " in ways.get("userns-upper", ways["userns"]), r
+    assert lines[-2] == "cgroup-now " + before.decode().strip(), r  # still in its own cgroup
+    assert vm.exec("cat /proc/self/cgroup").stdout == before

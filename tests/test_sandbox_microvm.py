@@ -108,12 +108,16 @@ def _backend(node: Node) -> MicrovmBackend:
     return b
 
 
+def _event_counts(sb: Sandbox) -> dict[tuple[str, str], int]:
+    return {(str(e.kind), e.detail): e.count for e in sb.events()}
+
+
 def _vm_dir(node: Node, sandbox_id: str) -> Path:
     return node.config.sandboxes / sandbox_id / "vm"
 
 
 def test_capabilities_and_boot(sb: Sandbox, node: Node) -> None:
-    caps = Sandbox.capabilities("microvm")
+    caps = Sandbox.capabilities("microvm", node=node)  # (without node=: the host's default node)
     assert "exec" in caps and "files" in caps and "pause" in caps
     h = node._get(sb.id)[1]
     assert h.state.accel in ("tcg", "kvm") and (h.state.boot_s or 0) > 0
@@ -249,6 +253,22 @@ def test_pause_snapshots_and_resume_restores(sb: Sandbox, node: Node) -> None:
     assert node._get(sb.id)[1].state.pid != pid
     assert sb.exec("cat /tmp/state").stdout == b"kept-in-guest-memory\n"
     assert node._get(sb.id)[1].state.snapshot is None
+
+
+def test_calls_right_after_resume_stay_in_step(sb: Sandbox) -> None:
+    """A restored guest sees its port close and open again (QEMU tells it the
+    saved connection state, then the new one), and its agent then greets
+    with a READY frame, which may reach the host in the middle of the next
+    call. Each call skips it: events (a COUNTS request), exec and a file call
+    at once after each of three resumes all answer, in step."""
+    for i in range(3):
+        sb.pause()
+        sb.resume()
+        sb.events()  # first: the greeting may come in its reply
+        assert sb.exec(f"echo {i}").stdout == f"{i}\n".encode()
+        sb.files.write("/tmp/resumed", b"x")
+        assert sb.files.read("/tmp/resumed") == b"x"
+        sb.events()
 
 
 def test_kill_leaves_nothing_and_writes_stayed_in_their_vm(node: Node) -> None:
@@ -414,25 +434,51 @@ def test_agent_that_never_comes_up(node: Node) -> None:
     assert not any(p.name == failed.group() for p in _sandbox_cgroups())  # its VMM's groups
 
 
-def test_a_fork_bomb_is_held_and_the_vm_stays_usable(sb: Sandbox) -> None:
+def test_a_fork_bomb_is_held_and_the_vm_stays_usable(sb: Sandbox, node: Node) -> None:
     """The guest's commands run in a cgroup with the sandbox's pids limit; the
-    agent, outside it, keeps answering."""
-    try:
-        r = sb.exec("b() { b | b & }; b; sleep 3", timeout=20, max_output_bytes=1 << 16)
-        held = b"can't fork" in r.stderr
-    except (ExecTimeout, OutputTruncated) as e:
-        held = e.result is not None and b"can't fork" in e.result.stderr
-    assert held  # the limit refused forks inside the guest
+    agent, outside it, keeps answering, and reports the refused forks as an
+    event (the guest kernel's pids.events counter, read by the agent).
+    events() during the bomb does not wait for the exec holding the agent
+    (it gives the counts reported last)."""
+    import threading
+    key = ("process_limit", f"pids={sb.info.spec.pids}")
+    before = _event_counts(sb).get(key, 0)
+    out: list[bool] = []
+
+    def bomb() -> None:
+        try:
+            r = sb.exec("b() { b | b & }; b; sleep 3", timeout=20, max_output_bytes=1 << 16)
+            out.append(b"can't fork" in r.stderr)
+        except (ExecTimeout, OutputTruncated) as e:
+            out.append(e.result is not None and b"can't fork" in e.result.stderr)
+
+    t = threading.Thread(target=bomb)
+    t.start()
+    agent = _backend(node)._vm(node._get(sb.id)[1]).agent
+    wait_until(agent.lock.locked, 10, "the bomb running in the guest")
+    t0 = time.monotonic()
+    sb.events()  # while the exec holds the agent: the last counts, at once
+    assert time.monotonic() - t0 < 5
+    t.join()
+    assert out == [True]  # the limit refused forks inside the guest
     r = sb.exec("echo alive", timeout=60)
     assert r.stdout == b"alive\n"
     assert sb.exec("cat /proc/self/cgroup").stdout == b"0::/sandbox\n"  # the limited cgroup
+    got = _event_counts(sb)
+    assert got.get(key, 0) > before, got
 
 
 def test_a_memory_bomb_is_typed_out_of_memory(sb: Sandbox) -> None:
+    """Typed OutOfMemory, the VM goes on, and the guest's OOM kill is an
+    event (the commands' cgroup's oom_kill counter, read by the agent)."""
+    key = ("oom_kill", "memory limit")
+    before = _event_counts(sb).get(key, 0)
     with pytest.raises(OutOfMemory) as e:
         sb.exec("head -c 2000m /dev/zero | tail > /dev/null", timeout=120)
     assert e.value.result is not None and e.value.result.oom_killed
     assert sb.exec("echo alive").stdout == b"alive\n"
+    got = _event_counts(sb)
+    assert got.get(key, 0) > before, got  # counted in the guest
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (forge.c)")

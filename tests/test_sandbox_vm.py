@@ -22,7 +22,7 @@ from chunkstore import ChunkStore
 from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs.node import request
-from runtime import ExecTimeout, FileError, Sandbox, Unsupported
+from runtime import ExecTimeout, FileError, OutOfMemory, OutputTruncated, Sandbox, Unsupported
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
 from runtime.spec import Backend
@@ -157,6 +157,34 @@ def test_pause_and_resume_keep_the_disk_and_memory(sb: Sandbox, node: Node) -> N
     assert sb.exec("cat /dev/shm/x /root/y").stdout == b"in-memory\non-disk\n"
 
 
+def _event_counts(sb: Sandbox) -> dict[tuple[str, str], int]:
+    return {(str(e.kind), e.detail): e.count for e in sb.events()}
+
+
+def test_bombs_are_held_typed_and_recorded_as_events(sb: Sandbox) -> None:
+    """As in a microVM (the agent is PID 1 here, commands in the guest's
+    limited cgroup): a fork bomb is held and its refused forks are an event,
+    a memory bomb is typed OutOfMemory and its OOM kill is an event, and
+    the VM answers on after each."""
+    forks = ("process_limit", f"pids={sb.info.spec.pids}")
+    ooms = ("oom_kill", "memory limit")
+    before = _event_counts(sb)
+    try:
+        r = sb.exec("b() { b | b & }; b; sleep 3", timeout=20, max_output_bytes=1 << 16)
+        held = b"can't fork" in r.stderr
+    except (ExecTimeout, OutputTruncated) as bomb:
+        held = bomb.result is not None and b"can't fork" in bomb.result.stderr
+    assert held
+    assert sb.exec("echo alive", timeout=60).stdout == b"alive\n"
+    with pytest.raises(OutOfMemory) as oom:
+        sb.exec("head -c 2000m /dev/zero | tail > /dev/null", timeout=120)
+    assert oom.value.result is not None and oom.value.result.oom_killed
+    assert sb.exec("echo alive").stdout == b"alive\n"
+    got = _event_counts(sb)
+    assert got.get(forks, 0) > before.get(forks, 0), got
+    assert got.get(ooms, 0) > before.get(ooms, 0), got
+
+
 def test_another_vm_sees_the_image_and_kill_leaves_nothing(sb: Sandbox, node: Node) -> None:
     sb.exec("echo only-in-the-first > /root/mark")
     s = Sandbox.create(IMAGE, backend="vm", node=node, memory_mb=256)
@@ -187,6 +215,8 @@ def test_the_image_init_runs_as_pid1(node: Node) -> None:
         with pytest.raises(ExecTimeout):
             s.exec("sleep 100", timeout=2)
         assert s.exec("echo agent-alive").stdout == b"agent-alive\n"
+        # no commands' cgroup next to an image's init: no guest counts, no error
+        assert [e for e in s.events() if e.kind in ("oom_kill", "process_limit")] == []
 
 
 def test_disk_mb_is_the_size_of_the_writable_root(node: Node) -> None:

@@ -48,6 +48,10 @@ def vm_nodes(site: Site, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
         yield a, b
 
 
+def _forks_refused(sb: Sandbox) -> int:
+    return sum(e.count for e in sb.events() if e.kind == "process_limit")
+
+
 def _count(sb: Sandbox) -> int:
     return int(sb.exec("cat /tmp/count").stdout or b"0")
 
@@ -101,8 +105,12 @@ def test_a_preempted_microvm_comes_back_on_the_other_node(vm_nodes: tuple[Node, 
 def test_a_microvm_snapshot_starts_on_the_other_node_and_the_first_runs_on(
         vm_nodes: tuple[Node, Node]) -> None:
     a, b = vm_nodes
-    with Sandbox.create(IMAGE, node=a, **VM) as sb:  # type: ignore[arg-type]
+    # pids=16: forks the guest refuses, cheaply (the events a copy must not inherit)
+    with Sandbox.create(IMAGE, node=a, pids=16, **VM) as sb:  # type: ignore[arg-type]
         sb.files.write("/root/state.txt", b"one\n")
+        sb.exec("for i in $(seq 24); do sleep 1 & done 2>/dev/null; wait", timeout=60)
+        refused = _forks_refused(sb)
+        assert refused > 0
         sb.exec(COUNTER)
         wait_until(lambda: _count(sb) >= 2, 30, "the counter to count")
         snap = sb.snapshot(tag="vmsnap/test:1")
@@ -122,6 +130,9 @@ def test_a_microvm_snapshot_starts_on_the_other_node_and_the_first_runs_on(
             assert child.files.read("/root/state.txt") == b"one\n"  # as it was then
             m = _count(child)
             wait_until(lambda: _count(child) > m, 30, "the copy's counter to count")
+            # its guest's counters hold the first one's refusals: not its events
+            assert _forks_refused(child) == 0
+            assert _forks_refused(sb) >= refused
             # and a snapshot of the copy, back on the first node
             again = child.snapshot()
         assert sb.files.read("/root/state.txt") == b"two\n"  # the two are apart

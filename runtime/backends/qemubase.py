@@ -60,7 +60,7 @@ from ..guest import qemu
 from ..guest.initramfs import tools_missing
 from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
 from ..guest.pmemimages import PmemLayer, pmem_layers
-from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError
+from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError, GuestCounts
 from ..images import Images
 from ..native import qemu_preload, sandbox_init
 from ..spec import (
@@ -91,6 +91,8 @@ GUEST_RESERVE_MB = 64  # guest RAM kept from the commands' cgroup: kernel, agent
 # and I/O buffers. Measured: an idle 256 MiB TCG guest's VMM 248 MiB PSS of
 # which ~126 MiB guest RAM.
 VMM_OVERHEAD_MB = 256
+COUNTS_WAIT = 0.1  # events(): how long to wait for a call holding the agent
+COUNTS_TIMEOUT = 2.0  # ... and for the agent's COUNTS answer (then the last counts)
 VMM_PIDS = 256  # host tasks of one QEMU (vCPU, I/O and RCU threads); the guest's own
 # processes are limited inside the guest (spec.pids, see _limits)
 
@@ -148,6 +150,10 @@ class QemuBackend(Generic[Q]):
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # every VMM we started, until killed
         self._lock = threading.Lock()
         self.denials = DenialLog()
+        self._guest_counts: dict[str, GuestCounts] = {}  # the highest the agent reported
+        # a sandbox made from another's VM state: that guest's counters when it
+        # started (its parent's refusals, not its own)
+        self._guest_base: dict[str, GuestCounts] = {}
 
     # -- what a subclass says ------------------------------------------------
     def _tools_missing(self) -> str | None:
@@ -289,6 +295,8 @@ class QemuBackend(Generic[Q]):
                 state = self.images.ensure_daemon().layers / h.image.vm_state.layer / \
                     VM_STATE_FILE
                 self._load(h, init, state)
+                if h.image.vm_state.sandbox_id != h.id:  # not itself come back (preempted)
+                    self._count_from_here(h)
             else:
                 cfg = self._config(h, vmdir)
                 h.state.accel = "kvm" if cfg.accel == "kvm" else "tcg"
@@ -343,6 +351,9 @@ class QemuBackend(Generic[Q]):
             cgroups.remove_empty(h.id)
         netpolicy.remove_all(h.id, h.state.net_slot)
         self.denials.forget(h.id)
+        with self._lock:
+            self._guest_counts.pop(h.id, None)
+            self._guest_base.pop(h.id, None)
         shutil.rmtree(vmdir, ignore_errors=True)
 
     def status(self, h: Handle[Q]) -> str:
@@ -372,12 +383,62 @@ class QemuBackend(Generic[Q]):
                 self.denials.record(h.id, "connect", dest, n)
         netpolicy.apply(slot, policy, netpolicy.GUEST_IF)
 
+    def _count_from_here(self, h: Handle[Q]) -> None:
+        """A sandbox started from another's VM state: its guest's counters
+        hold that VM's refusals; its events count from what they say now."""
+        with self._lock:
+            vm = self._vms.get(h.id)
+        try:
+            base = vm.agent.counts(wait=5.0) if vm is not None else None
+        except AgentError as e:
+            log.info("%s: no guest counters at start: %s", h.id, e)
+            base = None
+        if base is not None:
+            with self._lock:
+                self._guest_base[h.id] = base
+                self._guest_counts[h.id] = base
+
+    def _note_counts(self, h: Handle[Q], counts: GuestCounts | None) -> GuestCounts | None:
+        """Keep the agent's counters, each never lowered: a count the guest
+        once reported stays counted, whatever it reports later."""
+        with self._lock:
+            old = self._guest_counts.get(h.id)
+            if counts is None:
+                return old
+            if old is not None:
+                counts = GuestCounts(max(old.oom_kills, counts.oom_kills),
+                                     max(old.fork_refusals, counts.fork_refusals))
+            self._guest_counts[h.id] = counts
+            return counts
+
     def events(self, h: Handle[Q]) -> list[SandboxEvent]:
         """The guest's refused connections (counted by the rules in its
-        VMM's namespace)."""
+        VMM's namespace), and what the guest kernel refused its commands
+        (OOM kills, forks at the pids limit: the commands' cgroup's counters
+        as the guest agent reports them, asked now; while a call holds the
+        agent's channel, the highest it reported before). Asking never
+        makes a sandbox unusable: an agent that does not answer is logged
+        here and met by the next call."""
         slot = h.state.net_slot
         counted: dict[tuple[EventKind, str], int] = {} if slot is None else {
             ("connect", dest): n for dest, n in netpolicy.refused(slot).items()}
+        fresh = None
+        with self._lock:
+            vm = self._vms.get(h.id)
+        if vm is not None and vm.alive():
+            try:
+                # bounded for the node's kill and metrics scrape too: a busy
+                # agent is not waited for, a hung one costs COUNTS_TIMEOUT once
+                fresh = vm.agent.counts(wait=COUNTS_WAIT, timeout=COUNTS_TIMEOUT)
+            except AgentError as e:
+                log.info("%s: no guest counters: %s", h.id, e)
+        counts = self._note_counts(h, fresh)
+        if counts is not None:
+            with self._lock:
+                base = self._guest_base.get(h.id, GuestCounts(0, 0))
+            counted[("oom_kill", "memory limit")] = counts.oom_kills - base.oom_kills
+            counted[("process_limit", f"pids={h.spec.pids}")] = \
+                counts.fork_refusals - base.fork_refusals
         return merged(self.denials.events(h.id), counted)
 
     # -- pause: snapshot and exit --------------------------------------------

@@ -30,11 +30,16 @@ from typing import Any
 from .. import procio
 from ..errors import BackendUnavailable
 from ..guest import qemu
-from ..guest.protocol import READY, AgentConnection, AgentError
+from ..guest.protocol import READY, AgentConnection, AgentError, ready_fields
 
 log = logging.getLogger(__name__)
 
 CONSOLE_KEEP = 64 << 10  # bytes of boot console kept in console.log
+# LAZYFS_VM_CONSOLE=keep (diagnostics, off by default: a thread per VM): the
+# console stays read after boot, appended to console.log up to this many
+# bytes (later output is read and dropped, so the guest never stalls on it)
+CONSOLE_ENV = "LAZYFS_VM_CONSOLE"
+CONSOLE_AFTER_BOOT = 1 << 20
 KILL_WAIT = 10.0
 
 
@@ -159,7 +164,7 @@ def wait_ready(sandbox_id: str, proc: subprocess.Popen[bytes], cfg: qemu.VmConfi
             if agent.sock in ready:
                 kind, payload = agent.recv(deadline)
                 if kind == READY:
-                    agent.version = payload.decode(errors="replace")
+                    agent.version = ready_fields(payload)[0]
                     return agent
     except AgentError as e:
         agent.close()
@@ -169,8 +174,31 @@ def wait_ready(sandbox_id: str, proc: subprocess.Popen[bytes], cfg: qemu.VmConfi
         agent.close()
         raise
     finally:
-        console.close()  # from now on QEMU drops console output
-        (cfg.agent_socket.parent / "console.log").write_bytes(log_buf[-CONSOLE_KEEP:])
+        path = cfg.agent_socket.parent / "console.log"
+        path.write_bytes(log_buf[-CONSOLE_KEEP:])
+        if os.environ.get(CONSOLE_ENV) == "keep" and proc.poll() is None:
+            threading.Thread(target=_keep_console, args=(console, path),
+                             name=f"console-{sandbox_id}", daemon=True).start()
+        else:
+            console.close()  # from now on QEMU drops console output
+
+
+def _keep_console(console: socket.socket, path: Path) -> None:
+    """Append what the guest's console says to path (CONSOLE_AFTER_BOOT bytes
+    at most, the rest read and dropped) until QEMU closes it."""
+    room = CONSOLE_AFTER_BOOT
+    try:
+        console.setblocking(True)
+        with open(path, "ab") as f:
+            while data := console.recv(65536):
+                if room > 0:
+                    f.write(data[:room])
+                    f.flush()
+                    room -= len(data)
+    except OSError:
+        pass
+    finally:
+        console.close()
 
 
 def stop(sandbox_id: str, proc: subprocess.Popen[bytes]) -> None:

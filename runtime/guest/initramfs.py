@@ -119,6 +119,8 @@ fi
 cgroup=""
 if [ -n "$pids$mem_mb" ] && mkdir -p /cgroup && mount -t cgroup2 cgroup2 /cgroup; then
     echo "+pids +memory" > /cgroup/cgroup.subtree_control
+    # cpu: the commands weigh as one group against the agent (nice -20)
+    echo "+cpu" > /cgroup/cgroup.subtree_control 2>/dev/null
     mkdir -p /cgroup/sandbox && cgroup=/cgroup/sandbox
     [ -n "$pids" ] && echo "$pids" > $cgroup/pids.max
     if [ -n "$mem_mb" ]; then  # at most what is free now, less 16 MiB for the agent

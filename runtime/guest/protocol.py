@@ -13,7 +13,9 @@ stale reply.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -26,6 +28,8 @@ from ..errors import FileError, SandboxError, SandboxStateError
 from ..procio import ready
 from .upper import UpperRefused, UpperTree, shown
 
+log = logging.getLogger(__name__)
+
 MAX_FRAME = 1 << 20
 CHUNK = 1 << 16
 HEADER = struct.Struct("<II")  # payload length; type | request id << 8
@@ -36,7 +40,7 @@ MAX_NAME = 255  # a directory entry's name (NAME_MAX)
 MAX_ENTRIES = 100_000  # a listing (as runtime.files.MAX_LIST)
 EXEC_GRACE = 30.0  # past an exec's own timeout, for the guest to kill and report
 
-EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN, UPPER = range(1, 12)
+EXEC, DATA, KILL, READ, WRITE, LIST, REMOVE, STAT, PING, SHUTDOWN, UPPER, COUNTS = range(1, 13)
 READY, STDOUT, STDERR, EXIT, FDATA, ENTRY, OK, ERROR = range(32, 40)
 
 Sink = Callable[[bytes], None]
@@ -54,6 +58,10 @@ class AgentClosed(AgentError):
 CLOSED = "the guest agent's connection closed (the VM exited?)"
 
 
+class _Late(Exception):
+    """A soft deadline passed (the connection stays usable)."""
+
+
 @dataclass
 class ExitStatus:
     code: int
@@ -61,6 +69,28 @@ class ExitStatus:
     truncated: bool
     oom_killed: bool = False  # by the guest's OOM killer in the commands' cgroup
     unreaped: bool = False  # the agent could not reap it: the code (-1) means nothing
+
+
+@dataclass(frozen=True)
+class GuestCounts:
+    """What the guest kernel refused the commands' cgroup so far, as the
+    agent read its counters (memory.events oom_kill, pids.events max)."""
+    oom_kills: int
+    fork_refusals: int
+
+
+class RequestDropped(AgentError):
+    """The agent gave up the request under way (its READY names it): it saw
+    the host's end of the port closed. The channel is in step (the agent is
+    back waiting for requests); the request's effect is unknown."""
+
+
+def ready_fields(payload: bytes) -> tuple[str, int]:
+    """A READY frame's version and the id of the request the agent dropped
+    (0: none; an agent before version 3 sends the version alone)."""
+    version, nul, rest = payload.partition(b"\0")
+    dropped = struct.unpack("<I", rest)[0] if nul and len(rest) == 4 else 0
+    return version.decode(errors="replace"), dropped
 
 
 @dataclass
@@ -92,7 +122,13 @@ class AgentConnection:
         self.broken: str | None = None
         self._buf = bytearray()
         self.version = ""
-        self._rid = 0  # the id of the request under way; every reply frame carries it
+        # the id of the request under way; every reply frame carries it. A new
+        # connection starts anywhere: a READY naming a request an earlier
+        # connection's agent gave up must not name one of this connection's
+        self._rid = secrets.randbelow(MAX_ID)
+        # a COUNTS the host stopped waiting for: its one reply frame, when it
+        # comes, is dropped (never taken for another request's)
+        self._stale: int | None = None
 
     @classmethod
     def connect(cls, path: str, *, alive: Callable[[], bool] = lambda: True) -> AgentConnection:
@@ -137,7 +173,7 @@ class AgentConnection:
                 raise self._fail("the guest agent stopped reading its requests")
             ready([], [self.sock], min(left, 0.5))
 
-    def _fill(self, n: int, deadline: float) -> None:
+    def _fill(self, n: int, deadline: float, soft: bool = False) -> None:
         while len(self._buf) < n:
             try:
                 data = self.sock.recv(max(CHUNK, n - len(self._buf)))
@@ -151,21 +187,24 @@ class AgentConnection:
                 raise self._fail(f"the guest agent's connection failed: {e}") from e
             left = deadline - time.monotonic()
             if left <= 0:
+                if soft:
+                    raise _Late()
                 raise self._fail("the guest agent did not answer in time")
             if not self.alive():
                 raise self._fail("the VM exited")
             ready([self.sock], timeout=min(left, 0.5))
 
     def _frame(self) -> tuple[int, bytes] | None:
-        """A whole frame from what has been received, if there is one."""
+        """A whole frame from what has been received, if there is one (a
+        stale request's reply is dropped: None)."""
         if len(self._buf) < HEADER.size:
             return None
-        length, kind = self._parse()
+        length, kind, stale = self._parse()
         if len(self._buf) < HEADER.size + length:
             return None
         payload = bytes(self._buf[HEADER.size:HEADER.size + length])
         del self._buf[:HEADER.size + length]
-        return kind, payload
+        return None if stale else (kind, payload)
 
     def _exchange(self, pending: memoryview, deadline: float) -> tuple[memoryview, bool]:
         """Send what of `pending` the socket takes and receive what arrived,
@@ -194,9 +233,10 @@ class AgentConnection:
             except OSError as e:
                 raise self._fail(f"the guest agent's connection failed: {e}") from e
 
-    def _parse(self) -> tuple[int, int]:
-        """Length and type of the frame at the head of the buffer, refusing one
-        that answers another request than the one under way."""
+    def _parse(self) -> tuple[int, int, bool]:
+        """Length and type of the frame at the head of the buffer, and
+        whether it is the one reply of a stale COUNTS (to drop); refusing
+        one that answers another request than the one under way."""
         length, word = HEADER.unpack_from(self._buf)
         kind, rid = word & 0xFF, word >> 8
         if length > MAX_FRAME:
@@ -205,10 +245,17 @@ class AgentConnection:
         if kind == READY:
             if rid != 0:
                 raise self._fail("the guest agent sent a READY frame with a request id")
+        elif rid == self._stale and rid != self._rid:
+            if kind not in (OK, ERROR) or length > 4096:
+                raise self._fail(f"the guest agent sent frame {kind} for a counts request: "
+                                 "out of step")
+            if len(self._buf) >= HEADER.size + length:
+                self._stale = None  # its whole reply: dropped by the caller
+            return length, kind, True
         elif rid != self._rid:
             raise self._fail(f"the guest agent answered request {rid} during request "
                              f"{self._rid}: out of step")
-        return length, kind
+        return length, kind, False
 
     def _frame_ready(self) -> bool:
         if len(self._buf) < HEADER.size:
@@ -216,13 +263,36 @@ class AgentConnection:
         length: int = HEADER.unpack_from(self._buf)[0]
         return length > MAX_FRAME or len(self._buf) >= HEADER.size + length
 
-    def recv(self, deadline: float) -> tuple[int, bytes]:
-        self._fill(HEADER.size, deadline)
-        length, kind = self._parse()
-        self._fill(HEADER.size + length, deadline)
-        payload = bytes(self._buf[HEADER.size:HEADER.size + length])
-        del self._buf[:HEADER.size + length]
-        return kind, payload
+    def recv(self, deadline: float, soft: bool = False) -> tuple[int, bytes]:
+        while True:
+            self._fill(HEADER.size, deadline, soft)
+            length, kind, stale = self._parse()
+            self._fill(HEADER.size + length, deadline, soft)
+            if stale:
+                self._parse()  # now whole: clears the stale id
+            payload = bytes(self._buf[HEADER.size:HEADER.size + length])
+            del self._buf[:HEADER.size + length]
+            if not stale:
+                return kind, payload
+
+    def reply(self, deadline: float, soft: bool = False) -> tuple[int, bytes]:
+        """The next frame answering the request under way. READY frames are
+        not answers: the agent sends one whenever it saw the host's end of
+        the port close and open again (for a moment when a VM is restored
+        from a snapshot, at any time in its next call), so one may come
+        before or among any request's frames; it is skipped, unless it says
+        the agent dropped this very request (RequestDropped: no more frames
+        will come for it, and waiting would only run into the deadline)."""
+        while True:
+            kind, payload = self.recv(deadline, soft)
+            if kind != READY:
+                return kind, payload
+            self.version, dropped = ready_fields(payload)
+            log.info("the guest agent greeted again during request %d (dropped: %d)",
+                     self._rid, dropped)
+            if dropped and dropped == self._rid:
+                raise RequestDropped(f"the guest agent gave up request {dropped} (it saw the "
+                                     "host's end of its port close)")
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -230,7 +300,7 @@ class AgentConnection:
 
     def _reply(self, deadline: float, what: str) -> None:
         """Wait for OK; ERROR raises FileError with the guest's message."""
-        kind, payload = self.recv(deadline)
+        kind, payload = self.reply(deadline)
         if kind == OK:
             return
         if kind == ERROR:
@@ -244,7 +314,7 @@ class AgentConnection:
             while True:
                 kind, payload = self.recv(deadline)
                 if kind == READY:
-                    self.version = payload.decode(errors="replace")
+                    self.version = ready_fields(payload)[0]
                     return self.version
 
     def ping(self, timeout: float = 10.0) -> None:
@@ -254,14 +324,9 @@ class AgentConnection:
             self._check()
             deadline = time.monotonic() + timeout
             self._send(PING, deadline=deadline)
-            while True:
-                kind, payload = self.recv(deadline)
-                if kind == READY:
-                    self.version = payload.decode(errors="replace")
-                    continue
-                if kind != OK:
-                    raise self._fail(f"unexpected frame {kind} in reply to ping")
-                return
+            kind, _ = self.reply(deadline)
+            if kind != OK:
+                raise self._fail(f"unexpected frame {kind} in reply to ping")
 
     # -- exec ----------------------------------------------------------------
     def exec(self, argv: tuple[str, ...], *, env: dict[str, str], cwd: str, stdin: bytes,
@@ -290,7 +355,8 @@ class AgentConnection:
             while True:
                 pending, _ = self._exchange(pending, deadline)
                 frame = self._frame()
-                assert frame is not None
+                if frame is None:  # a stale counts reply, dropped
+                    continue
                 kind, payload = frame
                 if kind in (STDOUT, STDERR):
                     buf, sink = (out, on_stdout) if kind == STDOUT else (err, on_stderr)
@@ -307,6 +373,14 @@ class AgentConnection:
                 elif kind == ERROR:
                     _, msg = _error_fields(payload)
                     raise SandboxError(f"the guest agent could not run {argv[0]!r}: {msg}")
+                elif kind == READY:  # see reply(): skipped, unless it dropped this exec
+                    self.version, dropped = ready_fields(payload)
+                    log.info("the guest agent greeted again during exec request %d "
+                             "(dropped: %d)", self._rid, dropped)
+                    if dropped and dropped == self._rid:
+                        # the agent killed the command and sent no EXIT: its
+                        # status is unknown (never a made-up code)
+                        return ExitStatus(-1, False, False, False, True), out, err
                 else:
                     raise self._fail(f"unexpected frame {kind} during exec")
 
@@ -320,7 +394,7 @@ class AgentConnection:
             deadline = time.monotonic() + CALL_TIMEOUT + limit / MIN_RATE
             data = bytearray()
             while True:
-                kind, payload = self.recv(deadline)
+                kind, payload = self.reply(deadline)
                 if kind == FDATA:
                     if len(data) + len(payload) > limit:
                         raise self._fail(f"{path}: the guest sent more than {limit} bytes")
@@ -349,7 +423,7 @@ class AgentConnection:
             deadline = time.monotonic() + CALL_TIMEOUT
             out: list[Entry] = []
             while True:
-                kind, payload = self.recv(deadline)
+                kind, payload = self.reply(deadline)
                 if kind == ENTRY and len(payload) >= 24:
                     mode, size, mtime, n = struct.unpack_from("<IQqI", payload)
                     raw = payload[24:]
@@ -404,7 +478,7 @@ class AgentConnection:
             deadline = time.monotonic() + CALL_TIMEOUT + tree.max_bytes / MIN_RATE + \
                 tree.max_entries / 1000
             while True:
-                kind, payload = self.recv(deadline)
+                kind, payload = self.reply(deadline)
                 try:
                     if kind == FDATA:
                         tree.data(payload)
@@ -426,6 +500,37 @@ class AgentConnection:
                     if kind != ERROR:
                         self.broken = f"refused the guest's upper stream: {e}"
                     raise
+        finally:
+            self.lock.release()
+
+    def counts(self, wait: float, timeout: float = 10.0) -> GuestCounts | None:
+        """The guest's counters now; None when the agent has no commands'
+        cgroup, is busy with another call (an exec holds the channel) for
+        longer than `wait`, or does not answer within `timeout` (a slow
+        guest: its late reply is dropped when it comes, the connection
+        stays usable, and no other counts is asked until then)."""
+        if not self.lock.acquire(timeout=wait):
+            return None
+        try:
+            self._check()
+            if self._stale is not None:
+                return None
+            deadline = time.monotonic() + timeout
+            self._send(COUNTS, deadline=deadline)
+            try:
+                kind, payload = self.reply(deadline, soft=True)
+            except _Late:
+                log.info("the guest agent did not answer counts request %d in %gs",
+                         self._rid, timeout)
+                self._stale = self._rid
+                return None
+            if kind == ERROR:
+                return None
+            if kind != OK or len(payload) != 16:
+                raise self._fail(f"unexpected frame {kind} ({len(payload)} bytes) in reply "
+                                 "to counts")
+            oom, forks = struct.unpack("<QQ", payload)
+            return GuestCounts(oom, forks)
         finally:
             self.lock.release()
 

