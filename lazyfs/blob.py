@@ -61,27 +61,6 @@ def blob_entry(name: bytes) -> tuple[str | None, bool]:
     return None, False
 
 
-@dataclass(frozen=True)
-class BlobFile:
-    """What the kernel sees of a layer's blob before any byte is read: its
-    two inode numbers (`.data`, `.map`) and its size. Known without the
-    layer's manifest where the layer's EROFS metadata image names the size
-    (its device slot), so an EROFS mount opening the blob does not wait for
-    the manifest to load; the bytes need the LayerBlob."""
-
-    digest: str
-    inode: int
-    size: int
-
-    @property
-    def map_inode(self) -> int:
-        return self.inode + 1
-
-    @property
-    def map_size(self) -> int:
-        return map_size(self.size)
-
-
 @dataclass
 class LayerBlob:
     tree: LayerTree
@@ -96,6 +75,15 @@ class LayerBlob:
     @property
     def size(self) -> int:
         return self.layout.size
+
+    @property
+    def inode(self) -> int:
+        # the two inode numbers a layer's range leaves free (see layers.Layers.get)
+        return self.tree.base + len(self.tree.entries) + 1
+
+    @property
+    def map_inode(self) -> int:
+        return self.inode + 1
 
     @property
     def map_size(self) -> int:

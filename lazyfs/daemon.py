@@ -212,8 +212,7 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
                                                    source=source))
         tracer = Tracer()
         options = options or Options()
-        layers = Layers(catalog, tracer, FIRST_BASE,
-                        blob_size=lambda d: erofsmounts.blob_size(paths, d))
+        layers = Layers(catalog, tracer, FIRST_BASE)
         fs = LazyFS(layers, FetchEngine(cache, tracer, layers, options,
                                         local_store=source if isinstance(source, ChunkStore)
                                         else None),

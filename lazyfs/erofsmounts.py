@@ -61,7 +61,7 @@ from pathlib import Path
 from composer.catalog import ImageCatalog
 from composer.errors import ComposerError
 from composer.manifest import LayerManifest
-from pmem.erofs import INODES_START, blob_size_of, cached_image, meta_name, write_meta
+from pmem.erofs import cached_image, meta_name, write_meta
 
 from . import sysmount
 from .blob import blob_name
@@ -95,16 +95,6 @@ def _has_erofs() -> bool:
 
 def image_path(paths: NodePaths, digest: str) -> Path:
     return paths.erofs_images / meta_name(digest)
-
-
-def blob_size(paths: NodePaths, digest: str) -> int | None:
-    """The size of a layer's blob as its metadata image on this node names
-    it (the image a mount of the layer uses), or None without one."""
-    try:
-        with open(image_path(paths, digest), "rb") as f:
-            return blob_size_of(f.read(INODES_START))
-    except OSError:
-        return None
 
 
 def mount_path(paths: NodePaths, digest: str) -> Path:

@@ -53,8 +53,8 @@ from chunkstore.cache import NodeCache
 from composer.errors import ComposerError
 from composer.manifest import Kind
 
-from .blob import BlobFile, LayerBlob
-from .errors import FetchError, LayerLoadFailed, ServeError
+from .blob import LayerBlob
+from .errors import FetchError, ServeError
 from .layers import Layers
 from .opens import OpenWatches
 from .options import Options
@@ -78,14 +78,11 @@ class FileReader:
 
 @dataclass
 class BlobReader:
-    """One open blob file; its layer is loaded on the first read (an EROFS
-    mount opens the blob long before it reads it)."""
+    """One open blob file."""
 
-    digest: str
-    size: int
+    blob: LayerBlob
     mount: str
-    mapped: bool = False  # the `.map` file: zeros after the blob, up to map_size(size)
-    blob: LayerBlob | None = None
+    mapped: bool = False  # the `.map` file: zeros after the blob, up to blob.map_size
     # one open blob serves every reader of a shared EROFS mount: sequential
     # streams are told apart by where each one's next read starts
     streams: collections.OrderedDict[int, None] = field(
@@ -131,28 +128,8 @@ class FetchEngine:
         self.tracer.opened(tree, index, mount)
         return FileReader(tree, index, mount)
 
-    def open_blob(self, blob: LayerBlob | BlobFile, mount: str, mapped: bool = False
-                  ) -> BlobReader:
-        if isinstance(blob, LayerBlob):
-            return BlobReader(blob.tree.digest, blob.size, mount, mapped, blob)
-        return BlobReader(blob.digest, blob.size, mount, mapped)
-
-    async def _loaded(self, b: BlobReader) -> LayerBlob:
-        """The layer behind an open blob, loaded now if it was not (once,
-        however many ask); a failure is a FetchError (logged)."""
-        if b.blob is None:
-            try:
-                b.blob = await self.layers.blob(b.digest)
-            except LayerLoadFailed:
-                raise FetchError(f"layer {b.digest} failed to load") from None  # logged
-            except Exception as e:  # noqa: BLE001 - whatever the catalog raised: a FetchError
-                log.error("layer %s cannot be loaded: %s", b.digest, e)
-                self.tracer.error()
-                raise FetchError(f"layer {b.digest} cannot be loaded: {e}") from None
-            if b.blob.size != b.size:  # the metadata image named another size
-                log.error("blob of layer %s: %d bytes, its metadata image says %d",
-                          b.digest, b.blob.size, b.size)
-        return b.blob
+    def open_blob(self, blob: LayerBlob, mount: str, mapped: bool = False) -> BlobReader:
+        return BlobReader(blob, mount, mapped)
 
     async def read(self, f: FileReader, off: int, size: int) -> bytes:
         """Bytes [off, off+size) of an open file (fewer at its end); a read
@@ -183,17 +160,16 @@ class FetchEngine:
         file past the blob are zeros up to its padded size, always whole: a
         short read of a page-cached FUSE file would shrink it to the blob's
         size and a mapping of the padding would then fault."""
-        blob = await self._loaded(b)
-        if b.mapped and off + size > blob.size:
-            end = min(off + size, blob.map_size)
-            head = await self.read_blob(BlobReader(b.digest, b.size, b.mount, blob=blob), off,
-                                        max(0, blob.size - off)) if off < blob.size else b""
-            return bytes(head) + bytes(max(0, end - max(off, blob.size)))
+        if b.mapped and off + size > b.blob.size:
+            end = min(off + size, b.blob.map_size)
+            head = await self.read_blob(BlobReader(b.blob, b.mount), off,
+                                        max(0, b.blob.size - off)) if off < b.blob.size else b""
+            return bytes(head) + bytes(max(0, end - max(off, b.blob.size)))
         # (not for `.map`: the kernel reads around each page fault of a mapping itself)
         if self.options.blob_readahead_chunks and self.nursery is not None and not b.mapped:
-            self._blob_readahead(b, blob, off, min(size, blob.size - off))
-        tree = blob.tree
-        pieces = blob.pieces(off, size)
+            self._blob_readahead(b, off, min(size, b.blob.size - off))
+        tree = b.blob.tree
+        pieces = b.blob.pieces(off, size)
         ranges = [(p.entry, p.file_offset, p.length) for p in pieces if p.entry >= 0]
         mounts = self._blob_readers(b, ranges)
         for (i, _, _), mount in zip(ranges, mounts, strict=True):
@@ -214,9 +190,10 @@ class FetchEngine:
         if self.opens is None or b.mapped:
             return [b.mount] * len(ranges)
         self.opens.drain()
-        return [self.opens.opener(b.digest, i) or b.mount for i, _, _ in ranges]
+        digest = b.blob.tree.digest
+        return [self.opens.opener(digest, i) or b.mount for i, _, _ in ranges]
 
-    def _blob_readahead(self, b: BlobReader, blob: LayerBlob, off: int, size: int) -> None:
+    def _blob_readahead(self, b: BlobReader, off: int, size: int) -> None:
         """A blob read that continues an earlier one (EROFS reads a file's
         blocks in order, 128 KiB at a time) starts a background fetch of the
         next chunks of the same file, never of its neighbours in the blob
@@ -226,12 +203,12 @@ class FetchEngine:
         b.streams[off + size] = None
         while len(b.streams) > 64:
             b.streams.popitem(last=False)
-        if not sequential or size <= 0 or self.quiet_layers[b.digest]:
+        if not sequential or size <= 0 or self.quiet_layers[b.blob.tree.digest]:
             return
-        last = blob.pieces(off + size - 1, 1)
+        last = b.blob.pieces(off + size - 1, 1)
         if not last or last[0].entry < 0:
             return
-        i, tree = last[0].entry, blob.tree
+        i, tree = last[0].entry, b.blob.tree
         data = tree.file_data(i)
         span = data.span(last[0].file_offset, 1)
         if not span:

@@ -37,7 +37,7 @@ import pyfuse3
 
 from composer.manifest import Kind
 
-from .blob import BlobFile, blob_entry, blob_name, map_name
+from .blob import LayerBlob, blob_entry, blob_name, map_name
 from .errors import FetchError, LayerLoadFailed
 from .fetch import BlobReader, FetchEngine, FileReader
 from .layers import Layers
@@ -99,34 +99,15 @@ class LazyFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         return tree
 
-    async def _lookup_blob(self, digest: str) -> BlobFile:
-        """A layer's blob file. Where its size comes without the manifest
-        (the layer's metadata image), the layer loads in the background
-        meanwhile: an EROFS mount opening the blob does not wait for it."""
+    async def _lookup_blob(self, digest: str) -> LayerBlob:
+        await self._lookup_layer(digest)
         try:
-            f = self.layers.blob_files.get(digest)
-            if f is None:
-                if not await self.layers.exists(digest):
-                    raise pyfuse3.FUSEError(errno.ENOENT)
-                f = await self.layers.blob_file(digest)
-                if digest not in self.layers.blobs and self.fetch.nursery is not None:
-                    self.fetch.nursery.start_soon(self._preload, digest)
-            return f
+            return await self.layers.blob(digest)
         except LayerLoadFailed:
             raise pyfuse3.FUSEError(errno.EIO) from None
-        except pyfuse3.FUSEError:
-            raise
         except Exception as e:  # noqa: BLE001 - a bad manifest must not end the session
             log.error("blob of layer %s cannot be laid out: %s", digest, e)
             raise pyfuse3.FUSEError(errno.EIO) from None
-
-    async def _preload(self, digest: str) -> None:
-        """Load a layer and its blob layout ahead of the first read (a read
-        meanwhile waits for this load, not for a second one)."""
-        try:
-            await self.layers.blob(digest)
-        except Exception as e:  # noqa: BLE001 - the first read reports it again
-            log.debug("preloading layer %s: %s", digest, e)
 
     # -- attributes -----------------------------------------------------------
 
@@ -141,7 +122,7 @@ class LazyFS(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = 1.0  # `layers/` grows as images arrive
         return a
 
-    def _blob_attr(self, blob: BlobFile, mapped: bool = False) -> pyfuse3.EntryAttributes:
+    def _blob_attr(self, blob: LayerBlob, mapped: bool = False) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = blob.map_inode if mapped else blob.inode
         a.st_mode = stat.S_IFREG | 0o444
@@ -177,7 +158,7 @@ class LazyFS(pyfuse3.Operations):
             return self._dir_attr(ROOT, 4)
         if inode in (LAYERS, BLOBS):
             return self._dir_attr(inode)
-        blob = self.layers.blob_file_of(inode)
+        blob = self.layers.blob_of(inode)
         if blob is not None:
             return self._blob_attr(blob, inode == blob.map_inode)
         tree = self._tree_of(inode)
@@ -275,7 +256,7 @@ class LazyFS(pyfuse3.Operations):
                    ) -> pyfuse3.FileInfo:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
-        blob = self.layers.blob_file_of(inode)
+        blob = self.layers.blob_of(inode)
         if blob is not None:
             fh = self._next_fh
             self._next_fh += 1
@@ -310,7 +291,7 @@ class LazyFS(pyfuse3.Operations):
     # -- xattrs, statfs ---------------------------------------------------------
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if inode in (ROOT, LAYERS, BLOBS) or self.layers.blob_file_of(inode) is not None:
+        if inode in (ROOT, LAYERS, BLOBS) or self.layers.blob_of(inode) is not None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         tree = self._tree_of(inode)
         value = tree.xattrs(tree.target[tree.index(inode)]).get(
@@ -320,7 +301,7 @@ class LazyFS(pyfuse3.Operations):
         return value
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        if inode in (ROOT, LAYERS, BLOBS) or self.layers.blob_file_of(inode) is not None:
+        if inode in (ROOT, LAYERS, BLOBS) or self.layers.blob_of(inode) is not None:
             return []
         tree = self._tree_of(inode)
         names = tree.listed_xattrs(tree.target[tree.index(inode)])

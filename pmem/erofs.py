@@ -537,18 +537,6 @@ def _write_superblock(img: bytearray, layer: str, inodes: _Inodes, root: _Inode,
     img[DEVT_SLOTOFF * DEVT_SLOT_SIZE:INODES_START] = slot
 
 
-def blob_size_of(head: bytes) -> int | None:
-    """The size of the blob (device 1) a metadata image this module wrote
-    names, from its first INODES_START bytes; None for anything else."""
-    if len(head) < INODES_START:
-        return None
-    sb = _SUPER.unpack_from(head, SUPER_OFFSET)
-    if sb[0] != MAGIC or sb[3] != BLOCK_BITS or sb[16] != 1 or sb[17] != DEVT_SLOTOFF:
-        return None  # (magic, block size, one extra device, its slot where we put it)
-    _, blocks, _, _, _, _ = _DEVSLOT.unpack_from(head, DEVT_SLOTOFF * DEVT_SLOT_SIZE)
-    return int(blocks) << BLOCK_BITS
-
-
 def _ino_number(ino: _Inode) -> int:
     # i_ino is only for 32-bit stat(); nids are unique, so derive it from them
     return ino.nid & 0xFFFFFFFF

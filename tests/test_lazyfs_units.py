@@ -123,52 +123,15 @@ def test_fixups_take_metadata_from_the_layer_that_listed_the_directory() -> None
     assert (fixes["opt"].mode, fixes["opt"].uid, fixes["opt"].mtime_ns) == (0o700, 7, 9)
 
 
-def test_blob_files_take_inodes_no_layer_entry_has(tmp_path: Path) -> None:
-    """A blob file's inode numbers and size come before its layer loads
-    (the size from the layer's metadata image), never collide with a
-    layer entry's, and stay the same however many ask at once."""
-    from lazyfs.blob import (
-        MAP_ALIGN,
-        BlobFile,
-        LayerBlob,
-        blob_entry,
-        blob_name,
-        digest_of,
-        map_name,
-    )
-    from pmem.erofs import INODES_START, blob_size_of, build_image
+def test_a_layer_blob_takes_the_inodes_its_range_leaves_free() -> None:
+    from lazyfs.blob import MAP_ALIGN, LayerBlob, blob_entry, blob_name, digest_of, map_name
     m = _layer(Entry("f", Kind.FILE, 0o644))
     tree = LayerTree.build("blake3:t", m, 3)
     blob = LayerBlob.build(tree)
-    meta = build_image(m, layer="blake3:t").meta
-    assert blob_size_of(meta[:INODES_START]) == blob.size
-    assert blob_size_of(b"\0" * INODES_START) is None and blob_size_of(meta[:100]) is None
-
-    class Catalog:
-        loads = 0
-
-        def load_layer(self, digest: str) -> LayerManifest:
-            Catalog.loads += 1
-            return m
-
-    async def main() -> None:
-        layers = Layers(Catalog(), Tracer(), 3,  # type: ignore[arg-type]
-                        blob_size=lambda d: blob_size_of(meta[:INODES_START]))
-        got: list[BlobFile] = []
-
-        async def one() -> None:
-            got.append(await layers.blob_file("blake3:t"))
-        async with trio.open_nursery() as n:
-            for _ in range(3):
-                n.start_soon(one)
-        files = set(got)
-        assert len(got) == 3 and len(files) == 1 and Catalog.loads == 0  # no manifest
-        (f,) = files
-        assert f.size == blob.size and f.map_inode == f.inode + 1
-        tree = await layers.get("blake3:t")
-        assert all(tree.inode(i) not in (f.inode, f.map_inode) for i in range(len(tree.entries)))
-        assert layers.blob_file_of(f.map_inode) is f and layers.tree_of(f.inode) is None
-    trio.run(main)
+    assert blob.inode == tree.base + len(tree.entries) + 1
+    assert blob.map_inode == blob.inode + 1  # the next layer's base
+    assert all(tree.inode(i) not in (blob.inode, blob.map_inode)
+               for i in range(len(tree.entries)))
     assert digest_of(blob_name("blake3:t").encode()) == "blake3:t"
     assert blob_entry(map_name("blake3:t").encode()) == ("blake3:t", True)
     assert blob_entry(blob_name("blake3:t").encode()) == ("blake3:t", False)
