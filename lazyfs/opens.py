@@ -161,6 +161,9 @@ class OpenWatches:
         self.by_mount: dict[str, Watch] = {}
         self.stopped: dict[str, str] = {}  # mount -> why it is not watched
         self.openers: dict[tuple[str, int], str] = {}  # (digest, entry) -> last opener
+        # the openers entries each mount set, so forgetting a mount touches
+        # only its own (never a scan of every mount's)
+        self._opened: dict[str, set[tuple[str, int]]] = {}
         self._epoll: select.epoll | None = None
         self.unavailable: str | None = None if _syscalls() else "fanotify: unsupported machine"
 
@@ -219,8 +222,9 @@ class OpenWatches:
         w = self.by_mount.pop(mount, None)
         if w is not None:
             self._close(w)
-        for key in [k for k, m in self.openers.items() if m == mount]:
-            del self.openers[key]
+        for key in self._opened.pop(mount, ()):
+            if self.openers.get(key) == mount:
+                del self.openers[key]
 
     def _close(self, w: Watch) -> None:
         self.watches.pop(w.fd, None)
@@ -299,7 +303,7 @@ class OpenWatches:
                 except Unavailable:
                     w.ignored = IGNORE_MARKS  # the user's mark budget: stop asking
             if found is not None:
-                self.openers[found] = w.mount
+                self._opener(found, w.mount)
             return
         try:
             link = os.readlink(f"/proc/self/fd/{efd}")
@@ -315,10 +319,7 @@ class OpenWatches:
         if found is None:
             return
         w.counted += 1
-        self.openers[found] = w.mount
-        if len(self.openers) > 1_000_000:  # bounded: the oldest go first
-            for old in list(self.openers)[:100_000]:
-                del self.openers[old]
+        self._opener(found, w.mount)
         self.on_open(w.mount, *found)
 
     def _stop(self, w: Watch, why: str) -> None:
@@ -326,6 +327,15 @@ class OpenWatches:
         self.by_mount.pop(w.mount, None)
         self.stopped[w.mount] = why
         self._close(w)
+
+    def _opener(self, key: tuple[str, int], mount: str) -> None:
+        self.openers[key] = mount
+        opened = self._opened.setdefault(mount, set())
+        if len(opened) < SEEN:
+            opened.add(key)
+        if len(self.openers) > 1_000_000:  # bounded: the oldest go first
+            for old in list(self.openers)[:100_000]:
+                del self.openers[old]
 
     def opener(self, digest: str, index: int) -> str | None:
         return self.openers.get((digest, index))

@@ -69,6 +69,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import landlock
+
 log = logging.getLogger(__name__)
 
 NETLINK_AUDIT = 9
@@ -207,10 +209,9 @@ def unreadable() -> str | None:
     """Why this process could not read Landlock's audit records (None: it
     can): the multicast group needs CAP_AUDIT_READ, enabling audit
     CAP_AUDIT_CONTROL in the initial namespaces, and Landlock ABI 7."""
-    try:
-        abi = _landlock_abi()
-    except OSError as e:
-        return f"no Landlock: {e.strerror}"
+    abi = landlock.abi()
+    if abi == 0:
+        return "no Landlock (not enabled in this kernel)"
     if abi < 7:
         return f"Landlock ABI {abi} logs no denials (7 does)"
     try:
@@ -227,16 +228,6 @@ def unreadable() -> str | None:
     except (OSError, AuditUnavailable) as e:
         return f"the kernel's audit cannot be read: {e}"
     return None
-
-
-def _landlock_abi() -> int:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    abi = int(libc.syscall(444, None, 0, 1))  # landlock_create_ruleset(VERSION)
-    if abi < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-    return abi
 
 
 @dataclass

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 from pathlib import Path
 from typing import Any
+
+from . import landlock
 
 DENIED = (
     # mounts and namespaces: the sandbox's view of the host is fixed at creation
@@ -49,13 +52,11 @@ CLONE_NS_FLAGS = 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWN
 UNLOGGED_LANDLOCK = ((2, 0), (1, 1), (4, 4))
 
 
+@functools.cache
 def _landlock_logs() -> bool:
-    """Landlock here has ABI 7 (its refusals reach the audit log)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.syscall(444, None, 0, 1)) >= 7  # landlock_create_ruleset(VERSION)
-    except (OSError, AttributeError):
-        return False
+    """Landlock here has ABI 7 (its refusals reach the audit log); asked
+    once (every create and every fncall call builds a policy)."""
+    return landlock.abi() >= 7
 
 
 def _ns_bits() -> list[int]:

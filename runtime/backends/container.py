@@ -255,6 +255,8 @@ class ContainerBackend:
         """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
         the one whose host id range holds `uid`, or (no user namespaces, or
         a range restores share) the one whose cgroup process `pid` is in."""
+        if pid is None or pid <= 0:
+            pid = None
         with self._listener_lock:
             ids: set[str] = set()
             if uid >= idmap.FIRST:
@@ -262,15 +264,15 @@ class ContainerBackend:
                     idmap.FIRST + (uid - idmap.FIRST) // idmap.RANGE * idmap.RANGE, ()))
                 if len(ids) == 1:
                     return functools.partial(self._landlock_event, ids.pop())
-            live = set(self._live)
-        if pid is None or pid <= 0:
+        if pid is None:
             return None
         try:
             text = Path(f"/proc/{pid}/cgroup").read_text()
         except OSError:
             return None  # gone: the uid alone could not tell
         found = {m.group(1) for m in _CGROUP_LINE.finditer(text)}
-        found &= ids or live
+        with self._listener_lock:  # (a lookup per cgroup named, no copy of the live set)
+            found = {f for f in found if f in (ids or self._live)}
         return functools.partial(self._landlock_event, found.pop()) if len(found) == 1 else None
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
