@@ -19,6 +19,8 @@ Control requests (one JSON object per line, one answer each):
     {"op": "trace", "mount": M|null}     -> {"ok": true, "trace": {...}}
     {"op": "prefetch", "events": [...]}  -> {"ok": true, "queued": n} (runs in the background)
     {"op": "drop_cache"}                 -> {"ok": true} (empties the node cache)
+    {"op": "mount_stats", "mount": M}    -> {"ok": true, "mounts": [...]} (one mount's rows
+                                            of stats' "mounts")
     {"op": "forget_mount", "mount": M}   -> {"ok": true} (drop an unmounted mount's counters)
     {"op": "mounted", "image": D, "mount": M, "kernel": true}
                                          -> {"ok": true, "trace": state, "opens": state}
@@ -491,6 +493,8 @@ async def _answer(fs: LazyFS, paths: NodePaths, line: bytes) -> dict[str, Any]:
         return {"ok": True, "stats": _stats(fs)}
     if op == "metrics":
         return {"ok": True, "text": (await _metrics(fs, paths)).decode()}
+    if op == "mount_stats":
+        return {"ok": True, "mounts": fs.fetch.tracer.mount_rows(str(req.get("mount")))}
     if op == "trace":
         return {"ok": True, "trace": fs.fetch.tracer.trace(req.get("mount"))}
     if op == "prefetch":

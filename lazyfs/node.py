@@ -169,7 +169,7 @@ def mount_reads(paths: NodePaths, mountpoint: str | Path, *, trace: bool = False
     `trace`: its first reads in order (t, layer, path, chunk). OSError or
     DaemonError as `request`."""
     mount = str(mountpoint)
-    rows = [r for r in request(paths, {"op": "stats"})["stats"]["mounts"] if r["mount"] == mount]
+    rows = request(paths, {"op": "mount_stats", "mount": mount})["mounts"]
     out: dict[str, Any] = {k: sum(int(r[src]) for r in rows) for k, src in (
         ("files", "files_touched"), ("chunks", "chunks_touched"),
         ("touched_bytes", "touched_bytes"), ("served_bytes", "served_bytes"),

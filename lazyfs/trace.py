@@ -130,6 +130,12 @@ class Tracer:
             "events": len(self.events),
         }
 
+    def mount_rows(self, mount: str) -> list[dict[str, Any]]:
+        """One composed mount's rows of `snapshot()["mounts"]` (its layers),
+        without summarising every other mount's."""
+        return [{"mount": m, "layer": d, **c.summary(self.sizes.get(d, 0))}
+                for (m, d), c in list(self.mounts.items()) if m == mount]
+
     def trace(self, mount: str | None = None) -> dict[str, Any]:
         events = [e for e in self.events if mount is None or e["mount"] == mount]
         return {"version": TRACE_VERSION, "events": events}
