@@ -24,6 +24,9 @@ built by the tests' helpers if missing), converted into a fresh store under
               here), every cold chunk fetched from it over S3 and kept in the
               node cache (what a cluster node does); its CPU includes weed's
               (--no-cluster leaves it out);
+  kernel-cluster-filer  the same, the node reading from SeaweedFS's filer
+              HTTP API instead (a cluster URL with &filer=: no S3 gateway
+              hop; writes still go through S3);
   kernel-before  (with --before) the kernel path with the settings this
               change replaced: every fetch in a worker thread
               (--inline-fetch-bytes 0), chunks copied into the node cache
@@ -269,7 +272,7 @@ class Bench:
         self.weed: SeaweedFS | None = None
         self.cluster: Cluster | None = None
         self.views = ["ext4", "erofs-file", "erofs-fuse", "kernel", "fuse"] + (
-            ["kernel-cluster"] if args.cluster else []) + (
+            ["kernel-cluster", "kernel-cluster-filer"] if args.cluster else []) + (
             ["kernel-before"] if args.before else []) + (
             ["kernel-noattr"] if args.attribution_control else [])
         self.go_roots: dict[str, Path] = {}
@@ -310,9 +313,9 @@ class Bench:
                 node.start()
             for view in self.views[3:]:
                 catalog: ImageCatalog = cat
-                if view == "kernel-cluster":
+                if view.startswith("kernel-cluster"):
                     assert self.cluster is not None
-                    node = self.nodes["cluster"]
+                    node = self.nodes[view.removeprefix("kernel-")]
                     catalog = ClusterCatalog(self.cluster)
                 else:
                     node = self.nodes["before" if view.endswith("before") else
@@ -379,10 +382,12 @@ class Bench:
             t0 = time.perf_counter()
             push(self.cluster, store, cat, "dev:1")
             log(f"pushed dev:1 to SeaweedFS in {time.perf_counter() - t0:.1f} s")
-        node = self.nodes["cluster"] = LazyNode(self.work / "node-cluster",
-                                                self.work / "no-local-store", cache_size="8G",
-                                                cluster=url, extra=NO_TRACES)
-        node.start()
+        for name, node_url in (("cluster", url),
+                               ("cluster-filer", self.weed.url("cold", filer=True))):
+            node = self.nodes[name] = LazyNode(self.work / f"node-{name}",
+                                               self.work / "no-local-store", cache_size="8G",
+                                               cluster=node_url, extra=NO_TRACES)
+            node.start()
 
     def close(self) -> None:
         for path in self.binds:
@@ -416,7 +421,8 @@ class Bench:
         pids = [node.proc.pid] if node is not None and node.proc is not None else []
         if view == "erofs-fuse" and self.proxy is not None:
             pids.append(self.proxy.pid)
-        if view == "kernel-cluster" and self.weed is not None and self.weed.proc is not None:
+        if view.startswith("kernel-cluster") and self.weed is not None \
+                and self.weed.proc is not None:
             pids.append(self.weed.proc.pid)
         return pids
 

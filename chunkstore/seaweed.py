@@ -20,6 +20,8 @@ ServerProcess like their other servers; it takes its command line
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import socket
 import subprocess
@@ -90,9 +92,14 @@ def free_ports(n: int) -> list[int]:
 
 class SeaweedFS:
     def __init__(self, workdir: Path, *, s3_port: int | None = None,
-                 preexec: Callable[[], None] | None = None, ip: str = "127.0.0.1") -> None:
-        """`ip`: the one address it listens on and names in its URLs."""
+                 preexec: Callable[[], None] | None = None, ip: str = "127.0.0.1",
+                 s3_identity: tuple[str, str] | None = None) -> None:
+        """`ip`: the one address it listens on and names in its URLs;
+        `s3_identity`: (access key, secret key) of the one S3 identity it
+        accepts (every request must then be signed with it); None: it
+        accepts any request, signed or not."""
         self.ip = ip
+        self.s3_identity = s3_identity
         self.workdir = Path(workdir)
         self.data = self.workdir / "data"
         self.log = self.workdir / "weed.log"
@@ -109,10 +116,16 @@ class SeaweedFS:
     def bucket_url(self, bucket: str) -> str:
         return f"s3://{bucket}?endpoint={self.endpoint}"
 
-    def url(self, prefix: str, bucket: str = "lazyfs") -> str:
+    @property
+    def filer_endpoint(self) -> str:
+        return f"http://{self.ip}:{self.filer}"
+
+    def url(self, prefix: str, bucket: str = "lazyfs", *, filer: bool = False) -> str:
         """A cluster URL under one shared bucket (SeaweedFS gives every bucket
-        its own collection of volumes: one bucket, many prefixes, is lighter)."""
-        return f"s3://{bucket}/{prefix}?endpoint={self.endpoint}"
+        its own collection of volumes: one bucket, many prefixes, is lighter);
+        `filer`: reads from the filer's HTTP API (no S3 gateway hop)."""
+        return (f"s3://{bucket}/{prefix}?endpoint={self.endpoint}"
+                + (f"&filer={self.filer_endpoint}" if filer else ""))
 
     def __enter__(self) -> SeaweedFS:
         self.start()
@@ -141,7 +154,20 @@ class SeaweedFS:
                 "-volume.max=0", "-master.volumeSizeLimitMB=256",  # volumes: as disk allows
                 # SeaweedFS 4 also opens Iceberg and Lance listeners on fixed ports:
                 # off, so that several servers can run on one machine
-                "-s3.port.iceberg=0", "-s3.port.lance=0"]
+                "-s3.port.iceberg=0", "-s3.port.lance=0"] + self._s3_config()
+
+    def _s3_config(self) -> list[str]:
+        if self.s3_identity is None:
+            return []
+        access, secret = self.s3_identity
+        path = self.workdir / "s3-identities.json"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"identities": [{
+                "name": "lazyfs", "credentials": [{"accessKey": access, "secretKey": secret}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
+        return [f"-s3.config={path}"]
 
     def start(self) -> None:
         """Start `weed server` and wait until it serves S3 (STARTUP_TIMEOUT);

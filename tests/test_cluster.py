@@ -18,7 +18,13 @@ import pytest
 
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster, layer_key
-from chunkstore.objects import ObjectNotFound, ObjectStore, S3ObjectStore, open_object_store
+from chunkstore.objects import (
+    ObjectNotFound,
+    ObjectStore,
+    ObjectStoreError,
+    S3ObjectStore,
+    open_object_store,
+)
 from composer.catalog import Catalog
 from composer.convert import convert
 from composer.errors import ImageNotFound
@@ -51,10 +57,10 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
 _prefix_seq = iter(range(1_000_000))
 
 
-@pytest.fixture(params=["s3", "posix"])
+@pytest.fixture(params=["s3", "s3-filer-reads", "posix"])
 def cluster_url(request: pytest.FixtureRequest, seaweed: SeaweedFS, tmp_path: Path) -> str:
-    if request.param == "s3":
-        return seaweed.url(f"t{next(_prefix_seq)}")
+    if request.param.startswith("s3"):
+        return seaweed.url(f"t{next(_prefix_seq)}", filer=request.param == "s3-filer-reads")
     (tmp_path / "shared").mkdir()
     return f"posix://{tmp_path / 'shared'}"
 
@@ -358,6 +364,8 @@ def test_cluster_urls_are_checked() -> None:
         open_object_store("s3://bucket/p?endpont=http://x")
     with pytest.raises(ValueError, match="must be absolute"):
         open_object_store("posix://mnt/3fs")
+    with pytest.raises(ValueError, match="expected http://HOST:PORT"):
+        open_object_store("s3://bucket/p?endpoint=http://x:8333&filer=x:8888")
 
 
 def test_gc_keeps_what_tags_reach_and_deletes_the_rest(cluster_url: str, store: ChunkStore,
@@ -408,3 +416,43 @@ def test_gc_keeps_what_tags_reach_and_deletes_the_rest(cluster_url: str, store: 
             images.remove_tag("img:1")
         r = images.gc(grace_seconds=0)
         assert r.tables == 2 and list(objects.list("packs/")) == []
+
+
+def test_reads_are_signed_and_a_refusal_is_one_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a SeaweedFS that checks signatures (one S3 identity): the
+    store's own signed GETs read whole objects and ranges with the keys the
+    environment gives, while an unsigned GET is refused; with a wrong
+    secret a read fails at once (a 403 is not retried) in one error naming
+    the store, the key and the answer."""
+    import urllib.error
+    import urllib.request
+    with SeaweedFS(tmp_path / "weed", s3_identity=("lazyfs-test", "s3cret-key")) as sw:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "lazyfs-test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret-key")
+        o = open_object_store(sw.url("signed"))
+        assert isinstance(o, S3ObjectStore)
+        o.ensure_bucket()
+        data = os.urandom(300_000)
+        o.put("packs/p.pack", data)
+        assert o.get("packs/p.pack") == data
+        assert o.get_range("packs/p.pack", 1234, 100_000) == data[1234:101_234]
+        assert o.get_range("packs/p.pack", 299_990, 100) == data[299_990:]
+        assert o.get_range("packs/p.pack", 300_000, 10) == b""
+        with pytest.raises(ObjectNotFound):
+            o.get_range("packs/nothing.pack", 0, 10)
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the server does check
+            urllib.request.urlopen(f"{sw.endpoint}/lazyfs/signed/packs/p.pack", timeout=10)
+        assert refused.value.code == 403
+        refused.value.close()
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        bad = open_object_store(sw.url("signed"))
+        t0 = time.monotonic()
+        with pytest.raises(ObjectStoreError) as e:
+            bad.get_range("packs/p.pack", 0, 10)
+        assert time.monotonic() - t0 < 2.0, "a refused signature was retried"
+        assert not isinstance(e.value, ObjectNotFound)
+        msg = str(e.value)
+        assert "packs/p.pack" in msg and "403" in msg and "Signature" in msg, msg
+        o.close()
+        bad.close()

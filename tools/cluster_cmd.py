@@ -69,7 +69,7 @@ def seaweed(datadir: Path, s3_port: int, bucket: str) -> None:
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
-        url = sw.url("images", bucket=bucket)
+        url = sw.url("images", bucket=bucket, filer=True)  # (reads skip the S3 gateway)
         store = open_object_store(url)
         assert isinstance(store, S3ObjectStore)
         try:

@@ -34,11 +34,12 @@ class SeaweedFS(ServerProcess):
     error = ClusterServerError
 
     def __init__(self, workdir: Path, *, startup_timeout: float = _seaweed.STARTUP_TIMEOUT,
-                 ip: str = "127.0.0.1") -> None:
+                 ip: str = "127.0.0.1", s3_identity: tuple[str, str] | None = None) -> None:
         """`ip`: the address it listens on (netns.FleetNet's service address
-        for nodes in network namespaces)."""
+        for nodes in network namespaces); `s3_identity`: the one (access key,
+        secret key) it accepts (None: any request)."""
         # its ports and paths; not started by it
-        self.server = _seaweed.SeaweedFS(workdir, ip=ip)
+        self.server = _seaweed.SeaweedFS(workdir, ip=ip, s3_identity=s3_identity)
         super().__init__(self.server.log, startup_timeout=startup_timeout,
                          stop_grace=STOP_GRACE)
 
@@ -49,13 +50,13 @@ class SeaweedFS(ServerProcess):
     def bucket_url(self, bucket: str) -> str:
         return self.server.bucket_url(bucket)
 
-    def url(self, prefix: str, bucket: str = "lazyfs") -> str:
-        return self.server.url(prefix, bucket)
+    def url(self, prefix: str, bucket: str = "lazyfs", *, filer: bool = False) -> str:
+        return self.server.url(prefix, bucket, filer=filer)
 
-    def store_url(self, prefix: str, bucket: str = "lazyfs") -> str:
+    def store_url(self, prefix: str, bucket: str = "lazyfs", *, filer: bool = False) -> str:
         """url(prefix), its bucket made (S3 wants one before the first put)."""
         from chunkstore.objects import S3ObjectStore, open_object_store
-        url = self.url(prefix, bucket)
+        url = self.url(prefix, bucket, filer=filer)
         objects = open_object_store(url)
         assert isinstance(objects, S3ObjectStore)
         objects.ensure_bucket()
