@@ -209,7 +209,10 @@ class ClusterReader:
                 run.append(item)
             if run:
                 jobs.append((pack, run))
-        results: dict[ChunkId, bytes] = {}
+        if len(jobs) == 1:  # (most reads: one GET, in this thread, no hand-off)
+            results = self._read_run(*jobs[0])
+            return [results[c] for c in ids]
+        results = {}
         futures = [self._pool.submit(self._read_run, pack, run) for pack, run in jobs]
         first: BaseException | None = None
         for fut in futures:
