@@ -1,19 +1,17 @@
-"""What one ranged S3 GET costs a cluster node (every cold chunk it serves
-is one), through the cluster store's read path (chunkstore.objects:
-a urllib3 pool and botocore's SigV4 signer) against the same GET through
-the boto3 client (what that path used before), in one run.
+"""What one ranged GET costs a cluster node (every cold chunk it serves is
+one), through the cluster store's read paths (chunkstore.objects: libcurl,
+signed with botocore's SigV4 signer; or, with `filer=` in the URL, plain
+GETs from SeaweedFS's filer HTTP API) against the same GET through the
+boto3 client (what the read path was before), in one run.
 
 A SeaweedFS on loopback (`weed server`, started here, with one S3 identity,
-so every request is signed and checked) holds one 64 MiB pack object; each
-variant makes --gets ranged GETs of --size bytes at spread offsets (a chunk
-record of the dev image is ~40 KB on average), alternating between the
-variants in batches of 50. A third variant reads the same ranges from
-SeaweedFS's filer over plain HTTP (unsigned, no S3 gateway hop, a urllib3
-pool): what the S3 gateway adds, for the question whether a
-SeaweedFS-specific read path would pay.
+so every S3 request is signed and checked) holds one 64 MiB pack object;
+each variant makes --gets ranged GETs of --size bytes at spread offsets (a
+chunk record of the dev image is ~40 KB on average), alternating between
+the variants in batches of 50.
 
 Per variant: wall time per GET (p50, p90, p99) and this process's CPU per
-GET. The server's CPU is the same for both signed variants and not counted.
+GET (the server's is not counted).
 
     python -m benchmarks.bench_s3get [--quick] [--gets N] [--size BYTES]
 
@@ -30,8 +28,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import urllib3
 
 from benchmarks.report import (
     RESULTS,
@@ -92,15 +88,10 @@ def run(args: argparse.Namespace, server: SeaweedFS) -> dict[str, Any]:
     def lazyfs_get(off: int) -> bytes:
         return store.get_range("packs/p.pack", off, size)
 
-    pool = urllib3.PoolManager(maxsize=4, retries=False)
-    filer_url = (f"http://{server.server.ip}:{server.server.filer}/buckets/"
-                 f"{store.bucket}/{store.prefix}packs/p.pack")
+    filer = open_object_store(server.url("bench", filer=True))
 
     def filer_get(off: int) -> bytes:
-        r = pool.request("GET", filer_url, headers={"Range": f"bytes={off}-{off + size - 1}"})
-        if r.status != 206:
-            raise SystemExit(f"filer GET: HTTP {r.status}: {r.data[:300]!r}")
-        return bytes(r.data)
+        return filer.get_range("packs/p.pack", off, size)
 
     def boto3_get(off: int) -> bytes:
         r = store.client.get_object(Bucket=store.bucket, Key=store.prefix + "packs/p.pack",
@@ -109,8 +100,8 @@ def run(args: argparse.Namespace, server: SeaweedFS) -> dict[str, Any]:
         return body
 
     variants: dict[str, Callable[[int], bytes]] = {
-        "lazyfs (urllib3 + SigV4)": lazyfs_get, "boto3 client": boto3_get,
-        "filer HTTP (no S3 gateway)": filer_get}
+        "lazyfs, S3 (libcurl + SigV4)": lazyfs_get, "boto3 client get_object": boto3_get,
+        "lazyfs, filer= (libcurl)": filer_get}
     walls: dict[str, list[float]] = {v: [] for v in variants}
     cpus: dict[str, float] = dict.fromkeys(variants, 0.0)
     for fn in variants.values():  # connections up, code paths warm
@@ -128,9 +119,10 @@ def run(args: argparse.Namespace, server: SeaweedFS) -> dict[str, Any]:
                     raise SystemExit(f"{name}: wrong bytes at offset {off}")
             cpus[name] += time.process_time() - c0
     store.close()
+    filer.close()
     rows = []
     out: dict[str, Any] = {"gets": args.gets, "size": size, "variants": {}}
-    base = summary(walls["boto3 client"])
+    base = summary(walls["boto3 client get_object"])
     for name in variants:
         s = summary(walls[name])
         cpu_ms = cpus[name] / len(walls[name]) * 1e3

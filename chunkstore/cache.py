@@ -32,7 +32,9 @@ directory is rescanned at open; recency then starts from file mtimes).
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
+import functools
 import logging
 import os
 import threading
@@ -92,9 +94,15 @@ _Key = tuple[str, bytes]
 _DOMAIN_PREFIX = "dom-"
 
 
+@functools.lru_cache(maxsize=1024)
 def _domain_dir(domain: str) -> str:
     """A trust domain as one safe directory name ('/' and '..' cannot escape)."""
     return _DOMAIN_PREFIX + urllib.parse.quote(domain, safe="")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class NodeCache:
@@ -266,9 +274,10 @@ class NodeCache:
                 fut.set_exception(error)
                 fut.exception()  # marks it retrieved when nobody waits
 
-    def _path(self, key: _Key) -> Path:
+    def _path(self, key: _Key) -> str:
+        # (strings, not pathlib: this runs for every chunk a read fills or finds)
         hexid = key[1].hex()
-        return self.root / _domain_dir(key[0]) / hexid[:2] / hexid
+        return f"{self.root}/{_domain_dir(key[0])}/{hexid[:2]}/{hexid}"
 
     def _read_cached(self, key: _Key, cid: ChunkId) -> bytes | None:
         with self._mu:
@@ -374,17 +383,17 @@ class NodeCache:
         path = self._path(key)
         with self._mu:
             self._tmp_seq += 1
-            tmp = self.root / "tmp" / f"{os.getpid()}.{threading.get_ident()}.{self._tmp_seq}"
+            tmp = f"{self.root}/tmp/{os.getpid()}.{threading.get_ident()}.{self._tmp_seq}"
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
             try:
                 os.rename(tmp, path)
             except FileNotFoundError:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
                 os.rename(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+            _unlink(tmp)  # a full disk leaves no partial file behind
             raise
         with self._mu:
             old = self._lru.pop(key, None)
@@ -400,7 +409,7 @@ class NodeCache:
             if size is not None:
                 self._bytes -= size
         if unlink:
-            self._path(key).unlink(missing_ok=True)
+            _unlink(self._path(key))
 
     def _evict(self) -> None:
         victims: list[_Key] = []
@@ -411,7 +420,7 @@ class NodeCache:
                 victims.append(key)
             self.stats.evictions += len(victims)
         for key in victims:
-            self._path(key).unlink(missing_ok=True)
+            _unlink(self._path(key))
 
     def clear(self) -> None:
         """Drop every cached chunk (benchmarks: a cold node)."""
@@ -423,4 +432,4 @@ class NodeCache:
             self._recent.clear()
             self._recent_bytes = 0
         for key in keys:
-            self._path(key).unlink(missing_ok=True)
+            _unlink(self._path(key))

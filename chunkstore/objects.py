@@ -17,13 +17,14 @@ LAZYFS_S3_ENDPOINT / AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY (boto3's usual chain), region default us-east-1.
 
 Reads (get, get_range: every cold chunk a cluster node serves is one) do
-not go through the boto3 client: each is one GET from a urllib3 connection
-pool, signed by botocore's SigV4 signer with the same credentials, region
-and endpoint. boto3's request machinery (events, parameter validation,
-response parsing) cost 1.2 ms of CPU a ranged GET against 0.5 ms this way,
-and a quarter of the GET's time on loopback (benchmarks/bench_s3get.py).
-Writes, listings and deletes are rare and stay with boto3; so do reads when
-a proxy is configured for the endpoint.
+not go through the boto3 client: each is one GET through libcurl (pycurl),
+signed by botocore's SigV4 signer with the same credentials, region and
+endpoint, or, with `filer=` in the URL, a plain GET from the SeaweedFS
+filer's HTTP API (no S3 gateway hop). boto3's request machinery (events,
+parameter validation, response parsing) and http.client's header parsing
+cost several times the client CPU of a ranged GET on loopback
+(benchmarks/bench_s3get.py). Writes, listings and deletes are rare and stay
+with boto3.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -315,35 +316,60 @@ _XML_FIELD = re.compile(rb"<(Code|Message)>([^<]{0,512})</(?:Code|Message)>")
 
 
 class _Gets:
-    """GETs of one bucket's objects through a urllib3 pool: signed with
-    SigV4 from the S3 endpoint (the signer is botocore's: we only build the
-    request it signs), or, with `credentials` None, plain GETs from a
-    SeaweedFS filer's HTTP API (`base`: its buckets directory)."""
+    """GETs of one bucket's objects through libcurl (pycurl: one handle and
+    its connections per thread): signed with SigV4 from the S3 endpoint
+    (the signer is botocore's: we only build the request it signs), or,
+    with `credentials` None, plain GETs from a SeaweedFS filer's HTTP API
+    (`base`: its buckets directory). Proxies: libcurl's usual environment
+    (http_proxy, https_proxy, no_proxy)."""
+
+    # libcurl errors that no retry mends: a bad URL or protocol, TLS refusals
+    _PERMANENT = frozenset({1, 3, 4, 35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 83, 90, 91})
 
     def __init__(self, base: str, bucket: str, timeout: float, *, region: str = "",
                  credentials: Any = None) -> None:
         import botocore.auth
         import botocore.awsrequest
         import botocore.httpsession
-        import urllib3
+        import pycurl
 
+        self._curl = pycurl
         self._auth = botocore.auth.S3SigV4Auth
         self._request = botocore.awsrequest.AWSRequest
-        self._http_errors = urllib3.exceptions.HTTPError
         self.base = base.rstrip("/") + "/" + urllib.parse.quote(bucket, safe="") + "/"
         self.region = region
         self.credentials = credentials
+        self.timeout_ms = max(1, int(timeout * 1000))
         ca = os.environ.get("AWS_CA_BUNDLE") or botocore.httpsession.get_cert_path(True)
-        self.pool = urllib3.PoolManager(
-            maxsize=32, retries=False, ca_certs=ca if isinstance(ca, str) else None,
-            timeout=urllib3.Timeout(connect=timeout, read=timeout))
+        self.ca = ca if isinstance(ca, str) else None
+        self._local = threading.local()
+        self._handles: list[Any] = []
+        self._mu = threading.Lock()
+
+    def _handle(self) -> Any:
+        c = getattr(self._local, "curl", None)
+        if c is None:
+            pycurl = self._curl
+            c = self._local.curl = pycurl.Curl()
+            c.setopt(pycurl.NOSIGNAL, 1)  # (threads: no SIGALRM for DNS timeouts)
+            c.setopt(pycurl.CONNECTTIMEOUT_MS, self.timeout_ms)
+            c.setopt(pycurl.TIMEOUT_MS, self.timeout_ms)
+            c.setopt(pycurl.FOLLOWLOCATION, 0)
+            if self.ca is not None:
+                c.setopt(pycurl.CAINFO, self.ca)
+            with self._mu:
+                self._handles.append(c)
+        return c
 
     def close(self) -> None:
-        self.pool.clear()
+        with self._mu:
+            handles, self._handles = self._handles, []
+        for c in handles:
+            c.close()
 
     def get(self, key: str, first: int | None = None, last: int | None = None) -> bytes:
         """The object (or bytes first..last of it); S3StatusError on an
-        error answer, urllib3's errors when the connection fails."""
+        error answer, pycurl.error when the connection fails."""
         url = self.base + urllib.parse.quote(key, safe="/~")
         headers = {} if first is None else {"Range": f"bytes={first}-{last}"}
         if self.credentials is not None:
@@ -351,26 +377,44 @@ class _Gets:
             self._auth(self.credentials.get_frozen_credentials(), "s3",
                        self.region).add_auth(request)
             headers = dict(request.headers.items())
-        r = self.pool.request("GET", url, headers=headers, preload_content=True,
-                              redirect=False)
-        if r.status in (200, 206):
-            data: bytes = r.data
-            if first is not None and r.status == 200:  # a server that ignored the range
+        pycurl = self._curl
+        c = self._handle()
+        parts: list[bytes] = []
+        c.setopt(pycurl.URL, url)
+        if headers:
+            c.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in headers.items()])
+        else:  # (an empty list would keep the previous request's)
+            c.unsetopt(pycurl.HTTPHEADER)
+        c.setopt(pycurl.WRITEFUNCTION, parts.append)
+        try:
+            c.perform()
+        finally:
+            c.setopt(pycurl.WRITEFUNCTION, _discard)  # (drop the reference to parts)
+        status = int(c.getinfo(pycurl.RESPONSE_CODE))
+        data = b"".join(parts)
+        if status in (200, 206):
+            if first is not None and status == 200:  # a server that ignored the range
                 assert last is not None
                 return data[first:last + 1]
             return data
         fields = {m.group(1).decode(): html.unescape(m.group(2).decode("utf-8", "replace"))
-                  for m in _XML_FIELD.finditer(r.data[:4096])}
+                  for m in _XML_FIELD.finditer(data[:4096])}
         code = fields.get("Code", "")
-        if not code and r.status in (404, 416):  # (the filer answers without a body)
-            code = "NoSuchKey" if r.status == 404 else "InvalidRange"
-        raise S3StatusError(r.status, code, fields.get("Message", "")
-                            or r.data[:200].decode("utf-8", "replace").strip())
+        if not code and status in (404, 416):  # (the filer answers without a body)
+            code = "NoSuchKey" if status == 404 else "InvalidRange"
+        raise S3StatusError(status, code, fields.get("Message", "")
+                            or data[:200].decode("utf-8", "replace").strip())
 
     def transient(self, e: Exception) -> bool:
         if isinstance(e, S3StatusError):
             return e.status >= 500 or e.status == 429 or e.code in _TRANSIENT_S3_CODES
-        return isinstance(e, self._http_errors)
+        if isinstance(e, self._curl.error):
+            return not (e.args and e.args[0] in self._PERMANENT)
+        return False
+
+
+def _discard(data: bytes) -> None:
+    return None
 
 
 class S3ObjectStore(ObjectStore):
@@ -420,27 +464,22 @@ class S3ObjectStore(ObjectStore):
             "s3", endpoint_url=endpoint, region_name=query.get("region") or
             os.environ.get("AWS_DEFAULT_REGION") or "us-east-1", config=cfg, **kw)
         # reads: GETs of our own (see the module's doc): from the filer when
-        # the URL names one, else signed from the endpoint unless a proxy
-        # applies to it (boto3 then goes through it)
-        self._gets: _Gets | None = None
-        endpoint_url = str(self.client.meta.endpoint_url)
-        host = urllib.parse.urlsplit(endpoint_url).hostname or ""
+        # the URL names one, else signed from the endpoint
         if filer is not None:
             self._gets = _Gets(filer.rstrip("/") + "/buckets", self.bucket, timeout)
-        elif not urllib.request.getproxies() or urllib.request.proxy_bypass(host):
+        else:
             credentials = (session.get_credentials() if not kw else
                            botocore.credentials.Credentials(kw["aws_access_key_id"],
                                                             kw["aws_secret_access_key"]))
-            self._gets = _Gets(endpoint_url, self.bucket, timeout,
+            self._gets = _Gets(str(self.client.meta.endpoint_url), self.bucket, timeout,
                                region=self.client.meta.region_name, credentials=credentials)
 
     def close(self) -> None:
         self.client.close()
-        if self._gets is not None:
-            self._gets.close()
+        self._gets.close()
 
     def _transient(self, e: Exception) -> bool:
-        if self._gets is not None and self._gets.transient(e):
+        if self._gets.transient(e):
             return True
         exc = self._botoexc
         if isinstance(e, exc.ClientError):
@@ -498,12 +537,7 @@ class S3ObjectStore(ObjectStore):
     def _get(self, key: str, first: int | None = None, last: int | None = None) -> bytes:
         def fn() -> bytes:
             try:
-                if self._gets is not None:
-                    return self._gets.get(self.prefix + key, first, last)
-                kw = {} if first is None else {"Range": f"bytes={first}-{last}"}
-                r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, **kw)
-                body: bytes = r["Body"].read()
-                return body
+                return self._gets.get(self.prefix + key, first, last)
             except Exception as e:
                 if self._missing(e):
                     raise ObjectNotFound(f"{self.url}: no object {key!r}") from None
@@ -523,9 +557,6 @@ class S3ObjectStore(ObjectStore):
             cause = e.__cause__
             if isinstance(cause, S3StatusError) and (cause.code == "InvalidRange"
                                                      or cause.status == 416):
-                return b""
-            if isinstance(cause, self._botoexc.ClientError) and str(
-                    cause.response.get("Error", {}).get("Code", "")) == "InvalidRange":
                 return b""
             raise
 
