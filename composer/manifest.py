@@ -218,6 +218,12 @@ class LayerManifest:
     def chunk_ids(self) -> set[ChunkId]:
         return {c.id for e in self.entries for c in e.chunks if c.id is not None}
 
+    def chunk_ids_in_order(self) -> list[ChunkId]:
+        """Every chunk once, in the order the layer's files hold them (the
+        manifest's order, the layer blob's order too: composer.bloblayout)."""
+        return list(dict.fromkeys(c.id for e in self.entries for c in e.chunks
+                                  if c.id is not None))
+
     @property
     def data_size(self) -> int:
         return sum(e.size for e in self.entries if e.kind == Kind.FILE)

@@ -63,6 +63,12 @@ from .tree import LayerTree
 
 log = logging.getLogger(__name__)
 
+# chunks a trace replay fetches in one batch (one prefetch thread's serial
+# fetch): neighbours in the trace are neighbours in the cluster's packs
+# (composer.push packs a layer's chunks in file order), so a batch is a few
+# ranged GETs however many chunks it holds
+REPLAY_BATCH = 32
+
 
 @dataclass
 class FileReader:
@@ -422,7 +428,7 @@ class FetchEngine:
             cid = ids[k] if 0 <= k < len(ids) else None
             if cid is None or self.cache.contains(cid, t.domain):
                 continue
-            if batch and tree is not None and (t.domain != tree.domain or len(batch) >= 8):
+            if batch and tree is not None and (t.domain != tree.domain or len(batch) >= REPLAY_BATCH):
                 await slots.acquire()
                 nursery.start_soon(one, tree, batch)
                 done += len(batch)
