@@ -73,19 +73,6 @@ MB = 1_000_000
 TRACE_SECONDS = "600"
 
 
-def wait_state(node: LazyNode, digest: str, states: set[str], timeout: float = 600.0
-               ) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = node.stats()
-        got = st.get("auto_traces", {}).get(digest, {})
-        if got.get("state") in states:
-            return st
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"trace of {digest} stayed {got}, not {sorted(states)}")
-        time.sleep(0.1)
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args = args
@@ -128,7 +115,7 @@ class Bench:
             files, nbytes = read_all(root)
             seconds = time.perf_counter() - t0
             a.unmount(root)
-            st = wait_state(a, self.digest, {"saved"})
+            st = a.wait_trace(self.digest, {"saved"}, 600)
             self.size = (files, nbytes)
             self.results["runs"]["first"] = [{
                 "seconds": seconds, "fetched_bytes": st["cache"]["fetched_bytes"],
@@ -153,14 +140,14 @@ class Bench:
             mounted = time.perf_counter() - t0
             replay = 0.0
             if view == "after":
-                wait_state(n, self.digest, {"prefetched"})
+                n.wait_trace(self.digest, {"prefetched"}, 600)
                 replay = time.perf_counter() - t0
             t1 = time.perf_counter()
             got = read_all(root)
             seconds = time.perf_counter() - t1
             if got != self.size:
                 raise RuntimeError(f"{view}: read {got}, the first use {self.size}")
-            st = wait_state(n, self.digest, {"prefetched"})
+            st = n.wait_trace(self.digest, {"prefetched"}, 600)
             n.unmount(root)
             return {"seconds": seconds, "mount_seconds": mounted, "replay_seconds": replay,
                     "fetched_bytes": st["cache"]["fetched_bytes"],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,20 +63,6 @@ def _image(store: ChunkStore, cat: Catalog, tmp_path: Path, tag: str, seed: int
     return digest, {e.path: [c.length for c in e.chunks] for e in m.entries if e.chunks}
 
 
-def _wait_state(node: LazyNode, digest: str, states: set[str], timeout: float = 60.0
-                ) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = node.stats()
-        got = st.get("auto_traces", {}).get(digest, {})
-        if got.get("state") in states:
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"trace of {digest} stayed {got} (wanted {states}); "
-                                 f"daemon log:\n{node.log()[-2000:]}")
-        time.sleep(0.1)
-
-
 def _read(root: Path, paths: list[str], tree: Path) -> None:
     for p in paths:
         assert (root / p).read_bytes() == (tree / p).read_bytes()
@@ -93,14 +78,14 @@ def _first_use_then_fresh_node(catalog_of: Any, digest: str, chunks: dict[str, l
         root = a.mount(catalog_of(), digest, tmp_path / "ra")
         _read(root, READ, tree)
         a.unmount(root)
-        st = _wait_state(a, digest, {"saved"})
+        st = a.wait_trace(digest, {"saved"})
         assert st["auto_traces"][digest]["events"] == sum(len(chunks[p]) for p in READ)
         assert st["cache"]["fetched_bytes"] == want  # the first use fetched on demand
     with LazyNode(tmp_path / "b", **node_args) as b:
         before = b.stats()["cache"]["fetched_bytes"]
         assert before == 0
         root = b.mount(catalog_of(), digest, tmp_path / "rb")
-        st = _wait_state(b, digest, {"prefetched"})
+        st = b.wait_trace(digest, {"prefetched"})
         assert st["auto_traces"][digest]["chunks"] == sum(len(chunks[p]) for p in READ)
         # exactly what the first use read, nothing of the six files it did not
         assert st["cache"]["fetched_bytes"] == want, st["cache"]
@@ -143,11 +128,11 @@ def test_a_trace_prefetches_only_chunks_of_its_own_image(store: ChunkStore, cat:
     (Path(store.root) / trace_key(y)).write_bytes(encode(x, events))
     with LazyNode(tmp_path / "n", Path(store.root)) as node:
         rx = node.mount(cat, x, tmp_path / "rx")
-        st = _wait_state(node, x, {"prefetched"})
+        st = node.wait_trace(x, {"prefetched"})
         assert st["auto_traces"][x]["chunks"] == 1
         assert st["cache"]["fetched_bytes"] == x_chunks["data/f0"][0]
         ry = node.mount(cat, y, tmp_path / "ry")
-        st = _wait_state(node, y, {"refused"})
+        st = node.wait_trace(y, {"refused"})
         assert st["cache"]["fetched_bytes"] == x_chunks["data/f0"][0], "Y's trace fetched"
         assert "names image" in node.log()
         # the refused image's mount works as ever

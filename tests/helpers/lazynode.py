@@ -18,6 +18,7 @@ the daemon if the test process itself dies.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -102,6 +103,21 @@ class LazyNode(ServerProcess):
 
     def request(self, req: dict[str, Any]) -> dict[str, Any]:
         return request(self.paths, req)
+
+    def wait_trace(self, digest: str, states: set[str], timeout: float = 60.0
+                   ) -> dict[str, Any]:
+        """The daemon's stats once image `digest`'s automatic trace is in one
+        of `states` (lazyfs.autotrace: recording, saved, prefetched, ...)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            got = st.get("auto_traces", {}).get(digest, {})
+            if got.get("state") in states:
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"trace of {digest} stayed {got} (wanted {states}); "
+                                     f"daemon log:\n{self.log()[-2000:]}")
+            time.sleep(0.1)
 
     def kill(self) -> None:
         """SIGKILL the daemon (its FUSE mount stays, dead: ENOTCONN)."""
