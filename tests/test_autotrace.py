@@ -25,7 +25,7 @@ from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
 from composer.remote import ClusterCatalog, trace_key
-from lazyfs.autotrace import MAX_TRACE_BYTES, decode, encode
+from lazyfs.autotrace import MAX_TRACE_BYTES, REPLAY_SEGMENT, decode, encode
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.seaweed import SeaweedFS
 from tests.test_kernel_path import _kernel_path_missing
@@ -69,27 +69,28 @@ def _read(root: Path, paths: list[str], tree: Path) -> None:
 
 
 def _first_use_then_fresh_node(catalog_of: Any, digest: str, chunks: dict[str, list[int]],
-                               tree: Path, tmp_path: Path, node_args: dict[str, Any]) -> None:
-    """Node A reads READ and unmounts: the image's trace is stored; node B,
-    fresh, mounts the image and prefetches exactly READ's chunks before
+                               tree: Path, tmp_path: Path, node_args: dict[str, Any],
+                               read: list[str] = READ) -> None:
+    """Node A reads `read` and unmounts: the image's trace is stored; node
+    B, fresh, mounts the image and prefetches exactly their chunks before
     anything reads them; reading them then fetches nothing more."""
-    want = sum(sum(chunks[p]) for p in READ)
+    want = sum(sum(chunks[p]) for p in read)
     with LazyNode(tmp_path / "a", **node_args) as a:
         root = a.mount(catalog_of(), digest, tmp_path / "ra")
-        _read(root, READ, tree)
+        _read(root, read, tree)
         a.unmount(root)
         st = a.wait_trace(digest, {"saved"})
-        assert st["auto_traces"][digest]["events"] == sum(len(chunks[p]) for p in READ)
+        assert st["auto_traces"][digest]["events"] == sum(len(chunks[p]) for p in read)
         assert st["cache"]["fetched_bytes"] == want  # the first use fetched on demand
     with LazyNode(tmp_path / "b", **node_args) as b:
         before = b.stats()["cache"]["fetched_bytes"]
         assert before == 0
         root = b.mount(catalog_of(), digest, tmp_path / "rb")
         st = b.wait_trace(digest, {"prefetched"})
-        assert st["auto_traces"][digest]["chunks"] == sum(len(chunks[p]) for p in READ)
-        # exactly what the first use read, nothing of the six files it did not
+        assert st["auto_traces"][digest]["chunks"] == sum(len(chunks[p]) for p in read)
+        # exactly what the first use read, nothing of the files it did not
         assert st["cache"]["fetched_bytes"] == want, st["cache"]
-        _read(root, READ, tree)
+        _read(root, read, tree)
         after = b.stats()
         assert after["cache"]["fetched_bytes"] == want, "a read after the prefetch fetched"
         assert after["cache"]["misses"] == st["cache"]["misses"], "a read missed the cache"
@@ -108,6 +109,28 @@ def test_a_fresh_node_prefetches_what_the_first_use_read(store: ChunkStore, cat:
                                {"store": Path(store.root)})
     # the trace is a file of the store, named by the image (one place: trace_key)
     assert (Path(store.root) / trace_key(digest)).is_file()
+
+
+@needs_node
+def test_a_long_trace_is_replayed_and_paged_in_whole(store: ChunkStore, cat: Catalog,
+                                                     tmp_path: Path) -> None:
+    """A trace of more events than one replay segment (the replay fetches a
+    segment, then reads its pages in while it fetches the next): every
+    segment is fetched and paged in, nothing more."""
+    tree = tmp_path / "many"
+    (tree / "data").mkdir(parents=True)
+    rng = random.Random(7)
+    for i in range(1500):
+        (tree / "data" / f"s{i:04d}").write_bytes(rng.randbytes(4096 + i))
+    convert(store, cat, f"dir:{tree}", "many:1")
+    digest, image = cat.resolve("many:1")
+    m = cat.load_layer(image.layers[0])
+    chunks = {e.path: [c.length for c in e.chunks] for e in m.entries if e.chunks}
+    read = sorted(chunks)[:1300]
+    rng.shuffle(read)
+    assert len(read) > REPLAY_SEGMENT
+    _first_use_then_fresh_node(lambda: cat, digest, chunks, tree, tmp_path,
+                               {"store": Path(store.root)}, read)
 
 
 @needs_node
