@@ -63,10 +63,6 @@ log = logging.getLogger(__name__)
 RECORD_SECONDS = Options.auto_trace_seconds
 MAX_TRACE_BYTES = 16 << 20
 MAX_TRACE_EVENTS = 200_000
-# a replay fetches this many events' chunks, then reads their pages in while
-# it fetches the next ones
-REPLAY_SEGMENT = 1024
-PAGE_IN_FILES = 64  # files read in per turn of a prefetch thread
 
 
 @dataclass
@@ -113,11 +109,6 @@ def decode(raw: bytes, digest: str, layers: frozenset[str]) -> list[dict[str, An
             if len(out) >= MAX_TRACE_EVENTS:
                 break
     return out
-
-
-def _read_files(files: list[tuple[Path, list[tuple[int, int]]]]) -> None:
-    for path, spans in files:
-        _read_spans(path, spans)
 
 
 def _read_spans(path: Path, spans: list[tuple[int, int]]) -> None:
@@ -222,7 +213,8 @@ class AutoTraces:
                 return
             img.state, img.events = "prefetching", len(events)
             try:
-                img.chunks = await self._replay(events)
+                img.chunks = await self.fetch.prefetch_trace(events)
+                await self._page_in(events)
             except (ChunkStoreError, ComposerError) as e:
                 log.warning("trace of %s: replay stopped: %s", digest, e)
             img.state, img.seconds = "prefetched", trio.current_time() - t0
@@ -236,20 +228,6 @@ class AutoTraces:
         finally:  # also when the daemon stops: what was recorded is kept
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await self._save(digest, img, key)
-
-    async def _replay(self, events: list[dict[str, Any]]) -> int:
-        """Prefetch the trace's chunks, a segment at a time, each segment's
-        pages read in while the next one is fetched (a workload following
-        the trace finds its first files in the page cache early, and the
-        fetches and the page-ins overlap); returns the chunks fetched."""
-        chunks = 0
-        async with trio.open_nursery() as nursery:
-            for start in range(0, len(events), REPLAY_SEGMENT):
-                segment = events[start:start + REPLAY_SEGMENT]
-                chunks += await self.fetch.prefetch_trace(
-                    segment, last_part=start + REPLAY_SEGMENT >= len(events))
-                nursery.start_soon(self._page_in, segment)
-        return chunks
 
     async def _page_in(self, events: list[dict[str, Any]]) -> None:
         """The replayed chunks' bytes read through their layers' shared
@@ -277,10 +255,10 @@ class AutoTraces:
         mount = self.layer_mount
         layers = {layer for layer, _ in ranges}
         self.fetch.quiet_layers.update(layers)  # read the spans, nothing past them
-        files = [(mount(layer) / path, spans) for (layer, path), spans in ranges.items()]
         try:
-            for k in range(0, len(files), PAGE_IN_FILES):  # a thread's turn: many files
-                await trio.to_thread.run_sync(_read_files, files[k:k + PAGE_IN_FILES],
+            for (layer, path), spans in ranges.items():
+                where = mount(layer) / path
+                await trio.to_thread.run_sync(_read_spans, where, spans,
                                               limiter=self.fetch.prefetch_limit)
         finally:
             self.fetch.quiet_layers.subtract(layers)

@@ -377,8 +377,7 @@ class FetchEngine:
         for c, d in zip(missing, got, strict=True):
             self._hot_put(str(tree.domain), c, d)
 
-    async def prefetch_trace(self, events: list[dict[str, Any]], *,
-                             last_part: bool = True) -> int:
+    async def prefetch_trace(self, events: list[dict[str, Any]]) -> int:
         """Fetch the chunks a recorded trace read, in its order, in the
         background pool. Events naming layers, paths or chunks this node does
         not have are skipped (a trace may come from another node or an older
@@ -397,8 +396,7 @@ class FetchEngine:
 
         async with trio.open_nursery() as nursery:
             done = await self._replay(events, nursery, slots, one, bad_layers)
-        if last_part:  # (a replay in parts counts once)
-            self.tracer.prefetch_runs += 1
+        self.tracer.prefetch_runs += 1
         return done
 
     async def _replay(self, events: list[dict[str, Any]], nursery: trio.Nursery,
