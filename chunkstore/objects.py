@@ -418,8 +418,9 @@ def _discard(data: bytes) -> None:
 
 
 class S3ObjectStore(ObjectStore):
-    """An S3-compatible service through boto3 (SeaweedFS, MinIO, Ceph RGW, AWS).
-    A PUT is atomic in S3: readers never see a partial object."""
+    """An S3-compatible service (SeaweedFS, MinIO, Ceph RGW, AWS): writes,
+    listings and deletes through boto3, reads through _Gets (the module's
+    doc). A PUT is atomic in S3: readers never see a partial object."""
 
     def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         import boto3

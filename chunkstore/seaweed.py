@@ -96,8 +96,9 @@ class SeaweedFS:
                  s3_identity: tuple[str, str] | None = None) -> None:
         """`ip`: the one address it listens on and names in its URLs;
         `s3_identity`: (access key, secret key) of the one S3 identity it
-        accepts (every request must then be signed with it); None: it
-        accepts any request, signed or not."""
+        accepts (every request must then be signed with it); None: no
+        identities (it takes any credentials, but still refuses unsigned
+        requests)."""
         self.ip = ip
         self.s3_identity = s3_identity
         self.workdir = Path(workdir)

@@ -37,7 +37,7 @@ class SeaweedFS(ServerProcess):
                  ip: str = "127.0.0.1", s3_identity: tuple[str, str] | None = None) -> None:
         """`ip`: the address it listens on (netns.FleetNet's service address
         for nodes in network namespaces); `s3_identity`: the one (access key,
-        secret key) it accepts (None: any request)."""
+        secret key) it accepts (None: any credentials)."""
         # its ports and paths; not started by it
         self.server = _seaweed.SeaweedFS(workdir, ip=ip, s3_identity=s3_identity)
         super().__init__(self.server.log, startup_timeout=startup_timeout,
