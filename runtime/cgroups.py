@@ -17,6 +17,7 @@ import contextlib
 import errno
 import functools
 import itertools
+import logging
 import math
 import os
 import subprocess
@@ -25,6 +26,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = "lazyfs"
@@ -283,8 +286,7 @@ def remove_empty(sandbox_id: str, wait: float = 5.0, pool: GroupPool | None = No
 
 
 # what an emptied group may still have charged (clean page cache of image
-# files, kernel objects; no anonymous or shared memory) to be handed to
-# another sandbox
+# files, kernel objects) to be handed to another sandbox
 POOL_MAX_CHARGE = 8 << 20
 POOL_PREFIX = "pool-"
 
@@ -306,13 +308,19 @@ class GroupPool:
 
     Only a clean group goes back: no process left, no OOM kill and no
     refused fork on record (the kernel's counters cannot be reset, and a
-    sandbox's events read them), no anonymous or shared memory charged and
-    at most POOL_MAX_CHARGE in all, the counters that can be reset (CPU time,
-    peak usage, failures) reset, thawed, not an idle cpu group. Anything else
-    is removed as before. What stays charged is clean page cache of image
-    files the earlier sandbox read (~2 MiB for an idle busybox sandbox) and
-    kernel objects: the next sandbox starts with it in its usage, and its
-    limit reclaims it first. Dropping it (memory.force_empty) cost 5.3 ms
+    sandbox's events read them), at most POOL_MAX_CHARGE charged, the
+    counters that can be reset (CPU time, peak usage, failures) reset,
+    thawed, not an idle cpu group. Anything else is removed as before. What
+    stays charged is clean page cache of image files the earlier sandbox
+    read (~2 MiB for an idle busybox sandbox) and kernel objects: the next
+    sandbox starts with it in its usage, and its limit reclaims it first.
+    The charge is judged by the page counter (memory.usage_in_bytes), which
+    is exact: memory.stat's per-type figures (rss, shmem) are flushed lazily
+    by the kernel (every 2 s, or past a batch of updates), so right after a
+    kill they still show the dead processes' anonymous memory, and a group
+    judged by them was pooled or not by chance. With every process gone,
+    anonymous memory is freed with it, and the sandbox's own tmpfs mounts
+    (/dev, /dev/shm) go with its mount namespace. Dropping it (memory.force_empty) cost 5.3 ms
     of CPU per kill here, more than the removal it saves. At most `limit`
     groups are kept; drain() removes them (the node's close)."""
 
@@ -341,7 +349,9 @@ class GroupPool:
         with self._lock:
             if len(self._free) >= self.limit:
                 return False
-        if not _clean(sandbox_id):
+        why = _unfit(sandbox_id)
+        if why:
+            log.debug("groups of %s not pooled: %s", sandbox_id, why)
             return False
         name = f"{POOL_PREFIX}{os.getpid()}-{next(self._count)}"
         if not _rename_all(sandbox_id, name):
@@ -394,19 +404,19 @@ def _remove_all(name: str) -> None:
             (CGROUP_ROOT / controller / PARENT / name).rmdir()
 
 
-def _clean(sandbox_id: str) -> bool:
+def _unfit(sandbox_id: str) -> str:
     """Make the sandbox's emptied groups fit for another sandbox (see
-    GroupPool); False if they cannot be."""
+    GroupPool); what makes them unfit, "" when they are fit."""
     try:
         for h in v1_hierarchies():
             if (path(h, sandbox_id) / "cgroup.procs").read_text().strip():
-                return False
+                return f"processes left in {h}"
         if oom_kills(sandbox_id) or fork_refusals(sandbox_id):
-            return False
+            return "an OOM kill or a refused fork on record"
         memory = path("memory", sandbox_id)
-        stat = memory_stat(sandbox_id)
-        if stat["usage"] > POOL_MAX_CHARGE or stat.get("rss", 1) or stat.get("shmem", 1):
-            return False
+        usage = int((memory / "memory.usage_in_bytes").read_text())
+        if usage > POOL_MAX_CHARGE:
+            return f"{usage} bytes still charged"
         for f in (memory / "memory.max_usage_in_bytes", memory / "memory.failcnt",
                   path("cpuacct", sandbox_id) / "cpuacct.usage"):
             f.write_text("0")
@@ -416,9 +426,9 @@ def _clean(sandbox_id: str) -> bool:
         idle = path("cpu", sandbox_id) / "cpu.idle"
         if idle.exists() and idle.read_text().strip() != "0":
             idle.write_text("0")
-    except (OSError, ValueError):
-        return False
-    return True
+    except (OSError, ValueError) as e:
+        return str(e)
+    return ""
 
 
 def remove_parent() -> None:
