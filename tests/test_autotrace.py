@@ -28,6 +28,7 @@ from composer.remote import ClusterCatalog, trace_key
 from lazyfs.autotrace import MAX_TRACE_BYTES, decode, encode
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.seaweed import SeaweedFS
+from tests.helpers.support import in_page_cache
 from tests.test_kernel_path import _kernel_path_missing
 
 MIB = 1 << 20
@@ -87,17 +88,30 @@ def _first_use_then_fresh_node(catalog_of: Any, digest: str, chunks: dict[str, l
         assert before == 0
         root = b.mount(catalog_of(), digest, tmp_path / "rb")
         st = b.wait_trace(digest, {"prefetched"})
-        assert st["auto_traces"][digest]["chunks"] == sum(len(chunks[p]) for p in read)
+        n = sum(len(chunks[p]) for p in read)
+        assert st["auto_traces"][digest]["chunks"] == n
         # exactly what the first use read, nothing of the files it did not
         assert st["cache"]["fetched_bytes"] == want, st["cache"]
-        _read(root, read, tree)
+        # the replay read every chunk through the layer's kernel mount (the
+        # only reads on this node so far), into the page cache
+        assert sum(v["chunks_touched"] for v in st["layers"].values()) == n, st["layers"]
+        # The workload's reads of a file still wholly in the page cache do
+        # not reach the daemon. The host may take page cache back at any
+        # time (this one runs DAMON proactive reclaim of idle file pages,
+        # seen taking a few of a replayed file's pages 0.5 s after the
+        # replay): a file not wholly cached when its read begins may be
+        # read through the daemon again, from the node cache.
+        evicted = []
+        for p in read:
+            if not in_page_cache(root / p):
+                evicted.append(p)
+            _read(root, [p], tree)
         after = b.stats()
         assert after["cache"]["fetched_bytes"] == want, "a read after the prefetch fetched"
         assert after["cache"]["misses"] == st["cache"]["misses"], "a read missed the cache"
-        # and the replay read those pages in through the layer's kernel mount:
-        # the workload's reads never reached the daemon
-        reads = {d: v["reads"] for d, v in st["layers"].items()}
-        assert {d: v["reads"] for d, v in after["layers"].items()} == reads
+        assert len(evicted) < len(read), "no file the replay read in was in the page cache"
+        touched = sum(r["chunks_touched"] for r in after["mounts"] if r["mount"] == str(root))
+        assert touched <= sum(len(chunks[p]) for p in evicted), (touched, evicted)
         b.unmount(root)
 
 

@@ -8,6 +8,8 @@ process.py (the base) and its subclasses."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import subprocess
 import time
@@ -46,6 +48,36 @@ def flip_byte(path: Path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def in_page_cache(path: Path) -> bool:
+    """Whether every page of a file is in the page cache now: mincore(2) on
+    a mapping of it (mapping reads nothing in, and on overlayfs it maps the
+    lower file's own pages)."""
+    size = path.stat().st_size
+    if size == 0:
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path}")
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path}")
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return all(b & 1 for b in vec)
 
 
 @contextmanager
