@@ -330,6 +330,11 @@ class GroupPool:
         self._lock = threading.Lock()
         self._count = itertools.count()
 
+    def __len__(self) -> int:
+        """Groups kept now, free for the next creates."""
+        with self._lock:
+            return len(self._free)
+
     def claim(self, sandbox_id: str) -> bool:
         """Give a pooled group the sandbox's id in every hierarchy; False
         when none is free (runc makes the groups)."""

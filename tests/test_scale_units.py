@@ -19,6 +19,7 @@ from runtime.denials import DenialLog, SeccompListener
 from runtime.errors import OutOfMemory
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
+from tests.helpers.support import wait_until
 
 needs_runtime = [pytest.mark.root,
                  pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))]
@@ -149,8 +150,8 @@ def test_a_killed_sandboxs_groups_serve_the_next_one_clean(node: Node) -> None:
     pooled its groups by chance: CI failed on it)."""
     with Sandbox.create(IMAGE, node=node, qos="best_effort") as first:
         first.exec("i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done", timeout=120)
-        time.sleep(2.5)
-        assert cgroups.memory_stat(first.id)["rss"] > 0
+        wait_until(lambda: cgroups.memory_stat(first.id)["rss"] > 0, 10,
+                   "the kernel's memory.stat flush")
         old, old_id, used = _group_inode(first.id), first.id, cgroups.cpu_usage(first.id)
         assert cgroups.cpu_idle(first.id)
     assert not list(cgroups.CGROUP_ROOT.glob(f"*/{cgroups.PARENT}/{old_id}"))
