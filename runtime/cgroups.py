@@ -314,15 +314,19 @@ class GroupPool:
     stays charged is clean page cache of image files the earlier sandbox
     read (~2 MiB for an idle busybox sandbox) and kernel objects: the next
     sandbox starts with it in its usage, and its limit reclaims it first.
+    Dropping it (memory.force_empty) cost 5.3 ms of CPU per kill here, more
+    than the removal it saves. At most `limit` groups are kept; drain()
+    removes them (the node's close).
+
     The charge is judged by the page counter (memory.usage_in_bytes), which
     is exact: memory.stat's per-type figures (rss, shmem) are flushed lazily
     by the kernel (every 2 s, or past a batch of updates), so right after a
     kill they still show the dead processes' anonymous memory, and a group
-    judged by them was pooled or not by chance. With every process gone,
-    anonymous memory is freed with it, and the sandbox's own tmpfs mounts
-    (/dev, /dev/shm) go with its mount namespace. Dropping it (memory.force_empty) cost 5.3 ms
-    of CPU per kill here, more than the removal it saves. At most `limit`
-    groups are kept; drain() removes them (the node's close)."""
+    judged by them was pooled or not by chance (never, for a sandbox that
+    lived past a flush). With every process gone, their anonymous memory
+    is freed, the sandbox's /dev and /dev/shm tmpfs go with its mount
+    namespace, and the kill unmounts its writable layer's tmpfs right
+    after, which uncharges what the sandbox wrote there."""
 
     def __init__(self, limit: int = 64) -> None:
         self.limit = limit
