@@ -121,8 +121,31 @@ def start(cfg: qemu.VmConfig, init: Path, cgroup_procs: list[Path] | None = None
             os.close(fd)
 
 
+_SO_ACCEPTCON = 0x10000  # /proc/net/unix's Flags of a listening socket
+
+
+def _listening(pid: int, paths: list[Path]) -> bool:
+    """Whether a socket bound to each of `paths` listens, as the network
+    namespace of process `pid` lists its unix sockets."""
+    try:
+        text = Path(f"/proc/{pid}/net/unix").read_text()
+    except OSError:
+        return False
+    want = {str(p) for p in paths}
+    for line in text.splitlines()[1:]:
+        f = line.split(maxsplit=7)
+        if len(f) == 8 and f[7] in want and int(f[3], 16) & _SO_ACCEPTCON:
+            want.discard(f[7])
+    return not want
+
+
 def wait_sockets(proc: subprocess.Popen[bytes], cfg: qemu.VmConfig, deadline: float) -> None:
-    while not all(s.exists() for s in (cfg.agent_socket, cfg.console_socket, cfg.qmp_socket)):
+    """Wait until QEMU listens on its three sockets. A socket's file appears
+    at bind(2) and refuses connections until listen(2): on a busy host QEMU
+    can be preempted between the two, so the files' existence is not
+    enough (a QMP connect made then was refused)."""
+    paths = [cfg.agent_socket, cfg.console_socket, cfg.qmp_socket]
+    while not (all(s.exists() for s in paths) and _listening(proc.pid, paths)):
         if proc.poll() is not None:
             raise BackendUnavailable(f"QEMU exited ({exit_text(proc)}): "
                                      f"{tail(cfg.agent_socket.parent / 'qemu.log')}")
