@@ -6,6 +6,7 @@ the exact figures)."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,8 @@ from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_miss
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-STEPS, ITERS = 30, 3_000_000  # ~10 ms of work per step on this class of machine
+STEPS, ITERS = 100, 3_000_000  # ~5 ms of work per step here: 0.5 s a run, well past one
+# scheduling period, so one lucky or unlucky slice cannot make the ratio
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,18 @@ def test_best_effort_hogs_leave_a_latency_sandbox_its_speed(node: Node, tmp_path
         quiet = steps(lat, STEPS, ITERS)
         with hogs(IMAGE, node, hog_count(), "best_effort") as be:
             assert all(cgroups.cpu_idle(sb.id) for sb in be)
-            protected = Inflation.of(steps(lat, STEPS, ITERS), quiet)
+            beside_best_effort = steps(lat, STEPS, ITERS)
         # the control: the same hogs at the latency sandbox's own class do slow it
         with hogs(IMAGE, node, hog_count(), "latency") as lh:
             assert not any(cgroups.cpu_idle(sb.id) for sb in lh)
-            contended = Inflation.of(steps(lat, STEPS, ITERS), quiet)
+            beside_latency = steps(lat, STEPS, ITERS)
+        # the quiet node measured again, and the better of the two is the
+        # baseline: a hiccup in one quiet run (the host's own work; CI once
+        # saw a control of 1.33x) must neither pass for protection nor hide
+        # the hogs' load
+        quiet = min(quiet, steps(lat, STEPS, ITERS), key=statistics.fmean)
+    protected = Inflation.of(beside_best_effort, quiet)
+    contended = Inflation.of(beside_latency, quiet)
     assert contended.mean > 1.5, f"the hogs did not load the node: {contended}"
     assert protected.mean < 1.3, f"best-effort hogs slowed the latency sandbox: {protected}"
     assert protected.mean < contended.mean / 1.4, (protected, contended)
