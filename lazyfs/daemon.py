@@ -46,6 +46,7 @@ there, and overlayfs reads its lowers with the mounter's credentials).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -73,7 +74,7 @@ from .errors import ConfigError, DaemonError
 from .fetch import FetchEngine
 from .fs import FIRST_BASE, LazyFS
 from .layers import Layers
-from .mounts import registered
+from .mounts import registered, release_node
 from .node import (
     READ_AHEAD_KB,
     DaemonSpec,
@@ -233,6 +234,11 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
         try:
             trio.run(_main, fs, paths, prefetch or [], on_ready, read_ahead_kb, metrics_listen)
         finally:
+            try:  # (however it ends: no layer mount may stay on a FUSE mount gone)
+                with erofsmounts.locked(paths):
+                    erofsmounts.release_unused(paths, everything=True)
+            except (LazyfsError, OSError) as e:
+                log.error("cannot release the shared layer mounts: %s", e)
             pyfuse3.close(unmount=True)
             for p in (paths.control, paths.pidfile):
                 p.unlink(missing_ok=True)
@@ -332,7 +338,7 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
         nursery.start_soon(_serve_control, fs, paths, listener)
         if tcp is not None:
             nursery.start_soon(_serve_metrics, fs, paths, tcp)
-        nursery.start_soon(_signals, nursery)
+        nursery.start_soon(_signals, paths)
         nursery.start_soon(guarded, "readahead tuning", _keep_readahead, paths.mnt,
                            read_ahead_kb)
         if prefetch:
@@ -366,10 +372,30 @@ async def _open_events(opens: OpenWatches) -> None:
         await trio.lowlevel.checkpoint()  # (a flood of events never starves the FUSE requests)
 
 
-async def _signals(nursery: trio.Nursery) -> None:
+async def _signals(paths: NodePaths) -> None:
+    """SIGINT or SIGTERM: stop once no composed root uses the daemon, its
+    shared layer mounts released first (they hold its blobs open); while
+    some do, say which and keep serving, and a second signal detaches them
+    all (lazyfs.mounts.release_node)."""
+    refused = False
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for sig in signals:
-            log.info("signal %s: unmounting", signal.Signals(sig).name)
+            name = signal.Signals(sig).name
+            try:
+                gone = await trio.to_thread.run_sync(functools.partial(
+                    release_node, paths, lazy=refused,
+                    hint="unmount them first, or signal again to detach them"))
+            except (LazyfsError, OSError) as e:
+                if refused:  # (lazy already: say so, and stop anyway)
+                    log.error("signal %s: %s", name, e)
+                else:
+                    log.warning("signal %s: not stopping: %s", name, e)
+                    refused = True
+                    continue
+            else:
+                if gone:
+                    log.warning("signal %s: detached %s", name, ", ".join(gone))
+            log.info("signal %s: unmounting", name)
             pyfuse3.terminate()
             return
 

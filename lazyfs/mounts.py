@@ -516,5 +516,61 @@ def registered(paths: NodePaths) -> list[dict[str, object]]:
     return out
 
 
+def live(paths: NodePaths) -> list[str]:
+    """The composed roots that still use the daemon at paths: registered and
+    mounted here, or held by a live process (a sandbox's)."""
+    overlays = {m.mount_point for m in sysmount.mounts() if m.fstype == "overlay"}
+    out = []
+    for record in registered(paths):
+        try:
+            mountpoint = str(record["mountpoint"])
+        except (KeyError, TypeError):
+            continue
+        if mountpoint in overlays or erofsmounts.holder_alive(record.get("holder")):
+            out.append(mountpoint)
+    return out
+
+
+def release_node(paths: NodePaths, *, lazy: bool = False,
+                 hint: str = "unmount them first, or --lazy") -> list[str]:
+    """Make the daemon at paths free to stop: unmount the shared EROFS layer
+    mounts (they hold its blobs open). Without lazy, DaemonError naming the
+    composed roots that still use it, and nothing changed; with lazy, those
+    roots are detached first (a sandbox holding one keeps its own copy, which
+    gets EIO on data not read yet) and their records go. Returns the roots
+    detached."""
+    with erofsmounts.locked(paths):
+        using = live(paths)
+        if using and not lazy:
+            more = f" and {len(using) - 5} more" if len(using) > 5 else ""
+            raise DaemonError(f"composed mounts still use the daemon at {paths.mnt}: "
+                              f"{', '.join(using[:5])}{more} ({hint})")
+        for mountpoint in using:
+            if sysmount.is_mount_point(mountpoint):
+                try:
+                    sysmount.umount(mountpoint, lazy=True)
+                except OSError as e:
+                    raise DaemonError(f"cannot detach {mountpoint}: {e.strerror}") from e
+            _reg_path(paths, Path(mountpoint)).unlink(missing_ok=True)
+        erofsmounts.release_unused(paths, everything=lazy)
+    return using
+
+
+def node_of(mountpoint: Path, default: NodePaths) -> NodePaths:
+    """The node a mountpoint belongs to, from the mount itself: a daemon's
+    FUSE mount (ROOT/mnt), or a composed root one of the mounted daemons (or
+    default's) has in its registry; default when neither says."""
+    target = os.path.realpath(mountpoint)
+    found = sysmount.find_mount(target)
+    if found is not None and found.fstype == "fuse.lazyfs" and os.path.basename(target) == "mnt":
+        return NodePaths(Path(target).parent)
+    roots = [default] + [NodePaths(Path(m.mount_point).parent) for m in sysmount.mounts()
+                         if m.fstype == "fuse.lazyfs" and os.path.basename(m.mount_point) == "mnt"]
+    for paths in roots:
+        if _reg_path(paths, Path(target)).exists():
+            return paths
+    return default
+
+
 def image_of(catalog: ImageCatalog, name: str) -> tuple[str, Image]:
     return catalog.resolve(name)

@@ -399,20 +399,12 @@ def _alive(pid: int) -> bool:
 
 def stop_daemon(paths: NodePaths, lazy: bool = False) -> None:
     """Stop the daemon at paths: release the shared layer mounts, SIGTERM it
-    and wait for it to unmount; detach a FUSE mount a dead daemon left.
-    Without lazy, DaemonError while composed mounts still use it."""
-    from . import erofsmounts, sysmount
-    from .mounts import registered
-    busy = [m["mountpoint"] for m in registered(paths)
-            if sysmount.find_mount(str(m["mountpoint"])) is not None]
-    if busy and not lazy:
-        raise DaemonError(f"composed mounts still use the daemon: {', '.join(map(str, busy))} "
-                          "(unmount them first, or --lazy)")
-    # the shared EROFS layer mounts hold the daemon's blobs open; with lazy,
-    # also those under live composed roots (which keep their own clones and
-    # get EIO on data not yet read)
-    with erofsmounts.locked(paths):
-        erofsmounts.release_unused(paths, everything=lazy)
+    and wait for it to unmount and exit; detach a FUSE mount a dead daemon
+    left. Without lazy, DaemonError naming the composed mounts that still
+    use it; with lazy, those are detached first (lazyfs.mounts.release_node)."""
+    from . import sysmount
+    from .mounts import release_node
+    release_node(paths, lazy=lazy)  # (the daemon checks again when signalled)
     pid = None
     try:
         pid = int(paths.pidfile.read_text())

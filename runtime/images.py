@@ -6,22 +6,27 @@ Both come from the node API (lazyfs.node): the catalog from open_catalog
 the daemon from ensure_daemon, which starts `python -m lazyfs` in the
 background when none answers at the configured root (its log in
 NODE_ROOT/daemon.log) and refuses a running one that serves another store.
-Node errors become BackendUnavailable here.
+A daemon started here is stopped when the node closes with no sandbox and no
+composed mount left on it (one someone else started stays theirs). Node
+errors become BackendUnavailable here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 from chunkstore.errors import LazyfsError
 from composer.catalog import ImageCatalog
 from composer.errors import ImageNotFound as CatalogImageNotFound
-from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog
+from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog, stop_daemon
 
 from .config import RuntimeConfig
 from .errors import BackendUnavailable, ImageNotFound, InvalidSpec
 from .spec import CHECKPOINT_KEY, VM_STATE_KEY, ResolvedImage, VmState
+
+log = logging.getLogger(__name__)
 
 
 class Images:
@@ -33,6 +38,7 @@ class Images:
         self._lock = threading.Lock()
         self._stack = contextlib.ExitStack()
         self._catalog: ImageCatalog | None = None
+        self._started: int | None = None  # the daemon's pid, if this started it
 
     def catalog(self) -> ImageCatalog:
         with self._lock:
@@ -74,10 +80,31 @@ class Images:
 
     def ensure_daemon(self) -> NodePaths:
         try:  # (a daemon needs root and /dev/fuse: lazyfs.node.check_fuse says so)
-            ensure_daemon(self.spec)
+            pid = ensure_daemon(self.spec)
         except (LazyfsError, OSError) as e:
             raise BackendUnavailable(str(e)) from e
+        if pid is not None:
+            self._started = pid
         return self.paths
 
-    def close(self) -> None:
+    def close(self, *, sandboxes: int = 0) -> None:
+        """Close the catalog; stop the daemon this started if nothing uses it
+        (no sandbox of the node's, no composed mount: else one line says
+        what keeps it)."""
         self._stack.close()
+        pid, self._started = self._started, None
+        if pid is None or not self.paths.pidfile.exists():
+            return
+        try:
+            if int(self.paths.pidfile.read_text()) != pid:
+                return  # (another daemon now: not ours to stop)
+        except (OSError, ValueError):
+            return
+        if sandboxes:
+            log.info("the lazyfs daemon at %s keeps serving: %d sandboxes use it",
+                     self.paths.mnt, sandboxes)
+            return
+        try:
+            stop_daemon(self.paths)
+        except LazyfsError as e:
+            log.info("the lazyfs daemon at %s keeps serving: %s", self.paths.mnt, e)

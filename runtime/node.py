@@ -978,15 +978,16 @@ class Node:
             adopt(h)
 
     def close(self) -> None:
-        """Stop the node's worker pools. Container sandboxes stay (a new
-        Node on the same state directory finds them); kill them first if
-        they should go."""
+        """Stop the node's worker pools, and the lazyfs daemon it started
+        once no sandbox is left. Container sandboxes stay (a new Node on the
+        same state directory finds them, and the daemon serves them on);
+        kill them first if they should go."""
         self._at_exit.detach()
         with self._lock:
             for b in self._backends.values():
                 b.close()
             self._backends.clear()
-        self.images.close()
+        self.images.close(sandboxes=len(self._sandboxes))
         self.captures.close()
         if not self._sandboxes:
             cgroups.remove_parent()  # nothing of ours stays in the cgroup tree

@@ -24,8 +24,9 @@ one `lazyfs` runs under, as `. .venv/bin/activate` gives it), from the
 session's working directory and with its environment. The
 session runs in a private network namespace (a loopback of its own: two
 runs on one machine may use the same ports) and a private mount namespace
-in which /mnt, /tmp and /run/lazyfs are directories of the test's own,
-with LAZYFS_STORE, LAZYFS_NODE_ROOT (= /run/lazyfs, the default the docs
+in which /mnt, /tmp and /run/lazyfs are directories of the test's own
+(the checkout and the interpreter, wherever they live, stay visible
+through them: they are bound back in place), with LAZYFS_STORE, LAZYFS_NODE_ROOT (= /run/lazyfs, the default the docs
 name), LAZYFS_CACHE, LAZYFS_RUNTIME_DIR, LAZYFS_CONFIG and HOME all
 pointing there: the user's store, node daemon,
 cache and sandboxes are never touched. At the end, also on a failure or a
@@ -247,11 +248,11 @@ _PROLOGUE = """\
 set -eu -o pipefail
 readlink /proc/self/ns/mnt > "$DOCS_WORK/ns"
 ip link set lo up  # a loopback of its own: the ports a doc picks never collide with another run's
-mount --bind "$DOCS_WORK/mnt" /mnt
+{carry_out}mount --bind "$DOCS_WORK/mnt" /mnt
 mount --bind "$DOCS_WORK/tmp" /tmp
 mkdir -p -m 700 /run/lazyfs  # (the daemon's default root; ours is bound over it)
 mount --bind "$DOCS_WORK/node" /run/lazyfs
-docs_cleanup() {
+{carry_in}docs_cleanup() {
     { set +x; } 2>/dev/null
     set +e
     if [ -d "$LAZYFS_RUNTIME_DIR" ]; then
@@ -266,8 +267,42 @@ cd "$DOCS_WORK/cwd"
 """
 
 
+# The directories the session puts its own over, and what must stay visible
+# through them: this checkout and the interpreter (a clone or a virtualenv
+# under /tmp is as good as any other).
+_PRIVATE = ("/mnt", "/tmp", "/run/lazyfs")
+
+
+def _carried() -> list[str]:
+    """The paths under _PRIVATE the session needs to see as they are: the
+    checkout, the interpreter's prefixes and what is on its sys.path,
+    outermost only."""
+    want = {REPO, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent,
+            Path(os.path.realpath(sys.executable)).parent}
+    want |= {Path(e) for e in sys.path if e and os.path.isdir(e)}
+    under = sorted({Path(os.path.realpath(w)) for w in want}
+                   | {w.absolute() for w in want}, key=lambda q: len(q.parts))
+    out: list[Path] = []
+    for q in under:
+        if any(q.is_relative_to(h) and q != Path(h) for h in _PRIVATE) \
+                and not any(q.is_relative_to(o) for o in out) and q.is_dir():
+            out.append(q)
+    return [str(q) for q in out]
+
+
+def _prologue() -> str:
+    """_PROLOGUE with the carried paths bound out of the way before the
+    private directories go over them, and back in place after."""
+    out, back = [], []
+    for i, path in enumerate(_carried()):
+        keep = f'"$DOCS_WORK/carry/{i}"'
+        out.append(f"mkdir -p {keep} && mount --rbind {shlex.quote(path)} {keep}\n")
+        back.append(f"mkdir -p {shlex.quote(path)} && mount --rbind {keep} {shlex.quote(path)}\n")
+    return _PROLOGUE.replace("{carry_out}", "".join(out)).replace("{carry_in}", "".join(back))
+
+
 def _script(blocks: list[Block]) -> str:
-    parts = [_PROLOGUE]
+    parts = [_prologue()]
     for b in blocks:
         if b.skip and not b.setup:
             continue
@@ -401,3 +436,53 @@ def test_a_failing_or_hanging_session_leaves_nothing_behind() -> None:
             assert marker.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("base", ["/tmp", "/var/tmp"])
+def test_the_harness_runs_from_a_checkout_and_virtualenv_under(base: str) -> None:
+    """A copy of this checkout and a virtualenv of its own, both in a folder
+    with a space under /tmp (which the session puts a directory of its own
+    over) or /var/tmp: the harness, run from there under that virtualenv,
+    runs the blocks with that checkout's CLI and modules, and leaves the
+    copy and the virtualenv in place."""
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    import sysconfig
+    top = Path(tempfile.mkdtemp(prefix="lazyfs docs ", dir=base))
+    try:
+        clone, venv = top / "check out", top / "v env"
+        files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], check=True,
+                               capture_output=True).stdout.decode().split("\0")
+        for f in filter(None, files):
+            if (REPO / f).is_file():
+                (clone / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / f, clone / f)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        python = venv / "bin" / "python"
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        # this interpreter's packages, for the copy's virtualenv (no index here to install from)
+        Path(site, "lazyfs-tests.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        probe = (
+            "import sys\n"
+            "from tests.test_docs import Block, run_session\n"
+            "s = run_session([Block('x.md', 1, 'lazyfs --help | head -1\\n"
+            "sed -n 1p \"$PYTHONPATH/README.md\"'),\n"
+            "                 Block('x.md', 5, 'import sys, tools; print(\"MOD\", tools.__file__); "
+            "print(\"PY\", sys.prefix)', lang='python')])\n"
+            "print(s.code, s.where)\n"
+            "print(s.output)\n")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        r = subprocess.run([str(python), "-c", probe], check=False, cwd=clone, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        first, _, out = r.stdout.partition("\n")
+        assert first == "0 ### done", r.stdout[-3000:]
+        assert f"MOD {clone / 'tools' / '__init__.py'}" in out, out
+        assert f"PY {venv}" in out, out
+        assert (REPO / "README.md").read_text().splitlines()[0] in out, out
+        assert (clone / "tests" / "test_docs.py").is_file() and python.exists()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

@@ -14,7 +14,7 @@ import click
 from composer.catalog import Catalog
 from lazyfs import sysmount
 from lazyfs.errors import DaemonError
-from lazyfs.mounts import MountError, mount_image, unmount
+from lazyfs.mounts import MountError, mount_image, node_of, unmount
 from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog, request, stop_daemon
 from lazyfs.settings import Settings
 from lazyfs.trace import load_trace
@@ -152,7 +152,7 @@ def mount(settings: Settings, image: str, mountpoint: Path, writable: Path | Non
 @click.pass_obj
 def umount(settings: Settings, mountpoint: Path, lazy: bool, root: Path | None) -> None:
     """Unmount a composed MOUNTPOINT, or stop the daemon when given its ROOT/mnt."""
-    paths = NodePaths(settings.override(node_root=root).node_root.absolute())
+    paths = node_of(mountpoint, NodePaths(settings.override(node_root=root).node_root.absolute()))
     if Path(os.path.realpath(mountpoint)) == Path(os.path.realpath(paths.mnt)):
         stop_daemon(paths, lazy)
         click.echo(f"stopped the lazyfs daemon at {paths.mnt}")

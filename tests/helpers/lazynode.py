@@ -25,7 +25,7 @@ from typing import Any
 
 from composer.catalog import ImageCatalog
 from lazyfs import erofsmounts, sysmount
-from lazyfs.mounts import mount_image, unmount
+from lazyfs.mounts import mount_image, release_node, unmount
 from lazyfs.node import DaemonSpec, NodePaths, request, running, start_daemon
 
 from .process import ServerProcess
@@ -133,8 +133,7 @@ class LazyNode(ServerProcess):
                 except OSError:
                     sysmount.umount(mp, lazy=True)
         self.mounted.clear()
-        with erofsmounts.locked(self.paths):
-            erofsmounts.release_unused(self.paths, everything=True)
+        release_node(self.paths, lazy=True)  # (what else still uses it: a test's leftovers)
         self.stop_process()
         while sysmount.find_mount(self.mnt) is not None:
             sysmount.umount(self.mnt, lazy=True)
