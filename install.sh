@@ -31,7 +31,7 @@ APT_PACKAGES=(util-linux python3-venv python3-dev gcc busybox-static zstd tar
               qemu-utils e2fsprogs strace
               make xz-utils libbsd-dev libcap-dev libnet1-dev libnftables-dev libnl-3-dev
               libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler protobuf-compiler
-              libgnutls28-dev uuid-dev etcd-server etcd-client)
+              libgnutls28-dev uuid-dev etcd-server etcd-client libzstd-dev libxxhash-dev)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
