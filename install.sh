@@ -94,6 +94,11 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -m pip install -q -e '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c 'import chunkstore, tools.cli, matplotlib' || { echo "install.sh: install failed" >&2; exit 1; }
+# lazyfs-blobd, the node daemon's native data path (lazyfs/native/blobd.c), built
+# now so no daemon waits for gcc; -Wall -Wextra -Werror against Debian's libfuse3,
+# libzstd and libxxhash (a warning fails the install, not a later mount)
+.venv/bin/python -m lazyfs.nativeblobs build > /dev/null \
+    || { echo "install.sh: building lazyfs-blobd failed" >&2; exit 1; }
 # The microVM guest kernel (Debian's cloud kernel, unpacked into /var/cache/lazyfs/guest-kernel);
 # the backend fetches it on first use too, this only saves the first sandbox the wait.
 if [ "$(id -u)" -eq 0 ]; then

@@ -16,8 +16,11 @@ built by the tests' helpers if missing), converted into a fresh store under
               there, readahead as lazyfs sets it: what the FUSE round trip
               itself costs, apart from lazyfs's own work per read;
   kernel      lazyfs's default path: a read-only composed root over the
-              layer's kernel EROFS mount, data from the node daemon's blob,
-              fetched from the local store through the daemon;
+              layer's kernel EROFS mount, its data device the layer's blob
+              served by the native server (lazyfs-blobd: node cache, else
+              the local store's packs, lazyfs.nativeblobs);
+  kernel-python  the same, the blob served by the Python daemon itself
+              (--no-native-blobs: the data path before lazyfs-blobd);
   fuse        the same root over the daemon's FUSE tree (--fuse);
   kernel-cluster  the kernel path of a node with no local store: the image
               pushed to SeaweedFS on loopback (one `weed server`, started
@@ -118,7 +121,7 @@ FULL = {"repeats": 3}
 # mounted after another of the same image would replay its trace);
 # bench_lazyfs section 5 measures the replay
 NO_TRACES = ["--auto-trace-seconds", "0"]
-BEFORE = ["--inline-fetch-bytes", "0", "--keep-local-reads"]
+BEFORE = ["--inline-fetch-bytes", "0", "--keep-local-reads", "--no-native-blobs"]
 BDI = Path("/sys/class/bdi")
 MS_BIND = 4096
 
@@ -271,7 +274,7 @@ class Bench:
         self.proxy_mounts: list[Path] = []
         self.weed: SeaweedFS | None = None
         self.cluster: Cluster | None = None
-        self.views = ["ext4", "erofs-file", "erofs-fuse", "kernel", "fuse"] + (
+        self.views = ["ext4", "erofs-file", "erofs-fuse", "kernel", "kernel-python", "fuse"] + (
             ["kernel-cluster", "kernel-cluster-filer"] if args.cluster else []) + (
             ["kernel-before"] if args.before else []) + (
             ["kernel-noattr"] if args.attribution_control else [])
@@ -302,7 +305,8 @@ class Bench:
         if self.args.cluster:
             self.prepare_cluster()
         with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
-            for name, extra in (("now", []), ("before", BEFORE),
+            for name, extra in (("now", []), ("python", ["--no-native-blobs"]),
+                                ("before", BEFORE),
                                 ("noattr", ["--no-attribute-opens"])):
                 if (name == "before" and not self.args.before
                         or name == "noattr" and not self.args.attribution_control):
@@ -319,7 +323,8 @@ class Bench:
                     catalog = ClusterCatalog(self.cluster)
                 else:
                     node = self.nodes["before" if view.endswith("before") else
-                                      "noattr" if view.endswith("noattr") else "now"]
+                                      "noattr" if view.endswith("noattr") else
+                                      "python" if view.endswith("python") else "now"]
                 self.node_of[view] = node
                 bdis = erofs_bdis()
                 self.roots[view] = node.mount(catalog, "dev:1", self.work / f"root-{view}",

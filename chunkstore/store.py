@@ -569,6 +569,26 @@ class ChunkStore:
                 raise failed[first]
         raise AssertionError("unreachable")
 
+    def locate_many(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED
+                    ) -> dict[ChunkId, Entry]:
+        """Where each chunk's record is (its index entry: pack, offset of the
+        stored bytes, lengths, codec), for the chunks the store has; the
+        others are left out. A location is a hint: GC may move the record
+        later (a reader checks the record header and looks again)."""
+        self._check_process()
+        dnum = self.index.domain_number(TrustDomain(domain), create=False)
+        if dnum is None:
+            return {}
+
+        def fn(txn: Txn) -> dict[ChunkId, Entry]:
+            out = {}
+            for cid in ids:
+                entry = self.index.get(txn, chunk_key(cid, dnum))
+                if entry is not None:
+                    out[cid] = entry
+            return out
+        return self.index.read(fn)
+
     def strong_many(self, ids: Sequence[ChunkId], domain: TrustDomain = TRUSTED
                     ) -> list[bytes]:
         """The BLAKE3-256 digest recorded for each chunk (ChunkNotFound if absent)."""

@@ -75,6 +75,7 @@ from .fetch import FetchEngine
 from .fs import FIRST_BASE, LazyFS
 from .layers import Layers
 from .mounts import registered, release_node
+from .nativeblobs import BlobServer
 from .node import (
     READ_AHEAD_KB,
     DaemonSpec,
@@ -231,6 +232,8 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
         opts = set(pyfuse3.default_options) | {"fsname=lazyfs", "subtype=lazyfs", "ro",
                                                "allow_other"}
         pyfuse3.init(fs, str(paths.mnt), opts)
+        if options.native_blobs:
+            fs.native = BlobServer(fs, paths, sanitize=options.native_sanitize)
         try:
             trio.run(_main, fs, paths, prefetch or [], on_ready, read_ahead_kb, metrics_listen)
         finally:
@@ -239,6 +242,8 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
                     erofsmounts.release_unused(paths, everything=True)
             except (LazyfsError, OSError) as e:
                 log.error("cannot release the shared layer mounts: %s", e)
+            if fs.native is not None:
+                fs.native.close()
             pyfuse3.close(unmount=True)
             for p in (paths.control, paths.pidfile):
                 p.unlink(missing_ok=True)
@@ -281,7 +286,8 @@ def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
                    cache_timeout=spec.cache_timeout, inline_fetch_bytes=spec.inline_fetch_bytes,
                    keep_local_reads=spec.keep_local_reads,
                    auto_trace_seconds=spec.auto_trace_seconds,
-                   attribute_opens=spec.attribute_opens)
+                   attribute_opens=spec.attribute_opens, native_blobs=spec.native_blobs,
+                   native_sanitize=spec.native_sanitize)
     with erofsmounts.locked(spec.paths):  # layer mounts a crashed daemon left, unused now
         erofsmounts.release_unused(spec.paths)
     run(spec.paths, spec.store, spec.cache_dir, size, cluster_url=spec.cluster, options=opts,
@@ -345,6 +351,8 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
             nursery.start_soon(guarded, "trace prefetch", fs.fetch.prefetch_trace, prefetch)
         if fs.fetch.opens is not None:
             nursery.start_soon(guarded, "open events", _open_events, fs.fetch.opens)
+        if fs.native is not None:
+            await fs.native.start(nursery)
         paths.pidfile.write_text(f"{os.getpid()}\n")
         if on_ready is not None:
             on_ready()
@@ -456,6 +464,8 @@ def _stats(fs: LazyFS) -> dict[str, Any]:
         snap["auto_traces"] = fs.traces.snapshot()
     if fs.fetch.opens is not None:
         snap["open_watches"] = fs.fetch.opens.snapshot()
+    if fs.native is not None:
+        snap["native"] = fs.native.snapshot()
     snap["cache"] = {"bytes": fs.fetch.cache.size, "capacity": fs.fetch.cache.capacity,
                      "chunks": len(fs.fetch.cache), "hits": st.hits, "misses": st.misses,
                      "waits": st.waits, "fetched_bytes": st.fetched_bytes,
@@ -513,6 +523,8 @@ async def _answer(fs: LazyFS, paths: NodePaths, line: bytes) -> dict[str, Any]:
         op = req["op"]
     except (ValueError, KeyError, TypeError, RecursionError):
         return {"ok": False, "error": "bad request: expected a JSON object with 'op'"}
+    if fs.native is not None:
+        fs.native.drain()  # (every read that returned before this question is counted)
     if op == "ping":
         return {"ok": True, "pid": os.getpid(), "source": fs.source}
     if op == "stats":
@@ -551,6 +563,8 @@ async def _answer(fs: LazyFS, paths: NodePaths, line: bytes) -> dict[str, Any]:
         return {"ok": True, "trace": state, "opens": opens}
     if op == "drop_cache":
         fs.fetch.drop_hot()
+        if fs.native is not None:
+            fs.native.drop_hot()
         await trio.to_thread.run_sync(fs.fetch.cache.clear)
         return {"ok": True}
     return {"ok": False, "error": f"unknown op {op!r}"}

@@ -66,6 +66,7 @@ from pmem.erofs import cached_image, meta_name, write_meta
 from . import sysmount
 from .blob import blob_name
 from .errors import MountError
+from .nativeblobs import FSTYPE
 from .node import READ_AHEAD_KB, NodePaths
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,29 @@ def _fuse_device(paths: NodePaths) -> str:
     return f"{os.major(dev)}:{os.minor(dev)}"
 
 
+_checked_native: dict[str, int] = {}
+
+
+def _native_device(paths: NodePaths) -> str | None:
+    """The native blob server's mount (lazyfs.nativeblobs) when one serves
+    this node: "native MAJ:MIN" (recorded like the daemon's device, so a
+    layer mounted over a server that has died since is remounted)."""
+    mnt = str(paths.native_blobs)
+    try:
+        dev = os.stat(mnt).st_dev
+        if dev == os.stat(paths.root).st_dev:
+            return None  # (nothing mounted there)
+    except OSError:
+        return None  # missing, or a dead server's mount (ENOTCONN)
+    if _checked_native.get(mnt) != dev:
+        info = sysmount.find_mount(mnt)
+        if info is None or info.fstype != FSTYPE or os.makedev(*info.dev) != dev \
+                or sysmount.is_stale(mnt):
+            return None
+        _checked_native[mnt] = dev
+    return f"native {os.major(dev)}:{os.minor(dev)}"
+
+
 def _recorded_device(paths: NodePaths, digest: str) -> str | None:
     try:
         value = json.loads(_state_path(paths, digest).read_text()).get("fuse_device")
@@ -187,6 +211,9 @@ def acquire(paths: NodePaths, digests: list[str]) -> list[Path]:
     Call under `locked(paths)`, after `build_images`; on failure, mounts
     already made stay until `release_unused` (which the caller runs)."""
     device = _fuse_device(paths)
+    native = _native_device(paths)
+    blobs = paths.blobs if native is None else paths.native_blobs
+    device = native or device
     paths.erofs_mounts.mkdir(mode=0o700, parents=True, exist_ok=True)
     out = []
     for digest in digests:
@@ -201,7 +228,7 @@ def acquire(paths: NodePaths, digests: list[str]) -> list[Path]:
                         device)
             _take_down(target, lazy=True)
         meta = image_path(paths, digest)
-        blob = paths.blobs / blob_name(digest)
+        blob = blobs / blob_name(digest)
         if "," in str(blob):
             raise MountError(f"the daemon's blob path {blob} holds a ',', which EROFS mount "
                              "options cannot carry; use another node root")

@@ -46,6 +46,7 @@ from .tree import LayerTree
 
 if TYPE_CHECKING:
     from .autotrace import AutoTraces
+    from .nativeblobs import BlobServer
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class LazyFS(pyfuse3.Operations):
         self.started = time.time()
         self.source = ""  # what it serves from (local store path or cluster URL)
         self.traces: AutoTraces | None = None  # automatic traces (the daemon sets them)
+        self.native: BlobServer | None = None  # the native blob server (the daemon's)
 
     # -- layers ---------------------------------------------------------------
 

@@ -102,6 +102,19 @@ class NodePaths:
         return self.mnt / "blobs"
 
     @property
+    def native_blobs(self) -> Path:
+        """The native blob server's mount (lazyfs.nativeblobs)."""
+        return self.root / "blobs-native"
+
+    @property
+    def native_tables(self) -> Path:
+        return self.root / "native-tables"
+
+    @property
+    def native_socket(self) -> Path:
+        return self.root / "blobd.sock"
+
+    @property
     def compositions(self) -> Path:
         """Per image: the layers its composed roots use (lazyfs.mounts)."""
         return self.root / "compositions"
@@ -216,6 +229,8 @@ class DaemonSpec:
     keep_local_reads: bool = Options.keep_local_reads
     auto_trace_seconds: float = Options.auto_trace_seconds
     attribute_opens: bool = Options.attribute_opens
+    native_blobs: bool = Options.native_blobs
+    native_sanitize: bool = Options.native_sanitize
     metrics_listen: str | None = None  # HOST:PORT of GET /metrics (lazyfs.metrics)
 
     def metrics_address(self) -> tuple[str, int] | None:
@@ -257,7 +272,10 @@ class DaemonSpec:
                 "--inline-fetch-bytes", str(self.inline_fetch_bytes),
                 "--keep-local-reads" if self.keep_local_reads else "--no-keep-local-reads",
                 "--auto-trace-seconds", repr(self.auto_trace_seconds),
-                "--attribute-opens" if self.attribute_opens else "--no-attribute-opens"]
+                "--attribute-opens" if self.attribute_opens else "--no-attribute-opens",
+                "--native-blobs" if self.native_blobs else "--no-native-blobs"]
+        if self.native_sanitize:
+            args.append("--native-sanitize")
         args += ["--cluster", self.cluster] if self.cluster else ["--store", str(self.store)]
         if self.prefetch is not None:
             args += ["--prefetch", str(self.prefetch.absolute())]
@@ -289,6 +307,9 @@ class DaemonSpec:
         p.add_argument("--auto-trace-seconds", type=float, default=Options.auto_trace_seconds)
         p.add_argument("--attribute-opens", action=argparse.BooleanOptionalAction,
                        default=Options.attribute_opens)
+        p.add_argument("--native-blobs", action=argparse.BooleanOptionalAction,
+                       default=Options.native_blobs)
+        p.add_argument("--native-sanitize", action="store_true")
         p.add_argument("--metrics-listen", metavar="HOST:PORT")
         p.add_argument("-v", "--verbose", action="count", default=0)
         a = p.parse_args(list(argv))
@@ -299,6 +320,7 @@ class DaemonSpec:
                    keep_local_reads=a.keep_local_reads,
                    auto_trace_seconds=max(0.0, a.auto_trace_seconds),
                    attribute_opens=a.attribute_opens,
+                   native_blobs=a.native_blobs, native_sanitize=a.native_sanitize,
                    metrics_listen=a.metrics_listen)
 
 

@@ -40,6 +40,11 @@ class Options:
     # the kernel path's per-mount attribution (lazyfs/opens.py): each composed
     # mount's opens, read from a fanotify group of its own
     attribute_opens: bool = True
+    # the kernel path's blobs (the data devices of the layers' EROFS mounts)
+    # served by the native server, lazyfs-blobd (lazyfs/nativeblobs.py), not
+    # by this process; `native_sanitize` builds it with ASan + UBSan (debugging)
+    native_blobs: bool = True
+    native_sanitize: bool = False
     # -- the FUSE adapter (lazyfs/fs.py) --
     keep_cache: bool = True  # keep the page cache across opens (content is immutable)
     cache_timeout: float = 24 * 3600.0  # entry/attr timeouts (metadata is immutable)

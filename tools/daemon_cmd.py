@@ -66,6 +66,10 @@ from .options import cache_options, root_option
               show_default=True,
               help="On the kernel path, attribute each composed mount's opens and reads "
                    "to it (a fanotify group per mount).")
+@click.option("--native-blobs/--no-native-blobs", default=Options.native_blobs,
+              show_default=True,
+              help="On the kernel path, serve layers' data from the native server "
+                   "(lazyfs-blobd) instead of this Python process.")
 @click.option("--metrics-listen", metavar="HOST:PORT", default=None,
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (no token: "
                    "bind where only your Prometheus reaches).")
@@ -74,7 +78,7 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
            cache_size: str | None, detach: bool, prefetch: Path | None, fetch_timeout: float,
            fetch_threads: int, readahead_chunks: int, read_ahead_kb: int, keep_cache: bool,
            cache_timeout: float, inline_fetch_bytes: int, keep_local_reads: bool,
-           auto_trace_seconds: float, attribute_opens: bool,
+           auto_trace_seconds: float, attribute_opens: bool, native_blobs: bool,
            metrics_listen: str | None) -> None:
     """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
 
@@ -88,7 +92,7 @@ def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
         keep_cache=keep_cache, cache_timeout=cache_timeout,
         inline_fetch_bytes=inline_fetch_bytes, keep_local_reads=keep_local_reads,
         auto_trace_seconds=auto_trace_seconds, attribute_opens=attribute_opens,
-        metrics_listen=metrics_listen, verbose=click.get_current_context().find_root().params.get("verbose") or 0)
+        native_blobs=native_blobs, metrics_listen=metrics_listen, verbose=click.get_current_context().find_root().params.get("verbose") or 0)
     if running(spec.paths):
         raise QuietError(f"a lazyfs daemon already serves {spec.paths.mnt}")
     if detach:
