@@ -259,7 +259,8 @@ def test_the_daemon_stopping_or_dying_takes_the_server_and_its_mount_along(
             pid = _native(node)["pid"]
             if how == "kill":
                 node.kill()  # SIGKILL: the server's parent-death signal
-                wait_until(lambda p=pid: p not in _server_pids(), 20, "the server to exit")
+                gone = pid
+                wait_until(lambda: gone not in _server_pids(), 20, "the server to exit")  # noqa: B023
         finally:
             node.close()
         assert pid not in _server_pids()
