@@ -65,11 +65,10 @@ from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
 from chunkstore.digests import Digest
 from chunkstore.errors import BadDigest, LazyfsError
-from chunkstore.objects import ObjectStore, PosixObjectStore
 from composer.errors import ComposerError
 
 from . import erofsmounts, logs, metrics, sysmount
-from .autotrace import AutoTraces
+from .autotrace import AutoTraces, trace_objects
 from .errors import ConfigError, DaemonError
 from .fetch import FetchEngine
 from .fs import FIRST_BASE, LazyFS
@@ -222,7 +221,7 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
                                         else None),
                     options, Attribution(paths))
         fs.source = cluster_url or str(Path(store_path or "").absolute())
-        fs.traces = AutoTraces(_trace_objects(catalog, store_path), catalog, fs.fetch,
+        fs.traces = AutoTraces(trace_objects(catalog, store_path), catalog, fs.fetch,
                                options.auto_trace_seconds,
                                layer_mount=lambda d: erofsmounts.mount_path(paths, d))
         if options.attribute_opens:
@@ -247,19 +246,6 @@ def run(paths: NodePaths, store_path: Path | None, cache_dir: Path, cache_size: 
             pyfuse3.close(unmount=True)
             for p in (paths.control, paths.pidfile):
                 p.unlink(missing_ok=True)
-
-
-def _trace_objects(catalog: object, store_path: Path | None) -> ObjectStore | None:
-    """Where images' access traces live: the cluster store's objects (they
-    travel with the image to every node), else the local store's directory
-    (the same keys: STORE/traces/...; lazyfs.autotrace)."""
-    from composer.remote import ClusterCatalog
-    if isinstance(catalog, ClusterCatalog):
-        return catalog.cluster.objects
-    if store_path is None:
-        return None
-    root = Path(store_path).absolute()
-    return PosixObjectStore(f"posix://{root}", root)
 
 
 def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
@@ -544,11 +530,11 @@ async def _answer(fs: LazyFS, paths: NodePaths, line: bytes) -> dict[str, Any]:
         fs.fetch.nursery.start_soon(guarded, "trace prefetch", fs.fetch.prefetch_trace, events)
         return {"ok": True, "queued": len(events)}
     if op == "forget_mount":
+        if fs.traces is not None:  # (first: the files it opened are part of its run)
+            fs.traces.unmounted(str(req.get("mount")))
         if fs.fetch.opens is not None:
             fs.fetch.opens.forget(str(req.get("mount")))
         fs.fetch.tracer.forget_mount(str(req.get("mount")))
-        if fs.traces is not None:
-            fs.traces.unmounted(str(req.get("mount")))
         return {"ok": True}
     if op == "mounted":
         opens = "off"

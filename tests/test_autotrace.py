@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,11 @@ from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
 from composer.remote import ClusterCatalog, trace_key
-from lazyfs.autotrace import MAX_TRACE_BYTES, decode, encode
+from lazyfs.autotrace import MAX_TRACE_BYTES, decode, encode, parse
 from lazyfs.erofsmounts import mount_path
-from tests.helpers.lazynode import LazyNode
+from tests.helpers.lazynode import REPO, LazyNode
 from tests.helpers.seaweed import SeaweedFS
-from tests.helpers.support import in_page_cache
+from tests.helpers.support import in_page_cache, wait_until
 from tests.test_kernel_path import _kernel_path_missing
 
 MIB = 1 << 20
@@ -224,3 +226,61 @@ def test_the_trace_travels_with_the_image_through_the_cluster_store(
                                    {"store": tmp_path / "no-local-store", "cluster": url})
         assert cluster.objects.exists(trace_key(digest))
     assert not os.path.exists(tmp_path / "no-local-store")
+
+
+@needs_node
+def test_a_trace_learns_from_later_runs_and_an_operator_sees_and_drops_it(
+        store: ChunkStore, cat: Catalog, tmp_path: Path) -> None:
+    """A debug read-all is the image's first use; an ordinary use follows
+    on a fresh node (it replays the read-all, reads READ); a third node
+    then prefetches what READ needs and none of the rest. `lazyfs trace`
+    shows the trace and drops it; the next use records anew."""
+    digest, chunks = _image(store, cat, tmp_path, "learn:1", seed=3)
+    tree = tmp_path / "learn_1"
+    key = Path(store.root) / trace_key(digest)
+    every = sorted(chunks)
+    total = sum(sum(v) for v in chunks.values())
+    want = sum(sum(chunks[p]) for p in READ)
+
+    def runs() -> float:
+        return parse(key.read_bytes(), digest).runs if key.exists() else 0.0
+
+    with LazyNode(tmp_path / "a", Path(store.root)) as a:
+        root = a.mount(cat, digest, tmp_path / "ra")
+        _read(root, every, tree)
+        a.unmount(root)
+        a.wait_trace(digest, {"saved"})
+    assert runs() == 1.0
+    with LazyNode(tmp_path / "b", Path(store.root)) as b:
+        root = b.mount(cat, digest, tmp_path / "rb")
+        st = b.wait_trace(digest, {"prefetched"})
+        assert st["cache"]["fetched_bytes"] == total  # the read-all, replayed
+        _read(root, READ, tree)
+        b.unmount(root)
+        wait_until(lambda: runs() > 1.0, 30, "the second run merged")
+    t = parse(key.read_bytes(), digest)
+    assert t.runs == pytest.approx(1.8)
+    replay = {e["path"] for e in t.replay()}
+    assert replay == set(READ), replay
+    with LazyNode(tmp_path / "c", Path(store.root)) as c:
+        root = c.mount(cat, digest, tmp_path / "rc")
+        st = c.wait_trace(digest, {"prefetched"})
+        assert st["cache"]["fetched_bytes"] == want, (st["cache"]["fetched_bytes"], want)
+        c.unmount(root)
+    cli = [sys.executable, "-m", "tools.cli", "--store", str(store.root), "trace"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *args], capture_output=True, text=True, cwd=REPO,
+                              timeout=60, check=False)
+    ls = run("ls")
+    assert ls.returncode == 0 and digest in ls.stdout and "learn:1" in ls.stdout, ls
+    shown = run("show", "learn:1")
+    assert shown.returncode == 0 and f"{len(t.replay())} chunks" in shown.stdout.replace(",", "")
+    assert run("rm", "learn:1").returncode == 0 and not key.exists()
+    again = run("rm", "learn:1")
+    assert again.returncode != 0 and again.stderr.strip().endswith("has no stored trace")
+    assert len(again.stderr.strip().splitlines()) == 1
+    with LazyNode(tmp_path / "d", Path(store.root)) as d:
+        root = d.mount(cat, digest, tmp_path / "rd")
+        d.wait_trace(digest, {"recording"})  # (no trace to replay)
+        d.unmount(root)

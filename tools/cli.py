@@ -90,6 +90,7 @@ _COMMANDS = {
     "build": "image_cmd:build", "daemon": "daemon_cmd:daemon", "mount": "mount_cmd:mount",
     "umount": "mount_cmd:umount", "stats": "daemon_cmd:stats", "push": "cluster_cmd:push",
     "seaweed": "cluster_cmd:seaweed", "cluster": "cluster_cmd:cluster",
+    "trace": "trace_cmd:trace",
     "agent": "sandbox_cmd:agent", "sandbox": "sandbox_cmd:sandbox", "fleet": "fleet_cmd:fleet",
 }
 
