@@ -44,8 +44,8 @@ file in 1 MiB reads) and find+stat (walk, lstat every entry). Cold: the
 node cache emptied (control op drop_cache) and the page cache dropped before
 each run; warm: after one warming run. --repeats runs each, the views
 rotating within every round; medians. CPU: this process's user+system time
-plus the daemon's (/proc/PID/stat) during the run, per MB read. Every view
-must read the same bytes (count and total).
+plus the daemon's and its native blob server's (/proc/PID/stat) during the
+run, per MB read. Every view must read the same bytes (count and total).
 
 Then the Go workload (benchmarks/gomodule.py; --no-go leaves it out):
 `go test ./...` of a small module (4 packages and their tests, standard
@@ -420,10 +420,15 @@ class Bench:
                 self.proxy.wait()
 
     def _pids(self, view: str) -> list[int]:
-        """The processes serving a view (their CPU counts): its daemon, and
-        for the cluster view the SeaweedFS server."""
+        """The processes serving a view (their CPU counts): its daemon and
+        its native blob server, and for the cluster view the SeaweedFS
+        server."""
         node = self.node_of.get(view)
         pids = [node.proc.pid] if node is not None and node.proc is not None else []
+        if node is not None and view != "fuse":  # the native blob server's (a child)
+            server = node.stats().get("native", {}).get("pid")
+            if server:
+                pids.append(server)
         if view == "erofs-fuse" and self.proxy is not None:
             pids.append(self.proxy.pid)
         if view.startswith("kernel-cluster") and self.weed is not None \
