@@ -73,7 +73,8 @@
 #define MAX_LAYERS 65536
 #define MAX_NAME 200
 #define RECORD_HEADER 32
-#define IOV_MAX_READ 64
+#define IOV_CAP 1000  /* pieces of one reply (writev takes 1024) */
+#define MAX_READ (1u << 20)
 
 /* messages to the daemon (64 bytes each, SOCK_SEQPACKET) */
 enum { MSG_REPORT = 'R', MSG_FETCH = 'F', MSG_TABLE = 'T', MSG_EVENT = 'E' };
@@ -220,7 +221,7 @@ static int fetch_timeout_s = 30;
 static pthread_rwlock_t layers_lock = PTHREAD_RWLOCK_INITIALIZER;
 static struct layer *layers[MAX_LAYERS];  /* inode = index + 2 */
 static uint32_t n_layers;
-static uint8_t zeros[1 << 16];
+static const uint8_t zeros[MAX_READ];  /* what gaps read as */
 
 /* the hot set: decoded chunks shared by all threads, single flight */
 struct slot {
@@ -660,7 +661,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn) {
     conn->want &= ~FUSE_CAP_SPLICE_READ;
     if (conn->capable & FUSE_CAP_ASYNC_READ) conn->want |= FUSE_CAP_ASYNC_READ;
     conn->max_readahead = 0;
-    conn->max_read = 1u << 20;  /* (as the mount's max_read) */
+    conn->max_read = MAX_READ;  /* (as the mount's max_read) */
     /* serving now: the daemon may mount layers over this */
     uint8_t ready[MSG_SIZE] = {MSG_EVENT};
     send_msg(ready);  /* (kind 0: mounted) */
@@ -734,81 +735,89 @@ static uint64_t now_us(void) {
     return (uint64_t)t.tv_sec * 1000000 + (uint64_t)t.tv_nsec / 1000;
 }
 
+/* The first segment of l ending past pos. */
+static uint32_t seg_after(const struct layer *l, uint64_t pos) {
+    uint32_t lo = 0, hi = l->n_segs;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (l->segs[mid].off + l->segs[mid].len <= pos) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi) {
     (void)fi;
     struct layer *l = layer_of(ino);
     if (!l) { fuse_reply_err(req, ENOENT); return; }
     uint64_t t0 = now_us();
-    if (off < 0 || (uint64_t)off >= l->size) { fuse_reply_buf(req, NULL, 0); return; }
+    if (size > MAX_READ) { fuse_reply_err(req, EINVAL); return; }  /* (max_read says not) */
+    if (off < 0 || (uint64_t)off >= l->size || size == 0) { fuse_reply_buf(req, NULL, 0); return; }
     uint64_t start = (uint64_t)off, end = start + size;
     if (end > l->size) end = l->size;
-    /* the first segment ending past start */
-    uint32_t lo = 0, hi = l->n_segs;
-    while (lo < hi) {
-        uint32_t mid = lo + (hi - lo) / 2;
-        if (l->segs[mid].off + l->segs[mid].len <= start) lo = mid + 1; else hi = mid;
-    }
-    struct iovec iov[IOV_MAX_READ * 2 + 2];
-    struct slot *held[IOV_MAX_READ];
+    uint32_t first = seg_after(l, start), last = seg_after(l, end);
+    /* (segments first..last-1 may intersect the range, last may too) */
+    uint32_t n_segs = last - first + (last < l->n_segs);
+    /* Each piece of the reply is a chunk's bytes (held in the hot set
+       until sent) or zeros; a read of more pieces than one writev takes
+       (a hostile image's tiny extents) is copied into one buffer instead.
+       Never a short read: a direct_io reader takes it as the end. */
+    int bounce = n_segs * 2 + 2 > IOV_CAP;
+    uint8_t *buf = bounce ? calloc(1, end - start) : NULL;
+    if (bounce && !buf) { fuse_reply_err(req, ENOMEM); return; }
+    struct iovec iov[IOV_CAP];
+    struct slot *held[IOV_CAP / 2];
     int n_iov = 0, n_held = 0, err = 0;
     uint16_t got[4] = {0, 0, 0, 0};
     uint64_t pack_bytes = 0, fetched_bytes = 0, pos = start;
-    for (uint32_t i = lo; i < l->n_segs && pos < end && !err; i++) {
+    for (uint32_t i = first; i < l->n_segs && !err; i++) {
         const struct seg *g = &l->segs[i];
         if (g->off >= end) break;
-        while (pos < g->off && pos < end) {  /* a gap: zeros */
-            uint64_t z = g->off - pos;
-            if (z > end - pos) z = end - pos;
-            if (z > sizeof zeros) z = sizeof zeros;
-            if (n_iov == (int)(sizeof iov / sizeof iov[0])) { err = EIO; break; }
-            iov[n_iov++] = (struct iovec){zeros, z};
-            pos += z;
+        if (g->off > pos) {  /* a gap: zeros */
+            if (!bounce) iov[n_iov++] = (struct iovec){(void *)zeros, g->off - pos};
+            pos = g->off;
         }
-        if (err || pos >= end) break;
-        if (n_held == IOV_MAX_READ) break;  /* a short read: the kernel asks for the rest */
         int from = GOT_HOT;
         struct slot *s = get_slot(l, g->chunk, &err, &from);
         if (!s) break;
-        held[n_held++] = s;
         got[from]++;
         if (from == GOT_PACK) pack_bytes += s->len;
         else if (from == GOT_FETCHED) fetched_bytes += s->len;
         uint64_t a = pos - g->off, b = g->len;
         if (g->off + b > end) b = end - g->off;
-        iov[n_iov++] = (struct iovec){s->data + g->chunk_off + a, b - a};
+        if (bounce) {
+            memcpy(buf + (pos - start), s->data + g->chunk_off + a, b - a);
+            put_slot(s);
+        } else {
+            held[n_held++] = s;
+            iov[n_iov++] = (struct iovec){s->data + g->chunk_off + a, b - a};
+        }
         pos = g->off + b;
     }
-    while (!err && pos < end && n_held < IOV_MAX_READ &&
-           n_iov < (int)(sizeof iov / sizeof iov[0])) {  /* zeros to the end of the blob */
-        uint64_t z = end - pos;
-        if (z > sizeof zeros) z = sizeof zeros;
-        iov[n_iov++] = (struct iovec){zeros, z};
-        pos += z;
+    if (!err && pos < end && !bounce)  /* zeros to the end of the range */
+        iov[n_iov++] = (struct iovec){(void *)zeros, end - pos};
+    if (!err) {
+        /* accounted before it is served: a read the daemon never heard of
+           is never answered with bytes */
+        uint8_t m[MSG_SIZE] = {MSG_REPORT};
+        put32(m + 4, l->layer_id);
+        put64(m + 8, start);
+        put32(m + 16, (uint32_t)(end - start));
+        put32(m + 20, (uint32_t)fuse_req_ctx(req)->pid);
+        put16(m + 24, got[GOT_HOT]);
+        put16(m + 26, got[GOT_CACHE]);
+        put16(m + 28, got[GOT_PACK]);
+        put16(m + 30, got[GOT_FETCHED]);
+        put64(m + 32, pack_bytes);
+        put64(m + 40, fetched_bytes);
+        put64(m + 48, now_us() - t0);
+        if (send_msg(m) < 0) err = EIO;
     }
-    if (err) {
-        for (int k = 0; k < n_held; k++) put_slot(held[k]);
-        fuse_reply_err(req, err);
-        return;
-    }
-    /* accounted before it is served: a read the daemon never heard of is
-       never answered with bytes */
-    uint8_t m[64] = {MSG_REPORT};
-    put32(m + 4, l->layer_id);
-    put64(m + 8, start);
-    put32(m + 16, (uint32_t)(pos - start));
-    put32(m + 20, (uint32_t)fuse_req_ctx(req)->pid);
-    put16(m + 24, got[GOT_HOT]);
-    put16(m + 26, got[GOT_CACHE]);
-    put16(m + 28, got[GOT_PACK]);
-    put16(m + 30, got[GOT_FETCHED]);
-    put64(m + 32, pack_bytes);
-    put64(m + 40, fetched_bytes);
-    put64(m + 48, now_us() - t0);
-    if (send_msg(m) < 0) err = EIO;
     if (err) fuse_reply_err(req, err);
+    else if (bounce) fuse_reply_buf(req, (const char *)buf, end - start);
     else fuse_reply_iov(req, iov, n_iov);
     for (int k = 0; k < n_held; k++) put_slot(held[k]);
+    free(buf);
 }
 
 static const struct fuse_lowlevel_ops ops = {
