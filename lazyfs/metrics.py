@@ -18,6 +18,8 @@ as the control request {"op": "metrics"} (`lazyfs stats --prometheus`).
                                             its image's size
     lazyfs_mounts                           composed mounts registered
     lazyfs_daemon_errors_total, lazyfs_prefetched_chunks_total
+    lazyfs_native_reads_total, lazyfs_native_corrupt_chunks_total{where},
+    lazyfs_native_restarts_total            the native blob server (lazyfs.nativeblobs)
 
 Rendered from the same figures as {"op": "stats"} (one source: the daemon's
 tracer and node cache), in the daemon's event loop, so a scrape is one
@@ -89,6 +91,17 @@ class _Snapshot(Collector):
                                   value=s["errors"])
         yield CounterMetricFamily("lazyfs_prefetched_chunks", "Chunks prefetched from traces.",
                                   value=s["prefetched_chunks"])
+        native = s.get("native")
+        if native:
+            yield CounterMetricFamily("lazyfs_native_reads", "Blob reads the native server "
+                                      "served (lazyfs-blobd).", value=native["reports"])
+            corrupt = CounterMetricFamily("lazyfs_native_corrupt_chunks", "Chunks the native "
+                                          "server found failing their id.", labels=["where"])
+            corrupt.add_metric(["cache"], native["cache_corrupt"])
+            corrupt.add_metric(["store"], native["pack_corrupt"])
+            yield corrupt
+            yield CounterMetricFamily("lazyfs_native_restarts", "Native servers that died and "
+                                      "were started again.", value=native["restarts"])
 
 
 def render(stats: Mapping[str, Any], mounts: Sequence[Mapping[str, Any]]) -> bytes:

@@ -142,6 +142,12 @@ def stats(settings: Settings, root: Path | None, as_json: bool, prometheus: bool
                f"(shared waits {c['waits']:,}); fetched {c['fetched_bytes'] / 1e6:,.1f} MB; "
                f"fetch p50 {c['fetch_ms_p50']:.2f} ms p99 {c['fetch_ms_p99']:.2f} ms")
     click.echo(f"errors {snap['errors']}  prefetched chunks {snap['prefetched_chunks']:,}")
+    native = snap.get("native")
+    if native:
+        click.echo(f"native blob server pid {native['pid'] or '(down)'}: {native['layers']} "
+                   f"layers, {native['reports']:,} reads; corrupt chunks: cache "
+                   f"{native['cache_corrupt']}, store {native['pack_corrupt']}; restarts "
+                   f"{native['restarts']}")
     traces = snap.get("auto_traces") or {}
     if traces:
         click.echo("\nautomatic traces (per image digest)")
