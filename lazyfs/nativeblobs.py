@@ -94,6 +94,14 @@ _EVENT = struct.Struct("<4xIII")
 _FETCH = struct.Struct("<4xII")
 EV_MOUNTED, EV_CACHE_CORRUPT, EV_PACK_CORRUPT, EV_FAILED = range(4)
 READY_TIMEOUT = 10.0
+# a reader walking the blob's files in order (a read-all, a compile of a
+# tree): after WALK_AFTER misses in a row on the next files, the files ahead
+# are fetched too, WALK_START at first, doubling to WALK_MAX files or
+# WALK_BYTES per step (remote stores only: a local store needs no help)
+WALK_AFTER = 3
+WALK_START = 8
+WALK_MAX = 256
+WALK_BYTES = 16 << 20
 MAX_RESTARTS = 5  # in a minute; then the Python path serves new mounts
 
 
@@ -227,6 +235,21 @@ class _Layer:
     entries: list[int]  # per chunk: the first file holding it
     ks: list[int]  # and which of its chunks it is
     ahead: dict[int, int] = field(default_factory=dict)  # file -> last chunk queued
+    # a walk through the blob's files (see BlobServer._walk): where the last
+    # miss was, how many misses in a row were the next files, how far the
+    # files ahead were queued, and how many at a time
+    walk_at: int = -10
+    walk_run: int = 0
+    walk_to: int = -1
+    walk_window: int = WALK_START
+    _extent: dict[int, int] = field(default_factory=dict)
+
+    def extent_of(self, entry: int) -> int:
+        """The index of a file's first extent in the blob layout."""
+        if not self._extent:
+            for k, e in enumerate(self.blob.layout.entries):
+                self._extent.setdefault(e, k)
+        return self._extent.get(entry, -1)
 
     def what(self, ci: int) -> str:
         """A chunk of the table, for a log line: its id and its file."""
@@ -534,6 +557,7 @@ class BlobServer:
         except FetchError:
             return errno.EIO, -1  # (logged and counted by the engine)
         self._readahead(layer, ci)
+        self._walk(layer, ci)
         fd = os.memfd_create("lazyfs-chunk", os.MFD_CLOEXEC)
         try:
             view = memoryview(data)
@@ -564,6 +588,50 @@ class BlobServer:
             layer.ahead.clear()
         layer.ahead[i] = stop
         fetch.nursery.start_soon(fetch._prefetch, tree, i, ahead)
+
+    def _walk(self, layer: _Layer, ci: int) -> None:
+        """A miss on the first chunk of a file: when the last misses were
+        the files right before it in the blob (or the reader caught up with
+        the files queued ahead), fetch the next files' chunks in the
+        background, in blob order (neighbours in the blob are neighbours in
+        the cluster's packs: one ranged GET for many). A reader that jumps
+        around resets it, so a workload reading a few files of a tree
+        fetches what it reads."""
+        fetch = self.fs.fetch
+        if (fetch.local_store is not None or not self.fs.options.blob_readahead_chunks
+                or fetch.nursery is None or fetch.quiet_layers[layer.blob.tree.digest]
+                or layer.ks[ci] != 0):
+            return
+        pos = layer.extent_of(layer.entries[ci])
+        if pos < 0:
+            return
+        caught_up = layer.walk_to >= 0 and layer.walk_at < pos <= layer.walk_to + 2
+        if caught_up or 0 < pos - layer.walk_at <= 2:
+            layer.walk_run += 1
+        else:
+            layer.walk_run, layer.walk_to, layer.walk_window = 0, -1, WALK_START
+        layer.walk_at = pos
+        if layer.walk_run < WALK_AFTER:
+            return
+        layout, tree = layer.blob.layout, layer.blob.tree
+        first = max(pos + 1, layer.walk_to + 1)
+        stop = min(len(layout.entries), pos + 1 + layer.walk_window)
+        ids: list[ChunkId] = []
+        nbytes = 0
+        k = first
+        while k < stop and nbytes < WALK_BYTES:
+            data = tree.file_data(layout.entries[k])
+            for j in data.span(layout.offsets[k], layout.lengths[k]):
+                cid = data.ids[j]
+                if cid is not None and not fetch.cache.contains(cid, tree.domain):
+                    ids.append(cid)
+                    nbytes += data.lengths[j]
+            k += 1
+        layer.walk_to = k - 1
+        layer.walk_window = min(WALK_MAX, layer.walk_window * 2)
+        ids = list(dict.fromkeys(ids))
+        for n in range(0, len(ids), 64):
+            fetch.nursery.start_soon(fetch._fetch_batch, tree, ids[n:n + 64])
 
     def _event(self, m: bytes) -> None:
         lid, ci, kind = _EVENT.unpack_from(m)

@@ -371,3 +371,42 @@ def test_the_server_under_address_and_undefined_behaviour_sanitizers(
         assert native["pid"] == pid and native["restarts"] == 0
     log = node.log()
     assert "Sanitizer" not in log and "runtime error" not in log, log[-3000:]
+
+
+def test_a_walk_through_a_cluster_image_fetches_ahead_and_a_sparse_reader_only_what_it_reads(
+        tmp_path: Path, store: ChunkStore, cat: Catalog, image: list[str],
+        image_tars: dict[str, Path]) -> None:
+    """On a node reading from a cluster store (a shared POSIX directory),
+    a reader walking a directory's files in order gets the next files
+    fetched ahead; one reading a few files here and there fetches exactly
+    those."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    url = f"posix://{shared}"
+    with Cluster(open_object_store(url)) as cluster:
+        push(cluster, store, cat, "posix:1")
+    ref = image_tars["ref"]
+    m = cat.load_layer(image[0])
+    sizes = {e.path: e.size for e in m.entries if e.chunks}
+    big = sorted(p for p in sizes if p.startswith("posix/big/") and p != "posix/big/f00007")
+    assert len(big) > 40
+    with LazyNode(tmp_path / "sparse", tmp_path / "none", cluster=url,
+                  extra=["--native-blobs"]) as node, \
+            Cluster(open_object_store(url)) as cluster:
+        root = node.mount(ClusterCatalog(cluster), "posix:1", tmp_path / "r1", kernel=True)
+        picked = big[::9]
+        for p in picked:
+            assert (root / p).read_bytes() == (ref / p).read_bytes()
+        st = node.stats()
+        assert st["prefetched_chunks"] == 0
+        assert st["cache"]["fetched_bytes"] == sum(sizes[p] for p in picked)
+    with LazyNode(tmp_path / "walk", tmp_path / "none", cluster=url,
+                  extra=["--native-blobs"]) as node, \
+            Cluster(open_object_store(url)) as cluster:
+        root = node.mount(ClusterCatalog(cluster), "posix:1", tmp_path / "r2", kernel=True)
+        for p in big:
+            assert (root / p).read_bytes() == (ref / p).read_bytes()
+        st = node.stats()
+        assert st["prefetched_chunks"] > len(big) // 2
+        # ahead of the walk, never past the layer
+        assert st["cache"]["fetched_bytes"] <= sum(sizes.values())
