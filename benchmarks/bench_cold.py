@@ -4,7 +4,8 @@ and a kernel EROFS image file, in one run.
 The image: the tests' Debian dev tree ($LAZYFS_TEST_CACHE/debian-dev:
 debootstrap minbase + python3 + build-essential, ~470 MB, ~12,000 files;
 built by the tests' helpers if missing), converted into a fresh store under
---workdir. Views of the same tree:
+--workdir (--tree go: the Go toolchain tree, debian-go, ~760 MB; --tree
+minbase: Debian minbase, ~200 MB). Views of the same tree:
 
   ext4        the tree copied (cp -a) into --workdir;
   erofs-file  `mkfs.erofs IMG TREE` (uncompressed) mounted straight from the
@@ -85,7 +86,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_erofs import dev_tree
+from benchmarks.bench_erofs import CACHE_ROOT, dev_tree
 from benchmarks.gomodule import go_test_command, go_tree, write_module
 from benchmarks.host import CHROOT_ENV, drop_caches, run
 from benchmarks.report import (
@@ -284,10 +285,10 @@ class Bench:
         self.problems: list[str] = []
 
     def prepare(self) -> None:
-        tree = dev_tree()
+        tree = {"dev": dev_tree, "go": go_tree, "minbase": minbase_tree}[self.args.tree]()
         with ChunkStore.open(self.store, create=True) as store, Catalog(store) as cat:
             t0 = time.perf_counter()
-            convert(store, cat, f"dir:{tree}", "dev:1")
+            convert(store, cat, f"dir:{tree}", "dev:1")  # (the image read, whichever tree)
             log(f"converted {tree} in {time.perf_counter() - t0:.1f} s")
         native = self.work / "native"
         log("copying the tree to the work dir (ext4) and building the EROFS image file")
@@ -576,7 +577,7 @@ class Bench:
             head += ["warm ms", "/ext4 cold"] + (["MB/s", "CPU ms/MB"] if nbytes else [])
             what = (f"{count:,} files, {nbytes / MB:,.0f} MB" if nbytes
                     else f"{count:,} entries")
-            out.append(table(f"{work} of the dev image ({what}), median of "
+            out.append(table(f"{work} of the {self.args.tree} image ({what}), median of "
                              f"{self.args.repeats}", head, rows,
                              ["ratios: time / ext4 cold time; CPU: reader + daemon"]))
         gt = self.results.get("go_test")
@@ -602,6 +603,16 @@ class Bench:
         return "\n".join(out)
 
 
+def minbase_tree() -> Path:
+    """Debian minbase (debootstrap --variant=minbase), built once."""
+    root = CACHE_ROOT / "debian-minbase"
+    if not (root / "usr/bin/dpkg").exists():
+        log(f"building {root} with debootstrap (a few minutes, once)")
+        from tests.test_lazyfs_debian import _debootstrap
+        return _debootstrap("debian-minbase", None, "usr/bin/dpkg")
+    return root
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -616,6 +627,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-go", dest="go", action="store_false",
                     help="leave out the go test workload")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
+    ap.add_argument("--tree", choices=["dev", "go", "minbase"], default="dev",
+                    help="the image read whole and walked: the dev tree (default), the Go "
+                         "toolchain tree, or Debian minbase")
     add_run_options(ap, HERE / "results" / "cold.json", QUICK)
     args = ap.parse_args(argv)
     apply_profile(args, QUICK, FULL)
