@@ -76,7 +76,6 @@ from .layers import Layers
 from .mounts import registered, release_node
 from .nativeblobs import BlobServer
 from .node import (
-    READ_AHEAD_KB,
     DaemonSpec,
     NodePaths,
     check_fuse,
@@ -87,7 +86,7 @@ from .node import (
     running,
 )
 from .opens import LayerFiles, OpenWatches
-from .options import Options
+from .options import READ_AHEAD_KB, Options
 from .settings import parse_size
 from .trace import Tracer, check_events, load_trace
 
@@ -267,17 +266,11 @@ def serve(spec: DaemonSpec, on_ready: Callable[[], None] | None = None) -> None:
         size = parse_size(spec.cache_size)
     except ValueError as e:
         raise ConfigError(f"cache size {e}") from None
-    opts = Options(fetch_threads=spec.fetch_threads, fetch_timeout=spec.fetch_timeout,
-                   readahead_chunks=spec.readahead_chunks, keep_cache=spec.keep_cache,
-                   cache_timeout=spec.cache_timeout, inline_fetch_bytes=spec.inline_fetch_bytes,
-                   keep_local_reads=spec.keep_local_reads,
-                   auto_trace_seconds=spec.auto_trace_seconds,
-                   attribute_opens=spec.attribute_opens, native_blobs=spec.native_blobs,
-                   native_sanitize=spec.native_sanitize)
+    opts = spec.options
     with erofsmounts.locked(spec.paths):  # layer mounts a crashed daemon left, unused now
         erofsmounts.release_unused(spec.paths)
     run(spec.paths, spec.store, spec.cache_dir, size, cluster_url=spec.cluster, options=opts,
-        prefetch=events, read_ahead_kb=spec.read_ahead_kb, on_ready=on_ready,
+        prefetch=events, read_ahead_kb=opts.read_ahead_kb, on_ready=on_ready,
         metrics_listen=spec.metrics_address())
 
 
@@ -285,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m lazyfs ARGS` (DaemonSpec.argv): serve in the foreground;
     a failure is one line on stderr and exit code 1."""
     import sys
-    spec = DaemonSpec.parse(sys.argv[1:] if argv is None else argv)
+    try:
+        spec = DaemonSpec.parse(sys.argv[1:] if argv is None else argv)
+    except LazyfsError as e:
+        print(f"lazyfs daemon: error: {e}", file=sys.stderr)
+        return 1
     logs.setup(logging.DEBUG if spec.verbose > 1 else
                logging.INFO if spec.verbose else logging.WARNING)
     try:

@@ -67,7 +67,8 @@ from . import sysmount
 from .blob import blob_name
 from .errors import MountError
 from .nativeblobs import FSTYPE
-from .node import READ_AHEAD_KB, NodePaths
+from .node import NodePaths
+from .options import READ_AHEAD_KB
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import options as options_module
 from .errors import ConfigError, DaemonError
 from .options import Options
 from .settings import Settings, default_cache_dir, default_root, parse_size
@@ -62,7 +63,6 @@ __all__ = ["READY_TIMEOUT", "DaemonSpec", "NodePaths", "check_fuse", "default_ro
 READY_TIMEOUT = 30.0
 # How long a stopping daemon may take to unmount and exit after SIGTERM.
 STOP_TIMEOUT = 10.0
-READ_AHEAD_KB = 1024  # FUSE's default 128 KiB halves cold sequential reads
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,9 @@ def running(paths: NodePaths) -> bool:
 
 @dataclass(frozen=True)
 class DaemonSpec:
-    """What a node daemon serves and how: the arguments of `python -m lazyfs`."""
+    """What a node daemon serves and how: the arguments of `python -m lazyfs`.
+    Its serving options are one value (lazyfs.options.Options: declared
+    there once, flags and config derived)."""
 
     paths: NodePaths
     store: Path | None  # the local store (None with a cluster)
@@ -218,20 +220,9 @@ class DaemonSpec:
     cache_dir: Path
     cache_size: str = "4G"
     prefetch: Path | None = None  # an access trace replayed into the cache at start
-    fetch_timeout: float = 30.0
-    fetch_threads: int = 8
-    readahead_chunks: int = 2
-    read_ahead_kb: int = READ_AHEAD_KB
-    keep_cache: bool = True
-    cache_timeout: float = 24 * 3600.0
     verbose: int = 0
-    inline_fetch_bytes: int = Options.inline_fetch_bytes
-    keep_local_reads: bool = Options.keep_local_reads
-    auto_trace_seconds: float = Options.auto_trace_seconds
-    attribute_opens: bool = Options.attribute_opens
-    native_blobs: bool = Options.native_blobs
-    native_sanitize: bool = Options.native_sanitize
     metrics_listen: str | None = None  # HOST:PORT of GET /metrics (lazyfs.metrics)
+    options: Options = field(default_factory=Options)
 
     def metrics_address(self) -> tuple[str, int] | None:
         """metrics_listen as (host, port); ConfigError naming a bad one."""
@@ -243,10 +234,14 @@ class DaemonSpec:
         return host.strip("[]"), int(port)
 
     @classmethod
-    def from_settings(cls, settings: Settings, **kw: Any) -> DaemonSpec:
+    def from_settings(cls, settings: Settings, *, options: Mapping[str, Any] | None = None,
+                      **kw: Any) -> DaemonSpec:
+        """The spec of the settings' node: its options the settings' [daemon]
+        section, with `options` (those given: not None) on top."""
         return cls(NodePaths(settings.node_root.absolute()),
                    None if settings.cluster else settings.store_path.absolute(),
-                   settings.cluster, settings.cache_dir.absolute(), settings.cache_size, **kw)
+                   settings.cluster, settings.cache_dir.absolute(), settings.cache_size,
+                   options=settings.daemon_options(options), **kw)
 
     @classmethod
     def for_node(cls, node_root: Path, store: Path, cluster: str | None,
@@ -263,19 +258,7 @@ class DaemonSpec:
 
     def argv(self) -> list[str]:
         args = ["--root", str(self.paths.root), "--cache", str(self.cache_dir),
-                "--cache-size", self.cache_size, "--fetch-timeout", repr(self.fetch_timeout),
-                "--fetch-threads", str(self.fetch_threads),
-                "--readahead-chunks", str(self.readahead_chunks),
-                "--read-ahead-kb", str(self.read_ahead_kb),
-                "--cache-timeout", repr(self.cache_timeout),
-                "--keep-cache" if self.keep_cache else "--no-keep-cache",
-                "--inline-fetch-bytes", str(self.inline_fetch_bytes),
-                "--keep-local-reads" if self.keep_local_reads else "--no-keep-local-reads",
-                "--auto-trace-seconds", repr(self.auto_trace_seconds),
-                "--attribute-opens" if self.attribute_opens else "--no-attribute-opens",
-                "--native-blobs" if self.native_blobs else "--no-native-blobs"]
-        if self.native_sanitize:
-            args.append("--native-sanitize")
+                "--cache-size", self.cache_size, "--config", self.options.to_json()]
         args += ["--cluster", self.cluster] if self.cluster else ["--store", str(self.store)]
         if self.prefetch is not None:
             args += ["--prefetch", str(self.prefetch.absolute())]
@@ -285,7 +268,9 @@ class DaemonSpec:
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> DaemonSpec:
-        """The inverse of argv() (later flags win, so extra flags override)."""
+        """The inverse of argv(); an option's own flag wins over --config
+        (so extra flags override), later flags over earlier ones. A bad
+        value is a ConfigError naming it."""
         p = argparse.ArgumentParser(prog="python -m lazyfs",
                                     description="Run a node's lazyfs daemon (foreground).")
         p.add_argument("--root", type=Path, required=True)
@@ -295,33 +280,19 @@ class DaemonSpec:
         p.add_argument("--cache", type=Path, required=True)
         p.add_argument("--cache-size", default="4G")
         p.add_argument("--prefetch", type=Path)
-        p.add_argument("--fetch-timeout", type=float, default=30.0)
-        p.add_argument("--fetch-threads", type=int, default=8)
-        p.add_argument("--readahead-chunks", type=int, default=2)
-        p.add_argument("--read-ahead-kb", type=int, default=READ_AHEAD_KB)
-        p.add_argument("--keep-cache", action=argparse.BooleanOptionalAction, default=True)
-        p.add_argument("--cache-timeout", type=float, default=24 * 3600.0)
-        p.add_argument("--inline-fetch-bytes", type=int, default=Options.inline_fetch_bytes)
-        p.add_argument("--keep-local-reads", action=argparse.BooleanOptionalAction,
-                       default=Options.keep_local_reads)
-        p.add_argument("--auto-trace-seconds", type=float, default=Options.auto_trace_seconds)
-        p.add_argument("--attribute-opens", action=argparse.BooleanOptionalAction,
-                       default=Options.attribute_opens)
-        p.add_argument("--native-blobs", action=argparse.BooleanOptionalAction,
-                       default=Options.native_blobs)
-        p.add_argument("--native-sanitize", action="store_true")
+        p.add_argument("--config", metavar="JSON", help="the serving options (lazyfs.options)")
+        options_module.add_arguments(p)
         p.add_argument("--metrics-listen", metavar="HOST:PORT")
         p.add_argument("-v", "--verbose", action="count", default=0)
         a = p.parse_args(list(argv))
+        try:
+            opts = Options.from_json(a.config) if a.config else Options()
+            opts = opts.replace(options_module.given(a), "a flag")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return cls(NodePaths(a.root.absolute()), a.store and a.store.absolute(), a.cluster,
-                   a.cache.absolute(), a.cache_size, a.prefetch, a.fetch_timeout,
-                   a.fetch_threads, a.readahead_chunks, a.read_ahead_kb, a.keep_cache,
-                   a.cache_timeout, a.verbose, inline_fetch_bytes=a.inline_fetch_bytes,
-                   keep_local_reads=a.keep_local_reads,
-                   auto_trace_seconds=max(0.0, a.auto_trace_seconds),
-                   attribute_opens=a.attribute_opens,
-                   native_blobs=a.native_blobs, native_sanitize=a.native_sanitize,
-                   metrics_listen=a.metrics_listen)
+                   a.cache.absolute(), a.cache_size, a.prefetch, a.verbose,
+                   metrics_listen=a.metrics_listen, options=opts)
 
 
 def check_fuse() -> None:

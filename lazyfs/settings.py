@@ -29,6 +29,10 @@ unknown sections or keys are errors, as are values of the wrong type:
     [mount]
     lowers = "kernel"                # env LAZYFS_LOWERS: "kernel" (EROFS) or "fuse"
 
+    [daemon]                    # the node daemon's serving options: any field of
+    fetch_timeout = 30.0             #   lazyfs.options.Options, by its name (the
+    native_blobs = true              #   flags of `lazyfs daemon` win over these)
+
     [runtime]                   # the sandbox runtime
     state_dir = "/var/lib/lazyfs-runtime"   # env LAZYFS_RUNTIME_DIR [as root; else
                                             #   $XDG_RUNTIME_DIR/lazyfs/runtime]
@@ -46,13 +50,16 @@ import os
 import re
 import tomllib
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from chunkstore.config import StoreConfig
 
+from . import options as daemon_options
 from .errors import ConfigError
+from .options import Options
 
 DEFAULT_CACHE_SIZE = "4G"
 DEFAULT_MAX_SNAPSHOT_LAYERS = 4
@@ -83,7 +90,8 @@ _KEYS: dict[str, _Key] = {
     "max_snapshot_layers": _Key("runtime", "max_snapshot_layers", "LAZYFS_MAX_SNAPSHOT_LAYERS",
                                 int, "runtime.max_snapshot_layers"),
 }
-_SECTIONS = sorted({k.section for k in _KEYS.values()})
+_DAEMON = "daemon"  # the section of the daemon's options (lazyfs.options: their own names)
+_SECTIONS = sorted({k.section for k in _KEYS.values()} | {_DAEMON})
 
 
 def _xdg(var: str, fallback: str) -> Path:
@@ -174,6 +182,18 @@ class Settings:
     # where each setting not left at its default came from ("environment
     # LAZYFS_STORE", ...), by attribute name
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # the config file's [daemon] section: daemon options (lazyfs.options), checked
+    daemon: dict[str, Any] = field(default_factory=dict)
+
+    def daemon_options(self, given: Mapping[str, Any] | None = None) -> Options:
+        """The daemon's serving options: the [daemon] section over the
+        defaults, `given` (those not None: a command's flags) over both."""
+        opts = Options().replace(self.daemon, "config file [daemon]")
+        extra = {k: v for k, v in (given or {}).items() if v is not None}
+        try:
+            return opts.replace(extra, "option")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def load(cls, **options: Any) -> Settings:
@@ -184,7 +204,12 @@ class Settings:
             raise TypeError(f"unknown settings {sorted(unknown)} (known: {sorted(_KEYS)})")
         given = {k: v for k, v in options.items() if v is not None}
         raw: dict[str, tuple[Any, str]] = {}  # attribute -> (value, where from)
-        raw.update(_read_file(config_file_path()))
+        daemon: dict[str, Any] = {}
+        for attr, (value, _src) in _read_file(config_file_path()).items():
+            if attr.startswith(_DAEMON + "."):
+                daemon[attr.removeprefix(_DAEMON + ".")] = value
+            else:
+                raw[attr] = (value, _src)
         for attr, key in _KEYS.items():
             if os.environ.get(key.env):
                 raw[attr] = (os.environ[key.env], f"environment {key.env}")
@@ -226,7 +251,8 @@ class Settings:
             threads=values.get("threads"),
             max_snapshot_layers=max_layers,
             options=given,
-            sources={attr: src for attr, (_, src) in raw.items()})
+            sources={attr: src for attr, (_, src) in raw.items()},
+            daemon=daemon)
         settings.store_config()  # checks the store's values now, naming them
         return settings
 
@@ -276,6 +302,14 @@ def _read_file(path: Path) -> dict[str, tuple[Any, str]]:
         keys = {k.key: attr for attr, k in _KEYS.items() if k.section == section}
         if not isinstance(table, dict):
             raise ConfigError(f"config file {path}: [{section}] must be a table")
+        if section == _DAEMON:
+            for key, value in table.items():
+                try:
+                    value = daemon_options.check(key, value, f"config file {path}: daemon")
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+                out[f"{_DAEMON}.{key}"] = (value, f"config file {path}: daemon.{key}")
+            continue
         for key, value in table.items():
             if key not in keys:
                 raise ConfigError(f"config file {path}: unknown key {section}.{key} "

@@ -36,14 +36,15 @@ class _FromSettings:
 
 _FROM_SETTINGS: Any = _FromSettings()  # (Any: a default of every field's type)
 _SETTINGS_FIELDS = ("store", "cluster", "state_dir", "node_root", "cache_dir", "cache_size",
-                    "max_snapshot_layers")
+                    "max_snapshot_layers", "daemon")
 
 
 def _from_settings(settings: Settings) -> dict[str, Any]:
     return {"store": settings.store_path, "cluster": settings.cluster,
             "state_dir": settings.state_dir, "node_root": settings.node_root,
             "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size,
-            "max_snapshot_layers": settings.max_snapshot_layers}
+            "max_snapshot_layers": settings.max_snapshot_layers,
+            "daemon": dict(settings.daemon)}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class RuntimeConfig:
     # node chunk cache [default: as configured, else lazyfs.settings.default_cache_dir]
     cache_dir: Path | None = _FROM_SETTINGS
     cache_size: str = _FROM_SETTINGS
+    # the daemon's serving options it starts with (lazyfs.options.Options field
+    # names; [settings: the config file's [daemon] section])
+    daemon: dict[str, Any] = _FROM_SETTINGS
     max_sandboxes: int = 4096
     # the VM backends' node-wide cache of pmem metadata images (None:
     # LAZYFS_PMEM_CACHE or /var/cache/lazyfs/pmem)

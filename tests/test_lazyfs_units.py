@@ -4,6 +4,7 @@ layers a composed mount uses, and the fetch engine under the FUSE adapter."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from lazyfs.layers import Layers
 from lazyfs.options import Options
 from lazyfs.trace import Tracer
 from lazyfs.tree import OPAQUE_XATTR, LayerTree
+from tests.helpers.lazynode import REPO
 from tests.helpers.support import flip_byte, pack_path
 
 
@@ -265,6 +267,49 @@ def test_a_daemon_spec_survives_its_command_line(tmp_path: Path) -> None:
     the fetch tuning included."""
     from lazyfs.node import DaemonSpec, NodePaths
     spec = DaemonSpec(NodePaths(tmp_path / "node"), tmp_path / "store", None, tmp_path / "c",
-                      inline_fetch_bytes=0, keep_local_reads=True, readahead_chunks=5)
+                      options=Options(inline_fetch_bytes=0, keep_local_reads=True,
+                                      readahead_chunks=5, hot_bytes=1 << 20))
     assert DaemonSpec.parse(spec.argv()) == spec
-    assert DaemonSpec.parse([*spec.argv(), "--no-keep-local-reads"]).keep_local_reads is False
+    # an option's own flag wins over the options the spec carries
+    assert DaemonSpec.parse([*spec.argv(), "--no-keep-local-reads"]
+                            ).options.keep_local_reads is False
+
+
+def test_every_daemon_option_is_declared_once_and_reaches_each_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lazyfs.options.Options is the one declaration: every field with a
+    flag is a flag of `lazyfs daemon` and of `python -m lazyfs`, every field
+    a key of the config file's [daemon] section; flags win over the file,
+    and a bad value is one line naming it."""
+    import subprocess
+    import sys
+
+    from lazyfs import options as o
+    from lazyfs.errors import ConfigError
+    from lazyfs.node import DaemonSpec
+    from lazyfs.settings import Settings
+    helptext = subprocess.run([sys.executable, "-m", "tools.cli", "daemon", "--help"],
+                              capture_output=True, text=True, check=True, cwd=REPO,
+                              env={**os.environ, "COLUMNS": "200"}).stdout
+    for name in o.names():
+        assert (o.flag(name) in helptext) == o.spec(name).cli, name
+    config = tmp_path / "config.toml"
+    config.write_text("[daemon]\nfetch_timeout = 5.5\nnative_blobs = false\n"
+                      "hot_bytes = 1048576\n")
+    monkeypatch.setenv("LAZYFS_CONFIG", str(config))
+    s = Settings.load(store_path=tmp_path / "store", node_root=tmp_path / "node")
+    spec = DaemonSpec.from_settings(s, options={"fetch_timeout": 9.0, "fetch_threads": None})
+    assert (spec.options.fetch_timeout, spec.options.native_blobs,
+            spec.options.hot_bytes) == (9.0, False, 1 << 20)
+    assert DaemonSpec.parse(spec.argv()).options == spec.options
+    for text, why in (("[daemon]\nfetch_timeut = 1\n", "unknown daemon option 'fetch_timeut'"),
+                      ("[daemon]\nfetch_threads = 0\n", "fetch_threads must be in 1..256"),
+                      ("[daemon]\nnative_blobs = 1\n", "native_blobs must be true or false")):
+        config.write_text(text)
+        with pytest.raises(ConfigError, match=why) as e:
+            Settings.load(store_path=tmp_path / "store")
+        assert str(config) in str(e.value) and "\n" not in str(e.value)
+    p = subprocess.run([sys.executable, "-m", "lazyfs", "--root", str(tmp_path), "--store",
+                        str(tmp_path), "--cache", str(tmp_path), "--config", '{"x": 1}'],
+                       capture_output=True, text=True, cwd=REPO, check=False)
+    assert p.returncode == 1 and "unknown daemon option 'x'" in p.stderr

@@ -11,10 +11,10 @@ from typing import Any
 
 import click
 
+from lazyfs import options as daemon_options
 from lazyfs.daemon import serve
 from lazyfs.mounts import registered
 from lazyfs.node import (
-    READ_AHEAD_KB,
     DaemonSpec,
     NodePaths,
     open_catalog,
@@ -22,7 +22,6 @@ from lazyfs.node import (
     running,
     start_daemon,
 )
-from lazyfs.options import Options
 from lazyfs.settings import Settings
 
 from .errors import QuietError
@@ -36,63 +35,25 @@ from .options import cache_options, root_option
 @click.option("--prefetch", "prefetch", type=click.Path(exists=True, dir_okay=False,
                                                         path_type=Path),
               help="Replay this access trace into the node cache at start.")
-@click.option("--fetch-timeout", default=30.0, show_default=True, metavar="SECONDS",
-              type=click.FloatRange(min=0.1),
-              help="A read whose chunks take longer fails with EIO.")
-@click.option("--fetch-threads", default=8, show_default=True, type=click.IntRange(1, 256),
-              help="Concurrent chunk fetches for reads.")
-@click.option("--readahead-chunks", default=2, show_default=True,
-              type=click.IntRange(0, 64),
-              help="Chunks fetched ahead of a sequential reader (0: off).")
-@click.option("--read-ahead-kb", default=READ_AHEAD_KB, show_default=True,
-              type=click.IntRange(4, 1 << 16),
-              help="Kernel readahead of the FUSE mount (the kernel's default is 128).")
-@click.option("--keep-cache/--no-keep-cache", default=True, show_default=True,
-              help="Keep file pages cached across opens (for measurements).")
-@click.option("--cache-timeout", default=24 * 3600.0, show_default=True, metavar="SECONDS",
-              type=click.FloatRange(min=0),
-              help="Kernel entry/attribute cache timeout (for measurements).")
-@click.option("--inline-fetch-bytes", default=Options.inline_fetch_bytes, show_default=True,
-              type=click.IntRange(0, 64 << 20),
-              help="Small reads from local disk are fetched on the event loop (0: threads).")
-@click.option("--keep-local-reads/--no-keep-local-reads", default=Options.keep_local_reads,
-              show_default=True,
-              help="Copy chunks read from a local store into the node cache.")
-@click.option("--auto-trace-seconds", default=Options.auto_trace_seconds, show_default=True,
-              metavar="SECONDS", type=click.FloatRange(min=0),
-              help="Record an image's first use this long when the store has no trace "
-                   "of it; later mounts on any node prefetch it (0: off).")
-@click.option("--attribute-opens/--no-attribute-opens", default=Options.attribute_opens,
-              show_default=True,
-              help="On the kernel path, attribute each composed mount's opens and reads "
-                   "to it (a fanotify group per mount).")
-@click.option("--native-blobs/--no-native-blobs", default=Options.native_blobs,
-              show_default=True,
-              help="On the kernel path, serve layers' data from the native server "
-                   "(lazyfs-blobd) instead of this Python process.")
+@daemon_options.click_options
 @click.option("--metrics-listen", metavar="HOST:PORT", default=None,
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (no token: "
                    "bind where only your Prometheus reaches).")
 @click.pass_obj
-def daemon(settings: Settings, root: Path | None, cache_dir: Path | None,
-           cache_size: str | None, detach: bool, prefetch: Path | None, fetch_timeout: float,
-           fetch_threads: int, readahead_chunks: int, read_ahead_kb: int, keep_cache: bool,
-           cache_timeout: float, inline_fetch_bytes: int, keep_local_reads: bool,
-           auto_trace_seconds: float, attribute_opens: bool, native_blobs: bool,
-           metrics_listen: str | None) -> None:
+def daemon(settings: Settings, /, root: Path | None, cache_dir: Path | None,
+           cache_size: str | None, detach: bool, prefetch: Path | None,
+           metrics_listen: str | None, **options: Any) -> None:
     """Run the node's lazyfs daemon: every layer in the catalog under ROOT/mnt/layers.
 
     One per node, shared by every mount and sandbox. Foreground until Ctrl-C
     or SIGTERM, which unmount it; `lazyfs umount ROOT/mnt` stops it too.
+    Every serving option can also be set in the config file's [daemon]
+    section, by its name (fetch_timeout = 10.0); a flag wins.
     """
     node = settings.override(node_root=root, cache_dir=cache_dir, cache_size=cache_size)
-    spec = DaemonSpec.from_settings(
-        node, prefetch=prefetch, fetch_timeout=fetch_timeout, fetch_threads=fetch_threads,
-        readahead_chunks=readahead_chunks, read_ahead_kb=read_ahead_kb,
-        keep_cache=keep_cache, cache_timeout=cache_timeout,
-        inline_fetch_bytes=inline_fetch_bytes, keep_local_reads=keep_local_reads,
-        auto_trace_seconds=auto_trace_seconds, attribute_opens=attribute_opens,
-        native_blobs=native_blobs, metrics_listen=metrics_listen, verbose=click.get_current_context().find_root().params.get("verbose") or 0)
+    verbose = click.get_current_context().find_root().params.get("verbose") or 0
+    spec = DaemonSpec.from_settings(node, options=options, prefetch=prefetch,
+                                    metrics_listen=metrics_listen, verbose=verbose)
     if running(spec.paths):
         raise QuietError(f"a lazyfs daemon already serves {spec.paths.mnt}")
     if detach:
