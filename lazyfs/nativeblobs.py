@@ -92,7 +92,7 @@ _SEG = struct.Struct("<QIII4x")  # 24
 _REPORT = struct.Struct("<4xIQIIHHHHQQQ")  # 56 of a 64-byte message
 _EVENT = struct.Struct("<4xIII")
 _FETCH = struct.Struct("<4xII")
-EV_MOUNTED, EV_CACHE_CORRUPT, EV_PACK_CORRUPT, EV_FAILED = range(4)
+EV_MOUNTED, EV_CACHE_CORRUPT, EV_PACK_CORRUPT, EV_FAILED, EV_TIMEOUT = range(5)
 READY_TIMEOUT = 10.0
 # a reader walking the blob's files in order (a read-all, a compile of a
 # tree): after WALK_AFTER misses in a row on the next files, the files ahead
@@ -271,7 +271,8 @@ class BlobServer:
         self.sanitize = sanitize
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts: list[float] = []
-        self.events = {"cache_corrupt": 0, "pack_corrupt": 0, "failed": 0, "restarts": 0}
+        self.events = {"cache_corrupt": 0, "pack_corrupt": 0, "failed": 0, "timed_out": 0,
+                       "restarts": 0}
         self.reports = 0
         self._layers: list[_Layer] = []
         self._ids: dict[str, int] = {}
@@ -652,6 +653,11 @@ class BlobServer:
         elif kind == EV_PACK_CORRUPT:
             self.events["pack_corrupt"] += 1
             log.error("local store: %s in layer %s fails its check in its pack", what, digest)
+        elif kind == EV_TIMEOUT:
+            self.events["timed_out"] += 1
+            self.fs.fetch.tracer.error()
+            log.error("native read in layer %s timed out after %ss: answered EIO",
+                      digest, self.fs.options.fetch_timeout)
         elif kind == EV_FAILED:
             self.events["failed"] += 1
             self.fs.fetch.tracer.error()

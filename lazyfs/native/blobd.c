@@ -54,6 +54,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -78,7 +79,7 @@
 
 /* messages to the daemon (64 bytes each, SOCK_SEQPACKET) */
 enum { MSG_REPORT = 'R', MSG_FETCH = 'F', MSG_TABLE = 'T', MSG_EVENT = 'E' };
-enum { EV_CACHE_CORRUPT = 1, EV_PACK_CORRUPT = 2, EV_FAILED = 3 };
+enum { EV_CACHE_CORRUPT = 1, EV_PACK_CORRUPT = 2, EV_FAILED = 3, EV_TIMEOUT = 4 };
 
 struct chunk {
     uint8_t id[16];
@@ -215,7 +216,7 @@ static struct layer *load_table(const char *path, char *err, size_t errlen) {
 
 /* -- the server's state ------------------------------------------------- */
 
-static const char *tables_dir, *sock_path;
+static const char *tables_dir, *sock_path, *mountpoint;
 static struct fuse_session *session;
 static int fetch_timeout_s = 30;
 static pthread_rwlock_t layers_lock = PTHREAD_RWLOCK_INITIALIZER;
@@ -381,7 +382,8 @@ static int from_cache(const struct layer *l, const struct chunk *c, uint8_t *buf
     char path[4200], hex[33];
     for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", c->id[i]);
     snprintf(path, sizeof path, "%s/%.2s/%s", l->cache_dir, hex, hex);
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    /* (non-blocking: a FIFO planted there opens, and fails the S_ISREG check) */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) return 0;
     return from_fd(c, fd, buf);
 }
@@ -396,7 +398,14 @@ static int pack_fd(const char *dir, uint64_t pack) {
     if (fd < 0) {
         char path[4200];
         snprintf(path, sizeof path, "%s/%016llx.pack", dir, (unsigned long long)pack);
-        int kept = open(path, O_RDONLY | O_CLOEXEC);
+        /* (non-blocking: a pack that is not a regular file, such as a FIFO,
+           is not there; the daemon's fetch, with its timeout, decides) */
+        int kept = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+        struct stat st;
+        if (kept >= 0 && (fstat(kept, &st) != 0 || !S_ISREG(st.st_mode))) {
+            close(kept);
+            kept = -1;
+        }
         if (kept >= 0) {
             if (n_pack_fds == PACK_FDS) {  /* the oldest goes */
                 close(pack_fds[0].fd);
@@ -735,6 +744,81 @@ static uint64_t now_us(void) {
     return (uint64_t)t.tv_sec * 1000000 + (uint64_t)t.tv_nsec / 1000;
 }
 
+/* -- reads in flight ------------------------------------------------------
+   A read still unanswered after the fetch timeout (a hung disk under the
+   store or the cache, a daemon that does not answer) gets EIO from the
+   watchdog, as the Python path's timeout gives; the worker, when it ends,
+   finds its request answered and drops what it had. The watchdog also
+   ends the server when its session was asked to exit and the loop did not
+   (workers stuck in a hung read cannot see it). */
+#define INFLIGHT 256
+static pthread_mutex_t inflight_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { fuse_req_t req; uint64_t start; struct layer *layer; int used, answered; }
+    inflight[INFLIGHT];
+
+/* A slot for req (-1: none free: then it is not watched). */
+static int watch_read(fuse_req_t req, struct layer *l, uint64_t start) {
+    pthread_mutex_lock(&inflight_mu);
+    int k = -1;
+    for (int i = 0; i < INFLIGHT && k < 0; i++)
+        if (!inflight[i].used) k = i;
+    if (k >= 0) {
+        inflight[k].req = req;
+        inflight[k].start = start;
+        inflight[k].layer = l;
+        inflight[k].used = 1;
+        inflight[k].answered = 0;
+    }
+    pthread_mutex_unlock(&inflight_mu);
+    return k;
+}
+
+/* 1: the caller answers the request; 0: the watchdog did already. */
+static int unwatch_read(int k) {
+    if (k < 0) return 1;
+    pthread_mutex_lock(&inflight_mu);
+    int mine = !inflight[k].answered;
+    inflight[k].used = 0;
+    pthread_mutex_unlock(&inflight_mu);
+    return mine;
+}
+
+static void *watchdog(void *arg) {
+    (void)arg;
+    uint64_t exit_seen = 0;
+    for (;;) {
+        struct timespec pause = {0, 200 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+        uint64_t now = now_us(), limit = (uint64_t)fetch_timeout_s * 1000000;
+        struct layer *late[INFLIGHT];
+        int n_late = 0;
+        pthread_mutex_lock(&inflight_mu);
+        for (int i = 0; i < INFLIGHT; i++)
+            if (inflight[i].used && !inflight[i].answered && now - inflight[i].start > limit) {
+                inflight[i].answered = 1;
+                fuse_reply_err(inflight[i].req, EIO);
+                late[n_late++] = inflight[i].layer;
+            }
+        pthread_mutex_unlock(&inflight_mu);
+        for (int i = 0; i < n_late; i++) {
+            uint8_t m[64] = {MSG_EVENT};
+            put32(m + 4, late[i]->layer_id);
+            put32(m + 8, UINT32_MAX);
+            put32(m + 12, EV_TIMEOUT);
+            send_msg(m);
+        }
+        if (session && fuse_session_exited(session)) {
+            if (!exit_seen) exit_seen = now;
+            else if (now - exit_seen > 2000000) {
+                fprintf(stderr, "lazyfs-blobd: reads still hung at exit; detaching the mount\n");
+                umount2(mountpoint, MNT_DETACH);
+                _exit(1);
+            }
+        }
+    }
+    return NULL;
+}
+
 /* The first segment of l ending past pos. */
 static uint32_t seg_after(const struct layer *l, uint64_t pos) {
     uint32_t lo = 0, hi = l->n_segs;
@@ -755,6 +839,8 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     if (off < 0 || (uint64_t)off >= l->size || size == 0) { fuse_reply_buf(req, NULL, 0); return; }
     uint64_t start = (uint64_t)off, end = start + size;
     if (end > l->size) end = l->size;
+    uint32_t pid = (uint32_t)fuse_req_ctx(req)->pid;  /* (req is not ours once the watchdog answered) */
+    int watched = watch_read(req, l, t0);
     uint32_t first = seg_after(l, start), last = seg_after(l, end);
     /* (segments first..last-1 may intersect the range, last may too) */
     uint32_t n_segs = last - first + (last < l->n_segs);
@@ -764,7 +850,10 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
        Never a short read: a direct_io reader takes it as the end. */
     int bounce = n_segs * 2 + 2 > IOV_CAP;
     uint8_t *buf = bounce ? calloc(1, end - start) : NULL;
-    if (bounce && !buf) { fuse_reply_err(req, ENOMEM); return; }
+    if (bounce && !buf) {
+        if (unwatch_read(watched)) fuse_reply_err(req, ENOMEM);
+        return;
+    }
     struct iovec iov[IOV_CAP];
     struct slot *held[IOV_CAP / 2];
     int n_iov = 0, n_held = 0, err = 0;
@@ -796,14 +885,16 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     }
     if (!err && pos < end && !bounce)  /* zeros to the end of the range */
         iov[n_iov++] = (struct iovec){(void *)zeros, end - pos};
-    if (!err) {
+    /* the request is this worker's to answer, unless the watchdog did */
+    int mine = unwatch_read(watched);
+    if (mine && !err) {
         /* accounted before it is served: a read the daemon never heard of
            is never answered with bytes */
         uint8_t m[MSG_SIZE] = {MSG_REPORT};
         put32(m + 4, l->layer_id);
         put64(m + 8, start);
         put32(m + 16, (uint32_t)(end - start));
-        put32(m + 20, (uint32_t)fuse_req_ctx(req)->pid);
+        put32(m + 20, pid);
         put16(m + 24, got[GOT_HOT]);
         put16(m + 26, got[GOT_CACHE]);
         put16(m + 28, got[GOT_PACK]);
@@ -813,9 +904,11 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         put64(m + 48, now_us() - t0);
         if (send_msg(m) < 0) err = EIO;
     }
-    if (err) fuse_reply_err(req, err);
-    else if (bounce) fuse_reply_buf(req, (const char *)buf, end - start);
-    else fuse_reply_iov(req, iov, n_iov);
+    if (mine) {  /* (else: answered EIO already, too late, and not reported) */
+        if (err) fuse_reply_err(req, err);
+        else if (bounce) fuse_reply_buf(req, (const char *)buf, end - start);
+        else fuse_reply_iov(req, iov, n_iov);
+    }
     for (int k = 0; k < n_held; k++) put_slot(held[k]);
     free(buf);
 }
@@ -845,6 +938,7 @@ int main(int argc, char **argv) {
                         "       lazyfs-blobd --check TABLE\n");
         return 2;
     }
+    mountpoint = argv[1];
     tables_dir = argv[2];
     sock_path = argv[3];
     if (argc > 4) hot_limit = (uint64_t)strtoul(argv[4], NULL, 10) << 20;
@@ -880,6 +974,13 @@ int main(int argc, char **argv) {
         fuse_session_destroy(session);
         return 1;
     }
+    pthread_t dog;
+    if (pthread_create(&dog, NULL, watchdog, NULL) != 0) {
+        fuse_session_unmount(session);
+        fuse_session_destroy(session);
+        return 1;
+    }
+    pthread_detach(dog);
     struct fuse_loop_config *cfg = fuse_loop_cfg_create();
     fuse_loop_cfg_set_max_threads(cfg, 32);
     fuse_loop_cfg_set_idle_threads(cfg, 8);
