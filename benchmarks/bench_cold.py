@@ -56,6 +56,12 @@ path and FUSE trees, the writes in an upper on --workdir's disk). Every run
 starts with an empty Go build cache (all packages compiled, every test
 binary linked); cold: page cache and node cache dropped, warm: not.
 
+Then the C++ build (--no-cxx leaves it out; the dev tree only): four
+translation units of the standard library's heavier headers (iostream,
+regex, thread/future, filesystem...) compiled to assembly by the image's
+own g++ -O1, chrooted in the read-only view, output to a pipe; ext4 and
+each lazyfs view, cold and warm.
+
 Then, per lazyfs view, a cold start of a Python program (`python3 -c
 'import json, email, sqlite3, asyncio, unittest'`, chrooted, under strace):
 bytes the daemon fetched against the file-level bound, the total size of
@@ -158,6 +164,29 @@ def find_stat(root: Path) -> tuple[int, int]:
 
 
 PROGRAM = ["python3", "-c", "import json, email, sqlite3, asyncio, unittest"]
+
+# The C++ build: translation units of the standard library's heavier
+# headers, each compiled to assembly by the image's g++ (cc1plus, the
+# headers, their includes), chrooted, the output to a pipe (the image's
+# root is read-only: no object files, no link)
+CXX_COMMAND = ["g++", "-std=c++17", "-O1", "-pipe", "-S", "-x", "c++", "-o", "-", "-"]
+CXX_UNITS = [
+    ("#include <iostream>\n#include <string>\n#include <vector>\n#include <algorithm>\n"
+    "int main() { std::vector<std::string> v{\"b\", \"a\"}; std::sort(v.begin(), v.end());"
+    " for (auto &s : v) std::cout << s << '\\n'; }\n"),
+    ("#include <regex>\n#include <map>\n#include <sstream>\n"
+    "int f(const std::string &s) { std::map<std::string, int> m; std::regex r(\"[a-z]+\");"
+    " for (std::sregex_iterator i(s.begin(), s.end(), r), e; i != e; ++i) m[i->str()]++;"
+    " std::ostringstream o; o << m.size(); return (int)o.str().size(); }\n"),
+    ("#include <thread>\n#include <future>\n#include <mutex>\n#include <chrono>\n"
+    "int g() { std::mutex mu; int n = 0; auto t = std::async([&] { std::lock_guard<std::mutex>"
+    " l(mu); return ++n; }); return t.get(); }\n"),
+    ("#include <filesystem>\n#include <fstream>\n#include <unordered_map>\n#include <memory>\n"
+    "#include <functional>\nsize_t h() { std::unordered_map<std::string, std::shared_ptr<int>>"
+    " m; m[\"x\"] = std::make_shared<int>(1); std::function<size_t()> f = [&] {"
+    " return std::filesystem::path(\"/a/b\").filename().string().size() + m.size(); };"
+    " return f(); }\n"),
+]
 
 
 def resolve_in(root: Path, path: str) -> Path | None:
@@ -540,6 +569,54 @@ class Bench:
                 r["ratio_vs_ext4"] = r["median_s"] / out[phase]["ext4"]["median_s"]
         self.results["go_test"] = {"command": go_test_command("GOCACHE")[0], **out}
 
+    def _cxx_one(self, view: str, cold: bool) -> dict[str, float]:
+        node = self.node_of.get(view)
+        if cold:
+            if node is not None:
+                drop_node_cache(node)
+            drop_caches()
+        pids = self._pids(view)
+        d0 = sum(process_cpu(p) for p in pids)
+        c0 = os.times()
+        t0 = time.perf_counter()
+        for unit in CXX_UNITS:
+            p = subprocess.run(["chroot", self.roots[view], *CXX_COMMAND], input=unit.encode(),
+                               env=CHROOT_ENV, capture_output=True, check=False)
+            if p.returncode != 0 or b"main" not in p.stdout and b"_Z" not in p.stdout:
+                raise RuntimeError(f"g++ in the {view} view failed: "
+                                   f"{p.stderr.decode(errors='replace').strip()[-300:]}")
+        seconds = time.perf_counter() - t0
+        c1 = os.times()
+        daemon = sum(process_cpu(p) for p in pids) - d0
+        return {"seconds": seconds, "daemon_cpu": daemon,
+                "cpu": c1.children_user - c0.children_user + c1.children_system
+                - c0.children_system + daemon}
+
+    def measure_cxx(self) -> None:
+        """The C++ build (CXX_UNITS compiled by the image's g++), cold and
+        warm, per view: ext4 and the lazyfs views."""
+        views = ["ext4", *self.node_of]
+        out: dict[str, Any] = {}
+        for phase in ("cold", "warm"):
+            runs: dict[str, list[dict[str, float]]] = {v: [] for v in views}
+            if phase == "warm":
+                for view in views:
+                    self._cxx_one(view, cold=False)
+            for r in range(self.args.repeats):
+                for view in rotate(views, r):
+                    runs[view].append(self._cxx_one(view, phase == "cold"))
+            out[phase] = {v: {"seconds": [x["seconds"] for x in rs],
+                              "median_s": statistics.median(x["seconds"] for x in rs),
+                              "cpu_s": statistics.median(x["cpu"] for x in rs),
+                              "daemon_cpu_s": statistics.median(x["daemon_cpu"] for x in rs)}
+                          for v, rs in runs.items()}
+            log(f"c++ build {phase}: " + ", ".join(
+                f"{v} {r['median_s'] * 1e3:.0f} ms" for v, r in out[phase].items()))
+        for phase in ("cold", "warm"):
+            for r in out[phase].values():
+                r["ratio_vs_ext4"] = r["median_s"] / out[phase]["ext4"]["median_s"]
+        self.results["cxx_build"] = {"command": CXX_COMMAND, "units": len(CXX_UNITS), **out}
+
     def fetched_vs_opened(self) -> None:
         """Cold start of a Python program on each lazyfs view: bytes the
         daemon fetched against the file-level bound (every regular file the
@@ -580,6 +657,16 @@ class Bench:
             out.append(table(f"{work} of the {self.args.tree} image ({what}), median of "
                              f"{self.args.repeats}", head, rows,
                              ["ratios: time / ext4 cold time; CPU: reader + daemon"]))
+        cx = self.results.get("cxx_build")
+        if cx:
+            rows = [[v] + [c for ph in ("cold", "warm") for c in (
+                f"{cx[ph][v]['median_s'] * 1e3:,.0f}", f2(cx[ph][v]["ratio_vs_ext4"]),
+                f"{cx[ph][v]['cpu_s']:.2f}")] for v in cx["cold"]]
+            out.append(table(f"C++ build: {cx['units']} translation units through g++ -O1 -S, "
+                             f"median of {self.args.repeats}",
+                             ["view", "cold ms", "/ext4", "CPU s", "warm ms", "/ext4",
+                              "CPU s"], rows,
+                             ["ratios: time / ext4's in the same phase; CPU: g++ + daemon"]))
         gt = self.results.get("go_test")
         if gt:
             rows = [[v] + [c for ph in ("cold", "warm") for c in (
@@ -626,6 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="leave out the view reading from SeaweedFS")
     ap.add_argument("--no-go", dest="go", action="store_false",
                     help="leave out the go test workload")
+    ap.add_argument("--no-cxx", dest="cxx", action="store_false",
+                    help="leave out the C++ build workload (dev tree only: it holds g++)")
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp"))
     ap.add_argument("--tree", choices=["dev", "go", "minbase"], default="dev",
                     help="the image read whole and walked: the dev tree (default), the Go "
@@ -651,6 +740,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bench.measure_go()
             except RuntimeError as e:  # a failed go test: the other figures still count
                 bench.problems.append(f"go test: {e}")
+        if args.cxx and args.tree == "dev":
+            try:
+                bench.measure_cxx()
+            except RuntimeError as e:
+                bench.problems.append(f"c++ build: {e}")
         bench.fetched_vs_opened()
     finally:
         bench.close()

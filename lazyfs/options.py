@@ -48,7 +48,7 @@ def _opt(default: Any, help: str, *, min: float | None = None, max: float | None
     return field(default=default, metadata={"spec": Spec(help, min, max, metavar, cli)})
 
 
-@dataclass
+@dataclass(frozen=True)
 class Options:
     # -- the fetch engine (lazyfs/fetch.py) --
     fetch_timeout: float = _opt(30.0, "A read whose chunks take longer fails with EIO.",

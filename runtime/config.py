@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lazyfs.errors import ConfigError
+from lazyfs.options import Options
 from lazyfs.settings import Settings
 
 from .hostlimits import Budgets
@@ -44,7 +45,7 @@ def _from_settings(settings: Settings) -> dict[str, Any]:
             "state_dir": settings.state_dir, "node_root": settings.node_root,
             "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size,
             "max_snapshot_layers": settings.max_snapshot_layers,
-            "daemon": dict(settings.daemon)}
+            "daemon": settings.daemon_options()}
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,10 @@ class RuntimeConfig:
     # node chunk cache [default: as configured, else lazyfs.settings.default_cache_dir]
     cache_dir: Path | None = _FROM_SETTINGS
     cache_size: str = _FROM_SETTINGS
-    # the daemon's serving options it starts with (lazyfs.options.Options field
-    # names; [settings: the config file's [daemon] section])
-    daemon: dict[str, Any] = _FROM_SETTINGS
+    # the daemon's serving options it starts with (a lazyfs.options.Options, or
+    # a mapping of its field names to values over the defaults; [settings: the
+    # config file's [daemon] section])
+    daemon: Options = _FROM_SETTINGS
     max_sandboxes: int = 4096
     # the VM backends' node-wide cache of pmem metadata images (None:
     # LAZYFS_PMEM_CACHE or /var/cache/lazyfs/pmem)
@@ -104,6 +106,12 @@ class RuntimeConfig:
             values = _from_settings(Settings.load())
             for f in missing:
                 object.__setattr__(self, f, values[f])
+        if not isinstance(self.daemon, Options):  # (a mapping: checked, made hashable)
+            try:
+                object.__setattr__(self, "daemon", Options().replace(
+                    dict(self.daemon), "runtime daemon options"))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(str(e)) from None
         if self.max_snapshot_layers < 1:
             raise ConfigError(f"max_snapshot_layers must be at least 1, got "
                               f"{self.max_snapshot_layers}")

@@ -20,9 +20,7 @@ import threading
 from chunkstore.errors import LazyfsError
 from composer.catalog import ImageCatalog
 from composer.errors import ImageNotFound as CatalogImageNotFound
-from lazyfs.errors import ConfigError
 from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog, stop_daemon
-from lazyfs.options import Options
 
 from .config import RuntimeConfig
 from .errors import BackendUnavailable, ImageNotFound, InvalidSpec
@@ -34,12 +32,9 @@ log = logging.getLogger(__name__)
 class Images:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        try:
-            options = Options().replace(config.daemon, "runtime daemon options")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         self.spec = DaemonSpec.for_node(config.node_root, config.store, config.cluster,
-                                        config.cache_dir, config.cache_size, options=options)
+                                        config.cache_dir, config.cache_size,
+                                        options=config.daemon)
         self.paths: NodePaths = self.spec.paths
         self._lock = threading.Lock()
         self._stack = contextlib.ExitStack()

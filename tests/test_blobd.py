@@ -10,6 +10,7 @@ extents. The server, its FUSE mount and the kernel's reads are real."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -17,6 +18,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,9 +38,11 @@ DIGEST = "blake3:" + "ab" * 32
 class StandIn:
     """The daemon's end of the socket: accepts the server, records reports,
     answers every fetch with EIO (every chunk is in the cache dir: one the
-    server cannot use there, the daemon could not get either)."""
+    server cannot use there, the daemon could not get either), or, with
+    `hang`, never answers a fetch (a daemon stuck on a dead backend)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, hang: bool = False) -> None:
+        self.hang = hang
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.bind(str(path))
         self.sock.listen(64)
@@ -46,6 +50,11 @@ class StandIn:
         self.events: list[int] = []
         self.mounted = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the accepting thread)
+        self.sock.close()
 
     def _accept(self) -> None:
         while True:
@@ -72,7 +81,7 @@ class StandIn:
                     self.events.append(kind)
                     if kind == 0:
                         self.mounted.set()
-                else:
+                elif not self.hang:
                     conn.send(struct.pack("<I12x", errno.EIO))
 
 
@@ -113,21 +122,26 @@ def _table(cache: Path, size: int, chunks: list[bytes],
 def serve(tmp_path: Path) -> Iterator[object]:
     procs: list[subprocess.Popen[bytes]] = []
     mounts: list[Path] = []
+    daemons: list[StandIn] = []
 
     def start(size: int, chunks: list[bytes], segs: list[tuple[int, int, int, int]],
-              corrupt: int | None = None) -> tuple[Path, StandIn]:
+              corrupt: int | None = None, missing: int | None = None,
+              hang: bool = False) -> tuple[Path, StandIn]:
         d = tmp_path / f"s{len(procs)}"
         cache, tables, mnt = d / "cache", d / "tables", d / "mnt"
         for p in (cache, tables, mnt):
             p.mkdir(parents=True)
         for i, data in enumerate(chunks):
+            if i == missing:
+                continue
             h = xxhash.xxh3_128_hexdigest(data)
             (cache / h[:2]).mkdir(exist_ok=True)
             bad = bytes([data[0] ^ 1]) + data[1:] if i == corrupt else data
             (cache / h[:2] / h).write_bytes(bad)
         (tables / f"{DIGEST}.ext").write_bytes(_table(cache, size, chunks, segs))
         (tables / "generation").write_bytes(bytes(8))
-        daemon = StandIn(d / "s.sock")
+        daemon = StandIn(d / "s.sock", hang)
+        daemons.append(daemon)
         procs.append(subprocess.Popen([str(nativeblobs.binary()), str(mnt), str(tables),
                                        str(d / "s.sock"), "8", "5"]))
         mounts.append(mnt)
@@ -137,10 +151,12 @@ def serve(tmp_path: Path) -> Iterator[object]:
     yield start
     for p in procs:
         p.terminate()
-        p.wait(10)
+        p.wait(10)  # (with a worker hung on the daemon too)
     for m in mounts:
         gone = m
         wait_until(lambda: not os.path.ismount(gone), 10, f"{m} unmounted")  # noqa: B023
+    for daemon in daemons:
+        daemon.close()
 
 
 def _model(size: int, chunks: list[bytes], segs: list[tuple[int, int, int, int]]) -> bytes:
@@ -191,3 +207,31 @@ def test_a_chunk_whose_bytes_fail_their_id_is_eio_and_the_rest_reads(serve: obje
         os.close(fd)
     if any(c == 3 for _, _, c, _ in segs[:60]):
         assert 1 in daemon.events  # told the daemon: the cached copy is corrupt
+
+
+def test_a_read_the_daemon_never_answers_is_eio_after_the_fetch_timeout(serve: object) -> None:
+    """A chunk only the daemon can get, and a daemon that never answers: the
+    read gets EIO once the server's fetch timeout (5 s here) has passed, not
+    a hang; it is not reported as served; other chunks still read; and the
+    server still stops with that worker stuck."""
+    rng = random.Random(11)
+    size = 2 << 20
+    chunks, segs = _layout(rng, size, False)
+    want = _model(size, chunks, segs)
+    lost = segs[0][2]
+    path, daemon = serve(size, chunks, segs, missing=lost, hang=True)  # type: ignore[operator]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        off, n = segs[0][0], segs[0][1]
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as e:
+            os.pread(fd, n, off)
+        took = time.monotonic() - t0
+        assert e.value.errno == errno.EIO
+        assert 4.5 < took < 8, f"answered after {took:.1f} s"  # (the socket gives up at 10)
+        wait_until(lambda: 4 in daemon.events, 5, "the timeout event")
+        assert (off, n) not in daemon.reports
+        other = next(s for s in segs if s[2] != lost)
+        assert os.pread(fd, other[1], other[0]) == want[other[0]:other[0] + other[1]]
+    finally:
+        os.close(fd)

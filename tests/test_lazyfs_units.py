@@ -302,6 +302,15 @@ def test_every_daemon_option_is_declared_once_and_reaches_each_place(
     assert (spec.options.fetch_timeout, spec.options.native_blobs,
             spec.options.hot_bytes) == (9.0, False, 1 << 20)
     assert DaemonSpec.parse(spec.argv()).options == spec.options
+    # the runtime's embedded node and its agent get the section too (and a
+    # config stays a key of the embedded nodes' table: hashable)
+    from runtime.agent.launch import dump_config, load_config
+    from runtime.config import RuntimeConfig
+    rc = RuntimeConfig.from_settings(s)
+    assert (rc.daemon.fetch_timeout, rc.daemon.native_blobs) == (5.5, False)
+    assert load_config(dump_config(rc)) == rc and {rc: 1}[load_config(dump_config(rc))] == 1
+    with pytest.raises(ConfigError, match="unknown daemon option 'nope'"):
+        RuntimeConfig(daemon={"nope": 1})
     for text, why in (("[daemon]\nfetch_timeut = 1\n", "unknown daemon option 'fetch_timeut'"),
                       ("[daemon]\nfetch_threads = 0\n", "fetch_threads must be in 1..256"),
                       ("[daemon]\nnative_blobs = 1\n", "native_blobs must be true or false")):

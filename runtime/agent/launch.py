@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lazyfs.options import Options
+
 from ..errors import BackendUnavailable
 
 if TYPE_CHECKING:
@@ -69,12 +71,13 @@ def answers(sock: Path) -> bool:
 
 def dump_config(config: RuntimeConfig) -> str:
     """`config` as JSON for an agent's command line (load_config reads it)."""
-    return json.dumps({f.name: str(v) if isinstance(v, Path) else v
+    return json.dumps({f.name: str(v) if isinstance(v, Path) else
+                       dataclasses.asdict(v) if isinstance(v, Options) else v
                        for f in dataclasses.fields(config)
                        for v in [getattr(config, f.name)]})
 
 
-def load_config(text: str) -> RuntimeConfig:
+def load_config(text: str) -> RuntimeConfig:  # (the daemon's options: a mapping, checked)
     from ..config import RuntimeConfig
     data: dict[str, Any] = json.loads(text)
     for f in dataclasses.fields(RuntimeConfig):
