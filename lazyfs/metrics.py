@@ -100,6 +100,9 @@ class _Snapshot(Collector):
             corrupt.add_metric(["cache"], native["cache_corrupt"])
             corrupt.add_metric(["store"], native["pack_corrupt"])
             yield corrupt
+            yield CounterMetricFamily("lazyfs_native_timed_out", "Native reads answered EIO "
+                                      "after the fetch timeout.",
+                                      value=native.get("timed_out", 0))
             yield CounterMetricFamily("lazyfs_native_restarts", "Native servers that died and "
                                       "were started again.", value=native["restarts"])
 

@@ -107,8 +107,8 @@ def stats(settings: Settings, root: Path | None, as_json: bool, prometheus: bool
     if native:
         click.echo(f"native blob server pid {native['pid'] or '(down)'}: {native['layers']} "
                    f"layers, {native['reports']:,} reads; corrupt chunks: cache "
-                   f"{native['cache_corrupt']}, store {native['pack_corrupt']}; restarts "
-                   f"{native['restarts']}")
+                   f"{native['cache_corrupt']}, store {native['pack_corrupt']}; timed out "
+                   f"{native.get('timed_out', 0)}; restarts {native['restarts']}")
     traces = snap.get("auto_traces") or {}
     if traces:
         click.echo("\nautomatic traces (per image digest)")
