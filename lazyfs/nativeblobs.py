@@ -70,6 +70,7 @@ import trio
 
 from chunkstore import ChunkId, ChunkStore
 from chunkstore.cache import _domain_dir
+from chunkstore.ids import id_digest
 
 from . import sysmount
 from .blob import LayerBlob
@@ -274,6 +275,7 @@ class BlobServer:
         self.events = {"cache_corrupt": 0, "pack_corrupt": 0, "failed": 0, "timed_out": 0,
                        "restarts": 0}
         self.reports = 0
+        self.spilled = 0  # chunks the server handed over for the node cache
         self._layers: list[_Layer] = []
         self._ids: dict[str, int] = {}
         self._conns: list[socket.socket] = []
@@ -414,7 +416,7 @@ class BlobServer:
 
     def snapshot(self) -> dict[str, object]:
         return {"pid": self.pid, "mount": str(self.mnt), "layers": len(self._layers),
-                "reports": self.reports, **self.events}
+                "reports": self.reports, "spilled": self.spilled, **self.events}
 
     # -- the socket --
 
@@ -471,15 +473,26 @@ class BlobServer:
         """Handle what one connection has queued; False once it closed."""
         while True:
             try:
-                m = conn.recv(512)
+                m, anc, _flags, _ = conn.recvmsg(512, socket.CMSG_SPACE(4))
             except BlockingIOError:
                 return True
             except OSError:
                 return False
+            fds = [fd for level, typ, data in anc
+                   if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS
+                   for fd in array.array("i", data[:len(data) - len(data) % 4])]
             if not m:
+                for fd in fds:
+                    os.close(fd)
                 return False
             kind = m[:1]
-            if kind == b"R" and len(m) == 64:
+            if kind == b"S" and len(m) == 64 and len(fds) == 1:
+                self._spill(m, fds.pop())
+            for fd in fds:  # (a descriptor only a spill carries)
+                os.close(fd)
+            if kind == b"S" and len(m) == 64:
+                pass  # (handled above)
+            elif kind == b"R" and len(m) == 64:
                 self._report(m)
             elif kind == b"E" and len(m) == 64:
                 self._event(m)
@@ -633,6 +646,26 @@ class BlobServer:
         ids = list(dict.fromkeys(ids))
         for n in range(0, len(ids), 64):
             fetch.nursery.start_soon(fetch._fetch_batch, tree, ids[n:n + 64])
+
+    def _spill(self, m: bytes, fd: int) -> None:
+        """A chunk the server decoded from a pack and dropped from its hot set
+        before serving all of it: kept in the node cache (checked first), so
+        its other parts do not come from the store again (as
+        FetchEngine._spill_partial). The descriptor is closed here."""
+        try:
+            lid, ci = struct.unpack_from("<II", m, 4)
+            layer = self._layers[lid] if lid < len(self._layers) else None
+            if layer is None or ci >= len(layer.ids) or layer.ids[ci] is None:
+                return
+            cid = layer.ids[ci]
+            data = os.pread(fd, min(os.fstat(fd).st_size, 64 << 20), 0)
+            if id_digest(data) != bytes(cid):
+                log.error("native blob socket: a spilled chunk fails its id; not kept")
+                return
+            self.spilled += 1
+            self.fs.fetch.cache.keep(cid, layer.blob.tree.domain, data)
+        finally:
+            os.close(fd)
 
     def _event(self, m: bytes) -> None:
         lid, ci, kind = _EVENT.unpack_from(m)

@@ -78,7 +78,7 @@
 #define MAX_READ (1u << 20)
 
 /* messages to the daemon (64 bytes each, SOCK_SEQPACKET) */
-enum { MSG_REPORT = 'R', MSG_FETCH = 'F', MSG_TABLE = 'T', MSG_EVENT = 'E' };
+enum { MSG_REPORT = 'R', MSG_FETCH = 'F', MSG_TABLE = 'T', MSG_EVENT = 'E', MSG_SPILL = 'S' };
 enum { EV_CACHE_CORRUPT = 1, EV_PACK_CORRUPT = 2, EV_FAILED = 3, EV_TIMEOUT = 4 };
 
 struct chunk {
@@ -231,6 +231,8 @@ struct slot {
     uint8_t *data;
     uint32_t len;
     int refs, loading, error;
+    int packed;       /* decoded from a local pack (the node cache has no copy) */
+    uint64_t served;  /* bytes of it served so far (atomic) */
     uint64_t tick;
     struct slot *next;
 };
@@ -239,6 +241,8 @@ static pthread_mutex_t hot_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t hot_cv = PTHREAD_COND_INITIALIZER;
 static struct slot *buckets[BUCKETS];
 static uint64_t hot_bytes, hot_limit = 64u << 20, hot_tick;
+/* evicted slots to hand to the daemon for the node cache (see spill) */
+static struct slot *spills;
 static volatile uint64_t *generation;  /* TABLES/generation, mapped shared */
 static uint64_t seen_generation;
 
@@ -505,6 +509,54 @@ static void evict_locked(void) {
         struct slot *v = *victim;
         *victim = v->next;
         hot_bytes -= v->len;
+        if (v->packed && __atomic_load_n(&v->served, __ATOMIC_RELAXED) < v->len) {
+            v->next = spills;
+            spills = v;
+        } else {
+            free(v->data);
+            free(v);
+        }
+    }
+}
+
+/* A chunk decoded from a pack that leaves the hot set before all of it was
+   served (a file read in parts: a binary's pages faulted in over time) is
+   handed to the daemon, which keeps it in the node cache (its bound, its
+   eviction): its other parts are likely read later and would otherwise come
+   from the store a second time. Chunks read whole are not (their pages are
+   in the page cache). As the Python path's FetchEngine._spill_partial. */
+static void spill(void) {
+    pthread_mutex_lock(&hot_mu);
+    struct slot *list = spills;
+    spills = NULL;
+    pthread_mutex_unlock(&hot_mu);
+    while (list) {
+        struct slot *v = list;
+        list = v->next;
+        int fd = memfd_create("lazyfs-spill", MFD_CLOEXEC);
+        size_t done = 0;
+        while (fd >= 0 && done < v->len) {
+            ssize_t w = write(fd, v->data + done, v->len - done);
+            if (w <= 0) break;
+            done += (size_t)w;
+        }
+        if (fd >= 0 && done == v->len && connect_daemon() >= 0) {
+            uint8_t m[MSG_SIZE] = {MSG_SPILL};
+            put32(m + 4, v->layer->layer_id);
+            put32(m + 8, v->chunk);
+            union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } ctl;
+            memset(&ctl, 0, sizeof ctl);
+            struct iovec iv = {m, sizeof m};
+            struct msghdr mh = {.msg_iov = &iv, .msg_iovlen = 1, .msg_control = ctl.buf,
+                                .msg_controllen = sizeof ctl.buf};
+            struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+            c->cmsg_level = SOL_SOCKET;
+            c->cmsg_type = SCM_RIGHTS;
+            c->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(c), &fd, sizeof(int));
+            sendmsg(conn_fd, &mh, MSG_NOSIGNAL);  /* (best effort: a cache fill) */
+        }
+        if (fd >= 0) close(fd);
         free(v->data);
         free(v);
     }
@@ -569,10 +621,13 @@ static struct slot *get_slot(struct layer *l, uint32_t ci, int *err, int *from) 
         return NULL;
     }
     s->tick = ++hot_tick;
+    s->packed = *from == GOT_PACK;
     hot_bytes += s->len;
     pthread_cond_broadcast(&hot_cv);
     evict_locked();
+    int spilled = spills != NULL;
     pthread_mutex_unlock(&hot_mu);
+    if (spilled) spill();
     return s;
 }
 
@@ -580,7 +635,9 @@ static void put_slot(struct slot *s) {
     pthread_mutex_lock(&hot_mu);
     s->refs--;
     if (hot_bytes > hot_limit) evict_locked();
+    int spilled = spills != NULL;
     pthread_mutex_unlock(&hot_mu);
+    if (spilled) spill();
 }
 
 /* -- layers by name ----------------------------------------------------- */
@@ -874,6 +931,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         else if (from == GOT_FETCHED) fetched_bytes += s->len;
         uint64_t a = pos - g->off, b = g->len;
         if (g->off + b > end) b = end - g->off;
+        __atomic_add_fetch(&s->served, b - a, __ATOMIC_RELAXED);
         if (bounce) {
             memcpy(buf + (pos - start), s->data + g->chunk_off + a, b - a);
             put_slot(s);
