@@ -318,11 +318,10 @@ async def _main(fs: LazyFS, paths: NodePaths, prefetch: list[dict[str, Any]],
         fs.fetch.nursery = nursery
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         paths.control.unlink(missing_ok=True)
-        old_umask = os.umask(0o077)  # the socket is never reachable by others
-        try:
-            await listener.bind(str(paths.control))
-        finally:
-            os.umask(old_umask)
+        # the socket is never reachable by others: its mode is set before bind
+        # (never through the process-wide umask, which other threads share)
+        os.fchmod(listener.fileno(), 0o600)
+        await listener.bind(str(paths.control))
         listener.listen(64)
         nursery.start_soon(_serve_control, fs, paths, listener)
         if tcp is not None:

@@ -306,11 +306,8 @@ class BlobServer:
             self._generation = mmap.mmap(f.fileno(), 8)
         self.sock_path.unlink(missing_ok=True)
         ls = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        old = os.umask(0o077)
-        try:
-            ls.bind(str(self.sock_path))
-        finally:
-            os.umask(old)
+        os.fchmod(ls.fileno(), 0o600)  # (the mode bind gives it; never the shared umask)
+        ls.bind(str(self.sock_path))
         ls.listen(128)
         ls.setblocking(False)
         self._listener = ls

@@ -39,6 +39,25 @@ unknown sections or keys are errors, as are values of the wrong type:
     max_snapshot_layers = 4     # env LAZYFS_MAX_SNAPSHOT_LAYERS: sandbox-written layers
                                 #   an image keeps before a snapshot flattens them
 
+    [client]                    # where the SDK and `lazyfs sandbox` send sandboxes
+    node = "unix:///run/lazyfs-runtime/agent.sock"   # env LAZYFS_NODE (or http://...)
+    fleet = "etcd://10.0.0.1:2379"   # env LAZYFS_FLEET (when no node is named)
+    token = "..."                    # env LAZYFS_NODE_TOKEN
+
+    [vm]                        # the microVM and full-VM backends
+    layers = "pmem"                  # env LAZYFS_MICROVM_LAYERS: pmem (DAX) or blk
+    balloon = "on"                   # env LAZYFS_MICROVM_BALLOON: free page reporting
+    accel = "kvm"                    # env LAZYFS_MICROVM_ACCEL [probed: kvm, else tcg]
+    snapshots = "/var/lib/lazyfs/vm-snapshots"    # env LAZYFS_MICROVM_SNAPSHOTS
+    pmem_cache = "/var/cache/lazyfs/pmem"          # env LAZYFS_PMEM_CACHE
+    kernel_cache = "/var/cache/lazyfs/guest-kernel"   # env LAZYFS_GUEST_KERNEL_CACHE
+    criu_cache = "/var/cache/lazyfs/criu"          # env LAZYFS_CRIU_CACHE
+    criu = "/usr/local/bin/criu"     # env LAZYFS_CRIU [criu_cache/VERSION/criu]
+
+Those of [client] and [vm] are read where they are used (setting()), the
+rest by Settings.load(). (chunkstore and composer, below this package, still
+read LAZYFS_S3_ENDPOINT and LAZYFS_REGISTRY_USER / _PASSWORD themselves.)
+
 What it does not do: open anything (stores, daemons) — lazyfs.node does,
 from these values. Importing it is light (no pyfuse3, trio or LMDB): the
 SDK's runtime configuration imports it.
@@ -53,13 +72,15 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chunkstore.config import StoreConfig
-
-from . import options as daemon_options
 from .errors import ConfigError
-from .options import Options
+
+if TYPE_CHECKING:  # (imported where used: a process that only talks HTTP reads
+    # its [client] settings with nothing but this module and lazyfs.errors)
+    from chunkstore.config import StoreConfig
+
+    from .options import Options
 
 DEFAULT_CACHE_SIZE = "4G"
 DEFAULT_MAX_SNAPSHOT_LAYERS = 4
@@ -72,6 +93,7 @@ class _Key:
     env: str
     kind: type
     option: str  # how the CLI spells it, for messages
+    default: Any = None  # (of the keys read one at a time: setting())
 
 
 # attribute name -> where it is read from; the one table of settings
@@ -89,9 +111,43 @@ _KEYS: dict[str, _Key] = {
     "state_dir": _Key("runtime", "state_dir", "LAZYFS_RUNTIME_DIR", Path, "--state"),
     "max_snapshot_layers": _Key("runtime", "max_snapshot_layers", "LAZYFS_MAX_SNAPSHOT_LAYERS",
                                 int, "runtime.max_snapshot_layers"),
+    # read one at a time where they are used (setting()): the SDK's target,
+    # the VM backends' choices and caches
+    "client_node": _Key("client", "node", "LAZYFS_NODE", str, "--node"),
+    "client_fleet": _Key("client", "fleet", "LAZYFS_FLEET", str, "--fleet"),
+    "client_token": _Key("client", "token", "LAZYFS_NODE_TOKEN", str, "--token"),
+    "vm_layers": _Key("vm", "layers", "LAZYFS_MICROVM_LAYERS", str, "vm.layers", "pmem"),
+    "vm_balloon": _Key("vm", "balloon", "LAZYFS_MICROVM_BALLOON", str, "vm.balloon", "on"),
+    "vm_accel": _Key("vm", "accel", "LAZYFS_MICROVM_ACCEL", str, "vm.accel"),
+    "vm_snapshots": _Key("vm", "snapshots", "LAZYFS_MICROVM_SNAPSHOTS", Path, "vm.snapshots",
+                         Path("/var/lib/lazyfs/vm-snapshots")),
+    "pmem_cache": _Key("vm", "pmem_cache", "LAZYFS_PMEM_CACHE", Path, "vm.pmem_cache",
+                       Path("/var/cache/lazyfs/pmem")),
+    "guest_kernel_cache": _Key("vm", "kernel_cache", "LAZYFS_GUEST_KERNEL_CACHE", Path,
+                               "vm.kernel_cache", Path("/var/cache/lazyfs/guest-kernel")),
+    "criu_cache": _Key("vm", "criu_cache", "LAZYFS_CRIU_CACHE", Path, "vm.criu_cache",
+                       Path("/var/cache/lazyfs/criu")),
+    "criu": _Key("vm", "criu", "LAZYFS_CRIU", Path, "vm.criu"),
 }
+# the keys Settings.load() resolves into fields; the rest: setting()
+_ONE_AT_A_TIME = frozenset(a for a, k in _KEYS.items()
+                           if k.section in ("client", "vm"))
 _DAEMON = "daemon"  # the section of the daemon's options (lazyfs.options: their own names)
 _SECTIONS = sorted({k.section for k in _KEYS.values()} | {_DAEMON})
+
+
+def setting(attr: str) -> Any:
+    """One setting where it is used (the SDK's target, the VM backends'
+    caches...): its environment variable, else the config file's key, else
+    its default (None for most). The same table and precedence as
+    Settings.load(); ConfigError names a bad source."""
+    key = _KEYS[attr]
+    if os.environ.get(key.env):
+        return _convert(attr, os.environ[key.env], f"environment {key.env}")
+    found = _read_file(config_file_path()).get(attr)
+    if found is not None:
+        return _convert(attr, *found)
+    return key.default
 
 
 def _xdg(var: str, fallback: str) -> Path:
@@ -188,6 +244,7 @@ class Settings:
     def daemon_options(self, given: Mapping[str, Any] | None = None) -> Options:
         """The daemon's serving options: the [daemon] section over the
         defaults, `given` (those not None: a command's flags) over both."""
+        from .options import Options
         opts = Options().replace(self.daemon, "config file [daemon]")
         extra = {k: v for k, v in (given or {}).items() if v is not None}
         try:
@@ -199,9 +256,10 @@ class Settings:
     def load(cls, **options: Any) -> Settings:
         """Resolve every setting: options (those not None) > environment >
         config file > defaults. ConfigError names the offending source."""
-        unknown = set(options) - set(_KEYS)
+        unknown = set(options) - (set(_KEYS) - _ONE_AT_A_TIME)
         if unknown:
-            raise TypeError(f"unknown settings {sorted(unknown)} (known: {sorted(_KEYS)})")
+            raise TypeError(f"unknown settings {sorted(unknown)} "
+                            f"(known: {sorted(set(_KEYS) - _ONE_AT_A_TIME)})")
         given = {k: v for k, v in options.items() if v is not None}
         raw: dict[str, tuple[Any, str]] = {}  # attribute -> (value, where from)
         daemon: dict[str, Any] = {}
@@ -211,6 +269,9 @@ class Settings:
             else:
                 raw[attr] = (value, _src)
         for attr, key in _KEYS.items():
+            if attr in _ONE_AT_A_TIME:
+                raw.pop(attr, None)
+                continue
             if os.environ.get(key.env):
                 raw[attr] = (os.environ[key.env], f"environment {key.env}")
         for attr, value in given.items():
@@ -273,6 +334,7 @@ class Settings:
 
     def store_config(self) -> StoreConfig:
         """The local chunk store's tuning."""
+        from chunkstore.config import StoreConfig
         config = StoreConfig()
         try:
             if self.zstd_level is not None:
@@ -305,6 +367,7 @@ def _read_file(path: Path) -> dict[str, tuple[Any, str]]:
         if section == _DAEMON:
             for key, value in table.items():
                 try:
+                    from . import options as daemon_options
                     value = daemon_options.check(key, value, f"config file {path}: daemon")
                 except ValueError as e:
                     raise ConfigError(str(e)) from None

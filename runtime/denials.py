@@ -183,11 +183,10 @@ class SeccompListener:
         if path is not None:
             path.unlink(missing_ok=True)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            old = os.umask(0o177)
-            try:
-                self._sock.bind(str(path))
-            finally:
-                os.umask(old)
+            # mode 0600 from the socket itself: a umask saved and restored
+            # here raced other threads' and could stay 0177 for the process
+            os.fchmod(self._sock.fileno(), 0o600)
+            self._sock.bind(str(path))
             self._sock.listen(128)
             self._poll.register(self._sock.fileno(), select.EPOLLIN)
         self._poll.register(self._stop_r, select.EPOLLIN)

@@ -25,12 +25,13 @@ from __future__ import annotations
 import atexit
 import base64
 import json
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
+
+from lazyfs.settings import setting
 
 from .errors import ERRORS, BackendUnavailable, ExecError, SandboxError
 from .files import FileInfo
@@ -216,7 +217,7 @@ def _check(r: httpx.Response) -> httpx.Response:
 
 def client_args(url: str, token: str | None) -> tuple[str, dict[str, Any]]:
     """(base_url, keyword arguments for httpx clients) for a node URL."""
-    token = token or os.environ.get("LAZYFS_NODE_TOKEN")
+    token = token or setting("client_token")
     headers = {"authorization": f"Bearer {token}"} if token else {}
     if url.startswith("unix://"):
         return "http://agent", {"uds": url[len("unix://"):], "headers": headers}
@@ -473,7 +474,7 @@ _clients: dict[tuple[str, str | None], Http] = {}
 def agent_client(url: str, token: str | None) -> Http:
     """One HTTP client (connection pool) per agent and token in this
     process, shared by every Sandbox and thread."""
-    key = (url, token or os.environ.get("LAZYFS_NODE_TOKEN"))
+    key = (url, token or setting("client_token"))
     with _lock:
         if key not in _clients:
             _clients[key] = Http(url, key[1])
@@ -494,12 +495,12 @@ def resolve(node: str | Node | Transport | None, token: str | None = None,
             fleet: str | None = None) -> Transport:
     """The transport for `node` or `fleet` (see the module docstring)."""
     if node is None and fleet is None:
-        node = os.environ.get("LAZYFS_NODE") or None
+        node = setting("client_node")  # (settings client.node, LAZYFS_NODE)
         if node is None:
-            fleet = os.environ.get("LAZYFS_FLEET") or None
+            fleet = setting("client_fleet")
     if node is None and fleet is not None:
         from .fleet.client import fleet_client
-        return fleet_client(fleet, token or os.environ.get("LAZYFS_NODE_TOKEN"))
+        return fleet_client(fleet, token or setting("client_token"))
     if node is None:
         return local()
     if isinstance(node, str):

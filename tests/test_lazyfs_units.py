@@ -310,7 +310,7 @@ def test_every_daemon_option_is_declared_once_and_reaches_each_place(
     assert (rc.daemon.fetch_timeout, rc.daemon.native_blobs) == (5.5, False)
     assert load_config(dump_config(rc)) == rc and {rc: 1}[load_config(dump_config(rc))] == 1
     with pytest.raises(ConfigError, match="unknown daemon option 'nope'"):
-        RuntimeConfig(daemon={"nope": 1})
+        RuntimeConfig(daemon={"nope": 1})  # type: ignore[arg-type]  # (a mapping works too)
     for text, why in (("[daemon]\nfetch_timeut = 1\n", "unknown daemon option 'fetch_timeut'"),
                       ("[daemon]\nfetch_threads = 0\n", "fetch_threads must be in 1..256"),
                       ("[daemon]\nnative_blobs = 1\n", "native_blobs must be true or false")):
@@ -322,3 +322,45 @@ def test_every_daemon_option_is_declared_once_and_reaches_each_place(
                         str(tmp_path), "--cache", str(tmp_path), "--config", '{"x": 1}'],
                        capture_output=True, text=True, cwd=REPO, check=False)
     assert p.returncode == 1 and "unknown daemon option 'x'" in p.stderr
+
+
+def test_runtime_settings_are_read_through_the_settings_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VM backends' and the SDK's settings come from lazyfs.settings (the
+    config file's [vm] and [client], their environment variables winning),
+    read where they are used; no runtime module reads a LAZYFS_ variable of
+    its own."""
+    import ast
+
+    from lazyfs.errors import ConfigError
+    from lazyfs.settings import setting
+    from runtime.backends import snapshots
+    from runtime.guest import kernel
+    config = tmp_path / "config.toml"
+    config.write_text(f'[vm]\nsnapshots = "{tmp_path}/snaps"\nkernel_cache = "{tmp_path}/k"\n'
+                      f'[client]\nnode = "unix://{tmp_path}/agent.sock"\n')
+    monkeypatch.setenv("LAZYFS_CONFIG", str(config))
+    for var in ("LAZYFS_MICROVM_SNAPSHOTS", "LAZYFS_NODE", "LAZYFS_GUEST_KERNEL_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    assert snapshots.snapshot_dir() == tmp_path / "snaps"
+    assert kernel.default_cache() == tmp_path / "k"
+    assert setting("client_node") == f"unix://{tmp_path}/agent.sock"
+    assert setting("pmem_cache") == Path("/var/cache/lazyfs/pmem")  # the default
+    monkeypatch.setenv("LAZYFS_MICROVM_SNAPSHOTS", str(tmp_path / "env"))
+    assert snapshots.snapshot_dir() == tmp_path / "env"  # the environment wins
+    config.write_text("[vm]\nsnapshots = 3\n")
+    monkeypatch.delenv("LAZYFS_MICROVM_SNAPSHOTS")
+    with pytest.raises(ConfigError, match="vm_snapshots must be a string") as e:
+        snapshots.snapshot_dir()
+    assert str(config) in str(e.value)
+    config.write_text("[vm]\nsnapshot = 3\n")
+    with pytest.raises(ConfigError, match="unknown key vm.snapshot"):
+        setting("vm_snapshots")
+    reads = []
+    for path in sorted((REPO / "runtime").rglob("*.py")):
+        for call in ast.walk(ast.parse(path.read_text())):
+            if isinstance(call, ast.Call) and "environ" in ast.unparse(call.func):
+                reads += [f"{path.relative_to(REPO)}:{call.lineno} {a.value}" for a in call.args
+                          if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                          and a.value.startswith("LAZYFS_")]
+    assert not reads, reads

@@ -343,3 +343,34 @@ def test_a_file_capability_is_recorded_for_the_root_of_any_sandbox() -> None:
     assert relative_capability(v3(ids.base + 1000), ids) == v3(1000)
     assert relative_capability(v3(0), ids) is None  # host root's: grants no sandbox anything
     assert relative_capability(v2, ids) == v2
+
+
+def test_listening_sockets_are_0600_and_leave_the_umask_alone(tmp_path: Path) -> None:
+    """Many sandboxes' init sockets bound at once from threads (as a node
+    creating sandboxes in parallel does): each is mode 0600, and the
+    process's umask is what it was. (Saving and restoring the umask around
+    bind raced between threads and could leave it 0177 for good: every
+    directory the node made after that was unreadable to sandboxes.)"""
+    import threading
+
+    from runtime.backends import initexec
+    before = os.umask(0o022)
+    os.umask(before)
+    modes: list[int] = []
+
+    def bind_many(k: int) -> None:
+        for i in range(150):
+            p = tmp_path / f"s{k}-{i}.sock"
+            s = initexec.listen(p)
+            modes.append(os.stat(p).st_mode & 0o777)
+            s.close()
+            p.unlink()
+
+    threads = [threading.Thread(target=bind_many, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    now = os.umask(before)
+    assert now == before, f"the umask became {now:o}"
+    assert len(modes) == 1200 and set(modes) == {0o600}

@@ -127,7 +127,7 @@ def test_collect_removes_snapshots_no_sandbox_can_resume(
     tagged = "sb-7a99ed0000000001"
     _tag_vm_snapshot(store, "snap:1", tagged)
     shared = tmp_path / "vm-snapshots"
-    monkeypatch.setattr(snapshots, "SNAPSHOT_DIR", shared)
+    monkeypatch.setenv("LAZYFS_MICROVM_SNAPSHOTS", str(shared))  # (settings vm.snapshots)
     other = tmp_path / "other-node"  # another node's state directory on this host
     (other / "sandboxes" / "sb-0e4e000000000001").mkdir(parents=True)
     (other / "sandboxes" / "sb-0e4e000000000001" / "sandbox.json").write_text("{}")

@@ -24,10 +24,11 @@ import re
 import subprocess
 from pathlib import Path
 
+from lazyfs.settings import setting
+
 from ..errors import BackendUnavailable, NotCheckpointable, SandboxError
 
 CRIU_VERSION = "4.1.1"
-CACHE = Path(os.environ.get("LAZYFS_CRIU_CACHE", "/var/cache/lazyfs/criu"))
 TIMEOUT = 120.0
 _ERROR = re.compile(r"^\([\d.]+\) (?:\d+: )?Error \(([^)]*)\): (.*)$")
 # CRIU's wrap-up lines after the first real error say nothing of the cause
@@ -38,8 +39,8 @@ _NOISE = ("Dumping FAILED", "Dump files (pid:", "Restoring FAILED", "----",
 def binary() -> Path:
     """The CRIU binary checkpoints use (raises BackendUnavailable naming
     what to run when it is missing)."""
-    named = os.environ.get("LAZYFS_CRIU")
-    path = Path(named) if named else CACHE / CRIU_VERSION / "criu"
+    named = setting("criu")  # (settings vm.criu, LAZYFS_CRIU)
+    path: Path = named or setting("criu_cache") / CRIU_VERSION / "criu"
     if not os.access(path, os.X_OK):
         raise BackendUnavailable(
             f"checkpoints need CRIU {CRIU_VERSION} at {path} (built by install.sh from "

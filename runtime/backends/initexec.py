@@ -176,11 +176,10 @@ def listen(path: Path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with _short_path(path) as name:
-            old = os.umask(0o177)
-            try:
-                s.bind(name)
-            finally:
-                os.umask(old)
+            # mode 0600 from the socket itself, not the process-wide umask
+            # (threads saving and restoring it at once could leave it 0177)
+            os.fchmod(s.fileno(), 0o600)
+            s.bind(name)
         s.listen(128)
     except BaseException:
         s.close()

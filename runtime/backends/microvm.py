@@ -29,7 +29,6 @@ the guest reports free 2 MiB blocks and QEMU discards them.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -37,13 +36,13 @@ from typing import Literal
 from pydantic import Field
 
 from composer.snapshot import UpperRules
+from lazyfs.settings import setting
 
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, SandboxError, SandboxStateError
 from ..files import remove_tree
 from ..guest import qemu
 from ..guest.initramfs import initramfs
-from ..guest.pmemimages import DEFAULT_CACHE as PMEM_CACHE
 from ..guest.protocol import AgentError
 from ..guest.upper import UpperRefused, UpperTree
 from ..images import Images
@@ -83,19 +82,20 @@ class MicrovmBackend(QemuBackend[MicrovmState]):
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         super().__init__(config, images)
-        self.pmem_cache = config.pmem_cache or PMEM_CACHE
+        self.pmem_cache = config.pmem_cache or setting("pmem_cache")
         # where the layers are attached: "pmem" (virtio-pmem + DAX: one host page-cache
         # copy for all VMs) or "blk" (virtio-blk, each guest caches its own copy: only
-        # for comparing the two; LAZYFS_MICROVM_LAYERS)
-        on = os.environ.get("LAZYFS_MICROVM_LAYERS", "pmem")
+        # for comparing the two; settings vm.layers, LAZYFS_MICROVM_LAYERS)
+        on = setting("vm_layers")
         if on not in ("pmem", "blk"):
-            raise BackendUnavailable(f"LAZYFS_MICROVM_LAYERS={on!r}: pmem or blk")
+            raise BackendUnavailable(f"vm.layers (LAZYFS_MICROVM_LAYERS) {on!r}: pmem or blk")
         self.layers_on: LayersOn = "blk" if on == "blk" else "pmem"
         # free page reporting (docs/microvm.md, "Memory reclaim"): on unless
-        # LAZYFS_MICROVM_BALLOON=off (the benchmark's baseline)
-        balloon = os.environ.get("LAZYFS_MICROVM_BALLOON", "on")
+        # vm.balloon (LAZYFS_MICROVM_BALLOON) is off (the benchmark's baseline)
+        balloon = setting("vm_balloon")
         if balloon not in ("on", "off"):
-            raise BackendUnavailable(f"LAZYFS_MICROVM_BALLOON={balloon!r}: on or off")
+            raise BackendUnavailable(f"vm.balloon (LAZYFS_MICROVM_BALLOON) {balloon!r}: "
+                                     "on or off")
         self.balloon = balloon == "on"
 
     def _prepare(self, h: Handle[MicrovmState], vmdir: Path) -> None:

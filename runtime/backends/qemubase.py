@@ -58,7 +58,7 @@ from ..errors import (
 from ..files import SandboxFiles
 from ..guest import qemu
 from ..guest.initramfs import tools_missing
-from ..guest.kernel import DEFAULT_CACHE, GuestKernel, guest_kernel
+from ..guest.kernel import GuestKernel, default_cache, guest_kernel
 from ..guest.pmemimages import PmemLayer, pmem_layers
 from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError, GuestCounts
 from ..images import Images
@@ -143,7 +143,7 @@ class QemuBackend(Generic[Q]):
         self.images = images
         self.boot_timeout = float(os.environ.get(self.boot_timeout_env,
                                                  str(self.boot_timeout_default)))
-        self.kernel_cache = DEFAULT_CACHE
+        self.kernel_cache = default_cache()
         self.agent_grace = EXEC_GRACE  # past an exec's timeout, before the agent counts as hung
         self.extra_append: list[str] = []  # kernel parameters added to every boot (tests)
         self._vms: dict[str, Vm] = {}

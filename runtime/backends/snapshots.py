@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shlex
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lazyfs import sysmount
+from lazyfs.settings import setting
 
 from ..errors import BackendUnavailable, SandboxError
 from ..guest import qemu
@@ -46,7 +46,15 @@ from .qemuproc import KILL_WAIT, Vm, vmm_pss
 log = logging.getLogger(__name__)
 
 MIGRATE_TIMEOUT = 120.0
-SNAPSHOT_DIR = Path(os.environ.get("LAZYFS_MICROVM_SNAPSHOTS", "/var/lib/lazyfs/vm-snapshots"))
+
+
+def snapshot_dir() -> Path:
+    """SNAPSHOT_DIR: where paused VMs' states live (settings vm.snapshots,
+    LAZYFS_MICROVM_SNAPSHOTS)."""
+    path: Path = setting("vm_snapshots")
+    return path
+
+
 _IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
 OWNER_FILE = "owner.json"  # in SNAPSHOT_DIR/<id>/: whose snapshot it is
 PACK = "-pack-"  # SNAPSHOT_DIR/<id>-pack-<hex>/: the link a store snapshot packs from
@@ -68,7 +76,7 @@ def snapshot_path(state_dir: Path, sandbox_id: str, vmdir: Path, image: str) -> 
 def owned_dir(sandbox_id: str, state_dir: Path, image: str) -> Path:
     """SNAPSHOT_DIR/<sandbox_id>, with its owner record: the node (its state
     directory) and the image whose VM it holds."""
-    d = SNAPSHOT_DIR / sandbox_id
+    d = snapshot_dir() / sandbox_id
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     owner = {"state_dir": str(state_dir.resolve()), "image": image}
     (d / OWNER_FILE).write_text(json.dumps(owner))
@@ -108,7 +116,7 @@ def collect(state_dir: Path, live: set[str], max_age: float | None = None,
     snapshot is resumed only by its own sandbox, so whether that sandbox
     exists decides, not whether its image is still tagged. Returns what was
     removed."""
-    root = SNAPSHOT_DIR
+    root = snapshot_dir()
     now = time.time() if now is None else now
     removed: list[Path] = []
     if not root.is_dir():
@@ -216,7 +224,8 @@ def remove(sandbox_id: str, snap: Path | None) -> None:
     """Remove a sandbox's snapshot, wherever it was written."""
     if snap is not None:
         snap.unlink(missing_ok=True)
-    shutil.rmtree(SNAPSHOT_DIR / sandbox_id, ignore_errors=True)
-    if SNAPSHOT_DIR.is_dir():  # (links a snapshot into the store was packing from)
-        for d in SNAPSHOT_DIR.glob(f"{sandbox_id}-pack-*"):
+    root = snapshot_dir()
+    shutil.rmtree(root / sandbox_id, ignore_errors=True)
+    if root.is_dir():  # (links a snapshot into the store was packing from)
+        for d in root.glob(f"{sandbox_id}-pack-*"):
             shutil.rmtree(d, ignore_errors=True)

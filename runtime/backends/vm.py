@@ -34,11 +34,11 @@ from pathlib import Path
 from pydantic import Field
 
 from composer.snapshot import UpperRules
+from lazyfs.settings import setting
 
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, SandboxError, SandboxStateError
 from ..guest import disk, initramfs, qemu
-from ..guest.pmemimages import DEFAULT_CACHE as PMEM_CACHE
 from ..guest.protocol import AgentError
 from ..images import Images
 from ..spec import VERIFIER_LABEL, SandboxSpec
@@ -76,7 +76,7 @@ class VmBackend(QemuBackend[VmState]):
 
     def __init__(self, config: RuntimeConfig, images: Images) -> None:
         super().__init__(config, images)
-        self.pmem_cache = config.pmem_cache or PMEM_CACHE
+        self.pmem_cache = config.pmem_cache or setting("pmem_cache")
 
     def _refused(self, spec: SandboxSpec) -> str | None:
         if spec.disk_mb is not None and spec.disk_mb < disk.MIN_UPPER_MB:

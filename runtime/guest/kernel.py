@@ -26,12 +26,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lazyfs.settings import setting
+
 from ..errors import BackendUnavailable
 from .cachelock import locked
 
 METAPACKAGE = "linux-image-cloud-amd64"
-DEFAULT_CACHE = Path(os.environ.get("LAZYFS_GUEST_KERNEL_CACHE",
-                                    "/var/cache/lazyfs/guest-kernel"))
 APT_TIMEOUT = 300.0
 _IMAGE_PKG = re.compile(r"Depends:\s*(linux-image-(\d[\w.+-]*-cloud-amd64))\s*$", re.MULTILINE)
 
@@ -85,10 +85,18 @@ def _cached(cache: Path) -> GuestKernel | None:
     return max(found, key=lambda k: k.version) if found else None
 
 
-def guest_kernel(cache: Path = DEFAULT_CACHE, *, refresh: bool = False) -> GuestKernel:
+def default_cache() -> Path:
+    """Where guest kernels are kept (settings vm.kernel_cache,
+    LAZYFS_GUEST_KERNEL_CACHE)."""
+    path: Path = setting("guest_kernel_cache")
+    return path
+
+
+def guest_kernel(cache: Path | None = None, *, refresh: bool = False) -> GuestKernel:
     """The unpacked guest kernel, fetched first if the cache has none (or,
     with refresh, if apt names a newer one). Safe to call concurrently
     (a lock file in cache) and again after an interrupted download."""
+    cache = cache or default_cache()
     if not refresh and (k := _cached(cache)) is not None:
         return k
     with locked(cache):

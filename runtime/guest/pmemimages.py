@@ -60,7 +60,6 @@ from ..spec import ResolvedImage
 from .cachelock import locked, mark_used
 
 ALIGN = MAP_ALIGN  # virtio-pmem regions are mapped in 2 MiB units
-DEFAULT_CACHE = Path(os.environ.get("LAZYFS_PMEM_CACHE", "/var/cache/lazyfs/pmem"))
 _CODE = (Path(__file__).resolve().parents[2] / "pmem" / "erofs.py",
          Path(__file__).resolve().parents[2] / "composer" / "bloblayout.py")
 

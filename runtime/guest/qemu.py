@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lazyfs.settings import setting
+
 from ..errors import BackendUnavailable, SandboxError
 
 log = logging.getLogger(__name__)
@@ -62,9 +64,9 @@ def accelerator(qemu: str, vmlinuz: Path) -> str:
     "no root" panic (~1 s where KVM works; here /dev/kvm exists but QEMU
     aborts setting MSRs). LAZYFS_MICROVM_ACCEL=kvm|tcg overrides."""
     global _accel
-    forced = os.environ.get("LAZYFS_MICROVM_ACCEL")
+    forced = setting("vm_accel")  # (settings vm.accel)
     if forced in ("kvm", "tcg"):
-        return forced
+        return str(forced)
     with _accel_lock:
         if _accel is None:
             _accel = "kvm" if _kvm_works(qemu, vmlinuz) else "tcg"
