@@ -13,7 +13,8 @@ ObjectStoreError naming the store, the key and the cause (ObjectNotFound for
 a missing key).
 
 S3 credentials and endpoint: the URL's query (endpoint=, region=), else
-LAZYFS_S3_ENDPOINT / AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID /
+the caller's `endpoint` (lazyfs: its settings' cluster.s3_endpoint,
+LAZYFS_S3_ENDPOINT), else AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY (boto3's usual chain), region default us-east-1.
 
 Reads (get, get_range: every cold chunk a cluster node serves is one) do
@@ -141,10 +142,13 @@ _TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errn
 
 
 def open_object_store(url: str, *, timeout: float = DEFAULT_TIMEOUT,
-                      retries: int = DEFAULT_RETRIES) -> ObjectStore:
+                      retries: int = DEFAULT_RETRIES, endpoint: str | None = None
+                      ) -> ObjectStore:
+    """The store at `url`; `endpoint`: an S3 URL's endpoint when its query
+    names none."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme == "s3":
-        store: ObjectStore = S3ObjectStore(url, timeout=timeout)
+        store: ObjectStore = S3ObjectStore(url, timeout=timeout, endpoint=endpoint)
     elif parsed.scheme in ("posix", "file"):
         if parsed.netloc:
             raise ValueError(f"{url!r}: a POSIX cluster path must be absolute: "
@@ -422,7 +426,8 @@ class S3ObjectStore(ObjectStore):
     listings and deletes through boto3, reads through _Gets (the module's
     doc). A PUT is atomic in S3: readers never see a partial object."""
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 endpoint: str | None = None) -> None:
         import boto3
         import botocore.config
         import botocore.credentials
@@ -448,8 +453,7 @@ class S3ObjectStore(ObjectStore):
         self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
         if not self.bucket:
             raise ValueError(f"{url!r}: expected s3://BUCKET[/PREFIX]")
-        endpoint = (query.get("endpoint") or os.environ.get("LAZYFS_S3_ENDPOINT")
-                    or os.environ.get("AWS_ENDPOINT_URL"))
+        endpoint = query.get("endpoint") or endpoint or os.environ.get("AWS_ENDPOINT_URL")
         cfg = botocore.config.Config(
             connect_timeout=timeout, read_timeout=timeout,
             retries={"total_max_attempts": 1, "mode": "standard"},  # retries are ours

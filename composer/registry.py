@@ -18,7 +18,6 @@ import hashlib
 import io
 import ipaddress
 import json
-import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -60,10 +59,11 @@ class RegistryOptions:
     timeout: float = 60.0
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> RegistryOptions:
-        base = cls(username=os.environ.get("LAZYFS_REGISTRY_USER") or None,
-                   password=os.environ.get("LAZYFS_REGISTRY_PASSWORD") or None)
-        return cls(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+    def given(cls, **overrides: Any) -> RegistryOptions:
+        """The defaults with the options given (those not None) on top (the
+        CLI's credentials come from lazyfs.settings: [registry],
+        LAZYFS_REGISTRY_USER / _PASSWORD)."""
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def parse_reference(ref: str) -> tuple[str, str, str]:

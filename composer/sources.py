@@ -94,7 +94,7 @@ def open_source(ref: str, store: ChunkStore, *, domain: TrustDomain,
         return _oci_layout(_existing(location, ref), tag or None, store, domain, chunk_size,
                            progress)
     if transport == "registry":
-        src = RegistrySource(rest, registry or RegistryOptions.from_env())
+        src = RegistrySource(rest, registry or RegistryOptions())
         config, descs = src.resolve()
 
         def layers() -> Iterator[LayerManifest]:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from . import options as options_module
 from .errors import ConfigError, DaemonError
 from .options import Options
-from .settings import Settings, default_cache_dir, default_root, parse_size
+from .settings import Settings, default_cache_dir, default_root, parse_size, setting
 
 if TYPE_CHECKING:
     from chunkstore import ChunkStore
@@ -492,7 +492,7 @@ def open_cluster(url: str) -> Iterator[Cluster]:
     from chunkstore.cluster import Cluster
     from chunkstore.objects import open_object_store
     try:
-        objects = open_object_store(url)
+        objects = open_object_store(url, endpoint=setting("s3_endpoint"))
     except ValueError as e:
         raise ConfigError(f"cluster store: {e}") from None
     with Cluster(objects) as c:

@@ -54,9 +54,16 @@ unknown sections or keys are errors, as are values of the wrong type:
     criu_cache = "/var/cache/lazyfs/criu"          # env LAZYFS_CRIU_CACHE
     criu = "/usr/local/bin/criu"     # env LAZYFS_CRIU [criu_cache/VERSION/criu]
 
-Those of [client] and [vm] are read where they are used (setting()), the
-rest by Settings.load(). (chunkstore and composer, below this package, still
-read LAZYFS_S3_ENDPOINT and LAZYFS_REGISTRY_USER / _PASSWORD themselves.)
+    [cluster]
+    s3_endpoint = "http://seaweed:8333"   # env LAZYFS_S3_ENDPOINT (when the URL
+                                          #   names none; else AWS_ENDPOINT_URL)
+    [registry]                  # pulls (`lazyfs convert`, environment specs)
+    user = "..."                     # env LAZYFS_REGISTRY_USER (--creds wins)
+    password = "..."                 # env LAZYFS_REGISTRY_PASSWORD
+
+Those of [client], [registry], [vm] and cluster.s3_endpoint are read where
+they are used (setting()), the rest by Settings.load(); chunkstore and
+composer, below this package, take them as arguments.
 
 What it does not do: open anything (stores, daemons) — lazyfs.node does,
 from these values. Importing it is light (no pyfuse3, trio or LMDB): the
@@ -112,10 +119,16 @@ _KEYS: dict[str, _Key] = {
     "max_snapshot_layers": _Key("runtime", "max_snapshot_layers", "LAZYFS_MAX_SNAPSHOT_LAYERS",
                                 int, "runtime.max_snapshot_layers"),
     # read one at a time where they are used (setting()): the SDK's target,
-    # the VM backends' choices and caches
+    # the S3 endpoint, the registry's credentials, the VM backends' choices
+    # and caches
     "client_node": _Key("client", "node", "LAZYFS_NODE", str, "--node"),
     "client_fleet": _Key("client", "fleet", "LAZYFS_FLEET", str, "--fleet"),
     "client_token": _Key("client", "token", "LAZYFS_NODE_TOKEN", str, "--token"),
+    "s3_endpoint": _Key("cluster", "s3_endpoint", "LAZYFS_S3_ENDPOINT", str,
+                        "cluster.s3_endpoint"),
+    "registry_user": _Key("registry", "user", "LAZYFS_REGISTRY_USER", str, "--creds"),
+    "registry_password": _Key("registry", "password", "LAZYFS_REGISTRY_PASSWORD", str,
+                              "--creds"),
     "vm_layers": _Key("vm", "layers", "LAZYFS_MICROVM_LAYERS", str, "vm.layers", "pmem"),
     "vm_balloon": _Key("vm", "balloon", "LAZYFS_MICROVM_BALLOON", str, "vm.balloon", "on"),
     "vm_accel": _Key("vm", "accel", "LAZYFS_MICROVM_ACCEL", str, "vm.accel"),
@@ -131,7 +144,8 @@ _KEYS: dict[str, _Key] = {
 }
 # the keys Settings.load() resolves into fields; the rest: setting()
 _ONE_AT_A_TIME = frozenset(a for a, k in _KEYS.items()
-                           if k.section in ("client", "vm"))
+                           if k.section in ("client", "registry", "vm")
+                           or a == "s3_endpoint")
 _DAEMON = "daemon"  # the section of the daemon's options (lazyfs.options: their own names)
 _SECTIONS = sorted({k.section for k in _KEYS.values()} | {_DAEMON})
 

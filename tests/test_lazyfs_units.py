@@ -348,6 +348,19 @@ def test_runtime_settings_are_read_through_the_settings_table(
     assert setting("pmem_cache") == Path("/var/cache/lazyfs/pmem")  # the default
     monkeypatch.setenv("LAZYFS_MICROVM_SNAPSHOTS", str(tmp_path / "env"))
     assert snapshots.snapshot_dir() == tmp_path / "env"  # the environment wins
+    # the registry's credentials and the S3 endpoint reach the CLI's clients
+    from lazyfs.node import open_cluster
+    from tools.options import registry_options
+    config.write_text('[registry]\nuser = "ann"\npassword = "pw"\n'
+                      '[cluster]\ns3_endpoint = "http://127.0.0.1:9"\n')
+    for var in ("LAZYFS_REGISTRY_USER", "LAZYFS_REGISTRY_PASSWORD", "LAZYFS_S3_ENDPOINT",
+                "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var, raising=False)
+    r = registry_options(platform="linux/arm64")
+    assert (r.username, r.password, r.platform) == ("ann", "pw", "linux/arm64")
+    assert registry_options(username="bob", password="x").username == "bob"
+    with open_cluster("s3://bucket/p") as c:
+        assert c.objects.client.meta.endpoint_url == "http://127.0.0.1:9"  # type: ignore[attr-defined]
     config.write_text("[vm]\nsnapshots = 3\n")
     monkeypatch.delenv("LAZYFS_MICROVM_SNAPSHOTS")
     with pytest.raises(ConfigError, match="vm_snapshots must be a string") as e:

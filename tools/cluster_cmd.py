@@ -70,7 +70,7 @@ def seaweed(datadir: Path, s3_port: int, bucket: str) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     try:
         url = sw.url("images", bucket=bucket, filer=True)  # (reads skip the S3 gateway)
-        store = open_object_store(url)
+        store = open_object_store(url)  # (the URL names its endpoint)
         assert isinstance(store, S3ObjectStore)
         try:
             store.ensure_bucket()

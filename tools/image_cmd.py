@@ -14,10 +14,9 @@ from composer.convert import convert_image
 from composer.envspec import build as build_env
 from composer.envspec import load_spec
 from composer.export import export_tree
-from composer.registry import RegistryOptions
 
 from .config import Settings
-from .options import open_store
+from .options import open_store, registry_options
 from .store_cmd import gc_kept_line
 
 
@@ -57,7 +56,7 @@ def convert(settings: Settings, source: str, tag: str, chunk_size_kib: int, doma
     docker://NAME[:TAG] (an image in the local Docker engine).
     """
     user, _, password = (creds or "").partition(":")
-    registry = RegistryOptions.from_env(
+    registry = registry_options(
         plain_http=plain_http, tls_verify=ca_cert or tls_verify, platform=platform,
         username=user or None, password=password or None)
     if not 4 <= chunk_size_kib <= 65536:
@@ -234,7 +233,8 @@ def build(settings: Settings, spec: Path, refresh: bool, progress: bool | None) 
                  disable=not progress if progress is not None else None) as bar:
         before = store.stats()
         digest, converted = build_env(store, catalog, parsed, refresh=refresh,
-                                      progress=lambda n, _f: bar.update(n))
+                                      progress=lambda n, _f: bar.update(n),
+                                      registry=registry_options())
         after = store.stats()
     click.echo(f"{parsed.name} {digest}")
     click.echo(f"{len(parsed.components)} components, {converted} layers converted now, "

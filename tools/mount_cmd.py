@@ -20,7 +20,7 @@ from lazyfs.settings import Settings
 from lazyfs.trace import load_trace
 
 from .errors import QuietError
-from .options import cache_options, open_store, root_option
+from .options import cache_options, open_store, registry_options, root_option
 
 
 def _trace(path: str | None) -> list[dict[str, Any]] | None:
@@ -63,7 +63,7 @@ def _image_name(settings: Settings, target: str) -> str:
         from composer.envspec import load_spec
         spec = load_spec(Path(target))
         with open_store(settings, create=True) as store, Catalog(store) as catalog:
-            build_env(store, catalog, spec)
+            build_env(store, catalog, spec, registry=registry_options())
         return spec.name
     return target
 

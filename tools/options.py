@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from chunkstore import ChunkId, ChunkStore, TrustDomain
-from lazyfs.settings import Settings
+from lazyfs.settings import Settings, setting
 
 from .errors import QuietError
+
+if TYPE_CHECKING:
+    from composer.registry import RegistryOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,6 +55,16 @@ def open_store(settings: Settings, *, readonly: bool = False,
                create: bool = False) -> ChunkStore:
     return ChunkStore.open(settings.store_path, config=settings.store_config(),
                            readonly=readonly, create=create)
+
+
+def registry_options(**given: Any) -> RegistryOptions:
+    """A registry client's options: those given (not None), the credentials,
+    when none are given, from the settings ([registry], LAZYFS_REGISTRY_USER / _PASSWORD)."""
+    from composer.registry import RegistryOptions  # (requests, dxf: only when used)
+    if not given.get("username") and not given.get("password"):  # (a pair: both or none)
+        given["username"] = setting("registry_user")
+        given["password"] = setting("registry_password")
+    return RegistryOptions.given(**given)
 
 
 def as_domain(name: str) -> TrustDomain:
