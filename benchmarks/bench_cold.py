@@ -79,6 +79,7 @@ also on failure.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import signal
@@ -545,31 +546,37 @@ class Bench:
                 "cpu": c1.children_user - c0.children_user + c1.children_system
                 - c0.children_system + daemon}
 
-    def measure_go(self) -> None:
-        """`go test ./...` with an empty build cache, cold and warm, per view."""
-        views = list(self.go_roots)
+    def _phases(self, what: str, views: list[str],
+                one: Callable[[str, bool], dict[str, float]]) -> dict[str, Any]:
+        """A workload cold and warm on each view (`one(view, cold)`, one
+        warming run per view before the warm phase), the views rotating
+        within every round; medians, and ratios to ext4's in the same phase."""
         out: dict[str, Any] = {}
-        n = 0
         for phase in ("cold", "warm"):
             runs: dict[str, list[dict[str, float]]] = {v: [] for v in views}
             if phase == "warm":
                 for view in views:
-                    n += 1
-                    self._go_one(view, n, cold=False)
+                    one(view, False)
             for r in range(self.args.repeats):
                 for view in rotate(views, r):
-                    n += 1
-                    runs[view].append(self._go_one(view, n, phase == "cold"))
+                    runs[view].append(one(view, phase == "cold"))
             out[phase] = {v: {"seconds": [x["seconds"] for x in rs],
                               "median_s": statistics.median(x["seconds"] for x in rs),
                               "cpu_s": statistics.median(x["cpu"] for x in rs),
                               "daemon_cpu_s": statistics.median(x["daemon_cpu"] for x in rs)}
                           for v, rs in runs.items()}
-            log(f"go test {phase}: " + ", ".join(
+            log(f"{what} {phase}: " + ", ".join(
                 f"{v} {r['median_s'] * 1e3:.0f} ms" for v, r in out[phase].items()))
         for phase in ("cold", "warm"):
             for r in out[phase].values():
                 r["ratio_vs_ext4"] = r["median_s"] / out[phase]["ext4"]["median_s"]
+        return out
+
+    def measure_go(self) -> None:
+        """`go test ./...` with an empty build cache, cold and warm, per view."""
+        runs = itertools.count(1)  # (each run its own, empty, build cache)
+        out = self._phases("go test", list(self.go_roots),
+                           lambda view, cold: self._go_one(view, next(runs), cold))
         self.results["go_test"] = {"command": go_test_command("GOCACHE")[0], **out}
 
     def _cxx_one(self, view: str, cold: bool) -> dict[str, float]:
@@ -585,7 +592,7 @@ class Bench:
         for unit in CXX_UNITS:
             p = subprocess.run(["chroot", self.roots[view], *CXX_COMMAND], input=unit.encode(),
                                env=CHROOT_ENV, capture_output=True, check=False)
-            if p.returncode != 0 or b"main" not in p.stdout and b"_Z" not in p.stdout:
+            if p.returncode != 0 or not (b"main" in p.stdout or b"_Z" in p.stdout):
                 raise RuntimeError(f"g++ in the {view} view failed: "
                                    f"{p.stderr.decode(errors='replace').strip()[-300:]}")
         seconds = time.perf_counter() - t0
@@ -598,26 +605,7 @@ class Bench:
     def measure_cxx(self) -> None:
         """The C++ build (CXX_UNITS compiled by the image's g++), cold and
         warm, per view: ext4 and the lazyfs views."""
-        views = ["ext4", *self.node_of]
-        out: dict[str, Any] = {}
-        for phase in ("cold", "warm"):
-            runs: dict[str, list[dict[str, float]]] = {v: [] for v in views}
-            if phase == "warm":
-                for view in views:
-                    self._cxx_one(view, cold=False)
-            for r in range(self.args.repeats):
-                for view in rotate(views, r):
-                    runs[view].append(self._cxx_one(view, phase == "cold"))
-            out[phase] = {v: {"seconds": [x["seconds"] for x in rs],
-                              "median_s": statistics.median(x["seconds"] for x in rs),
-                              "cpu_s": statistics.median(x["cpu"] for x in rs),
-                              "daemon_cpu_s": statistics.median(x["daemon_cpu"] for x in rs)}
-                          for v, rs in runs.items()}
-            log(f"c++ build {phase}: " + ", ".join(
-                f"{v} {r['median_s'] * 1e3:.0f} ms" for v, r in out[phase].items()))
-        for phase in ("cold", "warm"):
-            for r in out[phase].values():
-                r["ratio_vs_ext4"] = r["median_s"] / out[phase]["ext4"]["median_s"]
+        out = self._phases("c++ build", ["ext4", *self.node_of], self._cxx_one)
         self.results["cxx_build"] = {"command": CXX_COMMAND, "units": len(CXX_UNITS), **out}
 
     def fetched_vs_opened(self) -> None:

@@ -483,12 +483,11 @@ class BlobServer:
                     os.close(fd)
                 return False
             kind = m[:1]
-            if kind == b"S" and len(m) == 64 and len(fds) == 1:
-                self._spill(m, fds.pop())
+            spill = fds.pop() if kind == b"S" and len(m) == 64 and len(fds) == 1 else None
             for fd in fds:  # (a descriptor only a spill carries)
                 os.close(fd)
-            if kind == b"S" and len(m) == 64:
-                pass  # (handled above)
+            if spill is not None:
+                self._spill(m, spill)
             elif kind == b"R" and len(m) == 64:
                 self._report(m)
             elif kind == b"E" and len(m) == 64:
