@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     "kill_ms": statistics.median(x["kill_s"] for x in xs) * 1e3,
                     "host_system_ms": statistics.median(x["system_s"] for x in xs) * 1e3}
         finally:
-            for info in node.sandboxes():
+            for info in node.list_sandboxes():
                 with contextlib.suppress(Exception):
                     node.kill(info.id)
             node.close()

@@ -473,7 +473,7 @@ def runtime_side(bench: Bench, store: Path, work: Path) -> None:
 
 
 def shutdown_node(bench: Bench, node: Node, config: RuntimeConfig) -> None:
-    for info in node.sandboxes():
+    for info in node.list_sandboxes():
         try:
             node.kill(info.id)
         except Exception as e:  # noqa: BLE001 - reported; keep killing the others

@@ -402,7 +402,7 @@ def run(args: argparse.Namespace, work: Path, problems: list[str]) -> dict[str, 
                                            problems)
                 res["disk_after"] = du(work / "state") + du(lazy.paths.root)
         finally:
-            for info in node.sandboxes():
+            for info in node.list_sandboxes():
                 with contextlib.suppress(Exception):
                     node.kill(info.id)
             node.close()

@@ -244,7 +244,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             log(f"kill_many of {len(killed)}: {res['kill_many']['seconds']:.1f} s")
         finally:
             for node in nodes.values():
-                for info in node.sandboxes():
+                for info in node.list_sandboxes():
                     with contextlib.suppress(Exception):
                         node.kill(info.id)
                 node.close()

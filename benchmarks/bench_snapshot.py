@@ -115,7 +115,7 @@ def _cluster_node(d: Path, url: str) -> Iterator[Node]:
         try:
             yield node
         finally:
-            for info in node.sandboxes():
+            for info in node.list_sandboxes():
                 node.kill(info.id)
             node.close()
 

@@ -92,6 +92,13 @@ def _error(e: OSError, path: str) -> FileError:
     return FileError(f"{path}: {e.strerror}")
 
 
+def _info(p: PurePosixPath, st: os.stat_result) -> FileInfo:
+    kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
+            else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
+    return FileInfo(name=p.name or "/", path=str(p), type=kind, size=st.st_size,
+                    mode=stat.S_IMODE(st.st_mode), mtime=st.st_mtime)
+
+
 class SandboxFiles:
     """Files of one sandbox root (a directory on the host). owner: the host
     id of the sandbox's root user (a container's user namespace): what is
@@ -186,19 +193,28 @@ class SandboxFiles:
                         if len(entries) > MAX_LIST:
                             raise FileError(f"{path}: more than {MAX_LIST} entries")
                     for e in sorted(entries, key=lambda e: e.name):
-                        st = e.stat(follow_symlinks=False)
-                        kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file"
-                                if stat.S_ISREG(st.st_mode) else "symlink"
-                                if stat.S_ISLNK(st.st_mode) else "other")
-                        name = _printable(e.name)
-                        out.append(FileInfo(name=name, path=str(p / name), type=kind,
-                                            size=st.st_size, mode=stat.S_IMODE(st.st_mode),
-                                            mtime=st.st_mtime))
+                        out.append(_info(p / _printable(e.name),
+                                         e.stat(follow_symlinks=False)))
                 finally:
                     os.close(fd)
         except OSError as e:
             raise _error(e, path) from None
         return out
+
+    def stat(self, path: str) -> FileInfo:
+        """The path itself (a symlink, not what it points to), as list()
+        describes its entries."""
+        p = _clean(path)
+        try:
+            with self._dir(PurePosixPath("/")) as root:
+                fd = _openat2(root, str(p), os.O_PATH | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _error(e, path) from None
+        return _info(p, st)
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         p = _clean(path)

@@ -34,14 +34,14 @@ from typing import Any
 from chunkstore.errors import LazyfsError
 
 from . import cgroups, hostlimits
-from .backends import Backend, Handle, Sink, capabilities, make_backend
+from .api import Labels, Progress, SandboxApi, Sink
+from .backends import Backend, Handle, capabilities, make_backend
 from .backends.base import (
     Capturing,
     Checkpointing,
     Eventful,
     GuestCapturing,
     Networked,
-    Progress,
     Readable,
     StateSaving,
 )
@@ -72,6 +72,7 @@ from .spec import (
     CheckpointInfo,
     ExecRequest,
     ExecResult,
+    Forked,
     NetworkPolicy,
     PreemptedSandbox,
     Qos,
@@ -81,6 +82,7 @@ from .spec import (
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
+    VerifyRequest,
     parse,
 )
 
@@ -98,7 +100,7 @@ def _matches(labels: Mapping[str, str], want: Mapping[str, str] | None) -> bool:
     return not want or all(labels.get(k) == v for k, v in want.items())
 
 
-class Node:
+class Node(SandboxApi):
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         self.config = config or RuntimeConfig()
         self.images = Images(self.config)
@@ -306,7 +308,7 @@ class Node:
         except InvalidSpec:  # not even an id: not found
             return None
 
-    def sandboxes(self, labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
+    def list_sandboxes(self, labels: Labels = None) -> list[SandboxInfo]:
         with self._lock:
             return [i for i, _ in self._sandboxes.values() if _matches(i.spec.labels, labels)]
 
@@ -372,7 +374,7 @@ class Node:
         if snapshot:
             return [r.id for r in self.preempt_many(labels)]
         done = []
-        for info in self.sandboxes(labels):
+        for info in self.list_sandboxes(labels):
             if info.state == "running":
                 self.pause(info.id)
                 done.append(info.id)
@@ -380,7 +382,7 @@ class Node:
 
     def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
         done = []
-        for info in self.sandboxes(labels):
+        for info in self.list_sandboxes(labels):
             if info.state == "paused":
                 self.resume(info.id)
                 done.append(info.id)
@@ -390,7 +392,7 @@ class Node:
         """Kill every sandbox with these labels, KILL_WORKERS at a time (a
         kill mostly waits: on runc, on init's death, on rm). A failing kill
         does not stop the others; the first failure is raised at the end."""
-        ids = [i.id for i in self.sandboxes(labels)]
+        ids = [i.id for i in self.list_sandboxes(labels)]
         failures: list[BaseException] = []
 
         def one(sandbox_id: str) -> None:
@@ -492,7 +494,7 @@ class Node:
                  snap.image, snap.bytes, snap.bytes_new, frozen)
         return snap, figures
 
-    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
+    def fork(self, sandbox_id: str, n: int) -> Forked:
         """n sandboxes from the current files of one (one capture), each with
         its own writable layer and identity (hostname = its id; the image's
         /etc/hostname, /etc/machine-id and random-seed files made anew)."""
@@ -515,7 +517,7 @@ class Node:
             for c in children:
                 self.kill(c.id)
             raise
-        return snap, children
+        return Forked(snapshot=snap, children=children)
 
     def checkpoint(self, sandbox_id: str, tag: str | None = None) -> CheckpointInfo:
         """The sandbox's processes (CRIU) and files (its upper packed, as a
@@ -597,23 +599,22 @@ class Node:
         log.info("restored %s from checkpoint %s", info.id, checkpoint)
         return info
 
-    def verify(self, sandbox_id: str, req: ExecRequest,
-               keep: tuple[str, ...] | None = None) -> ExecResult:
-        """Run `req` in a fresh sandbox made from this one's current files
-        (all of its writable layer, or what is under `keep`) over its image,
+    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
+        """Run `req.exec` in a fresh sandbox made from this one's current files
+        (all of its writable layer, or what is under `req.keep`) over its image,
         with the hidden paths shown, no network and no process of this
         sandbox's: what a grader can trust."""
         info, h, packed, _ = self._pack(sandbox_id, "verify")
         digest, tag = self.captures.verifier_image(sandbox_id, h.image, info.spec.hidden,
-                                                   packed, keep)
+                                                   packed, req.keep)
         spec = info.spec.model_copy(update={
             "image": digest, "hidden": (), "network": NetworkPolicy.none(),
             "labels": {VERIFIER_LABEL: sandbox_id}, "idle_timeout": None,
-            "timeout": max(60.0, req.timeout + 60.0)})
+            "timeout": max(60.0, req.exec.timeout + 60.0)})
         try:
             verifier = self.create(spec)
             try:
-                return self.exec(verifier.id, req)
+                return self.exec(verifier.id, req.exec)
             finally:
                 self.kill(verifier.id)
         finally:
@@ -678,13 +679,12 @@ class Node:
     def preempt_many(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
         """Preempt every sandbox with these labels (running or paused).
         Unsupported, before any is touched, if one's backend cannot snapshot."""
-        infos = self.sandboxes(labels)
+        infos = self.list_sandboxes(labels)
         for info in infos:
             self._require(info, "snapshot")
         return [self.preempt(info.id) for info in infos]
 
-    def preempted_sandboxes(self, labels: Mapping[str, str] | None = None
-                            ) -> list[PreemptedSandbox]:
+    def list_preempted(self, labels: Labels = None) -> list[PreemptedSandbox]:
         """The records of preempted sandboxes with these labels (every
         node's, with a cluster store)."""
         return self.preempted.list(labels)
@@ -785,8 +785,23 @@ class Node:
         self._touch(info, h)
         return files
 
-    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
+    def read(self, sandbox_id: str, path: str) -> bytes:
+        return self.files(sandbox_id).read(path)
+
+    def write(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.files(sandbox_id).write(path, data, mode=mode)
+
+    def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        self.files(sandbox_id).remove(path, recursive=recursive)
+
+    def list_files(self, sandbox_id: str, path: str = "/") -> list[FileInfo]:
         return self.files(sandbox_id).list(path)
+
+    def stat(self, sandbox_id: str, path: str) -> FileInfo:
+        return self.files(sandbox_id).stat(path)
+
+    def capabilities(self, backend: str) -> dict[str, Any]:
+        return capabilities(backend).as_dict()
 
     def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
         """Change a running sandbox's network policy (task phases: setup with

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import anyio
 import anyio.to_thread
 
+from .api import Sink
 from .errors import InvalidSpec
 from .files import FileInfo
 from .spec import (
@@ -59,7 +60,6 @@ from .spec import (
 from .transport import Transport, resolve
 
 if TYPE_CHECKING:
-    from .backends.base import Sink
     from .node import Node
 
 Snapshot = SnapshotInfo  # what sb.snapshot() returns; Sandbox.create(snapshot) runs it
@@ -105,6 +105,11 @@ class Files:
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._t.remove(self._id, path, recursive)
+
+    def stat(self, path: str) -> FileInfo:
+        """The path's type, size, mode and mtime (a symlink itself, not its
+        target); FileError when it does not exist."""
+        return self._t.stat(self._id, path)
 
     def upload(self, local: str | os.PathLike[str], path: str) -> None:
         p = Path(local)
@@ -258,8 +263,7 @@ class Sandbox:
     def fork(self, n: int) -> builtins.list[Sandbox]:
         """n new sandboxes with this one's current files (one snapshot), each
         with its own writable layer and identity; same spec otherwise."""
-        _, children = self._t.fork(self.id, n)
-        return [Sandbox(c, self._t) for c in children]
+        return [Sandbox(c, self._t) for c in self._t.fork(self.id, n).children]
 
     def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
         """The sandbox's processes (CRIU) and files at one instant, stored as
@@ -356,6 +360,10 @@ class AsyncFiles:
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await _thread(self._f.remove, path, recursive=recursive)
+
+    async def stat(self, path: str) -> FileInfo:
+        out: FileInfo = await _thread(self._f.stat, path)
+        return out
 
     async def upload(self, local: str | os.PathLike[str], path: str) -> None:
         await _thread(self._f.upload, local, path)

@@ -440,6 +440,14 @@ class SandboxInfo(_Model):
     node: str = ""
 
 
+class Forked(_Model):
+    """What sb.fork(n) made: the snapshot of the sandbox's files and the
+    sandboxes running it."""
+
+    snapshot: SnapshotInfo
+    children: list[SandboxInfo]
+
+
 M = TypeVar("M", bound=BaseModel)
 
 

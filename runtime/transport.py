@@ -26,31 +26,21 @@ import atexit
 import base64
 import json
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import httpx
+from pydantic import ValidationError
 
 from lazyfs.settings import setting
 
+from .api import ALWAYS, ON_REQUEST, OPS, Op, SandboxApi, adapter, is_labels
 from .errors import ERRORS, BackendUnavailable, ExecError, SandboxError
-from .files import FileInfo
-from .spec import (
-    CheckpointInfo,
-    ExecRequest,
-    ExecResult,
-    NetworkPolicy,
-    PreemptedSandbox,
-    ReadLedger,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SnapshotInfo,
-    VerifyRequest,
-)
+from .spec import ExecResult
 
 if TYPE_CHECKING:
-    from .backends.base import Sink
     from .config import RuntimeConfig
     from .node import Node
 
@@ -60,131 +50,8 @@ TIMEOUT = httpx.Timeout(60.0, read=None, pool=None)
 LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
 
 
-class Transport(Protocol):
-    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
-               ) -> SandboxInfo: ...
-    def get(self, sandbox_id: str) -> SandboxInfo: ...
-    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]: ...
-    def kill(self, sandbox_id: str) -> None: ...
-    def pause(self, sandbox_id: str) -> dict[str, Any]: ...
-    def resume(self, sandbox_id: str) -> None: ...
-    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
-                   ) -> list[str]: ...
-    def preempt(self, sandbox_id: str) -> PreemptedSandbox: ...
-    def restore(self, sandbox_id: str) -> SandboxInfo: ...
-    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
-    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]: ...
-    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
-    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]: ...
-    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult: ...
-    def read(self, sandbox_id: str, path: str) -> bytes: ...
-    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
-    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
-    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]: ...
-    def capabilities(self, backend: str) -> dict[str, Any]: ...
-    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo: ...
-    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]: ...
-    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo: ...
-    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
-                           ) -> SandboxInfo: ...
-    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult: ...
-    def events(self, sandbox_id: str) -> list[SandboxEvent]: ...
-    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger: ...
-    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo: ...
-
-
-class Embedded:
-    """Calls a Node in this process."""
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
-               ) -> SandboxInfo:
-        return self.node.create(spec, progress)
-
-    def get(self, sandbox_id: str) -> SandboxInfo:
-        return self.node.get(sandbox_id)
-
-    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]:
-        return self.node.sandboxes(labels)
-
-    def kill(self, sandbox_id: str) -> None:
-        self.node.kill(sandbox_id)
-
-    def pause(self, sandbox_id: str) -> dict[str, Any]:
-        return self.node.pause(sandbox_id)
-
-    def resume(self, sandbox_id: str) -> None:
-        self.node.resume(sandbox_id)
-
-    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
-                   ) -> list[str]:
-        return self.node.pause_many(labels, snapshot)
-
-    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
-        return self.node.preempt(sandbox_id)
-
-    def restore(self, sandbox_id: str) -> SandboxInfo:
-        return self.node.restore(sandbox_id)
-
-    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self.node.restore_many(labels)
-
-    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
-        return self.node.preempted_sandboxes(labels)
-
-    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self.node.resume_many(labels)
-
-    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self.node.kill_many(labels)
-
-    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
-        return self.node.exec(sandbox_id, req, on_stdout, on_stderr)
-
-    def read(self, sandbox_id: str, path: str) -> bytes:
-        return self.node.files(sandbox_id).read(path)
-
-    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
-        self.node.files(sandbox_id).write(path, data, mode=mode)
-
-    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        self.node.files(sandbox_id).remove(path, recursive=recursive)
-
-    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
-        return self.node.list_files(sandbox_id, path)
-
-    def capabilities(self, backend: str) -> dict[str, Any]:
-        from .backends import capabilities
-        return capabilities(backend).as_dict()
-
-    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo:
-        return self.node.snapshot(sandbox_id, tag)
-
-    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
-        return self.node.fork(sandbox_id, n)
-
-    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo:
-        return self.node.checkpoint(sandbox_id, tag)
-
-    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
-                           ) -> SandboxInfo:
-        return self.node.restore_checkpoint(checkpoint, labels)
-
-    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
-        return self.node.verify(sandbox_id, req.exec, req.keep)
-
-    def events(self, sandbox_id: str) -> list[SandboxEvent]:
-        return self.node.events(sandbox_id)
-
-    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger:
-        return self.node.reads(sandbox_id, trace)
-
-    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
-        return self.node.set_network(sandbox_id, policy)
+# What the SDK calls, whichever node answers (runtime.api declares it once).
+Transport = SandboxApi
 
 
 def raise_for(body: Mapping[str, Any], status: int) -> None:
@@ -226,46 +93,115 @@ def client_args(url: str, token: str | None) -> tuple[str, dict[str, Any]]:
     raise BackendUnavailable(f"node {url!r}: expected unix:///PATH or http://HOST:PORT")
 
 
-def parse_create_stream(lines: Iterator[str], progress: Callable[[str], None]
-                        ) -> SandboxInfo:
-    for line in lines:
-        if not line:
+@dataclass
+class Call:
+    """One operation's call as an HTTP request (runtime.api's wire rule)."""
+
+    op: Op
+    method: str
+    path: str
+    params: list[tuple[str, str | int | float | bool | None]]
+    content: bytes | None
+    headers: dict[str, str]
+    callbacks: dict[str, Callable[[Any], None]]  # wire key -> the caller's function
+    streamed: bool
+
+
+def encode(o: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Call:
+    """The request for a call of `o` with these arguments."""
+    a = o.bind(args, kwargs)
+    path = o.path
+    params: list[tuple[str, str | int | float | bool | None]] = []
+    body: dict[str, Any] = {}
+    content: bytes | None = None
+    headers: dict[str, str] = {}
+    callbacks: dict[str, Callable[[Any], None]] = {}
+    for name, value in a.items():
+        where = o.where(name)
+        hint = o.hints[name]
+        if where == "path":
+            path = path.replace(f"{{{name}}}", quote(str(value), safe=""))
+        elif where == "callback":
+            if value is not None:
+                callbacks[o.callbacks[name]] = value
+                if o.stream == ON_REQUEST:
+                    params.append((name, "true"))
+        elif where == "body":
+            body[name] = adapter(hint).dump_python(value, mode="json")
+        elif where == "json_body":
+            content = adapter(hint).dump_json(value)
+            headers["content-type"] = "application/json"
+        elif where == "raw_body":
+            content = bytes(value)
+            headers["content-type"] = "application/octet-stream"
+        elif value is None:
             continue
+        elif is_labels(hint):
+            params.extend(("label", f"{k}={v}") for k, v in value.items())
+        elif isinstance(value, bool):
+            params.append((name, "true" if value else "false"))
+        else:
+            params.append((name, str(value)))
+    if o.body:
+        content = json.dumps(body).encode()
+        headers["content-type"] = "application/json"
+    streamed = o.stream == ALWAYS or (o.stream == ON_REQUEST and bool(callbacks))
+    return Call(o, o.method, path, params, content, headers, callbacks, streamed)
+
+
+def decode(o: Op, content: bytes) -> Any:
+    """A non-streamed answer as the declared type (validated: an agent's
+    answer is not trusted)."""
+    if o.returns is type(None):
+        return None
+    if o.returns is bytes:
+        return content
+    try:
+        return adapter(o.returns).validate_json(content)
+    except ValidationError as e:
+        raise BackendUnavailable(f"the node agent's answer to {o.name} is malformed: "
+                                 f"{str(e).splitlines()[0]}") from None
+
+
+def decode_line(c: Call, line: str) -> tuple[bool, Any]:
+    """One line of a streamed answer: (True, the answer) for the last one;
+    a callback's line is handed to it; an error line raises it."""
+    try:
         msg = json.loads(line)
-        if not isinstance(msg, dict):
-            raise BackendUnavailable("the node agent sent a create stream line that is not "
-                                     "an object")
-        if "step" in msg:
-            progress(str(msg["step"]))
-        elif "sandbox" in msg:
-            return SandboxInfo.model_validate(msg["sandbox"])
-        elif "error" in msg:
-            raise_for(msg, 200)
-    raise BackendUnavailable("the node agent closed the create stream before the sandbox "
-                             "was made (it may have died: list its sandboxes)")
+    except ValueError:
+        msg = None
+    if not isinstance(msg, dict) or len(msg) != 1:
+        raise BackendUnavailable(f"the node agent sent a {c.op.name} stream line that is not "
+                                 "an object of one key")
+    (key, value), = msg.items()
+    if key == c.op.result_key:
+        try:
+            return True, adapter(c.op.returns).validate_python(value)
+        except ValidationError as e:
+            raise BackendUnavailable(f"the node agent's answer to {c.op.name} is malformed: "
+                                     f"{str(e).splitlines()[0]}") from None
+    if key == "error":
+        raise_for(msg, 200)
+    for param, wire in c.op.callbacks.items():
+        if wire == key:
+            fn = c.callbacks.get(key)
+            if fn is not None:
+                if c.op.callback_type(param) is bytes:
+                    fn(base64.b64decode(str(value)))
+                else:
+                    fn(str(value))
+            return False, None
+    raise BackendUnavailable(f"the node agent sent an unknown {c.op.name} stream line {key!r}")
 
 
-def parse_exec_stream(lines: Iterator[str], on_stdout: Sink | None, on_stderr: Sink | None
-                      ) -> ExecResult:
-    for line in lines:
-        if not line:
-            continue
-        msg = json.loads(line)
-        if "stdout" in msg:
-            if on_stdout:
-                on_stdout(base64.b64decode(msg["stdout"]))
-        elif "stderr" in msg:
-            if on_stderr:
-                on_stderr(base64.b64decode(msg["stderr"]))
-        elif "result" in msg:
-            return ExecResult.model_validate(msg["result"])
-        elif "error" in msg:
-            raise_for(msg, 200)
-    raise BackendUnavailable("the node agent closed the exec stream before the command ended")
+def _stream_ended(c: Call) -> BackendUnavailable:
+    return BackendUnavailable(f"the node agent closed the {c.op.name} stream before its answer "
+                              "(it may have died)")
 
 
-class Http:
-    """Calls a node agent over HTTP."""
+class Http(SandboxApi):
+    """Calls a node agent over HTTP: one method per operation of
+    runtime.api, made from its declaration (below the class)."""
 
     def __init__(self, url: str, token: str | None = None) -> None:
         base, kw = client_args(url, token)
@@ -275,150 +211,39 @@ class Http:
         self.client = httpx.Client(base_url=base, transport=transport, timeout=TIMEOUT,
                                    limits=LIMITS, **kw)
 
-    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def call(self, o: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        c = encode(o, args, kwargs)
         try:
-            return _check(self.client.request(method, path, **kw))
-        except httpx.TransportError as e:
-            raise BackendUnavailable(f"node agent {self.url}: {e}") from e
-
-    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
-               ) -> SandboxInfo:
-        if progress is None:
-            r = self._call("POST", "/v1/sandboxes", content=spec.model_dump_json(),
-                           headers={"content-type": "application/json"})
-            return SandboxInfo.model_validate(r.json())
-        try:  # the agent streams the create's steps, then the sandbox
-            with self.client.stream("POST", "/v1/sandboxes", params={"progress": "true"},
-                                    content=spec.model_dump_json(),
-                                    headers={"content-type": "application/json"}) as r:
+            if not c.streamed:
+                r = _check(self.client.request(c.method, c.path, params=c.params,
+                                               content=c.content, headers=c.headers))
+                return decode(o, r.content)
+            with self.client.stream(c.method, c.path, params=c.params, content=c.content,
+                                    headers=c.headers) as r:
                 if r.status_code >= 400:
                     r.read()
                     _check(r)
-                if not r.headers.get("content-type", "").startswith("application/x-ndjson"):
-                    r.read()  # an agent from before progress: one answer, no steps
-                    return SandboxInfo.model_validate(r.json())
-                return parse_create_stream(r.iter_lines(), progress)
+                for line in r.iter_lines():
+                    if line:
+                        done, answer = decode_line(c, line)
+                        if done:
+                            return answer
+                raise _stream_ended(c)
         except httpx.TransportError as e:
             raise BackendUnavailable(f"node agent {self.url}: {e}") from e
 
-    def get(self, sandbox_id: str) -> SandboxInfo:
-        return SandboxInfo.model_validate(self._call("GET", f"/v1/sandboxes/{sandbox_id}").json())
 
-    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]:
-        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        return [SandboxInfo.model_validate(x)
-                for x in self._call("GET", "/v1/sandboxes", params=q).json()]
+def _http_method(o: Op) -> Callable[..., Any]:
+    def method(self: Http, *args: Any, **kwargs: Any) -> Any:
+        return self.call(o, args, kwargs)
+    method.__name__ = method.__qualname__ = o.name
+    method.__doc__ = o.doc
+    method.__signature__ = o.signature  # type: ignore[attr-defined]
+    return method
 
-    def kill(self, sandbox_id: str) -> None:
-        self._call("DELETE", f"/v1/sandboxes/{sandbox_id}")
 
-    def pause(self, sandbox_id: str) -> dict[str, Any]:
-        out: dict[str, Any] = self._call("POST", f"/v1/sandboxes/{sandbox_id}/pause").json()
-        return out
-
-    def resume(self, sandbox_id: str) -> None:
-        self._call("POST", f"/v1/sandboxes/{sandbox_id}/resume")
-
-    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
-                   ) -> list[str]:
-        return list(self._call("POST", "/v1/bulk/pause",
-                               json={"labels": dict(labels or {}), "snapshot": snapshot}).json())
-
-    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
-        return PreemptedSandbox.model_validate(
-            self._call("POST", f"/v1/sandboxes/{sandbox_id}/preempt").json())
-
-    def restore(self, sandbox_id: str) -> SandboxInfo:
-        return SandboxInfo.model_validate(
-            self._call("POST", f"/v1/preempted/{sandbox_id}/restore").json())
-
-    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return list(self._call("POST", "/v1/bulk/restore", json={"labels": dict(labels or {})}
-                               ).json())
-
-    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
-        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        return [PreemptedSandbox.model_validate(x)
-                for x in self._call("GET", "/v1/preempted", params=q).json()]
-
-    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return list(self._call("POST", "/v1/bulk/resume", json={"labels": dict(labels or {})}
-                               ).json())
-
-    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return list(self._call("POST", "/v1/bulk/kill", json={"labels": dict(labels or {})}
-                               ).json())
-
-    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
-        try:
-            with self.client.stream("POST", f"/v1/sandboxes/{sandbox_id}/exec",
-                                    content=req.model_dump_json(),
-                                    headers={"content-type": "application/json"}) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    _check(r)
-                return parse_exec_stream(r.iter_lines(), on_stdout, on_stderr)
-        except httpx.TransportError as e:
-            raise BackendUnavailable(f"node agent {self.url}: {e}") from e
-
-    def read(self, sandbox_id: str, path: str) -> bytes:
-        return self._call("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}
-                          ).content
-
-    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
-        self._call("PUT", f"/v1/sandboxes/{sandbox_id}/files",
-                   params={"path": path, "mode": mode}, content=data)
-
-    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        self._call("DELETE", f"/v1/sandboxes/{sandbox_id}/files",
-                   params={"path": path, "recursive": recursive})
-
-    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
-        return [FileInfo.model_validate(x) for x in self._call(
-            "GET", f"/v1/sandboxes/{sandbox_id}/files/list", params={"path": path}).json()]
-
-    def capabilities(self, backend: str) -> dict[str, Any]:
-        out: dict[str, Any] = self._call("GET", f"/v1/capabilities/{backend}").json()
-        return out
-
-    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo:
-        r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/snapshot", json={"tag": tag})
-        return SnapshotInfo.model_validate(r.json())
-
-    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
-        body = self._call("POST", f"/v1/sandboxes/{sandbox_id}/fork", json={"n": n}).json()
-        return (SnapshotInfo.model_validate(body["snapshot"]),
-                [SandboxInfo.model_validate(c) for c in body["children"]])
-
-    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo:
-        r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/checkpoint", json={"tag": tag})
-        return CheckpointInfo.model_validate(r.json())
-
-    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
-                           ) -> SandboxInfo:
-        r = self._call("POST", "/v1/checkpoints/restore", json={
-            "checkpoint": checkpoint, "labels": dict(labels) if labels is not None else None})
-        return SandboxInfo.model_validate(r.json())
-
-    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
-        r = self._call("POST", f"/v1/sandboxes/{sandbox_id}/verify",
-                       content=req.model_dump_json(), headers={"content-type": "application/json"})
-        return ExecResult.model_validate(r.json())
-
-    def events(self, sandbox_id: str) -> list[SandboxEvent]:
-        return [SandboxEvent.model_validate(x) for x in self._call(
-            "GET", f"/v1/sandboxes/{sandbox_id}/events").json()]
-
-    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger:
-        return ReadLedger.model_validate(self._call(
-            "GET", f"/v1/sandboxes/{sandbox_id}/reads",
-            params={"trace": "true" if trace else "false"}).json())
-
-    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
-        return SandboxInfo.model_validate(self._call(
-            "PUT", f"/v1/sandboxes/{sandbox_id}/network",
-            json=policy.model_dump(mode="json")).json())
+for _o in OPS.values():
+    setattr(Http, _o.name, _http_method(_o))
 
 
 _lock = threading.Lock()
@@ -452,7 +277,7 @@ def local(config: RuntimeConfig | None = None, *, detached: bool = False) -> Tra
     with _lock:
         node = _embedded.get(config)
     if node is not None:  # this process owns the state: no agent can serve it
-        return Embedded(node)
+        return node
     from .agent.launch import agent_socket, answers, start
     if config is None:
         from .config import RuntimeConfig
@@ -465,7 +290,7 @@ def local(config: RuntimeConfig | None = None, *, detached: bool = False) -> Tra
     if detached:
         from .config import RuntimeConfig
         return agent_client(f"unix://{start(config or RuntimeConfig())}", None)
-    return Embedded(embedded_node(config))
+    return embedded_node(config)
 
 
 _clients: dict[tuple[str, str | None], Http] = {}
@@ -505,9 +330,4 @@ def resolve(node: str | Node | Transport | None, token: str | None = None,
         return local()
     if isinstance(node, str):
         return agent_client(node, token)
-    if isinstance(node, Http | Embedded):
-        return node
-    from .node import Node  # loaded already: the caller made one
-    if isinstance(node, Node):
-        return Embedded(node)
-    return node
+    return node  # a Node (it answers the API itself) or another transport

@@ -329,6 +329,8 @@ def test_sandboxes_spread_over_nodes_and_any_client_reaches_them(fleet: FleetEnv
         # another client, knowing only the id and the fleet
         other = Sandbox.connect(sbs[0].id, fleet=fleet.url, token=TOKEN)
         assert other.exec("cat /etc/motd").stdout == b"hello from the image\n"
+        # an operation the fleet forwards by the declaration alone (runtime.api)
+        assert other.files.stat("/etc/motd").size == len(b"hello from the image\n")
         listed = Sandbox.list(labels, fleet=fleet.url, token=TOKEN)
         assert {s.id for s in listed} == {s.id for s in sbs}
         paused = Sandbox.pause_many(labels, fleet=fleet.url, token=TOKEN)

@@ -136,7 +136,7 @@ def test_vm_network_allowlist(node: Node, servers: tuple[int, int], backend: Bac
 
 
 def _vmm_pid(node: Node, sandbox_id: str) -> int:
-    for info in node.sandboxes():
+    for info in node.list_sandboxes():
         if info.id == sandbox_id:
             b = node.backend(info.spec.backend)
             assert isinstance(b, QemuBackend)

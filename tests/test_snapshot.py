@@ -346,13 +346,13 @@ def test_a_kill_during_a_restore_stops_the_restored_sandbox(
     kill.join(60)
     try:
         assert not errors, errors
-        assert sb.id not in {i.id for i in node.sandboxes()}, \
+        assert sb.id not in {i.id for i in node.list_sandboxes()}, \
             "the restored sandbox runs on after its kill"
         assert not cgroups.exists(sb.id)
         assert not (node.config.sandboxes / sb.id).exists()
         assert Sandbox.preempted({"job": "kill-restoring"}, node=node) == []
     finally:
-        if sb.id in {i.id for i in node.sandboxes()}:
+        if sb.id in {i.id for i in node.list_sandboxes()}:
             node.kill(sb.id)
 
 
@@ -376,7 +376,7 @@ def test_a_snapshot_killed_midway_leaves_no_tag_and_no_broken_chunk(
         assert other.exec(sandbox_id, build(ExecRequest, cmd=("cat", "/root/alive"))
                           ).stdout == b"alive\n"
     finally:
-        for info in other.sandboxes():
+        for info in other.list_sandboxes():
             other.kill(info.id)
         other.close()
 
@@ -392,12 +392,12 @@ def test_a_preemption_killed_after_its_record_is_finished_at_the_next_start(
                                       image=IMAGE, tag="-", watch=records, preempt=True)
     other = Node(config)  # the preemption is finished: the sandbox does not run here
     try:
-        assert other.sandboxes() == []
+        assert other.list_sandboxes() == []
         assert not (config.sandboxes / sandbox_id).exists()
         back = Sandbox.restore(sandbox_id, node=other)  # and it comes back whole
         assert back.files.read("/root/alive") == b"alive\n"
     finally:
-        for info in other.sandboxes():
+        for info in other.list_sandboxes():
             other.kill(info.id)
         other.close()
 

@@ -92,7 +92,7 @@ def two_nodes(site: Site, names: tuple[str, str] = ("a", "b")) -> Iterator[tuple
             yield a, b
         finally:
             for n in (a, b):
-                for info in n.sandboxes():
+                for info in n.list_sandboxes():
                     n.kill(info.id)
             a.close()
             b.close()
@@ -275,8 +275,8 @@ def test_two_nodes_restoring_one_preempted_sandbox_at_once_one_wins(
         assert "being restored by" in str(lost)
         winner, loser = (a, b) if won == ["a"] else (b, a)
         # it runs once, on the winner, with its files; the loser has nothing of it
-        assert [i.id for i in winner.sandboxes(labels)] == [sb.id]
-        assert loser.sandboxes(labels) == [] and not (loser.config.sandboxes / sb.id).exists()
+        assert [i.id for i in winner.list_sandboxes(labels)] == [sb.id]
+        assert loser.list_sandboxes(labels) == [] and not (loser.config.sandboxes / sb.id).exists()
         assert Sandbox.connect(sb.id, node=winner).files.read("/root/mine") == b"mine\n"
         assert Sandbox.preempted(labels, node=loser) == []  # record and claim gone
         with pytest.raises(SandboxNotFound):
@@ -345,6 +345,6 @@ def test_a_snapshot_killed_midway_leaves_nothing_visible(site: Site) -> None:
             assert ClusterCatalog(cluster).resolve("killed/midway:1")[0] == snap.image
         finally:
             node = node or Node(config)
-            for info in node.sandboxes():
+            for info in node.list_sandboxes():
                 node.kill(info.id)
             node.close()

@@ -303,7 +303,7 @@ def test_microvm_verify_sees_the_answer_and_nothing_of_the_agents(
                     "ps | grep -c '[s]leep 1000'")
         assert r.stdout == b"42\nfake\n1\n", r
         assert len(sb.files.read("/workspace/ticks")) > n
-        assert not [s for s in node.sandboxes() if s.id != sb.id]  # the verifier is gone
+        assert not [s for s in node.list_sandboxes() if s.id != sb.id]  # the verifier is gone
         assert not _captures(node)
 
         # more entries than the host takes: the agent refuses, the VM goes on
@@ -328,7 +328,7 @@ def test_microvm_verify_sees_the_answer_and_nothing_of_the_agents(
         with pytest.raises(SandboxError, match="sparse"):
             sb.verify("true", keep=["/workspace"])
         assert not _captures(node)
-        assert not [s for s in node.sandboxes() if s.id != sb.id]
+        assert not [s for s in node.list_sandboxes() if s.id != sb.id]
         assert sb.exec("echo alive").stdout == b"alive\n"
 
 

@@ -106,7 +106,7 @@ def test_vm_hidden_answer_and_a_verifier_the_agent_cannot_touch(
         assert lines[4:] == ["0", "lo"], v  # none of the agent's processes, no network
         # the agent VM runs on, as it was: still no answer, its files there
         assert sb.exec("cat /workspace/answer /task/answers/expected").stdout == b"42\nfake\n"
-        assert not [s for s in node.sandboxes() if s.id != sb.id]  # the verifier is gone
+        assert not [s for s in node.list_sandboxes() if s.id != sb.id]  # the verifier is gone
 
         # a sparse file past the disk's size: refused while packing, no VM booted
         r = sb.exec("dd if=/dev/zero of=/workspace/huge bs=1 count=1 seek=8G 2>&1")

@@ -1,67 +1,39 @@
 """HTTP API of the node agent (OpenAPI schema at /openapi.json, docs at /docs).
 
+Every sandbox operation is a route made from its declaration in runtime.api
+(method, path, where each parameter travels, what it answers, whether it
+streams); nothing here names one but to count it (metrics). Besides them:
+
     GET    /v1/health
     GET    /metrics                           Prometheus text format (metrics.py)
-    GET    /v1/capabilities/{backend}
-    POST   /v1/sandboxes                      SandboxSpec → SandboxInfo
-    POST   /v1/sandboxes?progress=true        SandboxSpec → NDJSON stream:
-           {"step": "booting the guest ..."} … then {"sandbox": SandboxInfo}
-           or {"error": {"type", "message"}}; a create whose client went
-           away is undone (at its next step, or once it is made)
-    GET    /v1/sandboxes?label=k=v            → [SandboxInfo]
-    GET    /v1/sandboxes/{id}                 → SandboxInfo
-    DELETE /v1/sandboxes/{id}
-    POST   /v1/sandboxes/{id}/pause | /resume
-    POST   /v1/sandboxes/{id}/exec            ExecRequest → NDJSON stream:
-           {"stdout": b64} / {"stderr": b64} … then {"result": ExecResult}
-           or {"error": {"type", "message", "result"}}
-    GET|PUT|DELETE /v1/sandboxes/{id}/files?path=…   raw bytes
-    GET    /v1/sandboxes/{id}/files/list?path=…
-    POST   /v1/bulk/pause | /resume | /kill   {"labels": {…}} → [ids]
-    POST   /v1/bulk/pause                     {"labels": {…}, "snapshot": true}: preempt → [ids]
-    POST   /v1/bulk/restore                   {"labels": {…}} → [ids] restored here
-    GET    /v1/preempted?label=k=v            → [PreemptedSandbox]
-    POST   /v1/sandboxes/{id}/preempt         → PreemptedSandbox
-    POST   /v1/preempted/{id}/restore         → SandboxInfo (same id, on this node)
 
-Errors: {"error": {"type": <runtime.errors class>, "message": …}} with the
-class's HTTP status. A bearer token, when the agent has one, is required on
-every call (TCP listeners); the Unix socket is protected by its permissions.
+A streamed create whose client went away is undone (the operation's `undo`,
+at its next step or once it is made). Errors: {"error": {"type":
+<runtime.errors class>, "message": …}} with the class's HTTP status. A
+bearer token, when the agent has one, is required on every call (TCP
+listeners); the Unix socket is protected by its permissions.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hmac
+import inspect
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Annotated, Any
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import Body, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
 
-from ..backends import capabilities
+from ..api import ALWAYS, NEVER, ON_REQUEST, OPS, Op, adapter, is_labels
 from ..errors import ExecError, SandboxError
-from ..files import FileInfo
 from ..node import Node
-from ..spec import (
-    CheckpointInfo,
-    ExecRequest,
-    ExecResult,
-    NetworkPolicy,
-    PreemptedSandbox,
-    ReadLedger,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SnapshotInfo,
-    VerifyRequest,
-)
 from .metrics import CONTENT_TYPE, AgentMetrics
 
 STREAM_BUFFER = 64
@@ -75,32 +47,6 @@ def exec_limiter() -> anyio.CapacityLimiter:
     if _exec_limiter is None:  # created inside the event loop
         _exec_limiter = anyio.CapacityLimiter(EXEC_THREADS)
     return _exec_limiter
-
-
-class Labels(BaseModel):
-    labels: dict[str, str] = {}
-
-
-class PauseMany(Labels):
-    snapshot: bool = False  # preempt: snapshot, record and stop them
-
-
-class SnapshotRequest(BaseModel):
-    tag: str | None = None
-
-
-class RestoreRequest(BaseModel):
-    checkpoint: str  # a checkpoint's id or tag
-    labels: dict[str, str] | None = None
-
-
-class ForkRequest(BaseModel):
-    n: int
-
-
-class Forked(BaseModel):
-    snapshot: SnapshotInfo
-    children: list[SandboxInfo]
 
 
 def _labels(raw: list[str]) -> dict[str, str]:
@@ -128,9 +74,6 @@ def make_app(node: Node, token: str | None = None,
                   description="Sandboxes on this node: create, exec, files, pause, kill.")
     m = metrics or AgentMetrics(node)
 
-    async def run(fn: Callable[..., Any], *args: Any) -> Any:
-        return await anyio.to_thread.run_sync(fn, *args)
-
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, e: SandboxError) -> JSONResponse:
         status = 400 if type(e) is SandboxError else e.status
@@ -148,163 +91,108 @@ def make_app(node: Node, token: str | None = None,
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
-        return {"ok": True, "sandboxes": len(node.sandboxes())}
-
-    @app.get("/v1/capabilities/{backend}")
-    async def caps(backend: str) -> dict[str, Any]:
-        return capabilities(backend).as_dict()
+        return {"ok": True, "sandboxes": len(node.list_sandboxes())}
 
     @app.get("/metrics")
     async def metrics_() -> Response:
-        return Response(await run(m.render), media_type=CONTENT_TYPE)
+        return Response(await anyio.to_thread.run_sync(m.render), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
-    async def create(spec: SandboxSpec, progress: bool = False) -> Any:
-        if progress:  # each step as it happens: a first VM of an image takes seconds
-            return StreamingResponse(_create_stream(node, spec, m),
-                                     media_type="application/x-ndjson")
-        try:
-            info: SandboxInfo = await run(node.create, spec)
-        except SandboxError as e:
-            m.refusals.labels(type(e).__name__).inc()
-            raise
-        m.creates.labels(spec.backend).inc()
-        return info
-
-    @app.get("/v1/sandboxes")
-    async def list_sandboxes(label: Annotated[list[str] | None, Query()] = None
-                             ) -> list[SandboxInfo]:
-        return node.sandboxes(_labels(label or []))
-
-    @app.get("/v1/sandboxes/{sandbox_id}")
-    async def get(sandbox_id: str) -> SandboxInfo:
-        info: SandboxInfo = await run(node.get, sandbox_id)  # (a miss may read the store)
-        return info
-
-    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
-    async def kill(sandbox_id: str) -> Response:
-        await run(node.kill, sandbox_id)
-        return Response(status_code=204)
-
-    @app.post("/v1/sandboxes/{sandbox_id}/pause")
-    async def pause(sandbox_id: str) -> dict[str, Any]:
-        figures: dict[str, Any] = await run(node.pause, sandbox_id)
-        return figures
-
-    @app.post("/v1/sandboxes/{sandbox_id}/resume")
-    async def resume(sandbox_id: str) -> dict[str, Any]:
-        await run(node.resume, sandbox_id)
-        return {"ok": True}
-
-    @app.post("/v1/bulk/pause")
-    async def pause_many(body: PauseMany) -> list[str]:
-        ids: list[str] = await run(node.pause_many, body.labels, body.snapshot)
-        return ids
-
-    @app.post("/v1/bulk/restore")
-    async def restore_many(body: Labels) -> list[str]:
-        ids: list[str] = await run(node.restore_many, body.labels)
-        return ids
-
-    @app.get("/v1/preempted")
-    async def list_preempted(label: Annotated[list[str] | None, Query()] = None
-                             ) -> list[PreemptedSandbox]:
-        out: list[PreemptedSandbox] = await run(node.preempted_sandboxes,
-                                                _labels(label or []))
-        return out
-
-    @app.post("/v1/sandboxes/{sandbox_id}/preempt")
-    async def preempt(sandbox_id: str) -> PreemptedSandbox:
-        record: PreemptedSandbox = await run(node.preempt, sandbox_id)
-        return record
-
-    @app.post("/v1/preempted/{sandbox_id}/restore")
-    async def restore(sandbox_id: str) -> SandboxInfo:
-        info: SandboxInfo = await run(node.restore, sandbox_id)
-        return info
-
-    @app.post("/v1/bulk/resume")
-    async def resume_many(body: Labels) -> list[str]:
-        ids: list[str] = await run(node.resume_many, body.labels)
-        return ids
-
-    @app.post("/v1/bulk/kill")
-    async def kill_many(body: Labels) -> list[str]:
-        ids: list[str] = await run(node.kill_many, body.labels)
-        return ids
-
-    @app.post("/v1/sandboxes/{sandbox_id}/exec")
-    async def exec_(sandbox_id: str, req: ExecRequest) -> StreamingResponse:
-        node.get(sandbox_id)  # a missing sandbox is a 404, not a stream
-        return StreamingResponse(_exec_stream(node, sandbox_id, req, m),
-                                 media_type="application/x-ndjson")
-
-    @app.post("/v1/sandboxes/{sandbox_id}/snapshot")
-    async def snapshot(sandbox_id: str, body: SnapshotRequest) -> SnapshotInfo:
-        snap: SnapshotInfo = await run(node.snapshot, sandbox_id, body.tag)
-        return snap
-
-    @app.post("/v1/sandboxes/{sandbox_id}/fork")
-    async def fork(sandbox_id: str, body: ForkRequest) -> Forked:
-        snap, children = await run(node.fork, sandbox_id, body.n)
-        return Forked(snapshot=snap, children=children)
-
-    @app.post("/v1/sandboxes/{sandbox_id}/checkpoint")
-    async def checkpoint(sandbox_id: str, body: SnapshotRequest) -> CheckpointInfo:
-        ckpt: CheckpointInfo = await run(node.checkpoint, sandbox_id, body.tag)
-        return ckpt
-
-    @app.post("/v1/checkpoints/restore")
-    async def restore_checkpoint(body: RestoreRequest) -> SandboxInfo:
-        info: SandboxInfo = await run(node.restore_checkpoint, body.checkpoint, body.labels)
-        return info
-
-    @app.post("/v1/sandboxes/{sandbox_id}/verify")
-    async def verify(sandbox_id: str, req: VerifyRequest) -> ExecResult:
-        result: ExecResult = await run(node.verify, sandbox_id, req.exec, req.keep)
-        return result
-
-    @app.put("/v1/sandboxes/{sandbox_id}/network")
-    async def set_network(sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
-        out: SandboxInfo = await run(node.set_network, sandbox_id, policy)
-        return out
-
-    @app.get("/v1/sandboxes/{sandbox_id}/events")
-    async def events(sandbox_id: str) -> list[SandboxEvent]:
-        out: list[SandboxEvent] = await run(node.events, sandbox_id)
-        return out
-
-    @app.get("/v1/sandboxes/{sandbox_id}/reads")
-    async def reads(sandbox_id: str, trace: bool = False) -> ReadLedger:
-        out: ReadLedger = await run(node.reads, sandbox_id, trace)
-        return out
-
-    @app.get("/v1/sandboxes/{sandbox_id}/files")
-    async def read_file(sandbox_id: str, path: str) -> Response:
-        files = node.files(sandbox_id)
-        data: bytes = await run(files.read, path)
-        return Response(data, media_type="application/octet-stream")
-
-    @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204)
-    async def write_file(sandbox_id: str, path: str, request: Request,
-                         mode: int = 0o644) -> Response:
-        files = node.files(sandbox_id)
-        data = await request.body()
-        await anyio.to_thread.run_sync(lambda: files.write(path, data, mode=mode))
-        return Response(status_code=204)
-
-    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
-    async def remove_file(sandbox_id: str, path: str, recursive: bool = False) -> Response:
-        files = node.files(sandbox_id)
-        await anyio.to_thread.run_sync(lambda: files.remove(path, recursive=recursive))
-        return Response(status_code=204)
-
-    @app.get("/v1/sandboxes/{sandbox_id}/files/list")
-    async def list_files(sandbox_id: str, path: str = "/") -> list[FileInfo]:
-        result: list[FileInfo] = await run(node.list_files, sandbox_id, path)
-        return result
-
+    for o in OPS.values():
+        no_body = o.returns is type(None) or o.returns is bytes
+        app.add_api_route(o.path, _endpoint(node, o, m), methods=[o.method], name=o.name,
+                          status_code=204 if o.returns is type(None) else o.status,
+                          response_model=None if no_body else o.returns,
+                          summary=o.doc.splitlines()[0] if o.doc else None)
     return app
+
+
+def _server_hint(hint: Any) -> Any:
+    """A declared type as FastAPI takes it in a body."""
+    return dict[str, str] | None if is_labels(hint) else hint
+
+
+def _endpoint(node: Node, o: Op, m: AgentMetrics) -> Callable[..., Any]:
+    """The route of one operation: its parameters where runtime.api's wire
+    rule puts them (a signature FastAPI reads: validation and the OpenAPI
+    schema come from it), the node's method called in a worker thread."""
+    params = [inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request)]
+    for p in o.params():
+        where, hint = o.where(p.name), o.hints[p.name]
+        default = p.default
+        if where == "path":
+            ann: Any = hint
+        elif where == "query":
+            ann = (Annotated[list[str] | None, Query(alias="label")] if is_labels(hint)
+                   else Annotated[hint, Query()])
+        elif where == "body":
+            ann = Annotated[_server_hint(hint), Body(embed=True)]
+        elif where == "json_body":
+            ann = hint
+        elif where == "callback" and o.stream == ON_REQUEST:
+            ann, default = Annotated[bool, Query()], False  # the caller asks for its lines
+        else:  # a raw body (read below) or a callback always streamed
+            continue
+        params.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=ann, default=default))
+
+    async def endpoint(request: Request, **kw: Any) -> Any:
+        args: dict[str, Any] = {}
+        for p in o.params():
+            where = o.where(p.name)
+            if where == "callback":
+                continue
+            if where == "raw_body":
+                args[p.name] = await request.body()
+            elif where == "query" and is_labels(o.hints[p.name]):
+                args[p.name] = _labels(kw[p.name] or [])
+            else:
+                args[p.name] = kw[p.name]
+        wanted = {n: w for n, w in o.callbacks.items()
+                  if o.stream == ALWAYS or (o.stream == ON_REQUEST and kw.get(n))}
+        if o.stream != NEVER and (o.stream == ALWAYS or wanted):
+            if "sandbox_id" in args:  # a missing sandbox is a 404, not a stream
+                await anyio.to_thread.run_sync(node.get, args["sandbox_id"])
+            return StreamingResponse(_stream(node, o, args, wanted, m),
+                                     media_type="application/x-ndjson")
+        t0 = time.monotonic()
+        try:
+            result = await anyio.to_thread.run_sync(
+                functools.partial(getattr(node, o.name), **args))
+        except SandboxError as e:
+            _observe(node, m, o, args, e, time.monotonic() - t0)
+            raise
+        _observe(node, m, o, args, None, time.monotonic() - t0)
+        return _answer(o, result)
+
+    endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    endpoint.__name__ = o.name
+    return endpoint
+
+
+def _answer(o: Op, result: Any) -> Response:
+    if o.returns is type(None):
+        return Response(status_code=204)
+    if o.returns is bytes:
+        return Response(result, status_code=o.status, media_type="application/octet-stream")
+    return Response(adapter(o.returns).dump_json(result), status_code=o.status,
+                    media_type="application/json")
+
+
+def _observe(node: Node, m: AgentMetrics, o: Op, args: Mapping[str, Any],
+             error: SandboxError | None, seconds: float) -> None:
+    """The agent's counts of creates and execs."""
+    if o.name == "create":
+        if error is None:
+            m.creates.labels(args["spec"].backend).inc()
+        elif not isinstance(error, _ClientGone):
+            m.refusals.labels(type(error).__name__).inc()
+    elif o.name == "exec":
+        backend: str
+        try:
+            backend = node.get(args["sandbox_id"]).spec.backend
+        except SandboxError:  # killed meanwhile
+            backend = "unknown"
+        m.exec_seconds.labels(backend).observe(seconds)
 
 
 class _ClientGone(SandboxError):
@@ -315,70 +203,43 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
-async def _create_stream(node: Node, spec: SandboxSpec, metrics: AgentMetrics
-                         ) -> AsyncIterator[bytes]:
+async def _stream(node: Node, o: Op, args: Mapping[str, Any], wanted: Mapping[str, str],
+                  m: AgentMetrics) -> AsyncIterator[bytes]:
+    """The streamed answer of `o` (runtime.api): a line per callback call
+    as it happens, then the answer or the error."""
     send, receive = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
 
     def emit(obj: dict[str, Any]) -> None:
         try:
             anyio.from_thread.run(send.send, _line(obj))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
-            raise _ClientGone("the client of this create went away") from e
+            raise _ClientGone(f"the client of this {o.name} went away") from e
+
+    def callback(param: str, wire: str) -> Callable[[Any], None]:
+        if o.callback_type(param) is bytes:
+            return lambda data: emit({wire: base64.b64encode(data).decode()})
+        return lambda value: emit({wire: value})
 
     def work() -> None:
+        kw = dict(args)
+        kw.update({p: callback(p, w) for p, w in wanted.items()})
+        t0 = time.monotonic()
         try:
-            info = node.create(spec, lambda step: emit({"step": step}))
+            result = getattr(node, o.name)(**kw)
         except SandboxError as e:
+            _observe(node, m, o, args, e, time.monotonic() - t0)
             if not isinstance(e, _ClientGone):
-                metrics.refusals.labels(type(e).__name__).inc()
                 try:
                     emit(error_body(e))
                 except _ClientGone:
                     pass
             return
-        metrics.creates.labels(spec.backend).inc()
+        _observe(node, m, o, args, None, time.monotonic() - t0)
         try:
-            emit({"sandbox": info.model_dump(mode="json")})
-        except _ClientGone:  # nobody will learn its id: do not leave it running
-            node.kill(info.id)
-
-    async def drive() -> None:
-        async with send:
-            await anyio.to_thread.run_sync(work)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(drive)
-        async with receive:
-            async for chunk in receive:
-                yield chunk
-
-
-async def _exec_stream(node: Node, sandbox_id: str, req: ExecRequest,
-                       metrics: AgentMetrics) -> AsyncIterator[bytes]:
-    send, receive = anyio.create_memory_object_stream[bytes](STREAM_BUFFER)
-
-    def line(obj: dict[str, Any]) -> bytes:
-        return json.dumps(obj).encode() + b"\n"
-
-    def sink(key: str) -> Callable[[bytes], None]:
-        def emit(data: bytes) -> None:
-            anyio.from_thread.run(send.send, line({key: base64.b64encode(data).decode()}))
-        return emit
-
-    def work() -> None:
-        t0 = time.monotonic()
-        try:
-            r = node.exec(sandbox_id, req, sink("stdout"), sink("stderr"))
-            msg = line({"result": r.model_dump(mode="json")})
-        except SandboxError as e:
-            msg = line(error_body(e))
-        backend: str
-        try:
-            backend = node.get(sandbox_id).spec.backend
-        except SandboxError:  # killed meanwhile
-            backend = "unknown"
-        metrics.exec_seconds.labels(backend).observe(time.monotonic() - t0)
-        anyio.from_thread.run(send.send, msg)
+            emit({o.result_key: adapter(o.returns).dump_python(result, mode="json")})
+        except _ClientGone:  # nobody will learn of it: do not leave it running
+            if o.undo is not None:
+                getattr(node, o.undo)(result.id)
 
     async def drive() -> None:
         async with send:

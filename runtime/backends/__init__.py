@@ -16,10 +16,11 @@ BackendState subclass (Handle.state), which the node persists as JSON.
 
 from __future__ import annotations
 
+from ..api import Sink
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable
 from ..images import Images
-from .base import Backend, BackendState, Capabilities, Handle, Sink
+from .base import Backend, BackendState, Capabilities, Handle
 
 __all__ = ["Backend", "BackendState", "Capabilities", "Handle", "Sink", "capabilities",
            "make_backend"]

@@ -8,7 +8,6 @@ mounts and cgroups and must undo all of them when create fails or kill runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from composer.snapshot import HostIds, UpperRules
 
+from ..api import Progress, Sink
 from ..files import SandboxFiles
 from ..spec import (
     ExecRequest,
@@ -29,11 +29,6 @@ from ..spec import (
     SandboxSpec,
     VmState,
 )
-
-Sink = Callable[[bytes], None]
-# what a long create is doing now, one line at a time ("building the EROFS
-# metadata of layer 1/2", "booting the guest (tcg)"): the caller's on_progress
-Progress = Callable[[str], None]
 
 OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "fork", "verify",
               "hidden", "checkpoint", "network_allowlist", "persistent", "events", "reads")

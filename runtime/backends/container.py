@@ -62,6 +62,7 @@ from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 from lazyfs.node import mount_reads
 
 from .. import cgroups, hostlimits, idmap, landlock_audit, oci, procio, spawner
+from ..api import Sink
 from ..config import RuntimeConfig
 from ..denials import DenialLog, SeccompListener, merged
 from ..errors import (
@@ -85,7 +86,7 @@ from ..spec import (
     SandboxEvent,
 )
 from . import criu, initexec, netpolicy
-from .base import BackendState, Capabilities, Handle, Sink
+from .base import BackendState, Capabilities, Handle
 
 log = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ from lazyfs.mounts import MountError, mount_image, unmount
 from lazyfs.node import NodePaths
 
 from .. import cgroups, hostlimits, landlock_audit
+from ..api import Sink
 from ..config import RuntimeConfig
 from ..denials import DenialLog, SeccompListener
 from ..errors import BackendUnavailable, Unsupported
@@ -46,7 +47,7 @@ from ..files import SandboxFiles
 from ..images import Images
 from ..native import sandbox_init
 from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxEvent, SandboxSpec
-from .base import BackendState, Capabilities, Handle, Sink
+from .base import BackendState, Capabilities, Handle
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]

@@ -62,6 +62,17 @@ class GuestFiles(SandboxFiles):
                          mtime=e.mtime_ns / 1e9)
                 for e in sorted(entries, key=lambda e: e.name)]
 
+    def stat(self, path: str) -> FileInfo:
+        """Through the listing of its directory (the guest agent has no
+        stat of its own); the root is not in one: FileError."""
+        p = _clean(path)
+        if str(p) == "/":
+            raise FileError("/: a VM's root is not in a directory listing; list('/') instead")
+        for info in self.list(str(p.parent)):
+            if info.name == _printable(p.name):
+                return info
+        raise FileError(f"{path}: No such file or directory")
+
     def remove(self, path: str, *, recursive: bool = False) -> None:
         p = _clean(path)
         if str(p) == "/":

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 from .. import cgroups
+from ..api import Sink
 from ..config import RuntimeConfig
 from ..denials import DenialLog, merged
 from ..errors import (
@@ -76,7 +77,7 @@ from ..spec import (
     VmState,
 )
 from . import netpolicy, qemuproc, snapshots
-from .base import BackendState, Handle, Sink
+from .base import BackendState, Handle
 from .guestfiles import GuestFiles
 from .qemuproc import Vm
 

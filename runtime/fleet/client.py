@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 from pydantic import ValidationError
 
+from ..api import BY_ID, OPS, OWN, Labels, Op, Progress, SandboxApi
 from ..errors import (
     BackendUnavailable,
     FleetUnavailable,
@@ -48,20 +49,7 @@ from ..errors import (
     SandboxNotFound,
     Unsupported,
 )
-from ..files import FileInfo
-from ..spec import (
-    CheckpointInfo,
-    ExecRequest,
-    ExecResult,
-    NetworkPolicy,
-    PreemptedSandbox,
-    ReadLedger,
-    SandboxEvent,
-    SandboxInfo,
-    SandboxSpec,
-    SnapshotInfo,
-    VerifyRequest,
-)
+from ..spec import PreemptedSandbox, SandboxInfo, SandboxSpec
 from .etcd import Etcd
 from .records import (
     DRAIN,
@@ -78,7 +66,6 @@ from .records import (
 from .scheduler import Index, K, Request, candidates
 
 if TYPE_CHECKING:
-    from ..backends.base import Sink
     from ..transport import Http
 
 log = logging.getLogger(__name__)
@@ -208,9 +195,11 @@ def _transport_failure(e: BackendUnavailable) -> bool:
     return isinstance(e.__cause__, httpx.TransportError)
 
 
-class Fleet:
+class Fleet(SandboxApi):
     """A Transport over the fleet of the etcd at `url` (see the module
-    docstring). `node_labels`: labels a node must carry to get creations."""
+    docstring). `node_labels`: labels a node must carry to get creations.
+    Operations declared BY_ID or EVERYWHERE (runtime.api) are forwarded by
+    that rule (made below the class); the OWN ones are here."""
 
     def __init__(self, url: str, token: str | None = None, *, k: int = K,
                  node_labels: Mapping[str, str] | None = None,
@@ -235,8 +224,7 @@ class Fleet:
         return agent_client(address, self.token)
 
     # -- create ------------------------------------------------------------------
-    def create(self, spec: SandboxSpec, progress: Callable[[str], None] | None = None
-               ) -> SandboxInfo:
+    def create(self, spec: SandboxSpec, progress: Progress | None = None) -> SandboxInfo:
         index = self.nodes.index()
         nodes = index.nodes
         refusals: list[str] = []
@@ -291,9 +279,6 @@ class Fleet:
                                f"not answer: {e.__cause__}") from e
             raise
 
-    def get(self, sandbox_id: str) -> SandboxInfo:
-        return self._on(sandbox_id, lambda a: a.get(sandbox_id))
-
     def kill(self, sandbox_id: str) -> None:
         self._on(sandbox_id, lambda a: a.kill(sandbox_id))
         self._forget_moved([sandbox_id])
@@ -309,56 +294,9 @@ class Fleet:
         except SandboxError as e:  # etcd down: the sandboxes are gone all the same
             log.warning("forwarding records of killed sandboxes stay: %s", e)
 
-    def pause(self, sandbox_id: str) -> dict[str, Any]:
-        return self._on(sandbox_id, lambda a: a.pause(sandbox_id))
-
-    def resume(self, sandbox_id: str) -> None:
-        self._on(sandbox_id, lambda a: a.resume(sandbox_id))
-
-    def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
-        return self._on(sandbox_id, lambda a: a.exec(sandbox_id, req, on_stdout, on_stderr))
-
-    def read(self, sandbox_id: str, path: str) -> bytes:
-        return self._on(sandbox_id, lambda a: a.read(sandbox_id, path))
-
-    def write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
-        self._on(sandbox_id, lambda a: a.write(sandbox_id, path, data, mode))
-
-    def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        self._on(sandbox_id, lambda a: a.remove(sandbox_id, path, recursive))
-
-    def list_files(self, sandbox_id: str, path: str) -> list[FileInfo]:
-        return self._on(sandbox_id, lambda a: a.list_files(sandbox_id, path))
-
-    def snapshot(self, sandbox_id: str, tag: str | None) -> SnapshotInfo:
-        return self._on(sandbox_id, lambda a: a.snapshot(sandbox_id, tag))
-
-    def fork(self, sandbox_id: str, n: int) -> tuple[SnapshotInfo, list[SandboxInfo]]:
-        return self._on(sandbox_id, lambda a: a.fork(sandbox_id, n))
-
-    def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
-        return self._on(sandbox_id, lambda a: a.verify(sandbox_id, req))
-
-    def checkpoint(self, sandbox_id: str, tag: str | None) -> CheckpointInfo:
-        return self._on(sandbox_id, lambda a: a.checkpoint(sandbox_id, tag))
-
-    def restore_checkpoint(self, checkpoint: str, labels: Mapping[str, str] | None
-                           ) -> SandboxInfo:
+    def restore_checkpoint(self, checkpoint: str, labels: Labels = None) -> SandboxInfo:
         raise Unsupported("a checkpoint is restored on the node that holds it: "
                           "node=<its agent's URL>, not fleet=")
-
-    def events(self, sandbox_id: str) -> list[SandboxEvent]:
-        return self._on(sandbox_id, lambda a: a.events(sandbox_id))
-
-    def reads(self, sandbox_id: str, trace: bool) -> ReadLedger:
-        return self._on(sandbox_id, lambda a: a.reads(sandbox_id, trace))
-
-    def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxInfo:
-        return self._on(sandbox_id, lambda a: a.set_network(sandbox_id, policy))
-
-    def preempt(self, sandbox_id: str) -> PreemptedSandbox:
-        return self._on(sandbox_id, lambda a: a.preempt(sandbox_id))
 
     def restore(self, sandbox_id: str) -> SandboxInfo:
         """The preempted sandbox running again under its id: on the node its
@@ -464,17 +402,7 @@ class Fleet:
             raise errors[0]
         return [x for r in results for x in r]
 
-    def list_sandboxes(self, labels: Mapping[str, str] | None) -> list[SandboxInfo]:
-        return self._everywhere(lambda a: a.list_sandboxes(labels))
-
-    def pause_many(self, labels: Mapping[str, str] | None, snapshot: bool = False
-                   ) -> list[str]:
-        return self._everywhere(lambda a: a.pause_many(labels, snapshot))
-
-    def restore_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self._everywhere(lambda a: a.restore_many(labels))
-
-    def list_preempted(self, labels: Mapping[str, str] | None) -> list[PreemptedSandbox]:
+    def list_preempted(self, labels: Labels = None) -> list[PreemptedSandbox]:
         """Every node's answer, once per sandbox (nodes sharing a cluster
         store see the same records)."""
         seen: dict[str, PreemptedSandbox] = {}
@@ -482,10 +410,7 @@ class Fleet:
             seen.setdefault(p.id, p)
         return list(seen.values())
 
-    def resume_many(self, labels: Mapping[str, str] | None) -> list[str]:
-        return self._everywhere(lambda a: a.resume_many(labels))
-
-    def kill_many(self, labels: Mapping[str, str] | None) -> list[str]:
+    def kill_many(self, labels: Labels) -> list[str]:
         killed = self._everywhere(lambda a: a.kill_many(labels))
         self._forget_moved(killed)
         return killed
@@ -555,6 +480,28 @@ class Fleet:
             if backend in n.record.backends:
                 return self.agent(n.record.address).capabilities(backend)
         raise FleetUnavailable(f"no node of the fleet {self.url} runs the {backend} backend")
+
+
+def _forwarded(o: Op) -> Callable[..., Any]:
+    """A Fleet method for an operation the declaration routes BY_ID (its
+    first parameter is the sandbox id) or EVERYWHERE (answers joined)."""
+    name = o.name
+    if o.fleet == BY_ID:
+        def method(self: Fleet, *args: Any, **kwargs: Any) -> Any:
+            sandbox_id = o.bind(args, kwargs)["sandbox_id"]
+            return self._on(sandbox_id, lambda a: getattr(a, name)(*args, **kwargs))
+    else:
+        def method(self: Fleet, *args: Any, **kwargs: Any) -> Any:
+            return self._everywhere(lambda a: getattr(a, name)(*args, **kwargs))
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = o.doc
+    method.__signature__ = o.signature  # type: ignore[attr-defined]
+    return method
+
+
+for _o in OPS.values():
+    if _o.fleet != OWN:
+        setattr(Fleet, _o.name, _forwarded(_o))
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def node_for(store: Path, d: Path, **kw: object) -> Iterator[Node]:
         try:
             yield node
         finally:
-            for info in node.sandboxes():
+            for info in node.list_sandboxes():
                 node.kill(info.id)
             node.close()  # conftest's session check finds any cgroup or mount left
 
