@@ -63,6 +63,9 @@ class RuntimeConfig:
     # config file's [daemon] section])
     daemon: Options = _FROM_SETTINGS
     max_sandboxes: int = 4096
+    # API calls the node agent answers at once; more are refused as Overloaded
+    # (the SDK retries them): runtime.agent.app.Admission
+    max_in_flight: int = 8192
     # the VM backends' node-wide cache of pmem metadata images (None:
     # LAZYFS_PMEM_CACHE or /var/cache/lazyfs/pmem)
     pmem_cache: Path | None = None

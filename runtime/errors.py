@@ -10,6 +10,9 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     │   │                      not root, agent unreachable) or failed to start
     │   ├── NodeLost           the sandbox's node left the fleet (its lease
     │   │                      expired) or does not answer
+    │   ├── Overloaded         the node agent has more calls in flight than it
+    │   │                      takes; nothing was done: retry (the SDK does, with
+    │   │                      backoff, for OVERLOAD_RETRY_S seconds)
     │   └── FleetUnavailable   etcd does not answer, or no node of the fleet
     │                          can take the sandbox
     ├── QuotaExceeded          the node refuses more sandboxes
@@ -71,6 +74,10 @@ class NodeLost(BackendUnavailable):
     pass
 
 
+class Overloaded(BackendUnavailable):
+    status = 503  # refused before the node saw the call: safe to send again
+
+
 class FleetUnavailable(BackendUnavailable):
     pass
 
@@ -126,7 +133,7 @@ class ExecStatusUnknown(ExecError):
 ERRORS: dict[str, type[SandboxError]] = {
     cls.__name__: cls for cls in (
         SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
-        BackendUnavailable, NodeLost, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
+        BackendUnavailable, NodeLost, Overloaded, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
         RestoreConflict,
         NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory,
         ExecStatusUnknown)

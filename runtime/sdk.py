@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import anyio
 import anyio.to_thread
 
-from .api import Sink
+from .api import OPS, Sink
 from .errors import InvalidSpec
 from .files import FileInfo
 from .spec import (
@@ -46,6 +46,7 @@ from .spec import (
     CheckpointInfo,
     ExecRequest,
     ExecResult,
+    Forked,
     NetworkPolicy,
     PreemptedSandbox,
     ReadLedger,
@@ -57,7 +58,7 @@ from .spec import (
     build,
     command,
 )
-from .transport import Transport, resolve
+from .transport import Http, Transport, async_agent_client, resolve
 
 if TYPE_CHECKING:
     from .node import Node
@@ -85,8 +86,34 @@ def _exec_request(cmd: str | Sequence[str], cwd: str | None, env: Mapping[str, s
                  timeout=timeout, max_output_bytes=max_output_bytes)
 
 
+def _prepare(image: str | SnapshotInfo, *, backend: Backend = "container",
+             cpu: float | None = None, memory_mb: int | None = None,
+             disk_mb: int | None = None, pids: int | None = None,
+             open_files: int | None = None, timeout: float | None = None,
+             idle_timeout: float | None = None, network: NetworkPolicy | str | None = None,
+             env: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None,
+             qos: str | None = None, workdir: str | None = None,
+             hidden: Sequence[str] | None = None, node: NodeRef = None,
+             token: str | None = None, fleet: str | None = None,
+             node_labels: Mapping[str, str] | None = None) -> tuple[Transport, SandboxSpec]:
+    """Where a create goes and what it asks (Sandbox.create's arguments)."""
+    name = image.image if isinstance(image, SnapshotInfo) else image
+    spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
+                 open_files=open_files, timeout=timeout, idle_timeout=idle_timeout,
+                 network=network, env=dict(env) if env else None,
+                 labels=dict(labels) if labels else None, qos=qos, workdir=workdir,
+                 hidden=tuple(hidden) if hidden else None)
+    t = resolve(node, token, fleet)
+    if node_labels:
+        from .fleet.client import Fleet
+        if not isinstance(t, Fleet):
+            raise InvalidSpec("node_labels= places in a fleet: give fleet= or LAZYFS_FLEET")
+        t = t.with_labels(node_labels)
+    return t, spec
+
+
 class Files:
-    """`sb.files`: read, write, list, remove, upload, download."""
+    """`sb.files`: read, write, list, stat, remove, upload, download."""
 
     def __init__(self, t: Transport, sandbox_id: str) -> None:
         self._t, self._id = t, sandbox_id
@@ -152,19 +179,12 @@ class Sandbox:
         the bearer token of a TCP agent [$LAZYFS_NODE_TOKEN]; `on_progress`
         is told each long step of the create, one line each (a first VM of an
         image: building its pmem metadata, booting), from the thread
-        that creates (an embedded node; over HTTP only that it waits)."""
-        name = image.image if isinstance(image, SnapshotInfo) else image
-        spec = _spec(name, backend, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, pids=pids,
-                     open_files=open_files, timeout=timeout, idle_timeout=idle_timeout, network=network,
-                     env=dict(env) if env else None, labels=dict(labels) if labels else None,
-                     qos=qos, workdir=workdir, hidden=tuple(hidden) if hidden else None)
-        t = resolve(node, token, fleet)
-        if node_labels:
-            from .fleet.client import Fleet
-            if not isinstance(t, Fleet):
-                from .errors import InvalidSpec
-                raise InvalidSpec("node_labels= places in a fleet: give fleet= or LAZYFS_FLEET")
-            t = t.with_labels(node_labels)
+        that creates (an embedded node) or as the agent streams them."""
+        t, spec = _prepare(image, backend=backend, cpu=cpu, memory_mb=memory_mb,
+                           disk_mb=disk_mb, pids=pids, open_files=open_files, timeout=timeout,
+                           idle_timeout=idle_timeout, network=network, env=env, labels=labels,
+                           qos=qos, workdir=workdir, hidden=hidden, node=node, token=token,
+                           fleet=fleet, node_labels=node_labels)
         return cls(t.create(spec, on_progress), t)
 
     @classmethod
@@ -343,154 +363,218 @@ async def _thread(fn: Any, *args: Any, **kw: Any) -> Any:
                                           limiter=anyio.CapacityLimiter(1))
 
 
+async def _call(t: Transport, name: str, *args: Any) -> Any:
+    """Operation `name` of runtime.api on `t`: a node agent's through its
+    AsyncHttp client in this event loop (no thread); an embedded node's or a
+    fleet's in a worker thread."""
+    if isinstance(t, Http):
+        client = await async_agent_client(t.url, t.token)
+        return await client.call(OPS[name], args, {})
+    return await _thread(getattr(t, name), *args)
+
+
+async def _resolve(node: NodeRef, token: str | None, fleet: str | None) -> Transport:
+    if isinstance(node, str) and fleet is None:
+        return resolve(node, token)  # (no I/O)
+    t: Transport = await _thread(resolve, node, token, fleet)  # may start a node
+    return t
+
+
 class AsyncFiles:
-    def __init__(self, files: Files) -> None:
-        self._f = files
+    def __init__(self, t: Transport, sandbox_id: str) -> None:
+        self._t, self._id = t, sandbox_id
 
     async def read(self, path: str) -> bytes:
-        data: bytes = await _thread(self._f.read, path)
+        data: bytes = await _call(self._t, "read", self._id, path)
         return data
 
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        await _thread(self._f.write, path, data, mode=mode)
+        await _call(self._t, "write", self._id, path,
+                    data.encode() if isinstance(data, str) else data, mode)
 
     async def list(self, path: str = "/") -> builtins.list[FileInfo]:
-        out: builtins.list[FileInfo] = await _thread(self._f.list, path)
+        out: builtins.list[FileInfo] = await _call(self._t, "list_files", self._id, path)
+        return out
+
+    async def stat(self, path: str) -> FileInfo:
+        out: FileInfo = await _call(self._t, "stat", self._id, path)
         return out
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await _thread(self._f.remove, path, recursive=recursive)
-
-    async def stat(self, path: str) -> FileInfo:
-        out: FileInfo = await _thread(self._f.stat, path)
-        return out
+        await _call(self._t, "remove", self._id, path, recursive)
 
     async def upload(self, local: str | os.PathLike[str], path: str) -> None:
-        await _thread(self._f.upload, local, path)
+        p = Path(local)
+        data: bytes = await _thread(p.read_bytes)
+        await self.write(path, data, mode=p.stat().st_mode & 0o7777)
 
     async def download(self, path: str, local: str | os.PathLike[str]) -> None:
-        await _thread(self._f.download, path, local)
+        data = await self.read(path)
+        await _thread(Path(local).write_bytes, data)
 
 
 class AsyncSandbox:
-    """The same calls as Sandbox, awaitable from asyncio or trio (blocking
-    work runs in worker threads; callbacks are called from those threads)."""
+    """The same calls as Sandbox, awaitable from asyncio or trio. To a node
+    agent they go without threads (runtime.transport.AsyncHttp: one pool of
+    connections per agent and event loop; thousands of calls in flight wait
+    for a connection, not a thread), and on_stdout / on_stderr /
+    on_progress are called in the event loop as output comes. An embedded
+    node's and a fleet's calls run in worker threads, their callbacks
+    called from those."""
 
-    def __init__(self, sync: Sandbox) -> None:
-        self.sync = sync
-        self.files = AsyncFiles(sync.files)
+    def __init__(self, info: SandboxInfo, transport: Transport) -> None:
+        self.info = info
+        self._t = transport
+        self.files = AsyncFiles(transport, info.id)
 
     @property
     def id(self) -> str:
-        return self.sync.id
+        return self.info.id
 
     @property
-    def info(self) -> SandboxInfo:
-        return self.sync.info
+    def sync(self) -> Sandbox:
+        """The same sandbox, for blocking calls."""
+        return Sandbox(self.info, self._t)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.spec.backend} {self.info.spec.image}>"
 
     @classmethod
-    async def create(cls, image: str | SnapshotInfo, **kw: Any) -> AsyncSandbox:
-        return cls(await _thread(Sandbox.create, image, **kw))
+    async def create(cls, image: str | SnapshotInfo, *,
+                     on_progress: Callable[[str], None] | None = None,
+                     **kw: Any) -> AsyncSandbox:
+        """Sandbox.create's arguments."""
+        if isinstance(kw.get("node"), str) and kw.get("fleet") is None:
+            t, spec = _prepare(image, **kw)
+        else:
+            t, spec = await _thread(_prepare, image, **kw)
+        info: SandboxInfo = await _call(t, "create", spec, on_progress)
+        return cls(info, t)
 
     @classmethod
     async def connect(cls, sandbox_id: str, *, node: NodeRef = None,
                       token: str | None = None, fleet: str | None = None) -> AsyncSandbox:
-        return cls(await _thread(Sandbox.connect, sandbox_id, node=node, token=token, fleet=fleet))
+        t = await _resolve(node, token, fleet)
+        info: SandboxInfo = await _call(t, "get", sandbox_id)
+        return cls(info, t)
 
     @classmethod
     async def list(cls, labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
                    token: str | None = None, fleet: str | None = None
                    ) -> builtins.list[AsyncSandbox]:
-        return [cls(s) for s in await _thread(Sandbox.list, labels, node=node, token=token,
-                                              fleet=fleet)]
+        t = await _resolve(node, token, fleet)
+        infos: builtins.list[SandboxInfo] = await _call(t, "list_sandboxes", labels)
+        return [cls(i, t) for i in infos]
 
     @staticmethod
     async def pause_many(labels: Mapping[str, str] | None = None, *, snapshot: bool = False,
                          node: NodeRef = None, token: str | None = None,
                          fleet: str | None = None) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.pause_many, labels, snapshot=snapshot,
-                                                node=node, token=token, fleet=fleet)
+        t = await _resolve(node, token, fleet)
+        out: builtins.list[str] = await _call(t, "pause_many", labels, snapshot)
         return out
 
     @classmethod
     async def restore(cls, what: CheckpointInfo | str, *,
                       labels: Mapping[str, str] | None = None, node: NodeRef = None,
                       token: str | None = None, fleet: str | None = None) -> AsyncSandbox:
-        return cls(await _thread(Sandbox.restore, what, labels=labels, node=node, token=token,
-                                 fleet=fleet))
+        s: Sandbox = await _thread(Sandbox.restore, what, labels=labels, node=node,
+                                   token=token, fleet=fleet)
+        return cls(s.info, s._t)
 
     @staticmethod
     async def restore_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
                            token: str | None = None) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.restore_many, labels, node=node,
-                                                token=token)
+        t = await _resolve(node, token, None)
+        out: builtins.list[str] = await _call(t, "restore_many", labels)
         return out
 
     @staticmethod
     async def resume_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                          token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.resume_many, labels, node=node,
-                                                token=token, fleet=fleet)
+                          token: str | None = None, fleet: str | None = None
+                          ) -> builtins.list[str]:
+        t = await _resolve(node, token, fleet)
+        out: builtins.list[str] = await _call(t, "resume_many", labels)
         return out
 
     @staticmethod
     async def preempted(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
                         token: str | None = None) -> builtins.list[PreemptedSandbox]:
-        out: builtins.list[PreemptedSandbox] = await _thread(Sandbox.preempted, labels,
-                                                             node=node, token=token)
+        t = await _resolve(node, token, None)
+        out: builtins.list[PreemptedSandbox] = await _call(t, "list_preempted", labels)
         return out
 
     @staticmethod
     async def kill_many(labels: Mapping[str, str] | None = None, *, node: NodeRef = None,
-                        token: str | None = None, fleet: str | None = None) -> builtins.list[str]:
-        out: builtins.list[str] = await _thread(Sandbox.kill_many, labels, node=node,
-                                                token=token, fleet=fleet)
+                        token: str | None = None, fleet: str | None = None
+                        ) -> builtins.list[str]:
+        t = await _resolve(node, token, fleet)
+        out: builtins.list[str] = await _call(t, "kill_many", labels)
         return out
 
-    async def exec(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
-        r: ExecResult = await _thread(self.sync.exec, cmd, **kw)
+    async def exec(self, cmd: str | Sequence[str], *, cwd: str | None = None,
+                   env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
+                   timeout: float = DEFAULT_EXEC_TIMEOUT,
+                   max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+                   on_stdout: Sink | None = None, on_stderr: Sink | None = None) -> ExecResult:
+        req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
+        r: ExecResult = await _call(self._t, "exec", self.id, req, on_stdout, on_stderr)
         return r
 
     async def snapshot(self, tag: str | None = None) -> SnapshotInfo:
-        out: SnapshotInfo = await _thread(self.sync.snapshot, tag)
+        out: SnapshotInfo = await _call(self._t, "snapshot", self.id, tag)
         return out
 
     async def set_network(self, policy: NetworkPolicy) -> SandboxInfo:
-        out: SandboxInfo = await _thread(self.sync.set_network, policy)
-        return out
+        self.info = await _call(self._t, "set_network", self.id, policy)
+        return self.info
 
     async def events(self) -> builtins.list[SandboxEvent]:
-        out: builtins.list[SandboxEvent] = await _thread(self.sync.events)
+        out: builtins.list[SandboxEvent] = await _call(self._t, "events", self.id)
         return out
 
     async def reads(self, trace: bool = False) -> ReadLedger:
-        out: ReadLedger = await _thread(self.sync.reads, trace)
+        out: ReadLedger = await _call(self._t, "reads", self.id, trace)
         return out
 
     async def fork(self, n: int) -> builtins.list[AsyncSandbox]:
-        return [AsyncSandbox(s) for s in await _thread(self.sync.fork, n)]
+        forked: Forked = await _call(self._t, "fork", self.id, n)
+        return [AsyncSandbox(c, self._t) for c in forked.children]
 
     async def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
-        out: CheckpointInfo = await _thread(self.sync.checkpoint, tag)
+        out: CheckpointInfo = await _call(self._t, "checkpoint", self.id, tag)
         return out
 
-    async def verify(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
-        r: ExecResult = await _thread(self.sync.verify, cmd, **kw)
+    async def verify(self, cmd: str | Sequence[str], *, cwd: str | None = None,
+                     env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
+                     timeout: float = DEFAULT_EXEC_TIMEOUT,
+                     max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+                     keep: Sequence[str] | None = None) -> ExecResult:
+        req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
+        r: ExecResult = await _call(self._t, "verify", self.id, build(
+            VerifyRequest, exec=req, keep=tuple(keep) if keep is not None else None))
         return r
 
+    async def refresh(self) -> SandboxInfo:
+        self.info = await _call(self._t, "get", self.id)
+        return self.info
+
     async def pause(self) -> dict[str, Any]:
-        out: dict[str, Any] = await _thread(self.sync.pause)
+        out: dict[str, Any] = await _call(self._t, "pause", self.id)
         return out
 
     async def resume(self) -> None:
-        await _thread(self.sync.resume)
+        await _call(self._t, "resume", self.id)
 
     async def preempt(self) -> PreemptedSandbox:
-        out: PreemptedSandbox = await _thread(self.sync.preempt)
+        out: PreemptedSandbox = await _call(self._t, "preempt", self.id)
         return out
 
     async def kill(self) -> None:
-        await _thread(self.sync.kill)
+        await _call(self._t, "kill", self.id)
 
     async def __aenter__(self) -> AsyncSandbox:
         return self

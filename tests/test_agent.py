@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,6 +159,73 @@ def test_async_sdk_over_http(agent: Agent) -> None:
             await asyncio.gather(*[b.kill() for b in boxes])
 
     assert asyncio.run(main()) == [b"0\n", b"1\n", b"2\n"]
+
+
+def test_async_sdk_keeps_a_thousand_execs_in_flight_without_threads(agent: Agent) -> None:
+    """One asyncio task group of 1,000 exec calls over 3 sandboxes: all
+    succeed, and the client never starts a thread (AsyncHttp's pool, not a
+    thread per call); output streams to on_stdout while the command runs."""
+    async def main() -> tuple[list[int], int, int, list[float], float]:
+        boxes = [await AsyncSandbox.create(IMAGE, node=agent.unix) for _ in range(3)]
+        try:
+            await boxes[0].exec("true")
+            before = threading.active_count()
+            peak = before
+            running = True
+
+            async def sample() -> None:
+                nonlocal peak
+                while running:
+                    peak = max(peak, threading.active_count())
+                    await asyncio.sleep(0.005)
+
+            sampler = asyncio.create_task(sample())
+            rs = await asyncio.gather(*[boxes[i % 3].exec(["/bin/sh", "-c", f"exit {i % 7}"])
+                                        for i in range(1000)])
+            running = False
+            await sampler
+            seen: list[float] = []
+            t0 = time.monotonic()
+            await boxes[1].exec("for i in 1 2 3; do echo $i; sleep 0.4; done",
+                                on_stdout=lambda b: seen.append(time.monotonic() - t0))
+            total = time.monotonic() - t0
+            return [r.exit_code for r in rs], before, peak, seen, total
+        finally:
+            await asyncio.gather(*[b.kill() for b in boxes])
+
+    codes, before, peak, seen, total = asyncio.run(main())
+    assert codes == [i % 7 for i in range(1000)]
+    assert peak == before, f"the client started threads: {before} -> {peak}"
+    assert len(seen) == 3 and seen[0] < total - 0.6  # the first line came while it ran
+
+
+def test_an_overloaded_agent_answers_a_typed_error_the_sdk_retries(tmp_path: Path) -> None:
+    """An agent taking 2 calls at once: a third gets 503 Overloaded at once
+    (not a dropped connection); the SDK sends such calls again, so 20 at
+    once all succeed, and the agent counts the refusals."""
+    with running_agent(tmp_path, extra=["--max-in-flight", "2"]) as a:
+        async def main() -> tuple[httpx.Response, list[bytes]]:
+            sb = await AsyncSandbox.create(IMAGE, node=a.unix)
+            try:
+                hold = [asyncio.create_task(sb.exec("sleep 2")) for _ in range(2)]
+                await asyncio.sleep(1.0)
+                async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(
+                        uds=str(a.sock))) as raw:
+                    refused = await raw.get("http://agent/v1/sandboxes")
+                await asyncio.gather(*hold)
+                rs = await asyncio.gather(*[sb.exec(f"sleep 0.2; echo {i}") for i in range(20)])
+                return refused, [r.stdout for r in rs]
+            finally:
+                await sb.kill()
+
+        refused, outs = asyncio.run(main())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "Overloaded"
+        assert outs == [f"{i}\n".encode() for i in range(20)]
+        metrics = httpx.get(f"{a.http}/metrics",
+                            headers={"authorization": f"Bearer {a.token}"}).text
+        overloaded = re.search(r"^lazyfs_agent_overloaded_total (\S+)$", metrics, re.MULTILINE)
+        assert overloaded and float(overloaded.group(1)) >= 1
 
 
 def test_agent_killed_mid_exec_then_restarted(agent: Agent) -> None:

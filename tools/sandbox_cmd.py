@@ -85,7 +85,10 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
 @click.option("--node-label", "node_labels", multiple=True, metavar="KEY=VALUE",
               help="An operator label of this node (zone, hardware), for placement.")
 @click.option("--max-sandboxes", type=int, default=None,
-              help="Sandboxes this node admits at most [4096].")
+              help=f"Sandboxes this node admits at most [{RuntimeConfig.max_sandboxes}].")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=None,
+              help="API calls answered at once; more are refused as Overloaded, which "
+                   f"the SDK retries [{RuntimeConfig.max_in_flight}].")
 @click.option("--memory-mb", type=int, default=None,
               help="Memory for sandboxes: admit sandboxes while the memory they ask for "
                    "fits in it times the QoS class's overcommit [no memory admission].")
@@ -95,8 +98,8 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
 def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
           token_file: Path | None, state: Path | None, node_root: Path | None,
           stop: bool, fleet: str | None, node_id: str | None, advertise: str | None,
-          node_labels: tuple[str, ...], max_sandboxes: int | None, memory_mb: int | None,
-          overcommit: tuple[str, ...]) -> None:
+          node_labels: tuple[str, ...], max_sandboxes: int | None, max_in_flight: int | None,
+          memory_mb: int | None, overcommit: tuple[str, ...]) -> None:
     """Run the node agent: the HTTP API that creates and drives this node's
     sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
     a restarted agent finds them again. SDK and CLI calls that name no node
@@ -107,6 +110,8 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
     extra: dict[str, Any] = {}
     if max_sandboxes is not None:
         extra["max_sandboxes"] = max_sandboxes
+    if max_in_flight is not None:
+        extra["max_in_flight"] = max_in_flight
     if memory_mb is not None:
         extra["memory_mb"] = memory_mb
     for qos, factor in _labels(overcommit, "--overcommit").items():

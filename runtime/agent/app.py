@@ -32,7 +32,7 @@ from fastapi import Body, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..api import ALWAYS, NEVER, ON_REQUEST, OPS, Op, adapter, is_labels
-from ..errors import ExecError, SandboxError
+from ..errors import ExecError, Overloaded, SandboxError
 from ..node import Node
 from .metrics import CONTENT_TYPE, AgentMetrics
 
@@ -66,10 +66,44 @@ def error_body(e: SandboxError) -> dict[str, Any]:
     return {"error": body}
 
 
+class Admission:
+    """At most `limit` calls in flight over every app of one agent (its
+    Unix socket and TCP servers): the next is answered 503 Overloaded at
+    once, before the node sees it (a typed error the SDK retries), never a
+    dropped connection. A call is in flight until its answer's last byte
+    (a streamed exec for its whole run)."""
+
+    def __init__(self, metrics: AgentMetrics, limit: int) -> None:
+        self.metrics, self.limit = metrics, limit
+        self.in_flight = 0
+
+    def wrap(self, app: Any) -> Any:
+        async def admitted(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            if self.in_flight >= self.limit:
+                self.metrics.overloaded.inc()
+                e = Overloaded(f"the node agent has {self.in_flight} calls in flight, its "
+                               f"limit: retry")
+                await JSONResponse(error_body(e), status_code=e.status,
+                                   headers={"retry-after": "1"})(scope, receive, send)
+                return
+            self.in_flight += 1
+            self.metrics.in_flight.inc()
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.in_flight -= 1
+                self.metrics.in_flight.dec()
+        return admitted
+
+
 def make_app(node: Node, token: str | None = None,
              metrics: AgentMetrics | None = None) -> FastAPI:
     """The API over `node`; `metrics`: shared by every app over the same
-    node (the agent's Unix-socket and TCP servers count into one)."""
+    node (the agent's Unix-socket and TCP servers count into one). The
+    agent serves it through an Admission (server.py)."""
     app = FastAPI(title="lazyfs node agent", version="1",
                   description="Sandboxes on this node: create, exec, files, pause, kill.")
     m = metrics or AgentMetrics(node)

@@ -14,6 +14,10 @@ GET /metrics (behind the agent's token on TCP, like every route):
                                                tampering, landlock), live
                                                and killed ones
     lazyfs_daemon_up                           1 when the node's lazyfs daemon answered
+    lazyfs_agent_calls_in_flight               API calls being answered now (a streamed
+                                               exec counts until its last line)
+    lazyfs_agent_overloaded_total              calls refused as Overloaded (more than
+                                               the agent's max_in_flight at once)
 
 followed by the node's lazyfs daemon's own metrics (lazyfs.metrics: node
 cache, touched fraction per layer and image, mounts), asked over its
@@ -86,6 +90,10 @@ class AgentMetrics:
                                 ["error"], registry=self.registry)
         self.exec_seconds = Histogram("lazyfs_exec_seconds", "Exec latency.", ["backend"],
                                       buckets=EXEC_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("lazyfs_agent_calls_in_flight",
+                               "API calls being answered now.", registry=self.registry)
+        self.overloaded = Counter("lazyfs_agent_overloaded",
+                                  "Calls refused as Overloaded.", registry=self.registry)
         self.daemon_up = Gauge("lazyfs_daemon_up",
                                "1 when the node's lazyfs daemon answered this scrape.",
                                registry=self.registry)

@@ -31,13 +31,14 @@ from ..errors import BackendUnavailable, InvalidSpec
 from ..fleet.etcd import Etcd
 from ..fleet.member import Member, Registration
 from ..node import Node
-from .app import make_app
+from .app import Admission, make_app
 from .launch import agent_socket, pid_file
 from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
-LISTEN_BACKLOG = 1024
+LISTEN_BACKLOG = 4096  # (the kernel's net.core.somaxconn caps it)
+KEEP_ALIVE_S = 75.0
 
 
 @dataclass
@@ -115,18 +116,24 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
         c.accesslog = None
         c.errorlog = logging.getLogger("hypercorn.error")
         c.graceful_timeout = 2.0
+        c.backlog = LISTEN_BACKLOG  # a client's burst of connections waits, not refused
+        # idle connections outlive the clients' own expiry (httpx: 5 s), so a
+        # client never sends a call on one the agent is closing
+        c.keep_alive_timeout = KEEP_ALIVE_S
         return c
 
     # The Unix socket is guarded by its permissions; TCP by the token: two
     # servers over one node.
     servers = []
     metrics = AgentMetrics(node)
+    admission = Admission(metrics, node.config.max_in_flight)
     if socket is not None:
         socket.parent.mkdir(parents=True, exist_ok=True)
         socket.unlink(missing_ok=True)
-        servers.append((make_app(node, metrics=metrics), config([f"unix:{socket}"])))
+        servers.append((admission.wrap(make_app(node, metrics=metrics)),
+                        config([f"unix:{socket}"])))
     if listen:
-        servers.append((make_app(node, token, metrics), config(list(listen))))
+        servers.append((admission.wrap(make_app(node, token, metrics)), config(list(listen))))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -27,8 +27,11 @@ class Agent(ServerProcess):
 
     def __init__(self, d: Path, store: Path, node_root: Path,
                  extra: Sequence[str] = (), cluster: str | None = None,
-                 log_json: bool = False, net: NodeNet | None = None) -> None:
+                 log_json: bool = False, net: NodeNet | None = None,
+                 repo: Path = REPO) -> None:
         """`extra`: more `lazyfs agent` options (e.g. --fleet, --node-id);
+        `repo`: the source tree whose `tools.cli` runs (a benchmark's
+        baseline runs an earlier commit's);
         `cluster`: the cluster store it serves images from; `log_json`: its
         log as JSON lines, at INFO (`lazyfs --log-json -v`); `net`: the
         network namespace it runs in, listening on its veth's address
@@ -42,6 +45,7 @@ class Agent(ServerProcess):
         self.cluster = cluster
         self.log_json = log_json
         self.net = net
+        self.repo = repo
         self.host = net.address if net is not None else "127.0.0.1"
 
     @property
@@ -65,7 +69,7 @@ class Agent(ServerProcess):
                "--socket", str(self.sock), "--state", str(self.d / "state"),
                "--node-root", str(self.node_root), "--listen", f"{self.host}:{self.port}",
                "--token-file", str(self.token_file), *self.extra]
-        self.spawn(self.net.wrap(cmd) if self.net is not None else cmd, cwd=REPO)
+        self.spawn(self.net.wrap(cmd) if self.net is not None else cmd, cwd=self.repo)
         self.wait_ready()
 
     def ready(self) -> bool:
@@ -84,12 +88,13 @@ class Agent(ServerProcess):
 
 
 @contextmanager
-def running_agent(d: Path) -> Iterator[Agent]:
+def running_agent(d: Path, repo: Path = REPO, extra: Sequence[str] = ()) -> Iterator[Agent]:
     """An agent over the busybox store in `d` (its own lazyfs node daemon);
-    afterwards its sandboxes are killed, whatever a killed agent left too."""
+    afterwards its sandboxes are killed, whatever a killed agent left too.
+    `repo`, `extra`: the source tree the agent runs and more options (Agent)."""
     store = busybox_store(d)
     with LazyNode(d / "lazynode", store) as lazy:
-        a = Agent(d, store, lazy.paths.root)
+        a = Agent(d, store, lazy.paths.root, repo=repo, extra=extra)
         a.start()
         try:
             yield a
