@@ -42,9 +42,9 @@ from benchmarks.report import NO_PLOT, machine_info, pyplot, quantile, save_figu
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import S3ObjectStore, open_object_store
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
+from lazyfs.node import store_catalog
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.seaweed import SeaweedFS
 
@@ -128,7 +128,7 @@ def main() -> None:
             assert isinstance(objects, S3ObjectStore)
             objects.ensure_bucket()
             with ChunkStore.open(work / "staging", create=True) as store, \
-                    Catalog(store) as cat:
+                    store_catalog(store) as cat:
                 convert(store, cat, f"dir:{minbase}", "debian:12")
                 with Cluster(objects) as cluster:
                     pushed = push(cluster, store, cat, "debian:12")

@@ -60,10 +60,10 @@ from benchmarks.report import (
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
 from composer.remote import ClusterCatalog
+from lazyfs.node import store_catalog
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.seaweed import SeaweedFS
 
@@ -89,14 +89,14 @@ class Bench:
     def run(self) -> None:
         tree = dev_tree()
         store = self.work / "store"
-        with ChunkStore.open(store, create=True) as st, Catalog(st) as cat:
+        with ChunkStore.open(store, create=True) as st, store_catalog(st) as cat:
             self.digest = convert(st, cat, f"dir:{tree}", "dev:1")
         native = self.work / "native"
         subprocess.run(["cp", "-a", f"{tree}/.", str(native)], check=True)
         with SeaweedFS(self.work / "weed") as weed:
             self.url = weed.store_url("traced", filer=self.args.reads == "filer")
             with Cluster(open_object_store(self.url)) as cluster:
-                with ChunkStore.open(store, readonly=True) as st, Catalog(st) as cat:
+                with ChunkStore.open(store, readonly=True) as st, store_catalog(st) as cat:
                     push(cluster, st, cat, "dev:1")
                 log(f"pushed dev:1 to SeaweedFS ({self.args.reads} reads)")
                 self.cluster = cluster

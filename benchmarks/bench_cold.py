@@ -111,13 +111,13 @@ from benchmarks.report import (
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store
-from composer.catalog import Catalog, ImageCatalog
+from composer.catalog import ImageCatalog
 from composer.convert import convert
 from composer.push import push
 from composer.remote import ClusterCatalog
 from lazyfs import sysmount
 from lazyfs.daemon import READ_AHEAD_KB
-from lazyfs.node import request
+from lazyfs.node import request, store_catalog
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.seaweed import SeaweedFS, weed_binary
 
@@ -319,7 +319,7 @@ class Bench:
 
     def prepare(self) -> None:
         tree = {"dev": dev_tree, "go": go_tree, "minbase": minbase_tree}[self.args.tree]()
-        with ChunkStore.open(self.store, create=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(self.store, create=True) as store, store_catalog(store) as cat:
             t0 = time.perf_counter()
             convert(store, cat, f"dir:{tree}", "dev:1")  # (the image read, whichever tree)
             log(f"converted {tree} in {time.perf_counter() - t0:.1f} s")
@@ -338,7 +338,7 @@ class Bench:
             self.prepare_go()
         if self.args.cluster:
             self.prepare_cluster()
-        with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(self.store, readonly=True) as store, store_catalog(store) as cat:
             for name, extra in (("now", []), ("python", ["--no-native-blobs"]),
                                 ("before", BEFORE),
                                 ("noattr", ["--no-attribute-opens"])):
@@ -403,7 +403,7 @@ class Bench:
         native = self.go_roots["ext4"] = self.work / "go-native"
         run(["cp", "-a", f"{go_tree()}/.", native])
         write_module(native)
-        with ChunkStore.open(self.store) as store, Catalog(store) as cat:
+        with ChunkStore.open(self.store) as store, store_catalog(store) as cat:
             convert(store, cat, f"dir:{native}", "go:1")
         argv, env = go_test_command("/tmp/gocache-check")
         p = run(["chroot", native, *argv], env=env, cwd="/")
@@ -417,7 +417,7 @@ class Bench:
         self.weed.start()
         url = self.weed.store_url("cold")
         self.cluster = Cluster(open_object_store(url))
-        with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(self.store, readonly=True) as store, store_catalog(store) as cat:
             t0 = time.perf_counter()
             push(self.cluster, store, cat, "dev:1")
             log(f"pushed dev:1 to SeaweedFS in {time.perf_counter() - t0:.1f} s")

@@ -128,9 +128,9 @@ from benchmarks.report import (
 )
 from chunkstore import TRUSTED, ChunkId, ChunkStore, StoreStats
 from composer.builder import DEFAULT_CHUNK_SIZE
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.manifest import Kind, LayerManifest
+from lazyfs.node import store_catalog
 from tests.helpers.images import gnu_tar, tar_of
 
 HERE = Path(__file__).resolve().parent
@@ -365,7 +365,7 @@ def ensure_dev_image(minbase: Path, dest: Path, build: bool) -> tuple[Path | Non
 # -- the two sides -------------------------------------------------------------------
 
 def store_convert(root: Path, ref: str, tag: str, chunk_size: int) -> str:
-    with ChunkStore.open(root) as store, Catalog(store) as cat:
+    with ChunkStore.open(root) as store, store_catalog(store) as cat:
         return convert(store, cat, ref, tag, chunk_size=chunk_size)
 
 
@@ -384,7 +384,7 @@ class LoadedImage:
 def load_images(root: Path, tags: Sequence[str]) -> dict[str, LoadedImage]:
     """Each tag's (single) layer manifest as the catalog gives it back."""
     out: dict[str, LoadedImage] = {}
-    with ChunkStore.open(root) as store, Catalog(store) as cat:
+    with ChunkStore.open(root) as store, store_catalog(store) as cat:
         stored = {c.id: c.stored_len for c in store.iter_chunks(TRUSTED)}
         for tag in tags:
             _, image = cat.resolve(tag)
@@ -477,7 +477,7 @@ class ReadCost:
 
 def read_costs(root: Path, tag: str, samples: int, seed: int) -> ReadCost:
     """Reads of `tag`'s files from a store opened read-only, warm page cache."""
-    with ChunkStore.open(root, readonly=True) as store, Catalog(store) as cat:
+    with ChunkStore.open(root, readonly=True) as store, store_catalog(store) as cat:
         _, image = cat.resolve(tag)
         m = cat.load_layer(image.layers[0])
         files = [[c.id for c in e.chunks if c.id is not None] for e in m.entries
@@ -503,7 +503,7 @@ def read_costs(root: Path, tag: str, samples: int, seed: int) -> ReadCost:
 def verify_files(root: Path, tag: str, src: Path) -> list[str]:
     """Every file of `tag` as the store gives it back, against the source tree."""
     bad: list[str] = []
-    with ChunkStore.open(root, readonly=True) as store, Catalog(store) as cat:
+    with ChunkStore.open(root, readonly=True) as store, store_catalog(store) as cat:
         _, image = cat.resolve(tag)
         m = cat.load_layer(image.layers[0])
         for e in m.entries:

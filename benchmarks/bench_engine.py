@@ -42,6 +42,7 @@ from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs.fetch import FetchEngine
 from lazyfs.layers import Layers
+from lazyfs.node import store_catalog
 from lazyfs.options import Options
 from lazyfs.trace import Tracer
 
@@ -120,9 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     try:
         tree = dev_tree()
-        with ChunkStore.open(work / "store", create=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(work / "store", create=True) as store, store_catalog(store) as cat:
             convert(store, cat, f"dir:{tree}", "dev:1")
-        with ChunkStore.open(work / "store", readonly=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(work / "store", readonly=True) as store, store_catalog(store) as cat:
             _, image = cat.resolve("dev:1")
             digest = image.layers[-1]
             manifest = cat.load_layer(digest)

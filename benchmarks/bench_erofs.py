@@ -69,7 +69,7 @@ from composer.catalog import Catalog
 from composer.convert import convert
 from lazyfs import erofsmounts, sysmount
 from lazyfs.mounts import mount_image, unmount
-from lazyfs.node import NodePaths, request
+from lazyfs.node import NodePaths, request, store_catalog
 from pmem.erofs import build_image
 
 HERE = Path(__file__).resolve().parent
@@ -136,7 +136,7 @@ class Bench:
         big.mkdir()
         with open(big / "big.bin", "wb") as f:
             f.writelines(os.urandom(MiB) for _ in range(self.args.big_mb))
-        with ChunkStore.open(self.store, create=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(self.store, create=True) as store, store_catalog(store) as cat:
             for tag, src in (("dev:1", dev), ("big:1", big),
                              *((("minbase:1", minbase),) if (minbase / "usr/bin/dpkg").exists()
                                else ())):
@@ -151,7 +151,7 @@ class Bench:
         self.bigs["ext4"] = big / "big.bin"
         run([LAZYFS, "--store", self.store, "daemon", "--root", self.paths.root, "--cache",
              self.work / "cache", "--cache-size", "8G", "--detach"])
-        with ChunkStore.open(self.store, readonly=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(self.store, readonly=True) as store, store_catalog(store) as cat:
             for view in ("kernel", "fuse"):
                 for tag, into in (("dev:1", self.roots), ("big:1", self.bigs)):
                     mp = self.work / f"{tag[:-2]}-{view}"

@@ -104,12 +104,11 @@ from benchmarks.report import (
 )
 from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
-from composer.catalog import Catalog
 from composer.compose import overlay_fixups
 from composer.remote import trace_key
 from lazyfs import erofsmounts
 from lazyfs.mounts import write_fixups
-from lazyfs.node import NodePaths, request
+from lazyfs.node import NodePaths, request, store_catalog
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -166,7 +165,7 @@ def read_file(path: Path, digest: bool = False) -> tuple[float, int, str]:
 
 def image_layers(store: Path, name: str) -> tuple[str, list[str], int]:
     """(image digest, layer digests, file data bytes) of a tagged image."""
-    with ChunkStore.open(store, readonly=True) as s, Catalog(s) as c:
+    with ChunkStore.open(store, readonly=True) as s, store_catalog(s) as c:
         digest, img = c.resolve(name)
         size = sum(c.load_layer(d).data_size for d in img.layers)
         return digest, list(img.layers), size
@@ -176,7 +175,7 @@ def strip_stored_objects(store: Path, digest: str, layers: list[str]) -> None:
     """Make the image's records what a conversion before stored objects
     wrote: no metadata image named by its layers, no composition by the
     image (the objects stay in the store, unnamed)."""
-    with (ChunkStore.open(store, readonly=True) as s, Catalog(s) as c,
+    with (ChunkStore.open(store, readonly=True) as s, store_catalog(s) as c,
           c.env.begin(write=True) as txn):
         for key, db, field_ in [*((d, c.layers, "erofs") for d in layers),
                                 (digest, c.images, "composition")]:
@@ -298,7 +297,7 @@ class Node:
         return time.perf_counter() - t0
 
     def _write_fixup_layer(self, name: str) -> None:
-        with ChunkStore.open(self.store, readonly=True) as s, Catalog(s) as c:
+        with ChunkStore.open(self.store, readonly=True) as s, store_catalog(s) as c:
             digest, img = c.resolve(name)
             entries = overlay_fixups([c.load_layer(d) for d in img.layers])
         dest = self.paths.fixups / digest_key(digest)

@@ -31,8 +31,8 @@ from typing import Any
 from benchmarks.host import drop_caches
 from benchmarks.report import machine_info, write_json
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
+from lazyfs.node import store_catalog
 from tests.helpers.lazynode import LazyNode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def main() -> None:
         with open(big_dir / "file.bin", "wb") as out:
             out.writelines(os.urandom(1 << 20) for _ in range(BIG >> 20))
         store_path = work / "store"
-        with ChunkStore.open(store_path, create=True) as store, Catalog(store) as cat:
+        with ChunkStore.open(store_path, create=True) as store, store_catalog(store) as cat:
             convert(store, cat, f"dir:{big_dir}", "big:1")
             convert(store, cat, f"dir:{MINBASE}", "minbase:1")
             big_layer = cat.resolve("big:1")[1].layers[0]

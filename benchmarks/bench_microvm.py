@@ -72,9 +72,8 @@ from typing import Any
 
 from benchmarks.report import add_run_options, apply_profile, machine_info, rotate, write_json
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
-from lazyfs.node import request
+from lazyfs.node import request, store_catalog
 from runtime import NetworkPolicy, Sandbox, cgroups
 from runtime.backends import netpolicy
 from runtime.backends.microvm import LayersOn, MicrovmBackend
@@ -167,7 +166,7 @@ def add_big_image(store: Path, d: Path) -> str:
     else:
         src, what = synthetic_tree(d / "synthetic"), "synthetic (~200 MB of random files)"
     t0 = time.monotonic()
-    with ChunkStore.open(store) as s, Catalog(s) as cat:
+    with ChunkStore.open(store) as s, store_catalog(s) as cat:
         convert(s, cat, f"dir:{src}", BIG_IMAGE)
     print(f"density image: {what}, converted in {time.monotonic() - t0:.1f}s", flush=True)
     return what

@@ -34,8 +34,8 @@ from typing import Any
 from benchmarks.host import disk_written
 from benchmarks.report import machine_info, write_json
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
+from lazyfs.node import store_catalog
 from tests.helpers.dockerd import DockerDaemon
 from tests.helpers.images import tar_of
 from tests.helpers.registry import Registry, push_image
@@ -79,14 +79,14 @@ def main() -> None:
                 store_dir = work / f"store{r}"
 
                 def lazy(store_dir: Path = store_dir) -> None:
-                    with ChunkStore.open(store_dir) as s, Catalog(s) as c:
+                    with ChunkStore.open(store_dir) as s, store_catalog(s) as c:
                         convert(s, c, f"registry://{ref}", "debian:minbase")
                 secs, wrote = _timed(lazy, work)
                 with ChunkStore.open(store_dir) as s:
                     stored = s.stats().pack_bytes
 
                 def again(store_dir: Path = store_dir) -> None:
-                    with ChunkStore.open(store_dir) as s, Catalog(s) as c:
+                    with ChunkStore.open(store_dir) as s, store_catalog(s) as c:
                         convert(s, c, f"registry://{ref}", "debian:again")
                 secs2, wrote2 = _timed(again, work)
                 rows.append({"side": "lazyfs convert", "run": r, "seconds": secs,

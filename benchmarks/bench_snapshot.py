@@ -52,9 +52,9 @@ from benchmarks.report import (
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.push import push
+from lazyfs.node import store_catalog
 from runtime import Sandbox
 from runtime.config import RuntimeConfig
 from runtime.node import Node
@@ -74,7 +74,7 @@ def _store(d: Path, base_mb: int) -> Path:
     with open(root / "data" / "base.bin", "wb") as f:
         f.writelines(os.urandom(1 << 20) for _ in range(base_mb))
     store = d / "store"
-    with ChunkStore.open(store, create=True) as s, Catalog(s) as cat:
+    with ChunkStore.open(store, create=True) as s, store_catalog(s) as cat:
         convert(s, cat, f"dir:{root}", IMAGE)
     return store
 
@@ -124,7 +124,7 @@ def cross_node(args: argparse.Namespace, res: dict[str, Any], stack: contextlib.
                d: Path) -> list[list[str]]:
     store = _store(d, args.base_mb)
     url = stack.enter_context(SeaweedFS(d / "weed")).store_url("bench")
-    with ChunkStore.open(store) as s, Catalog(s) as cat, \
+    with ChunkStore.open(store) as s, store_catalog(s) as cat, \
             Cluster(open_object_store(url)) as cluster:
         push(cluster, s, cat, IMAGE)
     a = stack.enter_context(_cluster_node(d / "a", url))

@@ -50,8 +50,8 @@ from benchmarks.report import (
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store
-from composer.catalog import Catalog
 from composer.push import push
+from lazyfs.node import store_catalog
 from runtime import Sandbox
 from tests.helpers.sandboxes import IMAGE, busybox_store
 from tests.helpers.seaweed import SeaweedFS
@@ -81,7 +81,7 @@ def main() -> None:
                                                                  dir="/var/tmp")))
         store = busybox_store(d)
         url = stack.enter_context(SeaweedFS(d / "weed")).store_url("bench")
-        with ChunkStore.open(store) as s, Catalog(s) as cat, \
+        with ChunkStore.open(store) as s, store_catalog(s) as cat, \
                 Cluster(open_object_store(url)) as cluster:
             push(cluster, s, cat, IMAGE)
         a = stack.enter_context(_cluster_node(d / "a", url))

@@ -11,6 +11,7 @@ names them).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -117,7 +118,7 @@ class ImageCatalog(Protocol):
 
     def load_layer(self, digest: str) -> LayerManifest: ...
 
-    def load_erofs_meta(self, digest: str) -> bytes | None: ...
+    def load_erofs_meta(self, digest: str, image_format: int) -> bytes | None: ...
 
     def load_composition(self, image_digest: str) -> tuple[list[str], list[Entry]] | None: ...
 
@@ -133,9 +134,19 @@ def parse_ref(name: str) -> ImageRef:
         raise ImageNotFound(name, str(e)) from None
 
 
+# A layer's EROFS metadata image and its format, built from its manifest
+# (None: EROFS cannot hold this layer): pmem.erofs.layer_meta, handed in by
+# the packages above (composer does not import pmem, which imports it).
+LayerMeta = Callable[[LayerManifest, str], tuple[int, bytes] | None]
+
+
 class Catalog:
-    def __init__(self, store: ChunkStore) -> None:
+    def __init__(self, store: ChunkStore, *, layer_meta: LayerMeta | None = None) -> None:
+        """`layer_meta`: builds the EROFS metadata image stored with each
+        layer (store_layer), so a node fetches it instead of building it;
+        None: layers are stored without one."""
         self.store = store
+        self.layer_meta = layer_meta
         path = Path(store.root) / "catalog"
         path.mkdir(exist_ok=True)
         # as durable as its store (StoreConfig.durable)
@@ -178,30 +189,27 @@ class Catalog:
 
     def _store_meta(self, manifest: LayerManifest, digest: str) -> list[ChunkId]:
         """Build the layer's EROFS metadata image (what a node's first kernel
-        mount of the layer needs: pmem.erofs) and store it as chunks, so a
-        node fetches it instead of building it; its digest goes into the
+        mount of the layer needs: self.layer_meta) and store it as chunks, so
+        a node fetches it instead of building it; its digest goes into the
         layer's record at commit. A layer EROFS cannot hold stores none."""
-        from pmem.erofs import IMAGE_FORMAT, build_image  # pmem imports composer
-        from pmem.errors import PmemError
-        try:
-            meta = build_image(manifest, layer=digest).meta
-        except PmemError:
+        built = self.layer_meta(manifest, digest) if self.layer_meta is not None else None
+        if built is None:
             return []
+        image_format, meta = built
         pieces = [meta[i:i + _MANIFEST_CHUNK] for i in range(0, len(meta), _MANIFEST_CHUNK)]
         ids = self.store.put_many(pieces, manifest.domain)
-        self._metas[digest] = {"format": IMAGE_FORMAT, "digest": str(Digest.of(meta)),
+        self._metas[digest] = {"format": image_format, "digest": str(Digest.of(meta)),
                                "chunks": [str(c) for c in ids]}
         return ids
 
-    def load_erofs_meta(self, digest: str) -> bytes | None:
+    def load_erofs_meta(self, digest: str, image_format: int) -> bytes | None:
         """The layer's stored EROFS metadata image, or None when its record
-        names none this lazyfs reads (older conversions, another format).
+        names none of `image_format` (older conversions, another format).
         Raises ManifestError when the stored bytes are not the image the
         record names (the store's contents are not trusted; the record is)."""
-        from pmem.erofs import IMAGE_FORMAT
         rec = self.layer_info(digest)
         meta = rec.get("erofs")
-        if not isinstance(meta, dict) or meta.get("format") != IMAGE_FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") != image_format:
             return None
         try:
             want = Digest.parse(str(meta["digest"]))

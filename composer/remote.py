@@ -113,7 +113,7 @@ class ClusterCatalog:
         manifest.stored_digest = digest
         return manifest
 
-    def load_erofs_meta(self, digest: str) -> bytes | None:
+    def load_erofs_meta(self, digest: str, image_format: int) -> bytes | None:
         """None: cluster layers carry no stored EROFS metadata image (yet);
         a node builds it from the manifest."""
         return None

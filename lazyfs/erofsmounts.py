@@ -61,7 +61,7 @@ from pathlib import Path
 from composer.catalog import ImageCatalog
 from composer.errors import ComposerError
 from composer.manifest import LayerManifest
-from pmem.erofs import cached_image, meta_name, write_meta
+from pmem.erofs import IMAGE_FORMAT, cached_image, meta_name, write_meta
 
 from . import sysmount
 from .blob import blob_name
@@ -137,7 +137,7 @@ def fetch_image(paths: NodePaths, catalog: ImageCatalog, digest: str) -> bool:
     image that does not match is refused (logged: the caller builds the
     image from the manifest instead), never written."""
     try:
-        meta = catalog.load_erofs_meta(digest)
+        meta = catalog.load_erofs_meta(digest, IMAGE_FORMAT)
     except ComposerError as e:
         log.warning("%s; building it from the manifest", e)
         return False

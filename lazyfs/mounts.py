@@ -47,7 +47,7 @@ from pmem.errors import PmemError
 
 from . import erofsmounts, sysmount
 from .errors import DaemonError, MountError
-from .node import NodePaths, request
+from .node import NodePaths, end_daemon, request
 from .tree import is_overlay_xattr
 
 __all__ = ["KERNEL_DEFAULT", "ComposedMount", "IdShift", "MountError", "mount_image",
@@ -554,6 +554,15 @@ def release_node(paths: NodePaths, *, lazy: bool = False,
             _reg_path(paths, Path(mountpoint)).unlink(missing_ok=True)
         erofsmounts.release_unused(paths, everything=lazy)
     return using
+
+
+def stop_daemon(paths: NodePaths, lazy: bool = False) -> None:
+    """Stop the daemon at paths: release the shared layer mounts
+    (release_node), SIGTERM it and wait for it to unmount and exit
+    (lazyfs.node.end_daemon). Without lazy, DaemonError naming the composed
+    mounts that still use it; with lazy, those are detached first."""
+    release_node(paths, lazy=lazy)  # (the daemon checks again when signalled)
+    end_daemon(paths)
 
 
 def node_of(mountpoint: Path, default: NodePaths) -> NodePaths:

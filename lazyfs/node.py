@@ -9,7 +9,7 @@ catalog it serves (the local store's, or a cluster store's).
     with open_cluster_catalog(url) as images:   # a cluster store's tags, image GC
         images.list_tags()
     request(spec.paths, {"op": "stats"})
-    stop_daemon(spec.paths)
+    lazyfs.mounts.stop_daemon(spec.paths)   # its mounts released, then it
 
 The CLI (`lazyfs daemon / mount / umount / stats / push / cluster`), the sandbox runtime and
 the tests all go through here: one way to start a daemon, one timeout to wait
@@ -53,10 +53,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["READY_TIMEOUT", "DaemonSpec", "NodePaths", "check_fuse", "default_root",
-           "ensure_daemon", "open_catalog", "open_cluster", "open_cluster_catalog",
-           "open_images", "request", "running", "serving", "start_daemon", "stop_daemon",
-           "wait_ready"]
+__all__ = [
+    "READY_TIMEOUT",
+    "DaemonSpec",
+    "NodePaths",
+    "check_fuse",
+    "default_root",
+    "end_daemon",
+    "ensure_daemon",
+    "open_catalog",
+    "open_cluster",
+    "open_cluster_catalog",
+    "open_images",
+    "request",
+    "running",
+    "serving",
+    "start_daemon",
+    "wait_ready",
+]
 
 # How long a starting daemon may take to answer (it opens the store or the
 # cluster and mounts FUSE; under a loaded test machine several seconds).
@@ -390,14 +404,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def stop_daemon(paths: NodePaths, lazy: bool = False) -> None:
-    """Stop the daemon at paths: release the shared layer mounts, SIGTERM it
-    and wait for it to unmount and exit; detach a FUSE mount a dead daemon
-    left. Without lazy, DaemonError naming the composed mounts that still
-    use it; with lazy, those are detached first (lazyfs.mounts.release_node)."""
+def end_daemon(paths: NodePaths) -> None:
+    """SIGTERM the daemon at paths and wait for it to unmount and exit;
+    detach a FUSE mount a dead daemon left. What the composed mounts hold
+    is released first by lazyfs.mounts.stop_daemon, the way to stop one."""
     from . import sysmount
-    from .mounts import release_node
-    release_node(paths, lazy=lazy)  # (the daemon checks again when signalled)
     pid = None
     try:
         pid = int(paths.pidfile.read_text())
@@ -431,9 +442,17 @@ _local: dict[Path, tuple[ChunkStore, Catalog, int]] = {}
 _local_lock = threading.Lock()
 
 
+def store_catalog(store: ChunkStore) -> Catalog:
+    """The catalog of a local store, as every writer of one opens it: each
+    layer stored with its EROFS metadata image (pmem.erofs.layer_meta), so a
+    node's first kernel mount fetches it instead of building it."""
+    from composer.catalog import Catalog
+    from pmem.erofs import layer_meta
+    return Catalog(store, layer_meta=layer_meta)
+
+
 def _acquire_local(store_path: Path) -> tuple[ChunkStore, Catalog]:
     from chunkstore import ChunkStore
-    from composer.catalog import Catalog
     key = store_path.resolve()
     with _local_lock:
         if key in _local:
@@ -445,7 +464,7 @@ def _acquire_local(store_path: Path) -> tuple[ChunkStore, Catalog]:
         # share that one), read-only elsewhere
         store = ChunkStore.open(key, readonly=not os.access(key / "index", os.W_OK))
         try:
-            cat = Catalog(store)
+            cat = store_catalog(store)
         except BaseException:
             store.close()
             raise

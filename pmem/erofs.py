@@ -64,7 +64,7 @@ from chunkstore import ChunkId
 from composer.bloblayout import BLOCK, BLOCK_BITS, HOLE, BlobLayout
 from composer.manifest import Entry, Kind, LayerManifest
 
-from .errors import LayoutError, UnrepresentableEntry
+from .errors import LayoutError, PmemError, UnrepresentableEntry
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +281,16 @@ class _Inodes:
     by_entry: dict[int, _Inode]
     epoch_s: int
     epoch_ns: int
+
+
+def layer_meta(manifest: LayerManifest, digest: str) -> tuple[int, bytes] | None:
+    """(IMAGE_FORMAT, the layer's metadata image), or None when EROFS cannot
+    hold the layer: what a catalog stores with each layer
+    (composer.catalog.Catalog's `layer_meta`)."""
+    try:
+        return IMAGE_FORMAT, build_image(manifest, layer=digest).meta
+    except PmemError:
+        return None
 
 
 def build_image(manifest: LayerManifest, *, layer: str = "",

@@ -80,7 +80,7 @@ from composer.snapshot import (
     reveal_layer,
     squash,
 )
-from lazyfs.node import open_images
+from lazyfs.node import open_images, store_catalog
 
 from .config import RuntimeConfig
 from .errors import ImageNotFound, InvalidSpec, SandboxError, Unsupported
@@ -117,7 +117,7 @@ class Stage:
         # nothing of it must survive a crash (the next node start removes it)
         self.store = ChunkStore.open(d, create=True, config=StoreConfig(durable=False))
         try:
-            self.catalog = Catalog(self.store)
+            self.catalog = store_catalog(self.store)
         except BaseException:
             self.store.close()
             raise

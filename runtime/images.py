@@ -20,7 +20,8 @@ import threading
 from chunkstore.errors import LazyfsError
 from composer.catalog import ImageCatalog
 from composer.errors import ImageNotFound as CatalogImageNotFound
-from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog, stop_daemon
+from lazyfs.mounts import stop_daemon
+from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog
 
 from .config import RuntimeConfig
 from .errors import BackendUnavailable, ImageNotFound, InvalidSpec

@@ -13,7 +13,7 @@
 The same calls reach a node agent (`node="unix:///var/lib/lazyfs-runtime/agent.sock"`
 or "http://host:port" with `token=` or $LAZYFS_NODE_TOKEN, or $LAZYFS_NODE)
 or, naming none, this machine's node: its agent when one serves the state
-directory, else the runtime embedded in this process (runtime.transport.local).
+directory, else the runtime embedded in this process (runtime.connect.resolve).
 Importing the SDK loads no node code; an embedded node is loaded when used.
 Errors are runtime.errors classes: ImageNotFound,
 SandboxNotFound, ExecTimeout / OutputTruncated / OutOfMemory (with `.result`),
@@ -36,6 +36,7 @@ import anyio
 import anyio.to_thread
 
 from .api import OPS, Sink
+from .connect import resolve
 from .errors import InvalidSpec
 from .files import FileInfo
 from .spec import (
@@ -58,7 +59,7 @@ from .spec import (
     build,
     command,
 )
-from .transport import Http, Transport, async_agent_client, resolve
+from .transport import Http, Transport, async_agent_client
 
 if TYPE_CHECKING:
     from .node import Node

@@ -2,13 +2,8 @@
 node agent over HTTP (Unix socket or TCP + bearer token). Both answer the
 same calls with the same types and raise the same runtime.errors classes.
 
-Which node (`resolve`): the `node=` argument > the `fleet=` argument >
-$LAZYFS_NODE > $LAZYFS_FLEET > `local()`. Node forms: "unix:///PATH",
-"http://HOST:PORT" (token: `token=` > $LAZYFS_NODE_TOKEN), a Node, or a
-Transport; a fleet is "etcd://HOST:PORT[,HOST:PORT...]" (runtime.fleet.client:
-placement over the nodes etcd lists, calls by id to the node the id names).
-
-`local()` is the one rule for a caller that names no node, the SDK's and the
+Which of them (a node, an agent, a fleet) a caller means is
+runtime.connect.resolve's rule. `local()` is the one rule for a caller that names no node, the SDK's and the
 CLI's alike: if an agent serves the state directory (STATE/agent.sock
 answers), talk to it; else run the node embedded in this process, unless
 what is created must outlive the process (`lazyfs sandbox create`,
@@ -54,8 +49,10 @@ if TYPE_CHECKING:
 # connection must not time out either (a rollout may run thousands at once)
 TIMEOUT = httpx.Timeout(60.0, read=None, pool=None)
 LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-# AsyncHttp's pool: calls beyond it wait for a connection in the client
-ASYNC_MAX_CONNECTIONS = 512
+# AsyncHttp's connections to one agent (calls beyond wait for one), in
+# pools of ASYNC_SHARD
+ASYNC_MAX_CONNECTIONS = 1024
+ASYNC_SHARD = 32
 # how long a call the agent refused as Overloaded is sent again (backoff up
 # to OVERLOAD_BACKOFF_MAX seconds between tries) before Overloaded reaches
 # the caller
@@ -275,29 +272,57 @@ for _o in OPS.values():
     setattr(Http, _o.name, _http_method(_o))
 
 
+class _Shard:
+    """One httpx pool of AsyncHttp and how many of its connections are taken."""
+
+    def __init__(self, url: str, token: str | None, size: int) -> None:
+        base, kw = client_args(url, token)
+        uds = kw.pop("uds", None)
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        transport = httpx.AsyncHTTPTransport(uds=uds, limits=limits) if uds else None
+        self.client = httpx.AsyncClient(base_url=base, transport=transport, timeout=TIMEOUT,
+                                        limits=limits, **kw)
+        self.size, self.taken = size, 0
+
+
 class AsyncHttp:
     """Calls a node agent from asyncio or trio without threads: the
     declaration's operations through `call` (AsyncSandbox's path to an
-    agent), over one pool of at most `max_connections` connections kept
-    alive between calls; more calls than that wait for a connection (back
-    pressure, not errors). Streamed output reaches the callbacks as it
-    comes, called in the event loop. One per agent, token and event loop
-    (`async_agent_client`); its connections close when that loop ends."""
+    agent), over at most `max_connections` connections kept alive between
+    calls; more calls than that wait for one (back pressure, not errors).
+    A streamed call (exec) holds its connection while its command runs;
+    its output reaches the callbacks as it comes, called in the event loop.
+    One per agent, token and event loop (`async_agent_client`); its
+    connections close when that loop ends.
+
+    The connections are split into pools of ASYNC_SHARD (httpx's pool scans
+    all its connections for every call it hands one: with 512 in one pool,
+    1,000 calls cost the client 3.6 s of CPU in that scan), and calls wait
+    on a semaphore here, never in httpx's queue (which costs time in the
+    number waiting at every step: 32 s of CPU for 1,000 calls queued)."""
 
     def __init__(self, url: str, token: str | None = None, *,
                  max_connections: int = ASYNC_MAX_CONNECTIONS) -> None:
-        base, kw = client_args(url, token)
-        uds = kw.pop("uds", None)
-        limits = httpx.Limits(max_connections=max_connections,
-                              max_keepalive_connections=max_connections)
-        transport = httpx.AsyncHTTPTransport(uds=uds, limits=limits) if uds else None
-        self.url = url
-        self.client = httpx.AsyncClient(base_url=base, transport=transport, timeout=TIMEOUT,
-                                        limits=limits, **kw)
-        # Calls wait here for a connection, not in httpx's pool: its queue
-        # costs time in the number waiting at every step (1,000 calls queued
-        # there spent 32 s of CPU), this one costs nothing.
+        self.url, self.token = url, token
+        self._shards: list[_Shard] = []
         self._slots = anyio.Semaphore(max_connections)
+        self._max = max_connections
+
+    def _shard(self) -> _Shard:
+        """A pool with a free connection (a new one if none has): called
+        holding a slot, so one exists or may be made."""
+        for shard in self._shards:
+            if shard.taken < shard.size:
+                return shard
+        made = sum(s.size for s in self._shards)
+        shard = _Shard(self.url, self.token, min(ASYNC_SHARD, self._max - made))
+        self._shards.append(shard)
+        return shard
+
+    async def aclose(self) -> None:
+        for shard in self._shards:
+            await shard.client.aclose()
+        self._shards = []
 
     async def call(self, o: Op, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         c = encode(o, args, kwargs)
@@ -305,21 +330,26 @@ class AsyncHttp:
         for attempt in itertools.count():
             try:
                 async with self._slots:
-                    return await self._send(c)
+                    shard = self._shard()
+                    shard.taken += 1
+                    try:
+                        return await self._send(shard.client, c)
+                    finally:
+                        shard.taken -= 1
             except Overloaded:
                 if time.monotonic() >= deadline:
                     raise
                 await anyio.sleep(_backoff(attempt))
         raise AssertionError("unreachable")
 
-    async def _send(self, c: Call) -> Any:
+    async def _send(self, client: httpx.AsyncClient, c: Call) -> Any:
         o = c.op
         try:
             if not c.streamed:
-                r = _check(await self.client.request(c.method, c.path, params=c.params,
-                                                     content=c.content, headers=c.headers))
+                r = _check(await client.request(c.method, c.path, params=c.params,
+                                                content=c.content, headers=c.headers))
                 return decode(o, r.content)
-            async with self.client.stream(c.method, c.path, params=c.params,
+            async with client.stream(c.method, c.path, params=c.params,
                                           content=c.content, headers=c.headers) as r:
                 if r.status_code >= 400:
                     await r.aread()
@@ -341,7 +371,7 @@ async def _close_with_the_loop(client: AsyncHttp) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await client.client.aclose()
+        await client.aclose()
 
 
 _async_clients: weakref.WeakKeyDictionary[Any, dict[tuple[str, str | None], tuple[
@@ -437,20 +467,3 @@ def _close_clients() -> None:
 
 
 atexit.register(_close_clients)
-
-
-def resolve(node: str | Node | Transport | None, token: str | None = None,
-            fleet: str | None = None) -> Transport:
-    """The transport for `node` or `fleet` (see the module docstring)."""
-    if node is None and fleet is None:
-        node = setting("client_node")  # (settings client.node, LAZYFS_NODE)
-        if node is None:
-            fleet = setting("client_fleet")
-    if node is None and fleet is not None:
-        from .fleet.client import fleet_client
-        return fleet_client(fleet, token or setting("client_token"))
-    if node is None:
-        return local()
-    if isinstance(node, str):
-        return agent_client(node, token)
-    return node  # a Node (it answers the API itself) or another transport

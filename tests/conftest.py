@@ -10,6 +10,7 @@ import pytest
 
 from chunkstore import ChunkStore, StoreConfig
 from composer.catalog import Catalog
+from lazyfs.node import store_catalog
 from tests.helpers.leaks import SessionWatch
 
 pytest_plugins = ("pytester",)  # test_leak_check runs sessions of its own
@@ -45,7 +46,7 @@ def store(store_path: Path) -> Iterator[ChunkStore]:
 @pytest.fixture
 def cat(store: ChunkStore) -> Iterator[Catalog]:
     """The image catalog next to `store`."""
-    c = Catalog(store)
+    c = store_catalog(store)
     try:
         yield c
     finally:

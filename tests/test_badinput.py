@@ -26,9 +26,9 @@ from chunkstore import (
     StoreReadOnly,
 )
 from chunkstore.index import Entry, Txn, chunk_key
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.errors import BadLayer
+from lazyfs.node import store_catalog
 from tests.helpers.support import flip_byte, mounted, pack_path, root_only
 
 REPO = Path(__file__).resolve().parent.parent
@@ -336,7 +336,7 @@ def test_a_failed_conversion_stops_every_write(tmp_path: Path, fault: str) -> No
     small = tmp_path / "small"
     size = "48m" if fault == "disk full" else "512m"
     with (mounted("-t", "tmpfs", "-o", f"size={size}", "tmpfs", target=small),
-          ChunkStore.open(small / "store", create=True) as s, Catalog(s) as cat):
+          ChunkStore.open(small / "store", create=True) as s, store_catalog(s) as cat):
         error = (StoreFull, "no space left") if fault == "disk full" else (BadLayer,
                                                                            "end of data")
         with pytest.raises(error[0], match=error[1]):

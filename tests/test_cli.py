@@ -221,7 +221,8 @@ def test_the_cli_and_the_runtime_read_one_configuration(tmp_path: Path,
     why = runtime_missing()
     if why:
         pytest.skip(why)
-    from lazyfs.node import NodePaths, running, serving, stop_daemon
+    from lazyfs.mounts import stop_daemon
+    from lazyfs.node import NodePaths, running, serving
     from runtime import Sandbox
     from runtime.config import RuntimeConfig
     from runtime.node import Node
@@ -293,7 +294,8 @@ def test_mount_refuses_a_non_empty_mountpoint_in_one_line(tmp_path: Path) -> Non
     line and before starting a daemon, unless --nonempty; a missing mount
     point is one line too."""
     from lazyfs import sysmount
-    from lazyfs.node import NodePaths, running, stop_daemon
+    from lazyfs.mounts import stop_daemon
+    from lazyfs.node import NodePaths, running
     from tests.helpers.sandboxes import IMAGE, busybox_store
     store = busybox_store(tmp_path)
     paths = NodePaths(tmp_path / "node")

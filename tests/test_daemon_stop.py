@@ -199,7 +199,7 @@ def test_an_embedded_node_stops_the_daemon_it_started(store: Path, tmp_path: Pat
     outlives the Node), and stopping it then is refused naming the
     sandbox's root."""
     from lazyfs.errors import DaemonError
-    from lazyfs.node import stop_daemon
+    from lazyfs.mounts import stop_daemon
     from runtime.config import RuntimeConfig
     from runtime.node import Node
     from runtime.spec import ExecRequest, SandboxSpec

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.export import export_tree
+from lazyfs.node import store_catalog
 from tests.helpers.images import chroot_run, tar_of
 from tests.helpers.treediff import diff_trees
 
@@ -49,7 +49,7 @@ def debian() -> Path:
 
 def test_debian_round_trip_is_exact_and_runs(debian: Path, tmp_path: Path) -> None:
     layer = tar_of(debian, tmp_path / "debian.tar")
-    with ChunkStore.open(tmp_path / "store") as store, Catalog(store) as cat:
+    with ChunkStore.open(tmp_path / "store") as store, store_catalog(store) as cat:
         start = time.perf_counter()
         convert(store, cat, f"tar:{layer}", "debian:bookworm")
         took = time.perf_counter() - start

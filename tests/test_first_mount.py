@@ -135,7 +135,7 @@ def test_a_converted_image_carries_them(store: ChunkStore, cat: Catalog,
     digest = convert(store, cat, f"dir:{rootfs}", "conv:1")
     _, img = cat.resolve("conv:1")
     layer = img.layers[0]
-    assert cat.load_erofs_meta(layer) == pmem.erofs.build_image(
+    assert cat.load_erofs_meta(layer, pmem.erofs.IMAGE_FORMAT) == pmem.erofs.build_image(
         cat.load_layer(layer), layer=layer).meta
     comp = cat.load_composition(digest)
     assert comp is not None and comp[0] == img.layers and comp[1][0].path == ""
@@ -164,7 +164,7 @@ def test_tampered_objects_are_refused_and_the_mount_builds_them(
     _rewrite(cat, cat.images, digest, rec)
     for d in image:
         with pytest.raises(ManifestError, match="does not match its digest"):
-            cat.load_erofs_meta(d)
+            cat.load_erofs_meta(d, pmem.erofs.IMAGE_FORMAT)
     with pytest.raises(ManifestError, match="does not match its digest"):
         cat.load_composition(digest)
     spy = _Spy(monkeypatch, cat)
@@ -200,7 +200,7 @@ def test_images_stored_before_still_mount(node: LazyNode, cat: Catalog, image: l
     del rec["composition"]
     _rewrite(cat, cat.images, digest, rec)
     assert cat.load_composition(digest) is None
-    assert all(cat.load_erofs_meta(d) is None for d in image)
+    assert all(cat.load_erofs_meta(d, pmem.erofs.IMAGE_FORMAT) is None for d in image)
     spy = _Spy(monkeypatch, cat)
     ro = node.mount(cat, "first:1", tmp_path / "ro", kernel=True)
     assert sorted(spy.built) == sorted(image)

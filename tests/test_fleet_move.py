@@ -33,8 +33,8 @@ import pytest
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store
-from composer.catalog import Catalog
 from composer.push import push
+from lazyfs.node import store_catalog
 from runtime import RestoreConflict, Sandbox, SandboxNotFound
 from runtime.errors import SandboxStateError
 from runtime.fleet.client import Fleet, read_index, read_nodes, set_draining
@@ -85,7 +85,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoveFleet]:
         sw = stack.enter_context(SeaweedFS(d / "weed", ip=net.service))
         cluster = sw.store_url("fleet")
         store_path = busybox_store(d / "build")
-        with ChunkStore.open(store_path) as store, Catalog(store) as cat, \
+        with ChunkStore.open(store_path) as store, store_catalog(store) as cat, \
                 Cluster(open_object_store(cluster)) as c:
             push(c, store, cat, IMAGE)
         etcd = stack.enter_context(EtcdServer(d / "etcd", host=net.service))

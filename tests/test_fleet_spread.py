@@ -28,8 +28,8 @@ import pytest
 from chunkstore import ChunkStore
 from chunkstore.cluster import Cluster
 from chunkstore.objects import open_object_store
-from composer.catalog import Catalog
 from composer.push import push
+from lazyfs.node import store_catalog
 from runtime import FleetUnavailable, QuotaExceeded, Sandbox
 from runtime.fleet.client import Fleet, read_nodes
 from runtime.fleet.etcd import Etcd
@@ -76,7 +76,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpreadFleet]:
         net = stack.enter_context(FleetNet(len(NODES)))  # removed last
         sw = stack.enter_context(SeaweedFS(d / "weed", ip=net.service))
         cluster = sw.store_url("spread")
-        with ChunkStore.open(busybox_store(d / "build")) as store, Catalog(store) as cat, \
+        with ChunkStore.open(busybox_store(d / "build")) as store, store_catalog(store) as cat, \
                 Cluster(open_object_store(cluster)) as c:
             push(c, store, cat, IMAGE)
         etcd = stack.enter_context(EtcdServer(d / "etcd", host=net.service))

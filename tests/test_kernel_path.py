@@ -228,7 +228,7 @@ from lazyfs.node import NodePaths
 op, store, root, mp = sys.argv[1:]
 paths = NodePaths(Path(root))
 if op == "mount":
-    with ChunkStore.open(Path(store)) as s, Catalog(s) as cat:
+    with ChunkStore.open(Path(store)) as s, store_catalog(s) as cat:
         mount_image(paths, cat, "posix:1", Path(mp), kernel=True)
 else:
     unmount(paths, Path(mp))

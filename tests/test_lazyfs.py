@@ -22,6 +22,7 @@ from chunkstore import TRUSTED, ChunkStore, StoreConfig
 from composer.catalog import Catalog, Image
 from composer.tarlayer import import_tar
 from lazyfs import sysmount
+from lazyfs.node import store_catalog
 from tests.helpers.images import (
     add_special_files,
     build_busybox_rootfs,
@@ -321,7 +322,7 @@ def test_hung_backend_gives_eio_in_bounded_time_then_recovers(
     # 1 MiB packs: the file's data lives in packs the daemon has not opened
     # yet when the image is mounted (manifests are stored last)
     with ChunkStore.open(tmp_path / "store", config=StoreConfig(pack_size=1 << 20)) as store, \
-            Catalog(store) as cat:
+            store_catalog(store) as cat:
         image = make_image(store, cat, "posix:1", [image_tars["base"], image_tars["upper"]])
         m = cat.load_layer(image[0])
         entry = next(e for e in m.entries if e.path == "posix/sizes/random_3mib")

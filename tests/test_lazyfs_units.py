@@ -14,7 +14,6 @@ import trio
 from chunkstore import ChunkStore
 from chunkstore.cache import NodeCache
 from composer.bloblayout import BLOCK
-from composer.catalog import Catalog
 from composer.compose import mount_layers, overlay_fixups
 from composer.convert import convert
 from composer.errors import ManifestError
@@ -22,6 +21,7 @@ from composer.manifest import Entry, Kind, LayerManifest
 from lazyfs.errors import FetchError
 from lazyfs.fetch import FetchEngine
 from lazyfs.layers import Layers
+from lazyfs.node import store_catalog
 from lazyfs.options import Options
 from lazyfs.trace import Tracer
 from lazyfs.tree import OPAQUE_XATTR, LayerTree
@@ -153,7 +153,7 @@ def test_the_fetch_engine_serves_a_layer_without_a_mount(tmp_path: Path) -> None
     big = rng.randbytes(700 << 10)  # three 256 KiB chunks
     (src / "big").write_bytes(big)
     (src / "small").write_bytes(b"small\n")
-    with ChunkStore.open(tmp_path / "store") as store, Catalog(store) as cat:
+    with ChunkStore.open(tmp_path / "store") as store, store_catalog(store) as cat:
         convert(store, cat, f"dir:{src}", "t:1")
         [digest] = cat.resolve("t:1")[1].layers
         manifest = cat.load_layer(digest)
@@ -225,7 +225,7 @@ def test_reads_keep_chunks_in_the_node_cache_only_from_a_remote_source(
              for i in range(12)}
     for name, data in files.items():
         (src / name).write_bytes(data)
-    with ChunkStore.open(tmp_path / "store") as store, Catalog(store) as cat:
+    with ChunkStore.open(tmp_path / "store") as store, store_catalog(store) as cat:
         convert(store, cat, f"dir:{src}", "t:1")
         [digest] = cat.resolve("t:1")[1].layers
 

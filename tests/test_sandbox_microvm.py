@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
-from lazyfs.node import request
+from lazyfs.node import request, store_catalog
 from runtime import (
     BackendUnavailable,
     ExecStatusUnknown,
@@ -78,7 +77,7 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, tup
     # page fault (1 MiB): only reading the file itself fetches its chunks
     (root / "zz" / "a-gap.bin").write_bytes(os.urandom(4 << 20))
     (root / FAULT_FILE).write_bytes(os.urandom(1 << 20))
-    with ChunkStore.open(store) as s, Catalog(s) as cat:
+    with ChunkStore.open(store) as s, store_catalog(s) as cat:
         convert(s, cat, f"dir:{root}", FAULT_IMAGE)
         m = cat.load_layer(cat.resolve(FAULT_IMAGE)[1].layers[-1])
         cid = next(e for e in m.entries if e.path == FAULT_FILE).chunks[-1].id

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
+from lazyfs.node import store_catalog
 from runtime import Sandbox, idmap
 from runtime.node import Node
 from tests.helpers.images import build_busybox_rootfs
@@ -190,7 +190,7 @@ def caps_node(tmp_path_factory: pytest.TempPathFactory, filecap: bytes) -> Itera
     os.setxattr(root / "capcat", "security.capability", CAP_V2)
     (root / "filecap").write_bytes(filecap)
     os.chmod(root / "filecap", 0o755)
-    with ChunkStore.open(d / "store", create=True) as store, Catalog(store) as cat:
+    with ChunkStore.open(d / "store", create=True) as store, store_catalog(store) as cat:
         convert(store, cat, f"dir:{root}", CAPS_IMAGE)
     with node_for(d / "store", d) as n:
         yield n

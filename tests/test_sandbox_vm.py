@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
-from lazyfs.node import request
+from lazyfs.node import request, store_catalog
 from runtime import ExecTimeout, FileError, OutOfMemory, OutputTruncated, Sandbox, Unsupported
 from runtime.backends.vm import VmBackend
 from runtime.node import Node
@@ -53,7 +52,7 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     os.symlink("../bin/busybox", with_init / "sbin" / "init")
     (with_init / "etc" / "inittab").write_bytes(INITTAB)
     store = d / "store"
-    with ChunkStore.open(store, create=True) as s, Catalog(s) as cat:
+    with ChunkStore.open(store, create=True) as s, store_catalog(s) as cat:
         convert(s, cat, f"dir:{plain}", IMAGE)
         convert(s, cat, f"dir:{with_init}", INIT_IMAGE)
     return store, d
@@ -266,7 +265,7 @@ def test_a_first_vm_fetches_what_a_container_fetches(
     for i in range(6):
         (lazy / "data" / f"unread-{i}.bin").write_bytes(os.urandom(4 << 20))
     store = tmp_path / "store"
-    with ChunkStore.open(store, create=True) as st, Catalog(st) as cat:
+    with ChunkStore.open(store, create=True) as st, store_catalog(st) as cat:
         convert(st, cat, f"dir:{lazy}", LAZY_IMAGE)
         _, image = cat.resolve(LAZY_IMAGE)
         size = sum(e.size for d in image.layers for e in cat.load_layer(d).entries)

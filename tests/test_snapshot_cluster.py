@@ -22,11 +22,11 @@ from chunkstore import ChunkId, ChunkStore
 from chunkstore.cluster import Cluster, LocTable, layer_key
 from chunkstore.ids import strong_digest
 from chunkstore.objects import open_object_store
-from composer.catalog import Catalog
 from composer.errors import ImageNotFound
 from composer.push import push
 from composer.remote import ClusterCatalog
 from composer.snapshot import UNTRUSTED
+from lazyfs.node import store_catalog
 from runtime import (
     RestoreConflict,
     Sandbox,
@@ -68,7 +68,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     store_path = busybox_store(d)
     with SeaweedFS(d / "weed") as sw:
         url = sw.store_url("snap")
-        with ChunkStore.open(store_path) as store, Catalog(store) as cat, \
+        with ChunkStore.open(store_path) as store, store_catalog(store) as cat, \
                 Cluster(open_object_store(url)) as cluster:
             push(cluster, store, cat, IMAGE)
         yield Site(d, url)

@@ -34,10 +34,10 @@ from pathlib import Path
 import pytest
 
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.manifest import Kind
 from composer.snapshot import UpperRules, pack_diff
+from lazyfs.node import store_catalog
 from runtime import Sandbox, SandboxError
 from runtime.guest import protocol
 from runtime.guest.protocol import AgentConnection, AgentError
@@ -235,7 +235,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Path]]
     (root / "etc" / "motd").write_text("image motd\n")
     (root / "workspace").mkdir()
     store = d / "store"
-    with ChunkStore.open(store, create=True) as s, Catalog(s) as cat:
+    with ChunkStore.open(store, create=True) as s, store_catalog(s) as cat:
         convert(s, cat, f"dir:{root}", TASK)
     with node_for(store, d) as n:
         n.backend("microvm").pmem_cache = d / "pmem"  # type: ignore[attr-defined]

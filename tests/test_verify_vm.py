@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
 from composer.errors import DiffError
 from composer.manifest import Kind
 from composer.snapshot import UpperRules, pack_diff
+from lazyfs.node import store_catalog
 from runtime import Sandbox, SandboxError
 from runtime.guest import disk
 from runtime.node import Node
@@ -53,7 +53,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Path]]
     (root / "task" / "README").write_text("solve it\n")
     (root / "workspace").mkdir()
     store = d / "store"
-    with ChunkStore.open(store, create=True) as s, Catalog(s) as cat:
+    with ChunkStore.open(store, create=True) as s, store_catalog(s) as cat:
         convert(s, cat, f"dir:{root}", TASK)
     with node_for(store, d) as n:
         n.backend("vm").pmem_cache = d / "pmem"  # type: ignore[attr-defined]

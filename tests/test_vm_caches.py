@@ -19,7 +19,8 @@ import pytest
 
 from chunkstore import ChunkStore
 from chunkstore.digests import digest_key
-from composer.catalog import Catalog, Image
+from composer.catalog import Image
+from lazyfs.node import store_catalog
 from runtime import Sandbox
 from runtime.backends import snapshots
 from runtime.backends.microvm import MicrovmBackend
@@ -112,7 +113,7 @@ def test_collect_removes_files_of_removed_images_and_unused_ones(tmp_path: Path)
 def _tag_vm_snapshot(store: Path, tag: str, sandbox_id: str) -> None:
     """A tagged snapshot image naming sandbox_id, as node.snapshot commits
     one (IMAGE's layers, the top one standing in for the state layer)."""
-    with ChunkStore.open(store) as s, Catalog(s) as cat:
+    with ChunkStore.open(store) as s, store_catalog(s) as cat:
         digest, image = cat.resolve(IMAGE)
         state = VmState(layer=image.layers[-1], base=digest, backend="microvm", memory_mb=256,
                         cpus=1, accel="tcg", sandbox_id=sandbox_id)

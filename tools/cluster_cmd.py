@@ -10,9 +10,8 @@ from pathlib import Path
 import click
 
 from chunkstore.objects import S3ObjectStore, open_object_store
-from composer.catalog import Catalog
 from composer.push import push as push_image
-from lazyfs.node import open_cluster, open_cluster_catalog
+from lazyfs.node import open_cluster, open_cluster_catalog, store_catalog
 from lazyfs.settings import Settings
 
 from .errors import QuietError
@@ -39,7 +38,7 @@ def push(settings: Settings, images: tuple[str, ...], progress: bool | None) -> 
     """
     from tqdm import tqdm
     with open_cluster(_url(settings)) as cluster, \
-            open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+            open_store(settings, readonly=True) as store, store_catalog(store) as catalog:
         if isinstance(cluster.objects, S3ObjectStore):
             cluster.objects.ensure_bucket()
         for name in images:

@@ -137,14 +137,14 @@ def _remove_names(settings: Settings, root_name: str) -> list[str]:
     """Remove the demo's GC root and image (and the image's layers from the
     catalog, with their roots, when no other image uses them). Returns what
     was removed, as words for the user."""
-    from composer.catalog import Catalog
     from composer.errors import ImageNotFound
+    from lazyfs.node import store_catalog
 
     removed = []
     with open_store(settings) as store:
         if store.remove_root(root_name):
             removed.append(f"GC root {root_name}")
-        with Catalog(store) as catalog:
+        with store_catalog(store) as catalog:
             try:
                 catalog.remove_tag(IMAGE)
             except ImageNotFound:
@@ -229,10 +229,9 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
     import subprocess
     import tempfile
 
-    from composer.catalog import Catalog
     from composer.convert import convert
-    from lazyfs.mounts import mount_image, unmount
-    from lazyfs.node import DaemonSpec, NodePaths, request, start_daemon, stop_daemon
+    from lazyfs.mounts import mount_image, stop_daemon, unmount
+    from lazyfs.node import DaemonSpec, NodePaths, request, start_daemon, store_catalog
 
     busybox = _busybox()
     if busybox is None:
@@ -252,7 +251,7 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
             except OSError:
                 continue
         click.echo(f"\nlazy image   busybox + {len(files):,} files under /data")
-        with open_store(settings, create=True) as store, Catalog(store) as catalog:
+        with open_store(settings, create=True) as store, store_catalog(store) as catalog:
             convert(store, catalog, f"dir:{rootfs}", IMAGE)
         paths = NodePaths(work / "node")
         try:
@@ -260,7 +259,7 @@ def _lazy_demo(settings: Settings, files: list[tuple[Path, int]], progress: bool
                                     "1G"))
             mp = work / "mnt"
             mp.mkdir()
-            with open_store(settings, readonly=True) as store, Catalog(store) as catalog:
+            with open_store(settings, readonly=True) as store, store_catalog(store) as catalog:
                 t0 = time.perf_counter()
                 mount_image(paths, catalog, IMAGE, mp)
                 mount_s = time.perf_counter() - t0

@@ -14,6 +14,7 @@ from composer.convert import convert_image
 from composer.envspec import build as build_env
 from composer.envspec import load_spec
 from composer.export import export_tree
+from lazyfs.node import store_catalog
 
 from .config import Settings
 from .options import open_store, registry_options
@@ -21,7 +22,7 @@ from .store_cmd import gc_kept_line
 
 
 def _catalog(store: ChunkStore) -> Catalog:
-    return Catalog(store)
+    return store_catalog(store)
 
 
 @click.command()

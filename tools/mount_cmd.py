@@ -11,11 +11,10 @@ from typing import Any
 
 import click
 
-from composer.catalog import Catalog
 from lazyfs import sysmount
 from lazyfs.errors import DaemonError
-from lazyfs.mounts import MountError, mount_image, node_of, unmount
-from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog, request, stop_daemon
+from lazyfs.mounts import MountError, mount_image, node_of, stop_daemon, unmount
+from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog, request, store_catalog
 from lazyfs.settings import Settings
 from lazyfs.trace import load_trace
 
@@ -62,7 +61,7 @@ def _image_name(settings: Settings, target: str) -> str:
         from composer.envspec import build as build_env
         from composer.envspec import load_spec
         spec = load_spec(Path(target))
-        with open_store(settings, create=True) as store, Catalog(store) as catalog:
+        with open_store(settings, create=True) as store, store_catalog(store) as catalog:
             build_env(store, catalog, spec, registry=registry_options())
         return spec.name
     return target

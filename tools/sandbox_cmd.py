@@ -24,8 +24,9 @@ import click
 
 from runtime import BackendUnavailable, InvalidSpec, Sandbox
 from runtime.config import RuntimeConfig
+from runtime.connect import resolve
 from runtime.spec import BACKENDS, SANDBOX_ID_PATTERN, NetworkPolicy, Qos, parse_rule
-from runtime.transport import Transport, close_embedded, local, resolve
+from runtime.transport import Transport, close_embedded, local
 
 from .config import Settings
 from .errors import QuietError

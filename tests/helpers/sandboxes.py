@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from composer.convert import convert
+from lazyfs.node import store_catalog
 from runtime.config import RuntimeConfig
 from runtime.node import Node
 
@@ -56,7 +56,7 @@ def busybox_store(d: Path) -> Path:
     (root / "data").mkdir()
     (root / "data" / "big.bin").write_bytes(os.urandom(3 << 20))
     store_path = d / "store"
-    with ChunkStore.open(store_path, create=True) as store, Catalog(store) as cat:
+    with ChunkStore.open(store_path, create=True) as store, store_catalog(store) as cat:
         convert(store, cat, f"dir:{root}", IMAGE)
     return store_path
 
@@ -87,7 +87,7 @@ def add_second_image(store_path: Path, d: Path) -> None:
     root = build_busybox_rootfs(d / "rootfs2")
     (root / "etc" / "motd").write_bytes(SECOND_MOTD)
     (root / "etc" / "image-name").write_text(f"{SECOND}\n")
-    with ChunkStore.open(store_path) as store, Catalog(store) as cat:
+    with ChunkStore.open(store_path) as store, store_catalog(store) as cat:
         convert(store, cat, f"dir:{root}", SECOND)
 
 
@@ -96,7 +96,7 @@ import sys
 from chunkstore import ChunkStore
 from composer.catalog import Catalog
 store, tag, target = sys.argv[1:]
-with ChunkStore.open(store) as s, Catalog(s) as cat:
+with ChunkStore.open(store) as s, store_catalog(s) as cat:
     if target == "-":
         cat.remove_tag(tag)
     else:
