@@ -74,13 +74,11 @@ def _audit(node: Node, on: bool) -> None:
     """The node's listener started (audit on) or stopped and audit off."""
     backend = node.backend("container")
     assert isinstance(backend, ContainerBackend)
-    if on and backend._audit is None:
-        backend._audit = landlock_audit.acquire(backend._whose)
-        assert backend._audit is not None, "the kernel's audit cannot be read here"
+    if on and backend.denials.audit is None:
+        backend.denials.start_audit()
+        assert backend.denials.audit is not None, "the kernel's audit cannot be read here"
     elif not on:
-        if backend._audit is not None:
-            landlock_audit.release(backend._whose)
-            backend._audit = None
+        backend.denials.stop_audit()
         ctl = landlock_audit._control_socket()
         try:
             landlock_audit.set_audit_enabled(ctl, False)
@@ -143,7 +141,7 @@ def _flood(node: Node, sb: Sandbox, flooder: Sandbox, probe: Sandbox, times: lis
     what became of the refusals."""
     backend = node.backend("container")
     assert isinstance(backend, ContainerBackend)
-    audit = backend._audit
+    audit = backend.denials.audit
     out: list[bytes] = []
     kmsg = _kmsg_end()
     kernel_lost0 = _kernel_lost()
@@ -212,7 +210,7 @@ def main() -> None:
         sb = stack.enter_context(Sandbox.create(IMAGE, node=node))
         backend = node.backend("container")
         assert isinstance(backend, ContainerBackend)
-        if backend._audit is None:
+        if backend.denials.audit is None:
             raise SystemExit("the kernel's audit cannot be read here: nothing to measure")
 
         log(f"container exec('true'), {n} per variant")

@@ -60,7 +60,7 @@ def _plain(node: Node) -> None:
     """This node's fncall workers load the EPERM filter (no listener)."""
     backend = node.backend("fncall")
     assert isinstance(backend, FncallBackend)
-    backend.listener = lambda: None  # type: ignore[assignment,method-assign,return-value]
+    backend.denials.listener = lambda: None  # type: ignore[assignment,method-assign,return-value]
 
 
 def main() -> None:

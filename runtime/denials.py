@@ -40,6 +40,7 @@ import array
 import ctypes
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -52,6 +53,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from . import landlock_audit
+from .errors import BackendUnavailable
 from .spec import SANDBOX_ID_PATTERN, EventKind, SandboxEvent
 
 log = logging.getLogger(__name__)
@@ -113,6 +116,102 @@ class DenialLog:
     def forget(self, sandbox_id: str) -> None:
         with self._lock:
             self._by_sandbox.pop(sandbox_id, None)
+
+
+class Denials:
+    """One backend's denials: their record (DenialLog), the node's seccomp
+    listener of its sandboxes (started with the first), and Landlock's audit
+    records (runtime/landlock_audit.py) routed to the live sandbox each
+    names. The container and fncall backends have one each; they differ in
+    where the listener listens (`path`: the unix socket runc hands each
+    container's notification descriptor to; None: socket pairs, one per
+    fncall worker, through `listener().feed`) and in how a record's host
+    uid and pid name a sandbox (`whose`: its id, or None when they cannot
+    tell). A refusal of a sandbox is recorded from `watch(id)` until
+    `forget(id)`."""
+
+    def __init__(self, whose: Callable[[int, int | None], str | None],
+                 path: Path | None = None) -> None:
+        self.log = DenialLog()
+        self._whose, self._path = whose, path
+        self._lock = threading.Lock()
+        self._listener: SeccompListener | None = None
+        self._audit: landlock_audit.AuditListener | None = None
+        self._auditing = False
+        self._live: set[str] = set()
+
+    def listener(self) -> SeccompListener:
+        """The node's end of the sandboxes' seccomp notifications."""
+        with self._lock:
+            if self._listener is None:
+                if self._path is not None and len(os.fsencode(self._path)) >= 100:
+                    raise BackendUnavailable("the state directory's path is too long for a "
+                                             f"unix socket: {self._path}")
+                self._listener = SeccompListener(self._path, self.log)
+                self._start_audit()
+            return self._listener
+
+    def _start_audit(self) -> None:  # (under self._lock)
+        if not self._auditing:
+            self._auditing = True
+            self._audit = landlock_audit.acquire(self._sink)
+
+    @property
+    def audit(self) -> landlock_audit.AuditListener | None:
+        """The audit reader this backend's refusals come through (None: not
+        started, or the kernel's audit cannot be read here)."""
+        return self._audit
+
+    def start_audit(self) -> None:
+        with self._lock:
+            self._start_audit()
+
+    def stop_audit(self) -> None:
+        """Leave the audit reader (the last one out stops it)."""
+        with self._lock:
+            auditing, self._auditing, self._audit = self._auditing, False, None
+        if auditing:  # not under the lock: the audit thread may want it
+            landlock_audit.release(self._sink)
+
+    def watch(self, sandbox_id: str) -> None:
+        """Record the sandbox's refusals from now on (its create, or a node
+        that adopts it running: Node.recover)."""
+        with self._lock:
+            self._live.add(sandbox_id)
+            self._start_audit()
+
+    def record(self, sandbox_id: str, kind: EventKind, detail: str, n: int = 1) -> None:
+        self.log.record(sandbox_id, kind, detail, n)
+
+    def events(self, sandbox_id: str) -> list[SandboxEvent]:
+        return self.log.events(sandbox_id)
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox is gone: its record goes, and nothing more is recorded."""
+        with self._lock:
+            self._live.discard(sandbox_id)
+            listener = self._listener
+        self.log.forget(sandbox_id)
+        if listener is not None:
+            listener.forget(sandbox_id)
+
+    def _sink(self, uid: int, pid: int | None) -> landlock_audit.Sink | None:
+        sandbox_id = self._whose(uid, pid if pid is not None and pid > 0 else None)
+        return None if sandbox_id is None else functools.partial(self._landlock, sandbox_id)
+
+    def _landlock(self, sandbox_id: str, kind: str, detail: str) -> None:
+        """A Landlock refusal of the sandbox, unless it was killed since."""
+        with self._lock:
+            if sandbox_id not in self._live:
+                return
+        self.log.record(sandbox_id, kind, detail)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        self.stop_audit()
 
 
 def merged(recorded: list[SandboxEvent], counted: dict[tuple[EventKind, str], int]

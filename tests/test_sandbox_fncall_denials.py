@@ -139,7 +139,7 @@ def test_denied_calls_stay_refused_without_the_listener(tmp_path: Path, hog: byt
             Sandbox.create(IMAGE, backend="fncall", node=node) as s:
         backend = node.backend("fncall")
         assert isinstance(backend, FncallBackend)
-        backend.listener().close()
+        backend.denials.listener().close()
         r = s.exec(RUN_HOG + "calls", stdin=hog, timeout=30)
         assert r.exit_code == 0 and r.stdout.endswith(b"alive\n"), r
         assert _calls(r.stdout) == {**dict.fromkeys(DENIED, ENOSYS), "fds": 0}, r

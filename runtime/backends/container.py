@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import json
 import logging
 import os
@@ -61,10 +60,10 @@ from lazyfs.errors import DaemonError
 from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 from lazyfs.node import mount_reads
 
-from .. import cgroups, hostlimits, idmap, landlock_audit, oci, procio, spawner
+from .. import cgroups, hostlimits, idmap, oci, procio, spawner
 from ..api import Sink
 from ..config import RuntimeConfig
-from ..denials import DenialLog, SeccompListener, merged
+from ..denials import Denials, merged
 from ..errors import (
     BackendUnavailable,
     NotCheckpointable,
@@ -193,10 +192,7 @@ class ContainerBackend:
         self.images = images
         self.runc = shutil.which("runc")
         self._init: Path | None = None
-        self.denials = DenialLog()
-        self._listener: SeccompListener | None = None
-        self._listener_lock = threading.Lock()
-        self._audit: landlock_audit.AuditListener | None = None
+        self.denials = Denials(self._whose, config.state_dir / SECCOMP_SOCKET)
         self._live: set[str] = set()  # running containers, and the host id ranges they use
         self._by_base: dict[int, set[str]] = {}
         self._ids_lock = threading.Lock()
@@ -218,22 +214,9 @@ class ContainerBackend:
     def _seccomp_listener(self) -> Path:
         """The node's end of the sandboxes' seccomp notifications, started
         with the first container."""
-        with self._listener_lock:
-            if self._listener is None:
-                path = self.config.state_dir / SECCOMP_SOCKET
-                if len(os.fsencode(path)) >= 100:
-                    raise BackendUnavailable(f"the state directory's path is too long for a "
-                                             f"unix socket: {path}")
-                self._listener = SeccompListener(path, self.denials)
-                self._read_landlock_audit()
-            assert self._listener.path is not None
-            return self._listener.path
-
-    def _read_landlock_audit(self) -> None:
-        """The node's reader of Landlock's audit records (under
-        _listener_lock), started with the first container."""
-        if self._audit is None:
-            self._audit = landlock_audit.acquire(self._whose)
+        path = self.denials.listener().path
+        assert path is not None
+        return path
 
     def adopt(self, h: Container) -> None:
         """A sandbox a previous node process left running (Node.recover):
@@ -242,29 +225,19 @@ class ContainerBackend:
             self._live.add(h.id)
             if h.state.id_base is not None:
                 self._by_base.setdefault(h.state.id_base, set()).add(h.id)
-        with self._listener_lock:
-            self._read_landlock_audit()
+        self.denials.watch(h.id)
 
-    def _landlock_event(self, sandbox_id: str, kind: str, detail: str) -> None:
-        """A Landlock refusal of the sandbox, unless it was killed since."""
-        with self._ids_lock:
-            if sandbox_id not in self._live:
-                return
-        self.denials.record(sandbox_id, kind, detail)  # type: ignore[arg-type]
-
-    def _whose(self, uid: int, pid: int | None) -> landlock_audit.Sink | None:
+    def _whose(self, uid: int, pid: int | None) -> str | None:
         """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
         the one whose host id range holds `uid`, or (no user namespaces, or
         a range restores share) the one whose cgroup process `pid` is in."""
-        if pid is None or pid <= 0:
-            pid = None
-        with self._listener_lock:
+        with self._ids_lock:
             ids: set[str] = set()
             if uid >= idmap.FIRST:
                 ids = set(self._by_base.get(
                     idmap.FIRST + (uid - idmap.FIRST) // idmap.RANGE * idmap.RANGE, ()))
                 if len(ids) == 1:
-                    return functools.partial(self._landlock_event, ids.pop())
+                    return ids.pop()
         if pid is None:
             return None
         try:
@@ -272,9 +245,9 @@ class ContainerBackend:
         except OSError:
             return None  # gone: the uid alone could not tell
         found = {m.group(1) for m in _CGROUP_LINE.finditer(text)}
-        with self._listener_lock:  # (a lookup per cgroup named, no copy of the live set)
+        with self._ids_lock:  # (a lookup per cgroup named, no copy of the live set)
             found = {f for f in found if f in (ids or self._live)}
-        return functools.partial(self._landlock_event, found.pop()) if len(found) == 1 else None
+        return found.pop() if len(found) == 1 else None
 
     def _runc(self, *args: str, timeout: float = RUNC_TIMEOUT, check: bool = True
               ) -> subprocess.CompletedProcess[str]:
@@ -378,6 +351,7 @@ class ContainerBackend:
         st.rootfs, st.rw = rootfs, rw
         with self._ids_lock:
             self._live.add(h.id)
+        self.denials.watch(h.id)
         try:
             ids = self._id_range(h)
             sysmount.mount("tmpfs", rw, "tmpfs", sysmount.MS_NOSUID,
@@ -446,8 +420,6 @@ class ContainerBackend:
             rootfs.rmdir()
         netpolicy.remove_all(h.id, h.state.net_slot)
         self.denials.forget(h.id)
-        if self._listener is not None:
-            self._listener.forget(h.id)
         ids = h.state.id_range()
         with self._ids_lock:
             self._live.discard(h.id)
@@ -529,13 +501,7 @@ class ContainerBackend:
         self.ranges.close()
         self.groups.drain()
         self.spawner.close()
-        with self._listener_lock:
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
-            audit, self._audit = self._audit, None
-        if audit is not None:  # not under the lock: the listener's thread may want it
-            landlock_audit.release(self._whose)
+        self.denials.close()
 
     # -- network -------------------------------------------------------------
     def set_network(self, h: Container, policy: NetworkPolicy) -> None:

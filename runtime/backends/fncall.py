@@ -17,7 +17,6 @@ in cluster mode).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -38,10 +37,10 @@ from lazyfs import sysmount
 from lazyfs.mounts import MountError, mount_image, unmount
 from lazyfs.node import NodePaths
 
-from .. import cgroups, hostlimits, landlock_audit
+from .. import cgroups, hostlimits
 from ..api import Sink
 from ..config import RuntimeConfig
-from ..denials import DenialLog, SeccompListener
+from ..denials import Denials, SeccompListener
 from ..errors import BackendUnavailable, Unsupported
 from ..files import SandboxFiles
 from ..images import Images
@@ -149,7 +148,7 @@ class Worker:
 
     def call(self, sandbox_id: str, req: ExecRequest, spec: SandboxSpec, uid: int,
              on_stdout: Sink | None, on_stderr: Sink | None,
-             denials: DenialLog | None = None) -> ExecResult:
+             denials: Denials | None = None) -> ExecResult:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(msgpack.packb({
@@ -231,7 +230,7 @@ class Pool:
         name = (f"{backend.prefix}-p{os.getpid()}-{Digest.parse(self.digest).hex[:12]}"
                 f"-{self._serial}")
         return Worker(self.rootfs, backend.init(), SCRATCH_MB, self.dir / "workers.log", name,
-                      backend.listener())
+                      backend.denials.listener())
 
     def _spawn(self, backend: FncallBackend) -> None:
         w = self._worker(backend)
@@ -351,9 +350,7 @@ class FncallBackend:
         self._lock = threading.Lock()
         self._init: Path | None = None
         self.prefix = cgroup_prefix(config)
-        self.denials = DenialLog()
-        self._listener: SeccompListener | None = None
-        self._audit: landlock_audit.AuditListener | None = None
+        self.denials = Denials(self._whose)
         self._by_uid: dict[int, set[str]] = {}  # live sandboxes by the uid their calls run as
         self._uid_lock = threading.Lock()
 
@@ -362,22 +359,7 @@ class FncallBackend:
             self._init = sandbox_init(self.config.bin_dir)
         return self._init
 
-    def listener(self) -> SeccompListener:
-        """The node's end of the calls' seccomp notifications (no socket
-        path: workers get a socket pair each), started with the first pool."""
-        if self._listener is None:  # under self._lock (pools are made there)
-            self._listener = SeccompListener(None, self.denials)
-            self._audit = landlock_audit.acquire(self._whose)
-        return self._listener
-
-    def _landlock_event(self, sandbox_id: str, kind: str, detail: str) -> None:
-        """A Landlock refusal of the sandbox, unless it was killed since."""
-        with self._uid_lock:
-            if sandbox_id not in self._by_uid.get(hostlimits.fncall_uid(sandbox_id), ()):
-                return
-        self.denials.record(sandbox_id, kind, detail)  # type: ignore[arg-type]
-
-    def _whose(self, uid: int, pid: int | None) -> landlock_audit.Sink | None:
+    def _whose(self, uid: int, pid: int | None) -> str | None:
         """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
         the one live sandbox whose calls run as `uid` (the domain's creator,
         sandbox-init, takes the call's uid before it makes the domain). Two
@@ -385,8 +367,7 @@ class FncallBackend:
         not recorded."""
         with self._uid_lock:
             ids = self._by_uid.get(uid, set())
-            return functools.partial(self._landlock_event, next(iter(ids))) \
-                if len(ids) == 1 else None
+            return next(iter(ids)) if len(ids) == 1 else None
 
     def _pool(self, image: ResolvedImage) -> Pool:
         """The pool of the image's digest; made (mounting by digest) the
@@ -402,6 +383,7 @@ class FncallBackend:
         self._pool(h.image)
         with self._uid_lock:
             self._by_uid.setdefault(hostlimits.fncall_uid(h.id), set()).add(h.id)
+        self.denials.watch(h.id)
 
     def exec(self, h: Fncall, req: ExecRequest, on_stdout: Sink | None,
              on_stderr: Sink | None) -> ExecResult:
@@ -433,8 +415,6 @@ class FncallBackend:
             if not self._by_uid.get(uid, True):
                 del self._by_uid[uid]
         self.denials.forget(h.id)
-        if self._listener is not None:
-            self._listener.forget(h.id)
 
     def status(self, h: Fncall) -> str:
         return "running" if self._pools else "stopped"
@@ -444,9 +424,4 @@ class FncallBackend:
             for p in self._pools.values():
                 p.close()
             self._pools.clear()
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
-            audit, self._audit = self._audit, None
-        if audit is not None:  # not under the lock: the listener's thread may want it
-            landlock_audit.release(self._whose)
+        self.denials.close()
