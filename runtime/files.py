@@ -11,6 +11,7 @@ link that makes the host read or write its own files. Writes are atomic
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import stat
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import PurePosixPath
 from pydantic import BaseModel
 
 from .errors import FileError
+
+log = logging.getLogger(__name__)
 
 SYS_OPENAT2 = 437
 RESOLVE_NO_XDEV = 0x01
@@ -86,6 +89,14 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise OSError(f"cannot remove {os.fspath(path)}: {p.stderr.strip()[-300:]}")
+
+
+def remove_dir(path: str | os.PathLike[str]) -> None:
+    """remove_tree, a failure logged, not raised (a cleanup that must go on)."""
+    try:
+        remove_tree(path)
+    except OSError as e:
+        log.warning("%s", e)
 
 
 def _error(e: OSError, path: str) -> FileError:

@@ -222,9 +222,8 @@ _MOUNTER = """
 import sys
 from pathlib import Path
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
 from lazyfs.mounts import mount_image, unmount
-from lazyfs.node import NodePaths
+from lazyfs.node import NodePaths, store_catalog
 op, store, root, mp = sys.argv[1:]
 paths = NodePaths(Path(root))
 if op == "mount":

@@ -307,7 +307,7 @@ def test_timeouts_reap_sandboxes(node: Node) -> None:
     try:
         time.sleep(0.7)  # the test: the 0.5 s timeouts expire
         busy.exec("true")
-        reaped = node.reap()
+        reaped = node.reaper.reap()
         assert short.id in reaped and idle.id in reaped and busy.id not in reaped
         with pytest.raises(SandboxNotFound):
             short.exec("true")

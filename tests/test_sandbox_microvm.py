@@ -306,7 +306,7 @@ def test_vmm_killed_from_outside_is_reaped(node: Node) -> None:
     vmdir = _vm_dir(node, s.id)
     try:
         os.kill(node._get(s.id)[1].state.pid, signal.SIGKILL)
-        wait_until(lambda: s.id in node.reap(), 10, "the reaper finding the dead VMM")
+        wait_until(lambda: s.id in node.reaper.reap(), 10, "the reaper finding the dead VMM")
         with pytest.raises(SandboxNotFound):
             s.exec("true")
     finally:

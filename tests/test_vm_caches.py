@@ -91,21 +91,21 @@ def test_collect_removes_files_of_removed_images_and_unused_ones(tmp_path: Path)
         key = digest_key(node.images.resolve(IMAGE))
         stale = pmem / f"fixups-{key}-000000000000.meta.pmem"
         stale.write_bytes(b"old layout")
-        assert node.collect_vm_caches() == [stale]
+        assert node.recovery.collect_vm_caches() == [stale]
         sb = Sandbox.create(SECOND, backend="container", node=node)
         try:
             retag(store, SECOND, None)
-            assert node.collect_vm_caches() == []  # a live sandbox still uses SECOND
+            assert node.recovery.collect_vm_caches() == []  # a live sandbox still uses SECOND
         finally:
             sb.kill()
-        removed = node.collect_vm_caches()
+        removed = node.recovery.collect_vm_caches()
         assert sorted(removed) == sorted(second)
         assert all(f.exists() for f in first) and not any(f.exists() for f in second)
         # by age: IMAGE is still tagged, but nobody used its files for a day
         day_ago = time.time() - 86400
         for f in first:
             os.utime(f, (day_ago, day_ago))
-        assert sorted(node.collect_vm_caches(max_age=3600)) == sorted(first)
+        assert sorted(node.recovery.collect_vm_caches(max_age=3600)) == sorted(first)
         # they are made again when a sandbox needs them
         assert all(f.exists() for f in _files(node, IMAGE))
 
@@ -163,7 +163,7 @@ def test_collect_removes_snapshots_no_sandbox_can_resume(
                 os.utime(p, (two_hours_ago, two_hours_ago))
 
             def collected(max_age: float | None = None) -> set[Path]:
-                return {p for p in node.collect_vm_caches(max_age) if p.parent == shared}
+                return {p for p in node.recovery.collect_vm_caches(max_age) if p.parent == shared}
             assert collected() == {dead, orphan, cut_short}
             assert all(d.exists() for d in (live, elsewhere, kept_by_image, legacy, packing))
             # by age: only what no sandbox (here or on the other node) may need

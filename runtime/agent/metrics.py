@@ -62,7 +62,7 @@ class _NodeCollector(Collector):
         yield g
         asked = GaugeMetricFamily("lazyfs_sandbox_memory_asked_mb",
                                   "Memory asked by the node's sandboxes (MB).", labels=["qos"])
-        for qos, mb in sorted(self.node.asked().items()):
+        for qos, mb in sorted(self.node.admission.asked().items()):
             asked.add_metric([qos.value], mb)
         yield asked
         memory, cpu_ns = cgroups.usage([i.id for i, _ in census])

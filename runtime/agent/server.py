@@ -99,7 +99,7 @@ async def _reaper(node: Node) -> None:
     while True:
         await trio.sleep(node.config.reap_interval)
         try:
-            await trio.to_thread.run_sync(node.reap)
+            await trio.to_thread.run_sync(node.reaper.reap)
         except Exception:
             log.exception("reaping sandboxes failed")
 

@@ -153,7 +153,7 @@ class Member:
             self.sample()
         census = self.node.census()
         memory, cpu_used = self._memory, self.cpu.value
-        asked = self.node.asked()
+        asked = self.node.admission.asked()
         config = self.node.config
         load = Load(sandboxes=len(census),
                     by_backend=dict(Counter(i.spec.backend for i, _ in census)),
@@ -165,7 +165,7 @@ class Member:
         return NodeRecord(
             node_id=self.reg.node_id, address=self.reg.address, backends=self.reg.backends,
             capacity=Capacity(
-                cores=self.reg.cores, memory_mb=self.node.memory_capacity_mb(),
+                cores=self.reg.cores, memory_mb=self.node.admission.memory_capacity_mb(),
                 disk_mb=self.reg.disk_mb, max_sandboxes=config.max_sandboxes,
                 overcommit={} if config.memory_mb is None else {
                     "latency": config.overcommit_latency,
@@ -178,7 +178,7 @@ class Member:
         """What must reach etcd soon when it changes (usage figures wait
         for max_interval); cheap: no cgroup is read for it."""
         census = self.node.census()
-        return (len(census), tuple(sorted(self.node.asked().values())),
+        return (len(census), tuple(sorted(self.node.admission.asked().values())),
                 frozenset(image.digest for _, image in census))
 
     # -- the loop --------------------------------------------------------------

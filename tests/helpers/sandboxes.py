@@ -94,7 +94,7 @@ def add_second_image(store_path: Path, d: Path) -> None:
 _RETAG = """
 import sys
 from chunkstore import ChunkStore
-from composer.catalog import Catalog
+from lazyfs.node import store_catalog
 store, tag, target = sys.argv[1:]
 with ChunkStore.open(store) as s, store_catalog(s) as cat:
     if target == "-":
