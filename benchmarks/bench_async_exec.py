@@ -16,7 +16,7 @@ them and puts N `exec(["/bin/sh", "-c", "true"])` calls in flight at once
             call in a thread of its own, and whose agent listened with
             hypercorn's default backlog), its files taken with `git archive`
             into a temporary directory: its SDK against its agent
-    after   this checkout: runtime.transport.AsyncHttp (no threads, one pool
+    after   this checkout: runtime.client.transport.AsyncHttp (no threads, one pool
             of connections) against this agent (a backlog of 4096, Overloaded
             past its calls in flight)
 

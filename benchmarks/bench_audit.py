@@ -1,4 +1,4 @@
-"""What recording Landlock denials costs (runtime/landlock_audit.py: the
+"""What recording Landlock denials costs (runtime/isolation/landlock_audit.py: the
 kernel's audit on, the node's listener reading it), and what a sandbox
 flooding Landlock denials does to a neighbour, in one run.
 
@@ -51,8 +51,9 @@ from benchmarks.report import (
     table,
     write_json,
 )
-from runtime import Sandbox, landlock_audit
+from runtime import Sandbox
 from runtime.backends.container import ContainerBackend
+from runtime.isolation import landlock_audit
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for
 

@@ -3,7 +3,7 @@ calls does to a neighbour, in one run.
 
 call      exec("true") in an fncall sandbox, N times, alternating between a
           node whose fncall calls get a notifying filter (the default: the
-          call's listener goes to the node, runtime/denials.py) and one whose
+          call's listener goes to the node, runtime/isolation/denials.py) and one whose
           workers load the plain EPERM filter (the listener switched off in
           this benchmark only)
 flood     a neighbour's exec("true") latency, N times, on a quiet node and

@@ -10,7 +10,7 @@ upper     the per-sandbox setup + teardown of each way to bound a writable
                          formats); its setup is two syscalls where it exists
 create    Node.create + exec("true") + kill of a container sandbox, N times,
           alternating between a node with a user namespace per sandbox (the
-          default: its ids mapped to a host range of its own, runtime/idmap.py,
+          default: its ids mapped to a host range of its own, runtime/isolation/idmap.py,
           the image's lowers idmapped; inotify budgets written into it by
           nsenter) and one without (RuntimeConfig(user_namespaces=False));
           both have the default tmpfs upper. The budget write and the user
@@ -47,7 +47,8 @@ from benchmarks.report import (
     write_json,
 )
 from lazyfs import sysmount
-from runtime import Sandbox, hostlimits, idmap
+from runtime import Sandbox
+from runtime.isolation import hostlimits, idmap
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for
 
 QUICK = {"samples": 10}

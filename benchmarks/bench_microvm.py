@@ -74,11 +74,12 @@ from benchmarks.report import add_run_options, apply_profile, machine_info, rota
 from chunkstore import ChunkStore
 from composer.convert import convert
 from lazyfs.node import request, store_catalog
-from runtime import NetworkPolicy, Sandbox, cgroups
+from runtime import NetworkPolicy, Sandbox
 from runtime.backends import netpolicy
 from runtime.backends.microvm import LayersOn, MicrovmBackend
 from runtime.backends.qemuproc import vmm_pss
 from runtime.backends.vm import VmBackend
+from runtime.isolation import cgroups
 from runtime.node import Node
 from runtime.spec import Backend
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for

@@ -39,7 +39,8 @@ from benchmarks.report import (
     table,
     write_json,
 )
-from runtime import Sandbox, cgroups
+from runtime import Sandbox
+from runtime.isolation import cgroups
 from tests.helpers.qos import build_stepper, hog_count, hogs, install_stepper, steps
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for
 

@@ -32,7 +32,7 @@ creation  N creations, each create + first exec, from K threads; creations/s
           = N / wall time; same with the Docker API (create + start + exec).
           Kills (container) / forced removes (Docker) timed after.
 density   M idle sandboxes (create only), then: sum over sandboxes of the
-          memory cgroup (runtime.cgroups.memory_figures; kernel memory
+          memory cgroup (runtime.isolation.cgroups.memory_figures; kernel memory
           apart), the host's MemAvailable drop (/proc/meminfo) / M, the lazyfs
           daemon's RSS. Then each sandbox copies 3 MiB from the image into its
           upper layer ("used": page cache to reclaim), then every sandbox is
@@ -90,12 +90,13 @@ from benchmarks.report import (
     table,
     write_json,
 )
-from runtime import cgroups, oci, procio
 from runtime.backends import container as container_backend
 from runtime.backends import fncall as fncall_backend
+from runtime.backends import procio
 from runtime.backends.container import ContainerBackend
 from runtime.config import RuntimeConfig
 from runtime.images import Images
+from runtime.isolation import cgroups, oci
 from runtime.node import Node
 from runtime.spec import ExecRequest, SandboxSpec
 from tests.helpers.lazynode import LazyNode

@@ -60,9 +60,10 @@ from benchmarks.report import (
     table,
     write_json,
 )
-from runtime import Sandbox, cgroups
+from runtime import Sandbox
 from runtime.backends.netpolicy import NETNS_DIR
 from runtime.config import RuntimeConfig
+from runtime.isolation import cgroups
 from runtime.node import Node
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing

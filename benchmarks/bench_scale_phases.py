@@ -46,9 +46,10 @@ from typing import Any
 
 from benchmarks.bench_runtime import PhaseTimer
 from benchmarks.report import exit_on_sigterm, int_list, log, machine_info, write_json
-from runtime import Sandbox, cgroups, hostlimits
+from runtime import Sandbox
 from runtime.backends import container
 from runtime.config import RuntimeConfig
+from runtime.isolation import cgroups, hostlimits
 from runtime.node import Node
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
@@ -75,7 +76,7 @@ def _instrument() -> None:
 
 
 def _spawned_cpu() -> float:
-    """CPU seconds of the programs the node's spawners (runtime/spawner.py,
+    """CPU seconds of the programs the node's spawners (runtime/isolation/spawner.py,
     our children) started and reaped: runc runs there, not here."""
     total = 0
     for task in Path("/proc/self/task").iterdir():

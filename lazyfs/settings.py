@@ -245,7 +245,7 @@ class Settings:
     pack_size_mib: int | None = None
     threads: int | None = None
     # sandbox-written layers an image keeps on top of the image it was made
-    # from before a snapshot squashes them into one (runtime.capture)
+    # from before a snapshot squashes them into one (runtime.node.capture)
     max_snapshot_layers: int = DEFAULT_MAX_SNAPSHOT_LAYERS
     # the options this was loaded with (None values dropped), for override()
     options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

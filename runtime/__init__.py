@@ -5,10 +5,11 @@
 
 Importing this package loads the SDK, its errors and value types only (httpx,
 pydantic); the node (FUSE, LMDB, trio, the chunk store) is imported when a
-node runs in this process (runtime.transport)."""
+node runs in this process (runtime.client.transport)."""
 
 from __future__ import annotations
 
+from .client.sdk import AsyncSandbox, Checkpoint, Sandbox, Snapshot
 from .errors import (
                      BackendUnavailable,
                      ExecError,
@@ -31,7 +32,6 @@ from .errors import (
                      SandboxStateError,
                      Unsupported,
 )
-from .sdk import AsyncSandbox, Checkpoint, Sandbox, Snapshot
 from .spec import (
                      CheckpointInfo,
                      ExecResult,

@@ -9,12 +9,12 @@ this declaration:
   tests/test_api.py checks every signature against this one);
 - runtime.agent.app serves each operation as an HTTP route (`wire(op)`
   gives its parameters' places), with its OpenAPI schema;
-- runtime.transport.Http, the client of an agent, is made from it: one
+- runtime.client.transport.Http, the client of an agent, is made from it: one
   method per operation, none written by hand;
 - runtime.fleet.client.Fleet forwards each by its `fleet` kind: BY_ID to
   the node the sandbox id names, EVERYWHERE to every node with the answers
   joined; the few it routes itself (OWN) it defines;
-- the SDK (runtime.sdk) calls any of them through this interface.
+- the SDK (runtime.client.sdk) calls any of them through this interface.
 
 Adding an operation: a method here, the same method on Node, and the SDK's
 call. Nothing else.
@@ -166,7 +166,7 @@ def op(method: str, path: str, *, fleet: Fleet = BY_ID, body: tuple[str, ...] = 
 
 class SandboxApi:
     """What a node answers about its sandboxes: runtime.node.Node (in this
-    process), runtime.transport.Http (an agent), runtime.fleet.client.Fleet
+    process), runtime.client.transport.Http (an agent), runtime.fleet.client.Fleet
     subclass it. The bodies here only say "not implemented": a subclass
     defines or derives each (tests/test_api.py checks)."""
 

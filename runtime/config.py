@@ -21,7 +21,7 @@ from lazyfs.errors import ConfigError
 from lazyfs.options import Options
 from lazyfs.settings import Settings
 
-from .hostlimits import Budgets
+from .isolation.hostlimits import Budgets
 
 # RuntimeConfig.container_dir: one directory per state directory below it
 CONTAINER_ROOTS = Path("/run/lazyfs-containers")
@@ -76,14 +76,14 @@ class RuntimeConfig:
     # its memory limit), a full VM's its ext4 disk (sparse on the host's disk)
     disk_mb: int = 1024
     # what each sandbox may hold of the host's per-user inotify tables
-    # (runtime/hostlimits.py); the node raises the host's own limits to fit
+    # (runtime/isolation/hostlimits.py); the node raises the host's own limits to fit
     inotify_instances: int = 128
     inotify_watches: int = 8192
-    # a user namespace per container sandbox (runtime/oci.py); off only where
+    # a user namespace per container sandbox (runtime/isolation/oci.py); off only where
     # the host has none: then every sandbox's root shares the host root's
     # inotify budget
     user_namespaces: bool = True
-    # turn on cgroup favordynmods at node start (runtime.cgroups): moving a
+    # turn on cgroup favordynmods at node start (runtime.isolation.cgroups): moving a
     # process into a cgroup then no longer waits for an RCU grace period, but
     # every fork and exit on the host gets dearer; off by default (measured:
     # docs/runtime.md, "A node at full load")
@@ -143,7 +143,7 @@ class RuntimeConfig:
     @property
     def container_dir(self) -> Path:
         """Where runc's container init, which runs as the sandbox's
-        unprivileged host ids (runtime/idmap.py), finds each container's
+        unprivileged host ids (runtime/isolation/idmap.py), finds each container's
         root (<sandbox id>) and sandbox-init (init/): a directory of this
         state directory's own that every user may traverse (the state
         directory's parents need not be)."""

@@ -344,7 +344,7 @@ EventKind = Literal["syscall", "connect", "oom_kill", "process_limit", "disk_lim
 
 
 class SandboxEvent(_Model):
-    """Something the sandbox was refused (runtime/denials.py), counted:
+    """Something the sandbox was refused (runtime/isolation/denials.py), counted:
     kind `syscall` (detail: the system call), `connect` (the refused
     destination, ADDR:PORT/PROTO), `oom_kill`, `process_limit` (forks refused
     at the pids limit), `disk_limit` (a command ended with the sandbox's disk
@@ -423,7 +423,7 @@ class CheckpointRecord(_Model):
     sandbox_id: str
     criu: str
     # the first host id of the checkpointed sandbox's user namespace
-    # (runtime/idmap.py); None: ids mapped to themselves
+    # (runtime/isolation/idmap.py); None: ids mapped to themselves
     id_base: int | None = None
 
 

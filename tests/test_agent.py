@@ -28,8 +28,8 @@ from runtime import (
     Sandbox,
     SandboxNotFound,
     Unsupported,
-    landlock_audit,
 )
+from runtime.isolation import landlock_audit
 from tests.helpers.agents import REPO, Agent, running_agent
 from tests.helpers.sandboxes import IMAGE, runtime_missing
 from tests.helpers.support import (

@@ -18,9 +18,9 @@ import pytest
 
 from runtime import FileError, Sandbox
 from runtime.api import OPS, OWN, SandboxApi
+from runtime.client.transport import Http, encode
 from runtime.fleet.client import Fleet
 from runtime.node import Node
-from runtime.transport import Http, encode
 from tests.helpers.agents import Agent, running_agent
 from tests.helpers.sandboxes import IMAGE, busybox_node, runtime_missing
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Sandbox, landlock_audit
-from runtime.backends.container import RW_FD
+from runtime import Sandbox
+from runtime.backends.container import RW_FD, ContainerBackend
+from runtime.isolation import landlock_audit
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing, vm_missing
 from tests.helpers.support import wait_until
@@ -108,8 +109,9 @@ def test_a_leftover_process_tampering_is_recorded(node: Node, sb: Sandbox) -> No
     command ran meanwhile, has none. Without the node's audit listener (or
     without LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON in sandbox-init) the
     attack is refused the same and no event appears."""
-    audit = getattr(node.backend("container"), "_audit", None)
-    if audit is None:
+    backend = node.backend("container")
+    assert isinstance(backend, ContainerBackend)
+    if backend.denials.audit is None:
         pytest.skip("the kernel's audit records cannot be read here (see the node's log)")
     before = node.denial_counts().get("tampering", 0)
     with Sandbox.create(IMAGE, node=node, memory_mb=128) as neighbour:

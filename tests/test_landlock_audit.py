@@ -1,5 +1,5 @@
 """The node's reader of Landlock's audit records, fed what a hostile sandbox
-could make the kernel write (runtime/landlock_audit.py RecordReader with a
+could make the kernel write (runtime/isolation/landlock_audit.py RecordReader with a
 real DenialLog). The records' shapes are the kernel's (6.18, captured from
 real denials); the sandbox chooses only paths, comm and exe, which the
 kernel escapes, and how many records there are. The end-to-end tests (real
@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 import struct
 
-from runtime import denials, landlock_audit
-from runtime.denials import DenialLog
-from runtime.landlock_audit import (
+from runtime.isolation import denials, landlock_audit
+from runtime.isolation.denials import DenialLog
+from runtime.isolation.landlock_audit import (
     AUDIT_LANDLOCK_ACCESS,
     AUDIT_LANDLOCK_DOMAIN,
     AUDIT_SYSCALL,

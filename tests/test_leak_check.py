@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import cgroups
+from runtime.isolation import cgroups
 from tests.helpers.support import root_only
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Sandbox, cgroups
+from runtime import Sandbox
 from runtime.errors import SandboxNotFound
+from runtime.isolation import cgroups
 from runtime.node import Node
 from tests.helpers.qos import (
     Inflation,

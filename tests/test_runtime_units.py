@@ -14,16 +14,16 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from runtime import cgroups, landlock, oci, procio
-from runtime.backends import capabilities
+from runtime.backends import capabilities, procio
 from runtime.backends.container import ContainerState
 from runtime.backends.microvm import MicrovmState
 from runtime.backends.netpolicy import addresses, ruleset
 from runtime.backends.vm import VmState
 from runtime.errors import BackendUnavailable, FileError, InvalidSpec
 from runtime.files import SandboxFiles
-from runtime.idmap import IdRange
-from runtime.seccomp import CLONE_NS_FLAGS, DENIED, oci_section
+from runtime.isolation import cgroups, landlock, oci
+from runtime.isolation.idmap import IdRange
+from runtime.isolation.seccomp import CLONE_NS_FLAGS, DENIED, oci_section
 from runtime.spec import (
     ExecRequest,
     NetworkPolicy,
@@ -115,7 +115,7 @@ def test_a_bad_network_rule_is_one_line_invalid_spec(text: str, words: list[str]
 def test_vm_backends_refuse_memory_below_their_floor() -> None:
     """Refused at validation (no VM starts), naming the field and the minimum;
     the container backend takes the same value."""
-    from runtime.sdk import _spec
+    from runtime.client.sdk import _spec
     from runtime.spec import MIN_GUEST_MB
     for backend in ("microvm", "vm"):
         with pytest.raises(InvalidSpec) as e:

@@ -20,9 +20,9 @@ import pytest
 from runtime import Sandbox
 from runtime.agent.launch import answers, pid_file
 from runtime.backends import criu
-from runtime.connect import resolve
-from runtime.hostlimits import FNCALL_UID_BASE
-from runtime.transport import Http
+from runtime.client.connect import resolve
+from runtime.client.transport import Http
+from runtime.isolation.hostlimits import FNCALL_UID_BASE
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 

@@ -34,9 +34,10 @@ from runtime import (
     Sandbox,
     SandboxNotFound,
     SandboxStateError,
-    cgroups,
 )
+from runtime.backends.container import ContainerBackend
 from runtime.config import RuntimeConfig
+from runtime.isolation import cgroups
 from runtime.node import Node
 from tests.helpers.sandboxes import (
     IMAGE,
@@ -322,7 +323,9 @@ def test_a_new_node_finds_running_sandboxes(node: Node, tmp_path: Path) -> None:
     try:
         s = Sandbox.create(IMAGE, node=first)
         s.exec("echo before > /tmp/mark")
-        audit = getattr(first.backend("container"), "_audit", None) is not None
+        backend = first.backend("container")
+        assert isinstance(backend, ContainerBackend)
+        audit = backend.denials.audit is not None
         with pytest.raises(BackendUnavailable, match="owns"):
             Node(config)  # one node process per state directory
     except BaseException:

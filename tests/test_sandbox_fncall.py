@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from runtime import ExecTimeout, OutOfMemory, OutputTruncated, Sandbox, Unsupported
-from runtime.hostlimits import fncall_uid
+from runtime.isolation.hostlimits import fncall_uid
 from runtime.node import Node
 from tests.helpers.sandboxes import (
     IMAGE,

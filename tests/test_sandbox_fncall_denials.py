@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Sandbox, denials
+from runtime import Sandbox
 from runtime.backends.fncall import FncallBackend
+from runtime.isolation import denials
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 from tests.helpers.support import wait_until
@@ -161,7 +162,7 @@ def test_landlock_refusals_in_fncall_are_events(node: Node) -> None:
             Sandbox.create(IMAGE, backend="fncall", node=node) as quiet:
         backend = node.backend("fncall")
         assert isinstance(backend, FncallBackend)
-        if getattr(backend, "_audit", None) is None:
+        if backend.denials.audit is None:
             pytest.skip("the kernel's audit records cannot be read here (see the node's log)")
         r = s.exec("busybox nc 127.0.0.1 80; echo c=$?; busybox nc -l -p 8080; echo l=$?; "
                    "echo x > /etc/x; echo w=$?; echo x > /tmp/ok; echo t=$?")

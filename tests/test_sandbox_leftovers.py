@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from lazyfs import sysmount
-from runtime import cgroups
 from runtime.backends.fncall import CONTROLLERS, cgroup_prefix, leftover_cgroups
 from runtime.config import RuntimeConfig
+from runtime.isolation import cgroups
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing
 
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = f"""
 import os, signal, sys
 from runtime import Sandbox
-from runtime.hostlimits import fncall_uid
+from runtime.isolation.hostlimits import fncall_uid
 fn = Sandbox.create({IMAGE!r}, backend="fncall")
 assert fn.exec("id -u").stdout == b"%d\\n" % fncall_uid(fn.id)
 print("made", fn.id, flush=True)

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from lazyfs import sysmount
-from runtime import NetworkPolicy, Sandbox, denials
+from runtime import NetworkPolicy, Sandbox
+from runtime.isolation import denials
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 from tests.helpers.support import wait_until

@@ -35,12 +35,12 @@ from runtime import (
     SandboxNotFound,
     SandboxStateError,
     Unsupported,
-    cgroups,
 )
 from runtime.backends.microvm import MicrovmBackend
 from runtime.backends.qemubase import VMM_OVERHEAD_MB
 from runtime.backends.qemuproc import vmm_pss
 from runtime.guest.qemu import Qmp
+from runtime.isolation import cgroups
 from runtime.node import Node
 from runtime.spec import Backend
 from tests.helpers.images import build_busybox_rootfs

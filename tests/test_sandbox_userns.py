@@ -1,5 +1,5 @@
 """Container root is not host root: each sandbox's user namespace maps its
-ids to an unprivileged host range of its own (runtime/idmap.py), while the
+ids to an unprivileged host range of its own (runtime/isolation/idmap.py), while the
 image still looks root-owned inside (idmapped lowers).
 
 The escape tests enter only the sandbox's user namespace with nsenter (a
@@ -21,7 +21,8 @@ import pytest
 from chunkstore import ChunkStore
 from composer.convert import convert
 from lazyfs.node import store_catalog
-from runtime import Sandbox, idmap
+from runtime import Sandbox
+from runtime.isolation import idmap
 from runtime.node import Node
 from tests.helpers.images import build_busybox_rootfs
 from tests.helpers.sandboxes import IMAGE, busybox_node, node_for, runtime_missing

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Sandbox, cgroups, oci
-from runtime.denials import DenialLog, SeccompListener
+from runtime import Sandbox
 from runtime.errors import OutOfMemory
+from runtime.isolation import cgroups, oci
+from runtime.isolation.denials import DenialLog, SeccompListener
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
 from tests.helpers.support import wait_until
@@ -179,7 +180,7 @@ def test_the_spawner_gives_a_program_only_its_descriptors(tmp_path: Path) -> Non
     """The node holds descriptors per sandbox; what it starts through the
     spawner (runc) gets exactly the ones asked for, at the numbers asked
     for, and its exit status; a program past its timeout is killed."""
-    from runtime.spawner import Spawner
+    from runtime.isolation.spawner import Spawner
     held = [os.open("/dev/null", os.O_RDONLY) for _ in range(50)]  # inheritable
     sp = Spawner()
     try:

@@ -31,10 +31,10 @@ from runtime import (
     SandboxStateError,
     SnapshotInfo,
     Unsupported,
-    cgroups,
 )
 from runtime.backends.container import ContainerBackend
 from runtime.config import RuntimeConfig
+from runtime.isolation import cgroups
 from runtime.node import Node
 from runtime.spec import ExecRequest, build
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing

@@ -34,9 +34,9 @@ from runtime import (
     SandboxInfo,
     SandboxNotFound,
     SandboxPreempted,
-    cgroups,
 )
 from runtime.config import RuntimeConfig
+from runtime.isolation import cgroups
 from runtime.node import Node
 from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import IMAGE, busybox_store, runtime_missing

@@ -2,7 +2,7 @@
 (create, run, exec, ls, pause, resume, restore, kill, snapshot, fork, verify)
 through the SDK.
 
-Which node: --node / LAZYFS_NODE, else the SDK's rule (runtime.transport.local):
+Which node: --node / LAZYFS_NODE, else the SDK's rule (runtime.client.transport.local):
 the agent of the state directory when one answers, else the runtime embedded
 in this command. `sandbox create` and `sandbox run --keep` leave a sandbox
 that must outlive the command, so without an agent they start one in the
@@ -23,10 +23,10 @@ from typing import Any
 import click
 
 from runtime import BackendUnavailable, InvalidSpec, Sandbox
+from runtime.client.connect import resolve
+from runtime.client.transport import Transport, close_embedded, local
 from runtime.config import RuntimeConfig
-from runtime.connect import resolve
 from runtime.spec import BACKENDS, SANDBOX_ID_PATTERN, NetworkPolicy, Qos, parse_rule
-from runtime.transport import Transport, close_embedded, local
 
 from .config import Settings
 from .errors import QuietError

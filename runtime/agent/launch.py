@@ -4,7 +4,7 @@ Owns where a state directory's agent listens (STATE/agent.sock, pid in
 STATE/agent.pid, log in STATE/agent.log when started here), whether it
 answers, starting one in the background (detached: it outlives the process
 that started it) and stopping it. Not owned here: who talks to the agent and
-who runs the node embedded (runtime.transport.local, the one rule for the SDK
+who runs the node embedded (runtime.client.transport.local, the one rule for the SDK
 and the CLI) and serving itself (server.py).
 
 Light to import (no trio, FUSE or LMDB): the SDK imports it on its way to a

@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from chunkstore.errors import LazyfsError
 from lazyfs.node import request
 
-from .. import cgroups
+from ..isolation import cgroups
 from ..node import Node
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -17,7 +17,7 @@ Per sandbox, under its directory:
                   started the sandbox; the sandbox's init holds it open
                   (descriptor RW_FD, closed to every sandbox process), so
                   the node still reaches the upper for snapshots
-    config.json   the OCI config (runtime/oci.py)
+    config.json   the OCI config (runtime/isolation/oci.py)
 PID 1 is sandbox-init, so an idle sandbox costs one sleeping process of a few
 hundred KiB and its cgroups. Init also starts the node's commands: each exec
 is one connection on the sandbox's exec channel (ctl.sock, bound on the host;
@@ -60,10 +60,8 @@ from lazyfs.errors import DaemonError
 from lazyfs.mounts import IdShift, MountError, detach, mount_image, unmount
 from lazyfs.node import mount_reads
 
-from .. import cgroups, hostlimits, idmap, oci, procio, spawner
 from ..api import Sink
 from ..config import RuntimeConfig
-from ..denials import Denials, merged
 from ..errors import (
     BackendUnavailable,
     NotCheckpointable,
@@ -73,6 +71,8 @@ from ..errors import (
 )
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
+from ..isolation import cgroups, hostlimits, idmap, oci, spawner
+from ..isolation.denials import Denials, merged
 from ..native import sandbox_init
 from ..spec import (
     SANDBOX_ID_PATTERN,
@@ -84,7 +84,7 @@ from ..spec import (
     ReadLedger,
     SandboxEvent,
 )
-from . import criu, initexec, netpolicy
+from . import criu, initexec, netpolicy, procio
 from .base import BackendState, Capabilities, Handle
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class ContainerState(BackendState):
     # the abstract name of the exec channel in the sandbox's network
     # namespace, once a checkpoint moved it there (None: ctl.sock)
     channel_name: str | None = None
-    # the first host id of the sandbox's user namespace (runtime/idmap.py);
+    # the first host id of the sandbox's user namespace (runtime/isolation/idmap.py);
     # None: no user namespace
     id_base: int | None = None
     # its processes were restored by CRIU from a checkpoint (not started by runc run)
@@ -228,7 +228,7 @@ class ContainerBackend:
         self.denials.watch(h.id)
 
     def _whose(self, uid: int, pid: int | None) -> str | None:
-        """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
+        """The sandbox of a Landlock audit record (runtime/isolation/landlock_audit.py):
         the one whose host id range holds `uid`, or (no user namespaces, or
         a range restores share) the one whose cgroup process `pid` is in."""
         with self._ids_lock:

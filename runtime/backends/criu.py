@@ -14,7 +14,7 @@ NotCheckpointable with CRIU's own reason, taken from its log; the sandbox
 runs on.
 
 Not here: the exec channel's move before a dump (initexec.move_channel),
-storing the images (runtime/capture.py).
+storing the images (runtime/node/capture.py).
 """
 
 from __future__ import annotations

@@ -37,13 +37,13 @@ from lazyfs import sysmount
 from lazyfs.mounts import MountError, mount_image, unmount
 from lazyfs.node import NodePaths
 
-from .. import cgroups, hostlimits
 from ..api import Sink
 from ..config import RuntimeConfig
-from ..denials import Denials, SeccompListener
 from ..errors import BackendUnavailable, Unsupported
 from ..files import SandboxFiles
 from ..images import Images
+from ..isolation import cgroups, hostlimits
+from ..isolation.denials import Denials, SeccompListener
 from ..native import sandbox_init
 from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxEvent, SandboxSpec
 from .base import BackendState, Capabilities, Handle
@@ -360,7 +360,7 @@ class FncallBackend:
         return self._init
 
     def _whose(self, uid: int, pid: int | None) -> str | None:
-        """The sandbox of a Landlock audit record (runtime/landlock_audit.py):
+        """The sandbox of a Landlock audit record (runtime/isolation/landlock_audit.py):
         the one live sandbox whose calls run as `uid` (the domain's creator,
         sandbox-init, takes the call's uid before it makes the domain). Two
         sandboxes sharing a uid (hostlimits.fncall_uid) cannot be told apart:
@@ -394,7 +394,7 @@ class FncallBackend:
 
     def events(self, h: Fncall) -> list[SandboxEvent]:
         """What the sandbox's calls were refused: denied system calls
-        (answered by the node, runtime/denials.py), OOM kills and forks
+        (answered by the node, runtime/isolation/denials.py), OOM kills and forks
         refused at the pids limit."""
         return self.denials.events(h.id)
 

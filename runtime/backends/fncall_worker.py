@@ -11,10 +11,10 @@ and the worker trust each other, the output does not):
     vfork + exec of `sandbox-init call` (a copy in a root-owned /tmp/.lazyfs),
     which joins the cgroup → new PID namespace → rlimits → the sandbox's uid
     → Landlock (read-only image, writable /tmp, no TCP; its refusals logged
-    to the kernel's audit, runtime/landlock_audit.py) → no_new_privs →
+    to the kernel's audit, runtime/isolation/landlock_audit.py) → no_new_privs →
     seccomp (with --notify-fd: a notifying filter whose listener
     sandbox-init sends, with the sandbox's id, over that socket to the node,
-    runtime/denials.py) → the command (PID 1 of its namespace); in C, so no Python runs in the
+    runtime/isolation/denials.py) → the command (PID 1 of its namespace); in C, so no Python runs in the
     child and the fork is a vfork
     after it: every process left in the cgroup (a setsid'd child escapes any
     process group, never the cgroup) is killed; /tmp is emptied; a worker that
@@ -41,7 +41,8 @@ from typing import Any
 
 import msgpack
 
-from runtime import procio, seccomp
+from runtime.backends import procio
+from runtime.isolation import seccomp
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWPID = 0x20000, 0x40000000, 0x20000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x4000, 1 << 18, 2, 4

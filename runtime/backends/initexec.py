@@ -21,7 +21,7 @@ peers outside the sandbox's PID namespace (SO_PEERCRED pid 0), so their
 connections are closed unanswered.
 
 What this module does not own: the command's deadline, output caps and tree
-kill (runtime/procio.py and the container backend).
+kill (runtime/backends/procio.py and the container backend).
 """
 
 from __future__ import annotations

@@ -45,10 +45,8 @@ import time
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from .. import cgroups
 from ..api import Sink
 from ..config import RuntimeConfig
-from ..denials import DenialLog, merged
 from ..errors import (
     BackendUnavailable,
     InvalidSpec,
@@ -63,6 +61,8 @@ from ..guest.kernel import GuestKernel, default_cache, guest_kernel
 from ..guest.pmemimages import PmemLayer, pmem_layers
 from ..guest.protocol import EXEC_GRACE, AgentClosed, AgentError, GuestCounts
 from ..images import Images
+from ..isolation import cgroups
+from ..isolation.denials import DenialLog, merged
 from ..native import qemu_preload, sandbox_init
 from ..spec import (
     VM_STATE_FILE,

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import procio
 from ..errors import BackendUnavailable
 from ..guest import qemu
 from ..guest.protocol import READY, AgentConnection, AgentError, ready_fields
+from . import procio
 
 log = logging.getLogger(__name__)
 

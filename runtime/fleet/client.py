@@ -66,7 +66,7 @@ from .records import (
 from .scheduler import Index, K, Request, candidates
 
 if TYPE_CHECKING:
-    from ..transport import Http
+    from ..client.transport import Http
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class Fleet(SandboxApi):
         self.nodes.etcd.close()
 
     def agent(self, address: str) -> Http:
-        from ..transport import agent_client
+        from ..client.transport import agent_client
         return agent_client(address, self.token)
 
     # -- create ------------------------------------------------------------------
@@ -306,7 +306,7 @@ class Fleet(SandboxApi):
         Its forwarding record follows it as a move's does (records.MOVED:
         written for another node, deleted back home), so calls by its id
         find it. Of two restores of one sandbox at once (a move's and one by
-        hand, say) one wins (the nodes' restore claim, runtime.preempt); the
+        hand, say) one wins (the nodes' restore claim, runtime.node.preempt); the
         other gets RestoreConflict or SandboxNotFound and writes nothing."""
         named = node_of(sandbox_id)
         if named is None:

@@ -30,8 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .. import cgroups
 from ..errors import SandboxError
+from ..isolation import cgroups
 from ..node import Node
 from .etcd import Etcd
 from .records import (

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..backends.procio import ready
 from ..errors import FileError, SandboxError, SandboxStateError
-from ..procio import ready
 from .upper import UpperRefused, UpperTree, shown
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@
  *                                     -N: the program notifies: the filter's
  *                                     listener descriptor is sent, with KEY
  *                                     (the sandbox's id), over the socket at
- *                                     FD to the node (runtime/denials.py) and
+ *                                     FD to the node (runtime/isolation/denials.py) and
  *                                     closed here, before the command starts:
  *                                     no process of the call ever holds it.
  *                                     Done here, in C, so the worker can start
@@ -227,7 +227,7 @@ static int read_full(int fd, char *buf, size_t n) {
  * until its creator execs, unless asked: every domain here is made right
  * before an exec, so ask (LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON). The node
  * reads the records and makes each an event of the sandbox
- * (runtime/landlock_audit.py). */
+ * (runtime/isolation/landlock_audit.py). */
 static unsigned long restrict_flags(long abi) {
     return abi >= 7 ? 1UL << 1 : 0UL;
 }

@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import cgroups, hostlimits
 from ..api import Labels, Progress, SandboxApi, Sink
 from ..backends import Backend, Handle, capabilities, make_backend
 from ..backends.base import (
@@ -38,7 +37,6 @@ from ..backends.base import (
     Networked,
     Readable,
 )
-from ..capture import Captures
 from ..config import RuntimeConfig
 from ..errors import (
     BackendUnavailable,
@@ -56,7 +54,7 @@ from ..errors import (
 from ..files import FileInfo, SandboxFiles, remove_dir
 from ..fleet.records import sandbox_id as fleet_sandbox_id
 from ..images import Images
-from ..preempt import PreemptedSandboxes
+from ..isolation import cgroups, hostlimits
 from ..spec import (
     CheckpointInfo,
     ExecRequest,
@@ -74,6 +72,8 @@ from ..spec import (
 )
 from .admission import Admission
 from .bulk import Bulk
+from .capture import Captures
+from .preempt import PreemptedSandboxes
 from .preemption import Preemption
 from .reaping import Reaper
 from .recovery import Recovery
@@ -423,7 +423,7 @@ class Node(SandboxApi):
         return new
 
     def events(self, sandbox_id: str) -> list[SandboxEvent]:
-        """What the sandbox was refused so far (runtime/denials.py)."""
+        """What the sandbox was refused so far (runtime/isolation/denials.py)."""
         info, h = self._get(sandbox_id)
         backend = self._require(info, "events")
         assert isinstance(backend, Eventful), backend

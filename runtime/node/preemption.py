@@ -1,4 +1,4 @@
-"""A node's preemptions: a sandbox snapshotted, recorded (runtime.preempt)
+"""A node's preemptions: a sandbox snapshotted, recorded (runtime.node.preempt)
 and stopped, and brought back under its id, here or on any node that sees
 the same image store.
 """
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from chunkstore.errors import LazyfsError
 
-from .. import cgroups
 from ..api import Labels
 from ..backends.base import StateSaving
 from ..errors import (
@@ -24,6 +23,7 @@ from ..errors import (
     SandboxNotFound,
     SandboxStateError,
 )
+from ..isolation import cgroups
 from ..spec import (
     PreemptedSandbox,
     SandboxInfo,
@@ -55,7 +55,7 @@ class Preemption:
 
     def preempt(self, sandbox_id: str) -> PreemptedSandbox:
         """Pause the sandbox, snapshot it (tag preempted/<id>), record it
-        (spec, labels, snapshot: runtime.preempt) and stop it: its memory and
+        (spec, labels, snapshot: runtime.node.preempt) and stop it: its memory and
         its writable layer on disk go back to the node. restore() makes it again,
         with the same id, on any node that sees the same image store."""
         info, _ = self.node._get(sandbox_id)

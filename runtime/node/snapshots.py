@@ -1,5 +1,5 @@
 """A node's snapshots, forks, checkpoints and verifiers: a sandbox's files
-(and a VM's memory) captured into the image store (runtime.capture), and
+(and a VM's memory) captured into the image store (runtime.node.capture), and
 sandboxes made from them.
 """
 
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from ..backends import Backend, Handle
 from ..backends.base import Capturing, Checkpointing, GuestCapturing, StateSaving
 from ..backends.criu import CRIU_VERSION
-from ..capture import MEMORY_CHUNK_SIZE, Packed
 from ..errors import (
     SandboxError,
     SandboxStateError,
@@ -34,6 +33,7 @@ from ..spec import (
     SnapshotInfo,
     VerifyRequest,
 )
+from .capture import MEMORY_CHUNK_SIZE, Packed
 
 if TYPE_CHECKING:
     from .core import Node

@@ -14,7 +14,7 @@ test run): they are not ours to report. Ours are:
   names (nodes in child processes: agents, the CLI), or an fncall pool
   cgroup of a state directory under the base directory;
 * network namespaces and slots whose slot file names one of those ids, and
-  host id ranges (runtime/idmap.py) one of them still holds.
+  host id ranges (runtime/isolation/idmap.py) one of them still holds.
 
 Mounts are detached and processes killed on the way (so a leak fails the run
 once, not every later test); cgroups and network state are only reported.
@@ -29,10 +29,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime import cgroups, idmap
 from runtime.backends.fncall import cgroup_prefix
 from runtime.backends.netpolicy import NETNS_DIR, SLOT_DIR
 from runtime.config import RuntimeConfig
+from runtime.isolation import cgroups, idmap
 
 SANDBOX_ID = re.compile(r"\bsb-[0-9a-f]{16}\b")
 SEARCH_DEPTH = 5  # how deep under the base directory node state and logs are looked for
@@ -83,7 +83,7 @@ class _SandboxIds(logging.Handler):
 
 def _audit_enabled() -> int | None:
     """The kernel's audit `enabled`, None where it cannot be read."""
-    from runtime import landlock_audit
+    from runtime.isolation import landlock_audit
     try:
         ctl = landlock_audit._control_socket()
     except landlock_audit.AuditUnavailable:
@@ -201,8 +201,8 @@ class SessionWatch:
     def audit_left_on(self) -> bool:
         """The session's nodes turned the kernel's audit on (to read
         Landlock's records) and none turned it back off, though no reader
-        of the records is left (runtime/landlock_audit.py)."""
+        of the records is left (runtime/isolation/landlock_audit.py)."""
         if self.audit_before != 0:
             return False
-        from runtime import landlock_audit
+        from runtime.isolation import landlock_audit
         return bool(_audit_enabled()) and not landlock_audit._other_readers()

@@ -23,7 +23,7 @@ Records name host ids, not sandboxes. A domain's creator's uid (in its
 DOMAIN record) or the refused process's uid (in the SYSCALL record of the
 same event, when the process has an audit context) is a sandbox's own: a
 container's user namespace maps it to a host range of its own
-(runtime/idmap.py), an fncall call runs as its sandbox's uid
+(runtime/isolation/idmap.py), an fncall call runs as its sandbox's uid
 (hostlimits.fncall_uid; sandbox-init takes it before it makes the domain).
 Each backend registers a resolver (uid, pid) -> the sandbox's sink (kind,
 detail); where the uid cannot tell (no user namespaces, a range restores
@@ -31,7 +31,7 @@ share), the cgroup of the refused process, or of the process a refused
 ptrace or signal reached for (uid -1), decides. A domain is mapped once;
 later records of it use the map. (A command's own domain made so that its
 refusals would not be logged is recorded by the seccomp policy:
-runtime/seccomp.py UNLOGGED_LANDLOCK.)
+runtime/isolation/seccomp.py UNLOGGED_LANDLOCK.)
 
 Kinds: a refused ptrace-class access (ptrace, /proc/PID/fd and mem,
 pidfd_getfd, process_vm_writev: `ptrace`) or a refused signal or abstract

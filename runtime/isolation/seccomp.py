@@ -94,7 +94,7 @@ class Compiled:
     that applies it per process (fncall calls) where libseccomp's own load
     (which recompiles, ~0.7 ms) would be most of the cost. With `notify`, a
     denied call raises a user notification (the loader asks the kernel for
-    the listener descriptor and hands it to the node, runtime/denials.py)."""
+    the listener descriptor and hands it to the node, runtime/isolation/denials.py)."""
 
     def __init__(self, notify: bool = False) -> None:
         import tempfile

@@ -14,7 +14,7 @@ inotify. Instances and watches are counted per user within a user namespace,
 and again, for the namespace's owner, at every namespace above it: without
 user namespaces every container's root is the host's root and all of them
 share root's 128 instances. Each container sandbox has a user namespace of
-its own (runtime/oci.py), owned by the host's root: its use is counted
+its own (runtime/isolation/oci.py), owned by the host's root: its use is counted
 against the budget set here, in its namespace (user.max_inotify_instances
 and user.max_inotify_watches, which it cannot raise: it has no
 CAP_SYS_RESOURCE), and against root at the host's level, whose limits the
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from lazyfs.node import raise_open_files
 
-from .errors import BackendUnavailable
+from ..errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
 

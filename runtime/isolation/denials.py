@@ -6,7 +6,7 @@ refused call fails as it would without the record.
 
 Where each comes from:
 
-- system calls the seccomp policy denies (runtime/seccomp.py): the filter
+- system calls the seccomp policy denies (runtime/isolation/seccomp.py): the filter
   answers them with a user notification instead of a plain errno; runc hands
   the notification descriptor of each sandbox to the node's listener (a unix
   socket in the node's state directory, the OCI `listenerPath`), and one
@@ -17,10 +17,10 @@ Where each comes from:
   listener goes to the node over its worker's feed socket before the
   command starts, and is answered by the same kind of thread.
 - a command making a Landlock domain of its own with flags that would keep
-  its refusals out of the audit log (runtime/seccomp.py
+  its refusals out of the audit log (runtime/isolation/seccomp.py
   UNLOGGED_LANDLOCK): notified the same way, recorded as `landlock`
   `restrict_self unlogged`, and let go on (not refused).
-- Landlock's own refusals: runtime/landlock_audit.py.
+- Landlock's own refusals: runtime/isolation/landlock_audit.py.
 - connections the network allowlist refuses: the reject rule adds each
   refused destination to an nftables set with counters inside the sandbox's
   network namespace (runtime/backends/netpolicy.py), read when asked for.
@@ -53,9 +53,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import BackendUnavailable
+from ..spec import SANDBOX_ID_PATTERN, EventKind, SandboxEvent
 from . import landlock_audit
-from .errors import BackendUnavailable
-from .spec import SANDBOX_ID_PATTERN, EventKind, SandboxEvent
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class DenialLog:
 class Denials:
     """One backend's denials: their record (DenialLog), the node's seccomp
     listener of its sandboxes (started with the first), and Landlock's audit
-    records (runtime/landlock_audit.py) routed to the live sandbox each
+    records (runtime/isolation/landlock_audit.py) routed to the live sandbox each
     names. The container and fncall backends have one each; they differ in
     where the listener listens (`path`: the unix socket runc hands each
     container's notification descriptor to; None: socket pairs, one per

@@ -82,11 +82,11 @@ from composer.snapshot import (
 )
 from lazyfs.node import open_images, store_catalog
 
-from .config import RuntimeConfig
-from .errors import ImageNotFound, InvalidSpec, SandboxError, Unsupported
-from .files import remove_tree
-from .images import Images
-from .spec import (
+from ..config import RuntimeConfig
+from ..errors import ImageNotFound, InvalidSpec, SandboxError, Unsupported
+from ..files import remove_tree
+from ..images import Images
+from ..spec import (
     CHECKPOINT_KEY,
     VM_STATE_KEY,
     CheckpointInfo,

@@ -18,7 +18,7 @@ never hand out one range twice). A sandbox restored from a checkpoint joins
 its checkpointed sandbox's slot: CRIU restores the user namespace with the
 map it dumped.
 
-Not here: the OCI mappings (runtime/oci.py) and mounting (lazyfs.mounts).
+Not here: the OCI mappings (runtime/isolation/oci.py) and mounting (lazyfs.mounts).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from composer.snapshot import HostIds
 
-from .errors import BackendUnavailable, QuotaExceeded
+from ..errors import BackendUnavailable, QuotaExceeded
 
 SLOT_DIR = Path("/run/lazyfs-idranges")
 FIRST = 1 << 31

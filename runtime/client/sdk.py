@@ -13,7 +13,7 @@
 The same calls reach a node agent (`node="unix:///var/lib/lazyfs-runtime/agent.sock"`
 or "http://host:port" with `token=` or $LAZYFS_NODE_TOKEN, or $LAZYFS_NODE)
 or, naming none, this machine's node: its agent when one serves the state
-directory, else the runtime embedded in this process (runtime.connect.resolve).
+directory, else the runtime embedded in this process (runtime.client.connect.resolve).
 Importing the SDK loads no node code; an embedded node is loaded when used.
 Errors are runtime.errors classes: ImageNotFound,
 SandboxNotFound, ExecTimeout / OutputTruncated / OutOfMemory (with `.result`),
@@ -35,11 +35,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import anyio
 import anyio.to_thread
 
-from .api import OPS, Sink
-from .connect import resolve
-from .errors import InvalidSpec
-from .files import FileInfo
-from .spec import (
+from ..api import OPS, Sink
+from ..errors import InvalidSpec
+from ..files import FileInfo
+from ..spec import (
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_MAX_OUTPUT,
     SANDBOX_ID_PATTERN,
@@ -59,10 +58,11 @@ from .spec import (
     build,
     command,
 )
+from .connect import resolve
 from .transport import Http, Transport, async_agent_client
 
 if TYPE_CHECKING:
-    from .node import Node
+    from ..node import Node
 
 Snapshot = SnapshotInfo  # what sb.snapshot() returns; Sandbox.create(snapshot) runs it
 Checkpoint = CheckpointInfo  # what sb.checkpoint() returns; Sandbox.restore(checkpoint)
@@ -106,7 +106,7 @@ def _prepare(image: str | SnapshotInfo, *, backend: Backend = "container",
                  hidden=tuple(hidden) if hidden else None)
     t = resolve(node, token, fleet)
     if node_labels:
-        from .fleet.client import Fleet
+        from ..fleet.client import Fleet
         if not isinstance(t, Fleet):
             raise InvalidSpec("node_labels= places in a fleet: give fleet= or LAZYFS_FLEET")
         t = t.with_labels(node_labels)
@@ -350,7 +350,7 @@ class Sandbox:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
-        from .errors import SandboxNotFound
+        from ..errors import SandboxNotFound
         try:
             self.kill()
         except SandboxNotFound:
@@ -419,7 +419,7 @@ class AsyncFiles:
 
 class AsyncSandbox:
     """The same calls as Sandbox, awaitable from asyncio or trio. To a node
-    agent they go without threads (runtime.transport.AsyncHttp: one pool of
+    agent they go without threads (runtime.client.transport.AsyncHttp: one pool of
     connections per agent and event loop; thousands of calls in flight wait
     for a connection, not a thread), and on_stdout / on_stderr /
     on_progress are called in the event loop as output comes. An embedded
@@ -582,7 +582,7 @@ class AsyncSandbox:
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
-        from .errors import SandboxNotFound
+        from ..errors import SandboxNotFound
         try:
             await self.kill()
         except SandboxNotFound:

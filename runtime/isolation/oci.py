@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..spec import SandboxSpec
 from . import cgroups, hostlimits, seccomp
 from .idmap import IdRange
-from .spec import SandboxSpec
 
 INIT_PATH = "/dev/.sandbox-init"
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -130,9 +130,9 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
     stdin (runtime/backends/initexec.py).
 
     ids: the sandbox's host ids; its user namespace maps 0.. to them
-    (runtime/idmap.py), so its root is an unprivileged host user, its
+    (runtime/isolation/idmap.py), so its root is an unprivileged host user, its
     capabilities hold only in its own namespaces, and the kernel's per-user
-    budgets (inotify) are counted per sandbox (runtime/hostlimits.py).
+    budgets (inotify) are counted per sandbox (runtime/isolation/hostlimits.py).
     None: no user namespace.
 
     node_dir (make_node_dirs): its empty directory masks SYS_MASKED_DIRS

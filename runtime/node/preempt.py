@@ -34,10 +34,10 @@ from chunkstore.errors import LazyfsError
 from chunkstore.objects import ObjectNotFound, ObjectStore, open_object_store
 from composer.remote import ClusterCatalog
 
-from .config import RuntimeConfig
-from .errors import BackendUnavailable, InvalidSpec, RestoreConflict, SandboxError
-from .images import Images
-from .spec import SANDBOX_ID_PATTERN, PreemptedSandbox, parse
+from ..config import RuntimeConfig
+from ..errors import BackendUnavailable, InvalidSpec, RestoreConflict, SandboxError
+from ..images import Images
+from ..spec import SANDBOX_ID_PATTERN, PreemptedSandbox, parse
 
 _PREFIX = "preempted/"
 _SUFFIX = ".json"

@@ -3,7 +3,7 @@ node agent over HTTP (Unix socket or TCP + bearer token). Both answer the
 same calls with the same types and raise the same runtime.errors classes.
 
 Which of them (a node, an agent, a fleet) a caller means is
-runtime.connect.resolve's rule. `local()` is the one rule for a caller that names no node, the SDK's and the
+runtime.client.connect.resolve's rule. `local()` is the one rule for a caller that names no node, the SDK's and the
 CLI's alike: if an agent serves the state directory (STATE/agent.sock
 answers), talk to it; else run the node embedded in this process, unless
 what is created must outlive the process (`lazyfs sandbox create`,
@@ -37,13 +37,13 @@ from pydantic import ValidationError
 
 from lazyfs.settings import setting
 
-from .api import ALWAYS, ON_REQUEST, OPS, Op, SandboxApi, adapter, is_labels
-from .errors import ERRORS, BackendUnavailable, ExecError, Overloaded, SandboxError
-from .spec import ExecResult
+from ..api import ALWAYS, ON_REQUEST, OPS, Op, SandboxApi, adapter, is_labels
+from ..errors import ERRORS, BackendUnavailable, ExecError, Overloaded, SandboxError
+from ..spec import ExecResult
 
 if TYPE_CHECKING:
-    from .config import RuntimeConfig
-    from .node import Node
+    from ..config import RuntimeConfig
+    from ..node import Node
 
 # exec streams stay open as long as their command runs; waiting for a pooled
 # connection must not time out either (a rollout may run thousands at once)
@@ -85,7 +85,7 @@ def _check(r: httpx.Response) -> httpx.Response:
         if r.status_code == 401:
             raise BackendUnavailable("the node agent refused the token")
         if r.status_code == 422:  # FastAPI's validation error for a bad body
-            from .errors import InvalidSpec
+            from ..errors import InvalidSpec
             raise InvalidSpec("; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}"
                                         for d in body.get("detail", [])) or r.text)
         raise_for(body, r.status_code)
@@ -408,7 +408,7 @@ def embedded_node(config: RuntimeConfig | None = None) -> Node:
     defaults and environment), made on first use."""
     with _lock:
         if config not in _embedded:
-            from .node import Node
+            from ..node import Node
             _embedded[config] = Node(config)
         return _embedded[config]
 
@@ -431,9 +431,9 @@ def local(config: RuntimeConfig | None = None, *, detached: bool = False) -> Tra
         node = _embedded.get(config)
     if node is not None:  # this process owns the state: no agent can serve it
         return node
-    from .agent.launch import agent_socket, answers, start
+    from ..agent.launch import agent_socket, answers, start
     if config is None:
-        from .config import RuntimeConfig
+        from ..config import RuntimeConfig
         state = RuntimeConfig().state_dir
     else:
         state = config.state_dir
@@ -441,7 +441,7 @@ def local(config: RuntimeConfig | None = None, *, detached: bool = False) -> Tra
     if answers(sock):
         return agent_client(f"unix://{sock}", None)
     if detached:
-        from .config import RuntimeConfig
+        from ..config import RuntimeConfig
         return agent_client(f"unix://{start(config or RuntimeConfig())}", None)
     return embedded_node(config)
 
