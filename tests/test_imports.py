@@ -117,3 +117,14 @@ def test_the_check_sees_a_cycle_and_an_upward_import() -> None:
              "chunkstore.c": set()}
     assert cycles(graph) == [["composer.a", "lazyfs.b"]]
     assert RANK["lazyfs"] > RANK["composer"]
+
+
+def test_runtime_shows_its_rooms() -> None:
+    """runtime/'s top level holds the API declaration and the value types
+    every room shares, and the rooms; the node's class stays under 500
+    lines (its collaborators hold the rest)."""
+    top = {p.stem for p in (ROOT / "runtime").glob("*.py")}
+    assert top == {"__init__", "api", "config", "errors", "files", "images", "native", "spec"}
+    rooms = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == {"agent", "backends", "client", "fleet", "guest", "isolation", "node"}
+    assert len((ROOT / "runtime/node/core.py").read_text().splitlines()) <= 500

@@ -11,7 +11,7 @@
              runs the image, if any does), best score first; then the
              others, best first, as fallbacks (computed only if needed)
 
-The node keeps the final say (its admission, runtime.node.Node._admit): a
+The node keeps the final say (its admission, runtime.node.admission): a
 refusal sends the client to the next candidate (runtime.fleet.transport).
 Sampling k at random is what keeps thousands of clients that read the same
 records from all choosing the same least-loaded node (a herd).

@@ -121,7 +121,7 @@ class Preemption:
         same id, spec and labels, its files from the snapshot (a process
         state is not kept: it starts afresh, running). Its lifetime goes on
         from where it was preempted (the time preempted does not count).
-        A kill of it meanwhile waits for this to end (runtime.node.kill)."""
+        A kill of it meanwhile waits for this to end (Node.kill)."""
         done = threading.Event()
         with self.node._lock:
             if sandbox_id in self.node._restoring:
