@@ -43,6 +43,7 @@ unknown sections or keys are errors, as are values of the wrong type:
     node = "unix:///run/lazyfs-runtime/agent.sock"   # env LAZYFS_NODE (or http://...)
     fleet = "etcd://10.0.0.1:2379"   # env LAZYFS_FLEET (when no node is named)
     token = "..."                    # env LAZYFS_NODE_TOKEN
+    connections = 1024               # env LAZYFS_CLIENT_CONNECTIONS: AsyncSandbox's per agent
 
     [vm]                        # the microVM and full-VM backends
     layers = "pmem"                  # env LAZYFS_MICROVM_LAYERS: pmem (DAX) or blk
@@ -124,6 +125,9 @@ _KEYS: dict[str, _Key] = {
     "client_node": _Key("client", "node", "LAZYFS_NODE", str, "--node"),
     "client_fleet": _Key("client", "fleet", "LAZYFS_FLEET", str, "--fleet"),
     "client_token": _Key("client", "token", "LAZYFS_NODE_TOKEN", str, "--token"),
+    # AsyncSandbox's connections to one node agent (runtime.client.transport.AsyncHttp)
+    "client_connections": _Key("client", "connections", "LAZYFS_CLIENT_CONNECTIONS", int,
+                               "client.connections", 1024),
     "s3_endpoint": _Key("cluster", "s3_endpoint", "LAZYFS_S3_ENDPOINT", str,
                         "cluster.s3_endpoint"),
     "registry_user": _Key("registry", "user", "LAZYFS_REGISTRY_USER", str, "--creds"),

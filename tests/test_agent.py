@@ -199,6 +199,30 @@ def test_async_sdk_keeps_a_thousand_execs_in_flight_without_threads(agent: Agent
     assert len(seen) == 3 and seen[0] < total - 0.6  # the first line came while it ran
 
 
+def test_the_client_connections_setting_caps_the_commands_running_at_once(
+        agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With client.connections 2, six 0.5 s commands of one process run two
+    at a time (three waves: at least 1.5 s), none failing; a value below 1
+    is one clear error."""
+    monkeypatch.setenv("LAZYFS_CLIENT_CONNECTIONS", "2")
+
+    async def main() -> tuple[list[bytes], float]:
+        sb = await AsyncSandbox.create(IMAGE, node=agent.unix)
+        try:
+            t0 = time.monotonic()
+            rs = await asyncio.gather(*[sb.exec(f"sleep 0.5; echo {i}") for i in range(6)])
+            return [r.stdout for r in rs], time.monotonic() - t0
+        finally:
+            await sb.kill()
+
+    outs, took = asyncio.run(main())
+    assert outs == [f"{i}\n".encode() for i in range(6)]
+    assert took >= 1.5, took
+    monkeypatch.setenv("LAZYFS_CLIENT_CONNECTIONS", "0")
+    with pytest.raises(InvalidSpec, match="client.connections 0"):
+        asyncio.run(AsyncSandbox.list(node=agent.unix))
+
+
 def test_an_overloaded_agent_answers_a_typed_error_the_sdk_retries(tmp_path: Path) -> None:
     """An agent taking 2 calls at once: a third gets 503 Overloaded at once
     (not a dropped connection); the SDK sends such calls again, so 20 at

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from lazyfs.settings import setting
 
 from ..api import ALWAYS, ON_REQUEST, OPS, Op, SandboxApi, adapter, is_labels
-from ..errors import ERRORS, BackendUnavailable, ExecError, Overloaded, SandboxError
+from ..errors import ERRORS, BackendUnavailable, ExecError, InvalidSpec, Overloaded, SandboxError
 from ..spec import ExecResult
 
 if TYPE_CHECKING:
@@ -49,9 +49,8 @@ if TYPE_CHECKING:
 # connection must not time out either (a rollout may run thousands at once)
 TIMEOUT = httpx.Timeout(60.0, read=None, pool=None)
 LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-# AsyncHttp's connections to one agent (calls beyond wait for one), in
-# pools of ASYNC_SHARD
-ASYNC_MAX_CONNECTIONS = 1024
+# AsyncHttp's connections to one agent come in pools of ASYNC_SHARD (how
+# many: the client.connections setting, LAZYFS_CLIENT_CONNECTIONS)
 ASYNC_SHARD = 32
 # how long a call the agent refused as Overloaded is sent again (backoff up
 # to OVERLOAD_BACKOFF_MAX seconds between tries) before Overloaded reaches
@@ -85,7 +84,6 @@ def _check(r: httpx.Response) -> httpx.Response:
         if r.status_code == 401:
             raise BackendUnavailable("the node agent refused the token")
         if r.status_code == 422:  # FastAPI's validation error for a bad body
-            from ..errors import InvalidSpec
             raise InvalidSpec("; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}"
                                         for d in body.get("detail", [])) or r.text)
         raise_for(body, r.status_code)
@@ -302,7 +300,11 @@ class AsyncHttp:
     number waiting at every step: 32 s of CPU for 1,000 calls queued)."""
 
     def __init__(self, url: str, token: str | None = None, *,
-                 max_connections: int = ASYNC_MAX_CONNECTIONS) -> None:
+                 max_connections: int | None = None) -> None:
+        if max_connections is None:
+            max_connections = int(setting("client_connections"))
+        if max_connections < 1:
+            raise InvalidSpec(f"client.connections {max_connections}: at least 1 connection")
         self.url, self.token = url, token
         self._shards: list[_Shard] = []
         self._slots = anyio.Semaphore(max_connections)
