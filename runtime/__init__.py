@@ -33,6 +33,7 @@ from .errors import (
                      Unsupported,
 )
 from .spec import (
+                     BackgroundExec,
                      CheckpointInfo,
                      ExecResult,
                      NetworkPolicy,
@@ -49,6 +50,7 @@ from .spec import (
 __all__ = [
                      "AsyncSandbox",
                      "BackendUnavailable",
+                     "BackgroundExec",
                      "Checkpoint",
                      "CheckpointInfo",
                      "ExecError",

@@ -52,6 +52,7 @@ from pydantic import TypeAdapter
 
 from .files import FileInfo
 from .spec import (
+    BackgroundExec,
     CheckpointInfo,
     ExecRequest,
     ExecResult,
@@ -244,6 +245,17 @@ class SandboxApi:
     def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
              on_stderr: Sink | None = None) -> ExecResult:
         """Run a command and wait for it; output to the sinks as it comes."""
+        raise NotImplementedError
+
+    @op("POST", "/v1/sandboxes/{sandbox_id}/execs", json_body="req", status=201)
+    def exec_start(self, sandbox_id: str, req: ExecRequest) -> BackgroundExec:
+        """Start a command and return at once; wait() gives its result."""
+        raise NotImplementedError
+
+    @op("GET", "/v1/sandboxes/{sandbox_id}/execs/{exec_id}/wait", stream=ALWAYS)
+    def wait(self, sandbox_id: str, exec_id: str, timeout: float | None = None) -> ExecResult:
+        """The result of a command exec_start started, once it ends (exec's
+        errors); still running after `timeout` seconds: SandboxStateError."""
         raise NotImplementedError
 
     @op("POST", "/v1/sandboxes/{sandbox_id}/verify", json_body="req")

@@ -209,6 +209,15 @@ def command(cmd: str | Sequence[str]) -> tuple[str, ...]:
     return ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
 
 
+class BackgroundExec(_Model):
+    """A command started with sb.start(): wait() for its ExecResult."""
+
+    id: str = Field(pattern=r"^ex-[0-9a-f]{16}$")
+    sandbox_id: str
+    cmd: tuple[str, ...]
+    started: float
+
+
 class ExecResult(_Model):
     exit_code: int  # as a shell reports it: 128+N when killed by signal N
     stdout: bytes

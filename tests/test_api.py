@@ -8,15 +8,24 @@ Unix socket, over TCP with a token, and through a fleet."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from runtime import FileError, Sandbox
+from runtime import (
+    AsyncSandbox,
+    ExecTimeout,
+    FileError,
+    Sandbox,
+    SandboxNotFound,
+    SandboxStateError,
+)
 from runtime.api import OPS, OWN, SandboxApi
 from runtime.client.transport import Http, encode
 from runtime.fleet.client import Fleet
@@ -121,3 +130,57 @@ def test_stat_on_an_embedded_node(tmp_path: Path) -> None:
             assert (st.type, st.size, st.mode) == ("file", 2, 0o600)
         finally:
             sb.kill()
+
+
+def _background(sb: Sandbox) -> None:
+    started = sb.start("sleep 1; echo done")
+    assert started.id.startswith("ex-") and started.sandbox_id == sb.id
+    with pytest.raises(SandboxStateError, match="still runs"):
+        sb.wait(started, timeout=0.1)
+    r = sb.wait(started)
+    assert (r.exit_code, r.stdout) == (0, b"done\n")
+    assert sb.wait(started.id).stdout == b"done\n"  # (kept: asked again, the same)
+    assert sb.wait(sb.start(["/bin/sh", "-c", "exit 3"])).exit_code == 3
+    with pytest.raises(ExecTimeout) as e:
+        sb.wait(sb.start("echo partial; sleep 30", timeout=0.5))
+    assert e.value.result is not None and e.value.result.stdout == b"partial\n"
+    with pytest.raises(SandboxNotFound, match="ex-0000000000000000"):
+        sb.wait("ex-0000000000000000")
+    running = sb.start("sleep 30")
+    sb.kill()
+    with pytest.raises(SandboxNotFound):
+        sb.wait(running)
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_a_command_started_in_the_background_is_waited_for(agent: Agent, via: str) -> None:
+    """sb.start() returns at once; sb.wait() gives the result, exec's typed
+    errors (a timeout with what it printed), or says it still runs; the
+    operation exists only in the declaration and the Node."""
+    node, token = (agent.unix, None) if via == "unix" else (agent.http, agent.token)
+    _background(Sandbox.create(IMAGE, node=node, token=token))
+
+
+def test_background_commands_from_asyncio(agent: Agent) -> None:
+    """Five 0.5 s commands started from asyncio run at once: all their
+    results in well under the 2.5 s they would take one after another."""
+    async def main() -> tuple[list[bytes], float]:
+        sb = await AsyncSandbox.create(IMAGE, node=agent.unix)
+        try:
+            t0 = time.monotonic()
+            started = [await sb.start(f"sleep 0.5; echo {i}") for i in range(5)]
+            outs = [(await sb.wait(s)).stdout for s in started]
+            return outs, time.monotonic() - t0
+        finally:
+            await sb.kill()
+
+    outs, took = asyncio.run(main())
+    assert outs == [f"{i}\n".encode() for i in range(5)]
+    assert took < 2.0, took
+
+
+@pytest.mark.root
+@pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing()))
+def test_background_commands_on_an_embedded_node(tmp_path: Path) -> None:
+    with busybox_node(tmp_path) as node:
+        _background(Sandbox.create(IMAGE, node=node))

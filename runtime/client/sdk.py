@@ -43,6 +43,7 @@ from ..spec import (
     DEFAULT_MAX_OUTPUT,
     SANDBOX_ID_PATTERN,
     Backend,
+    BackgroundExec,
     CheckpointInfo,
     ExecRequest,
     ExecResult,
@@ -273,6 +274,20 @@ class Sandbox:
         on_stdout/on_stderr receive output as it comes."""
         req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
         return self._t.exec(self.id, req, on_stdout, on_stderr)
+
+    def start(self, cmd: str | Sequence[str], *, cwd: str | None = None,
+              env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
+              timeout: float = DEFAULT_EXEC_TIMEOUT,
+              max_output_bytes: int = DEFAULT_MAX_OUTPUT) -> BackgroundExec:
+        """Start `cmd` as exec() would and return at once; wait() for it."""
+        req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
+        return self._t.exec_start(self.id, req)
+
+    def wait(self, started: BackgroundExec | str, timeout: float | None = None) -> ExecResult:
+        """The result of a command start() started, once it ends (exec()'s
+        errors); SandboxStateError when it still runs after `timeout` s."""
+        exec_id = started.id if isinstance(started, BackgroundExec) else started
+        return self._t.wait(self.id, exec_id, timeout)
 
     def snapshot(self, tag: str | None = None) -> SnapshotInfo:
         """The sandbox's files as an image (its image's layers + its writable
@@ -523,6 +538,20 @@ class AsyncSandbox:
                    on_stdout: Sink | None = None, on_stderr: Sink | None = None) -> ExecResult:
         req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
         r: ExecResult = await _call(self._t, "exec", self.id, req, on_stdout, on_stderr)
+        return r
+
+    async def start(self, cmd: str | Sequence[str], *, cwd: str | None = None,
+                    env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
+                    timeout: float = DEFAULT_EXEC_TIMEOUT,
+                    max_output_bytes: int = DEFAULT_MAX_OUTPUT) -> BackgroundExec:
+        req = _exec_request(cmd, cwd, env, stdin, timeout, max_output_bytes)
+        out: BackgroundExec = await _call(self._t, "exec_start", self.id, req)
+        return out
+
+    async def wait(self, started: BackgroundExec | str, timeout: float | None = None
+                   ) -> ExecResult:
+        exec_id = started.id if isinstance(started, BackgroundExec) else started
+        r: ExecResult = await _call(self._t, "wait", self.id, exec_id, timeout)
         return r
 
     async def snapshot(self, tag: str | None = None) -> SnapshotInfo:

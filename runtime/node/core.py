@@ -6,9 +6,8 @@ SandboxInfo.image_digest), keeps one JSON state file per sandbox (its info,
 its resolved image and its backend's typed state, so a restarted node agent
 finds its sandboxes again: Node.recovery), enforces the node's quota
 (Node.admission) and each sandbox's timeout and idle timeout (Node.reaper),
-refuses calls a backend
-cannot do (Unsupported) or that do not fit the state (exec while paused), and
-turns limit kills into typed errors carrying the partial result.
+refuses calls a backend cannot do (Unsupported) or that do not fit the state
+(exec while paused), and turns limit kills into typed errors with the result.
 
 Synchronous and thread-safe: the node agent and AsyncSandbox call it from
 worker threads; the embedded SDK calls it directly. A node left open is
@@ -18,6 +17,7 @@ cgroups and mounts) the next node start sweeps.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -32,11 +32,7 @@ from typing import Any
 
 from ..api import Labels, Progress, SandboxApi, Sink
 from ..backends import Backend, Handle, capabilities, make_backend
-from ..backends.base import (
-    Eventful,
-    Networked,
-    Readable,
-)
+from ..backends.base import Eventful, Networked, Readable
 from ..config import RuntimeConfig
 from ..errors import (
     BackendUnavailable,
@@ -56,6 +52,7 @@ from ..fleet.records import sandbox_id as fleet_sandbox_id
 from ..images import Images
 from ..isolation import cgroups, hostlimits
 from ..spec import (
+    BackgroundExec,
     CheckpointInfo,
     ExecRequest,
     ExecResult,
@@ -71,6 +68,7 @@ from ..spec import (
     VerifyRequest,
 )
 from .admission import Admission
+from .background import Background
 from .bulk import Bulk
 from .capture import Captures
 from .preempt import PreemptedSandboxes
@@ -105,6 +103,7 @@ class Node(SandboxApi):
         self.recovery = Recovery(self)
         self.reaper = Reaper(self)
         self.bulk = Bulk(self)
+        self.background = Background(self)
         # ids of sandboxes being restored (a restore brings back a known id):
         # a kill of one waits for its restore, then stops what it made
         self._restoring: dict[str, threading.Event] = {}
@@ -133,11 +132,8 @@ class Node(SandboxApi):
                 self._backends[name] = make_backend(name, self.config, self.images)
             return self._backends[name]
 
-    def _state_file(self, sandbox_id: str) -> Path:
-        return self.config.sandboxes / sandbox_id / "sandbox.json"
-
     def _save(self, info: SandboxInfo, h: Handle[Any]) -> None:
-        f = self._state_file(info.id)
+        f = self.config.sandboxes / info.id / "sandbox.json"
         tmp = f.with_suffix(".tmp")
         tmp.write_text(json.dumps({"info": info.model_dump(mode="json"),
                                    "image": h.image.model_dump(mode="json"),
@@ -289,6 +285,7 @@ class Node(SandboxApi):
                 for ev in final:
                     self._killed_events[ev.kind] = self._killed_events.get(ev.kind, 0) + ev.count
         backend.kill(h)
+        self.background.forget(sandbox_id)
         if h.dir.exists():  # (the container backend removes it itself)
             remove_dir(h.dir)
         log.info("killed %s", sandbox_id)
@@ -384,6 +381,12 @@ class Node(SandboxApi):
                               f"{info.spec.memory_mb} MB", r)
         return r
 
+    def exec_start(self, sandbox_id: str, req: ExecRequest) -> BackgroundExec:
+        return self.background.start(sandbox_id, req)
+
+    def wait(self, sandbox_id: str, exec_id: str, timeout: float | None = None) -> ExecResult:
+        return self.background.wait(sandbox_id, exec_id, timeout)
+
     def files(self, sandbox_id: str) -> SandboxFiles:
         info, h = self._get(sandbox_id)
         files = self._require(info, "files").files(h)
@@ -448,12 +451,9 @@ class Node(SandboxApi):
             backend = self.backend(info.spec.backend)
             if not isinstance(backend, Eventful):
                 continue
-            try:
-                events = backend.events(h)
-            except (OSError, SandboxError):
-                continue  # going away meanwhile
-            for e in events:
-                out[e.kind] = out.get(e.kind, 0) + e.count
+            with contextlib.suppress(OSError, SandboxError):  # (going away meanwhile)
+                for e in backend.events(h):
+                    out[e.kind] = out.get(e.kind, 0) + e.count
         return out
 
     def close(self) -> None:
