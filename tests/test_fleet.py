@@ -331,6 +331,7 @@ def test_sandboxes_spread_over_nodes_and_any_client_reaches_them(fleet: FleetEnv
         assert other.exec("cat /etc/motd").stdout == b"hello from the image\n"
         # an operation the fleet forwards by the declaration alone (runtime.api)
         assert other.files.stat("/etc/motd").size == len(b"hello from the image\n")
+        assert other.wait(other.start("echo in-the-fleet")).stdout == b"in-the-fleet\n"
         listed = Sandbox.list(labels, fleet=fleet.url, token=TOKEN)
         assert {s.id for s in listed} == {s.id for s in sbs}
         paused = Sandbox.pause_many(labels, fleet=fleet.url, token=TOKEN)
