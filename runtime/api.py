@@ -258,6 +258,13 @@ class SandboxApi:
         errors); still running after `timeout` seconds: SandboxStateError."""
         raise NotImplementedError
 
+    @op("POST", "/v1/sandboxes/{sandbox_id}/execs/{exec_id}/signal", body=("signal",))
+    def signal(self, sandbox_id: str, exec_id: str, signal: int = 15) -> None:
+        """Send a signal to a running background command (its leading
+        process; SIGKILL: everything it started too). A command that ended
+        already: SandboxStateError."""
+        raise NotImplementedError
+
     @op("POST", "/v1/sandboxes/{sandbox_id}/verify", json_body="req")
     def verify(self, sandbox_id: str, req: VerifyRequest) -> ExecResult:
         """Run a command in a fresh sandbox of this one's files (a grader's)."""
@@ -287,6 +294,21 @@ class SandboxApi:
     @op("GET", "/v1/sandboxes/{sandbox_id}/files/stat")
     def stat(self, sandbox_id: str, path: str) -> FileInfo:
         """One path's type, size, mode and mtime (a symlink itself, not its target)."""
+        raise NotImplementedError
+
+    @op("PUT", "/v1/sandboxes/{sandbox_id}/archive", raw_body="data")
+    def put_archive(self, sandbox_id: str, path: str, data: bytes, keep_owners: bool = False
+                    ) -> None:
+        """Unpack a tar into directory `path` (files, directories, symlinks,
+        hard links, modes, times; the owners in the tar with `keep_owners`,
+        else the sandbox's root). The whole archive is checked before
+        anything is written."""
+        raise NotImplementedError
+
+    @op("GET", "/v1/sandboxes/{sandbox_id}/archive")
+    def get_archive(self, sandbox_id: str, path: str) -> bytes:
+        """`path` and, for a directory, everything under it, as a tar whose
+        entries are named from the path's last component."""
         raise NotImplementedError
 
     # -- snapshots and checkpoints ----------------------------------------------

@@ -10,14 +10,22 @@ link that makes the host read or write its own files. Writes are atomic
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
+import io
 import logging
+import lzma
 import os
+import shutil
 import stat
 import subprocess
+import tarfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import PurePosixPath
+from typing import IO, Any
 
 from pydantic import BaseModel
 
@@ -110,7 +118,260 @@ def _info(p: PurePosixPath, st: os.stat_result) -> FileInfo:
                     mode=stat.S_IMODE(st.st_mode), mtime=st.st_mtime)
 
 
-class SandboxFiles:
+# -- archives (put_archive / get_archive: `docker cp`, the SDK's trees) --------
+MAX_ARCHIVE = 1 << 30  # bytes of file data in one archive either way
+MAX_ARCHIVE_ENTRIES = 1_000_000
+_IDS = 1 << 16  # ids a sandbox's user namespace maps (runtime/isolation/idmap.py)
+
+
+def _member_path(name: str) -> PurePosixPath | None:
+    """A tar member's name as a relative path; None for the archive's own
+    root ("." or "/"). FileError for a name that leaves it."""
+    if "\0" in name:
+        raise FileError(f"archive entry {name!r}: a NUL in its name")
+    parts = [x for x in name.split("/") if x not in ("", ".")]
+    if ".." in parts:
+        raise FileError(f"archive entry {_printable(name)!r} leaves the directory it is "
+                        "unpacked in (..)")
+    return PurePosixPath(*parts) if parts else None
+
+
+def _check_archive(members: list[tarfile.TarInfo]) -> None:
+    """Every entry of a tar put_archive unpacks, before anything is written:
+    names inside, kinds a sandbox may have, sizes bounded, hard links to
+    files earlier in the archive."""
+    if len(members) > MAX_ARCHIVE_ENTRIES:
+        raise FileError(f"the archive has more than {MAX_ARCHIVE_ENTRIES:,} entries")
+    seen: set[PurePosixPath] = set()
+    total = 0
+    for m in members:
+        rel = _member_path(m.name)
+        if m.ischr() or m.isblk():
+            raise FileError(f"archive entry {_printable(m.name)!r}: device nodes are not "
+                            "unpacked into a sandbox")
+        if not (m.isreg() or m.isdir() or m.issym() or m.islnk() or m.isfifo()):
+            raise FileError(f"archive entry {_printable(m.name)!r}: unsupported type {m.type!r}")
+        if rel is None and not m.isdir():
+            raise FileError(f"archive entry {_printable(m.name)!r}: only a directory can be "
+                            "the archive's root")
+        if m.islnk():
+            target = _member_path(m.linkname)
+            if target is None or target not in seen:
+                raise FileError(f"archive entry {_printable(m.name)!r}: a hard link to "
+                                f"{_printable(m.linkname)!r}, which is not a file before it "
+                                "in the archive")
+        total += m.size if m.isreg() else 0
+        if total > MAX_ARCHIVE:
+            raise FileError(f"the archive holds more than {MAX_ARCHIVE >> 20} MiB of files")
+        if rel is not None:
+            seen.add(rel)
+
+
+def _sandbox_id(host: int, owner: int | None) -> int:
+    """A host uid or gid as the sandbox sees it."""
+    if owner is None:
+        return host
+    return host - owner if owner <= host < owner + _IDS else 65534  # (nobody)
+
+
+class _Archives:
+    """SandboxFiles' put_archive and get_archive."""
+
+    root: str
+    owner: int | None
+
+    def _ids(self, m: tarfile.TarInfo, keep: bool) -> tuple[int, int]:
+        base = self.owner or 0
+        if not keep:
+            return base, base
+        return base + min(max(m.uid, 0), _IDS - 1), base + min(max(m.gid, 0), _IDS - 1)
+
+    def put_archive(self, path: str, data: bytes, *, keep_owners: bool = False) -> None:
+        dest = _clean(path)
+        bad = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
+        try:
+            tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")  # noqa: SIM115
+        except bad as e:
+            raise FileError(f"not a tar archive (plain, gzip, bzip2 or xz): {e}") from None
+        with tar:
+            try:
+                members = tar.getmembers()
+            except bad as e:
+                raise FileError(f"a broken tar archive: {e}") from None
+            _check_archive(members)
+            try:
+                with self._dir_of(dest):  # it must be a directory already
+                    pass
+            except OSError as e:
+                raise _error(e, path) from None
+            for m in members:
+                rel = _member_path(m.name)
+                try:
+                    self._unpack(tar, m, dest / rel if rel is not None else dest, keep_owners)
+                except OSError as e:
+                    raise _error(e, f"{path}: {_printable(m.name)}") from None
+
+    def _dir_of(self, path: PurePosixPath, create: bool = False) -> Any:
+        return self._dir(path, create=create)  # type: ignore[attr-defined]
+
+    def _unpack(self, tar: tarfile.TarFile, m: tarfile.TarInfo, target: PurePosixPath,
+                keep: bool) -> None:
+        uid, gid = self._ids(m, keep)
+        mode = m.mode & 0o7777
+        if target.name in ("", ".", ".."):  # the directory unpacked into
+            with self._dir_of(target) as fd:
+                os.chmod(f"/proc/self/fd/{fd}", mode or 0o755)
+            return
+        with self._dir_of(target.parent, create=True) as parent:
+            name = target.name
+            try:
+                st: os.stat_result | None = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISDIR(st.st_mode) and not m.isdir():
+                raise FileError(f"{target}: cannot replace a directory with a "
+                                f"{'link' if m.issym() or m.islnk() else 'file'}")
+            if st is not None and not stat.S_ISDIR(st.st_mode) and m.isdir():
+                raise FileError(f"{target}: cannot replace a file with a directory")
+            if m.isdir():
+                if st is None:
+                    os.mkdir(name, 0o700, dir_fd=parent)
+            elif m.isreg():
+                tmp = f".{name}.lazyfs-{os.getpid()}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=parent)
+                try:
+                    src = tar.extractfile(m)
+                    assert src is not None
+                    with os.fdopen(fd, "wb") as f:
+                        shutil.copyfileobj(src, f, 1 << 20)
+                    os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=parent)
+                    raise
+            else:
+                if st is not None:
+                    os.unlink(name, dir_fd=parent)
+                if m.issym():
+                    os.symlink(m.linkname, name, dir_fd=parent)
+                elif m.isfifo():
+                    os.mkfifo(name, 0o600, dir_fd=parent)
+                else:  # a hard link: to a file of the sandbox (resolved in its root)
+                    linked = _member_path(m.linkname)
+                    assert linked is not None
+                    src_path = str(self._base_of(target, m.name, linked))
+                    with self._dir_of(PurePosixPath("/")) as root:
+                        tfd = _openat2(root, src_path, os.O_PATH | os.O_NOFOLLOW)
+                    try:
+                        if not stat.S_ISREG(os.fstat(tfd).st_mode):
+                            raise FileError(f"{target}: a hard link to {src_path}, "
+                                            "which is not a regular file")
+                        os.link(f"/proc/self/fd/{tfd}", name, dst_dir_fd=parent)
+                    finally:
+                        os.close(tfd)
+                    return  # (the link shares its file's owner, mode and times)
+            os.chown(name, uid, gid, dir_fd=parent, follow_symlinks=False)
+            if not m.issym():
+                os.chmod(name, mode, dir_fd=parent)
+            os.utime(name, (m.mtime, m.mtime), dir_fd=parent, follow_symlinks=False)
+
+    @staticmethod
+    def _base_of(target: PurePosixPath, name: str, linked: PurePosixPath) -> PurePosixPath:
+        """Where `linked` (a member path) was unpacked, given that member
+        `name` lands at `target`."""
+        rel = _member_path(name)
+        assert rel is not None
+        base = target
+        for _ in rel.parts:
+            base = base.parent
+        return base / linked
+
+    def get_archive(self, path: str) -> bytes:
+        top = _clean(path)
+        out = io.BytesIO()
+        total = 0
+        links: dict[tuple[int, int], str] = {}
+        arcroot = top.name or "."
+        try:
+            with self._dir_of(PurePosixPath("/")) as root, \
+                    tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                stack: list[tuple[PurePosixPath, str]] = [(top, arcroot)]
+                entries = 0
+                while stack:
+                    p, arcname = stack.pop()
+                    entries += 1
+                    if entries > MAX_ARCHIVE_ENTRIES:
+                        raise FileError(f"{path}: more than {MAX_ARCHIVE_ENTRIES:,} entries")
+                    fd = _openat2(root, str(p), os.O_PATH | os.O_NOFOLLOW)
+                    try:
+                        st = os.fstat(fd)
+                        info = tarfile.TarInfo(arcname)
+                        info.mode = stat.S_IMODE(st.st_mode)
+                        info.mtime = int(st.st_mtime)
+                        info.uid = _sandbox_id(st.st_uid, self.owner)
+                        info.gid = _sandbox_id(st.st_gid, self.owner)
+                        if stat.S_ISDIR(st.st_mode):
+                            info.type = tarfile.DIRTYPE
+                            tar.addfile(info)
+                            dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY
+                                          | os.O_CLOEXEC)
+                            try:
+                                names = sorted(os.listdir(dfd), reverse=True)
+                            finally:
+                                os.close(dfd)
+                            for n in names:
+                                if p == PurePosixPath("/") and n in RUNTIME_MOUNTS:
+                                    continue
+                                stack.append((p / n, f"{arcname}/{n}"))
+                        elif stat.S_ISREG(st.st_mode):
+                            key = (st.st_dev, st.st_ino)
+                            if st.st_nlink > 1 and key in links:
+                                info.type, info.linkname = tarfile.LNKTYPE, links[key]
+                                tar.addfile(info)
+                                continue
+                            links[key] = arcname
+                            total += st.st_size
+                            if total > MAX_ARCHIVE:
+                                raise FileError(f"{path}: more than {MAX_ARCHIVE >> 20} MiB "
+                                                "of files")
+                            rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NOCTTY
+                                          | os.O_CLOEXEC)
+                            with os.fdopen(rfd, "rb") as f:
+                                info.size = st.st_size
+                                tar.addfile(info, _Exactly(f, st.st_size))
+                        elif stat.S_ISLNK(st.st_mode):
+                            info.type = tarfile.SYMTYPE
+                            info.linkname = os.readlink("", dir_fd=fd)
+                            tar.addfile(info)
+                        elif stat.S_ISFIFO(st.st_mode):
+                            info.type = tarfile.FIFOTYPE
+                            tar.addfile(info)
+                        # (sockets and device nodes are left out)
+                    finally:
+                        os.close(fd)
+        except OSError as e:
+            raise _error(e, path) from None
+        return out.getvalue()
+
+
+class _Exactly(io.RawIOBase):
+    """A file read as exactly `size` bytes (zeros past a file that shrank
+    meanwhile would misalign the tar: it is an error instead)."""
+
+    def __init__(self, f: IO[bytes], size: int) -> None:
+        self.f, self.left = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(want)
+        if len(data) < want:
+            raise OSError(errno.EIO, "the file shrank while it was archived")
+        self.left -= len(data)
+        return data
+
+
+class SandboxFiles(_Archives):
     """Files of one sandbox root (a directory on the host). owner: the host
     id of the sandbox's root user (a container's user namespace): what is
     written here is its (uid and gid), else the host's root's, an id the
@@ -256,3 +517,4 @@ class SandboxFiles:
             return True
         except OSError:
             return False
+

@@ -8,6 +8,7 @@ mounts and cgroups and must undo all of them when create fails or kill runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,10 @@ from pydantic import BaseModel, ConfigDict
 from composer.snapshot import HostIds, UpperRules
 
 from ..api import Progress, Sink
+
+# sends a signal to a command while it runs (its leading process; SIGKILL:
+# everything it started); what a backend's exec gives `on_started`
+Signaller = Callable[[int], None]
 from ..files import SandboxFiles
 from ..spec import (
     ExecRequest,
@@ -31,7 +36,8 @@ from ..spec import (
 )
 
 OPERATIONS = ("exec", "stream", "files", "pause", "resume", "snapshot", "fork", "verify",
-              "hidden", "checkpoint", "network_allowlist", "persistent", "events", "reads")
+              "hidden", "checkpoint", "network_allowlist", "persistent", "events", "reads",
+              "signal", "archive")
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,8 @@ class Backend(Protocol):
 
     def create(self, handle: Handle[Any]) -> None: ...
     def exec(self, handle: Handle[Any], req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult: ...
+             on_stderr: Sink | None, *,
+             on_started: Callable[[Signaller], None] | None = None) -> ExecResult: ...
     def files(self, handle: Handle[Any]) -> SandboxFiles: ...
     def pause(self, handle: Handle[Any]) -> dict[str, Any]: ...
     def resume(self, handle: Handle[Any]) -> None: ...

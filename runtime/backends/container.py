@@ -85,7 +85,7 @@ from ..spec import (
     SandboxEvent,
 )
 from . import criu, initexec, netpolicy, procio
-from .base import BackendState, Capabilities, Handle
+from .base import BackendState, Capabilities, Handle, Signaller
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,8 @@ class ContainerBackend:
     state_type = ContainerState
     capabilities = Capabilities("container", frozenset(
         {"exec", "stream", "files", "pause", "resume", "network_allowlist", "persistent",
-         "snapshot", "fork", "verify", "hidden", "events", "checkpoint", "reads"}),
+         "snapshot", "fork", "verify", "hidden", "events", "checkpoint", "reads", "signal",
+         "archive"}),
         "runc over a lazy overlayfs root; cgroup v1 limits; pause = freeze + reclaim; "
         "snapshot = the upper packed into a layer; checkpoint = that + CRIU memory images "
         "(runc --criu)")
@@ -657,7 +658,8 @@ class ContainerBackend:
 
     # -- exec ----------------------------------------------------------------
     def exec(self, h: Container, req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
+             on_stderr: Sink | None, *,
+             on_started: Callable[[Signaller], None] | None = None) -> ExecResult:
         cwd = req.cwd or h.spec.workdir
         env = {"PATH": oci.PATH_ENV.partition("=")[2], "HOME": "/root", "TERM": "xterm",
                **h.spec.env, **req.env}
@@ -670,6 +672,8 @@ class ContainerBackend:
         except (OSError, initexec.ChannelError) as e:
             self._exec_failed(h, e, cgroups.fork_refusals(h.id) > refusals)
         holder.append(proc)
+        if on_started is not None:
+            on_started(lambda sig: self._signal(h, proc, sig))
         try:
             out = procio.run(proc, stdin=req.stdin, timeout=req.timeout,
                              max_output=req.max_output_bytes, stop=proc.kill,
@@ -711,6 +715,20 @@ class ContainerBackend:
         if status == "stopped":
             raise SandboxStateError(f"{h.id} is not running (its init is gone): {e}") from e
         raise SandboxError(f"could not start the command in {h.id}: {e}") from e
+
+    def _signal(self, h: Container, proc: initexec.InitCommand, sig: int) -> None:
+        """`sig` to the command's leading process; SIGKILL to its whole tree."""
+        if proc.returncode is not None:
+            return
+        if sig == signal.SIGKILL:
+            self._kill_tree(h, proc)
+            return
+        leader = initexec.host_pid(cgroups.pids(h.id), proc.pid)
+        if leader is not None:
+            try:
+                os.kill(leader, sig)
+            except ProcessLookupError:
+                pass
 
     def _kill_tree(self, h: Container, proc: initexec.InitCommand) -> None:
         """Kill the command and everything it started (its descendants, its

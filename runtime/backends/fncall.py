@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from ..isolation import cgroups, hostlimits
 from ..isolation.denials import Denials, SeccompListener
 from ..native import sandbox_init
 from ..spec import ExecRequest, ExecResult, ResolvedImage, SandboxEvent, SandboxSpec
-from .base import BackendState, Capabilities, Handle
+from .base import BackendState, Capabilities, Handle, Signaller
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -386,7 +387,9 @@ class FncallBackend:
         self.denials.watch(h.id)
 
     def exec(self, h: Fncall, req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
+             on_stderr: Sink | None, *,
+             on_started: Callable[[Signaller], None] | None = None) -> ExecResult:
+        # (a call cannot be signalled: on_started is never called)
         # each sandbox's calls run as a uid of its own: the kernel's per-user
         # budgets (inotify instances and watches) are the sandbox's
         return self._pool(h.image).call(h.id, req, h.spec, hostlimits.fncall_uid(h.id),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import BackendUnavailable, FileError
+from ..errors import BackendUnavailable, FileError, Unsupported
 from ..files import MAX_READ, FileInfo, SandboxFiles, _clean, _printable
 from ..guest.protocol import AgentConnection, AgentError, entry_kind
 from .qemuproc import Vm
@@ -90,3 +90,9 @@ class GuestFiles(SandboxFiles):
             return agent.exists(path)
         except AgentError as e:
             raise self._unavailable(vm, e) from e
+
+    def put_archive(self, path: str, data: bytes, *, keep_owners: bool = False) -> None:
+        raise Unsupported("archives of a VM's files are not built yet (use write / read)")
+
+    def get_archive(self, path: str) -> bytes:
+        raise Unsupported("archives of a VM's files are not built yet (use write / read)")

@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
@@ -77,7 +78,7 @@ from ..spec import (
     VmState,
 )
 from . import netpolicy, qemuproc, snapshots
-from .base import BackendState, Handle
+from .base import BackendState, Handle, Signaller
 from .guestfiles import GuestFiles
 from .qemuproc import Vm
 
@@ -536,7 +537,9 @@ class QemuBackend(Generic[Q]):
 
     # -- exec and files --------------------------------------------------------
     def exec(self, h: Handle[Q], req: ExecRequest, on_stdout: Sink | None,
-             on_stderr: Sink | None) -> ExecResult:
+             on_stderr: Sink | None, *,
+             on_started: Callable[[Signaller], None] | None = None) -> ExecResult:
+        # (the guest agent cannot signal a command yet: on_started is never called)
         vm = self._vm(h)
         env = {"PATH": PATH_ENV, "HOME": "/root", "TERM": "xterm", **h.spec.env, **req.env}
         t0 = time.monotonic()

@@ -147,6 +147,15 @@ class Files:
     def download(self, path: str, local: str | os.PathLike[str]) -> None:
         Path(local).write_bytes(self.read(path))
 
+    def put_archive(self, path: str, data: bytes, *, keep_owners: bool = False) -> None:
+        """Unpack a tar (plain, gzip, bzip2 or xz) into directory `path`;
+        the whole archive is checked before anything is written."""
+        self._t.put_archive(self._id, path, data, keep_owners)
+
+    def get_archive(self, path: str) -> bytes:
+        """`path` (a directory: with everything under it) as a tar."""
+        return self._t.get_archive(self._id, path)
+
 
 class Sandbox:
     def __init__(self, info: SandboxInfo, transport: Transport) -> None:
@@ -288,6 +297,12 @@ class Sandbox:
         errors); SandboxStateError when it still runs after `timeout` s."""
         exec_id = started.id if isinstance(started, BackgroundExec) else started
         return self._t.wait(self.id, exec_id, timeout)
+
+    def signal(self, started: BackgroundExec | str, signal: int = 15) -> None:
+        """Send `signal` (default SIGTERM) to a command start() started
+        (container backend); SIGKILL ends everything it started too."""
+        exec_id = started.id if isinstance(started, BackgroundExec) else started
+        self._t.signal(self.id, exec_id, signal)
 
     def snapshot(self, tag: str | None = None) -> SnapshotInfo:
         """The sandbox's files as an image (its image's layers + its writable
@@ -431,6 +446,13 @@ class AsyncFiles:
         data = await self.read(path)
         await _thread(Path(local).write_bytes, data)
 
+    async def put_archive(self, path: str, data: bytes, *, keep_owners: bool = False) -> None:
+        await _call(self._t, "put_archive", self._id, path, data, keep_owners)
+
+    async def get_archive(self, path: str) -> bytes:
+        out: bytes = await _call(self._t, "get_archive", self._id, path)
+        return out
+
 
 class AsyncSandbox:
     """The same calls as Sandbox, awaitable from asyncio or trio. To a node
@@ -553,6 +575,10 @@ class AsyncSandbox:
         exec_id = started.id if isinstance(started, BackgroundExec) else started
         r: ExecResult = await _call(self._t, "wait", self.id, exec_id, timeout)
         return r
+
+    async def signal(self, started: BackgroundExec | str, signal: int = 15) -> None:
+        exec_id = started.id if isinstance(started, BackgroundExec) else started
+        await _call(self._t, "signal", self.id, exec_id, signal)
 
     async def snapshot(self, tag: str | None = None) -> SnapshotInfo:
         out: SnapshotInfo = await _call(self._t, "snapshot", self.id, tag)

@@ -8,23 +8,32 @@ themselves are stopped with their exec channel, as an exec's are).
 
 from __future__ import annotations
 
+import logging
 import secrets
+import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..api import Sink
+from ..backends.base import Signaller
 from ..errors import (
     BackendUnavailable,
+    InvalidSpec,
     QuotaExceeded,
     SandboxError,
     SandboxNotFound,
     SandboxStateError,
+    Unsupported,
 )
 from ..spec import BackgroundExec, ExecRequest, ExecResult
 
 if TYPE_CHECKING:
     from .core import Node
+
+log = logging.getLogger(__name__)
 
 MAX_PER_SANDBOX = 256
 
@@ -35,6 +44,8 @@ class _Run:
     done: threading.Event = field(default_factory=threading.Event)
     result: ExecResult | None = None
     error: SandboxError | None = None
+    signaller: Signaller | None = None
+    started: threading.Event = field(default_factory=threading.Event)
 
 
 class Background:
@@ -45,7 +56,12 @@ class Background:
         self._lock = threading.Lock()
         self._runs: dict[str, dict[str, _Run]] = {}  # sandbox id -> exec id -> run
 
-    def start(self, sandbox_id: str, req: ExecRequest) -> BackgroundExec:
+    def start(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
+              on_stderr: Sink | None = None,
+              on_done: Callable[[ExecResult | None, SandboxError | None], None] | None = None
+              ) -> BackgroundExec:
+        """Start `req`; the sinks get its output as it comes (in the
+        command's thread), `on_done` its result or error once it ends."""
         info, _ = self.node._get(sandbox_id)
         self.node._require(info, "exec")
         if info.state == "paused":
@@ -62,15 +78,26 @@ class Background:
                 del runs[finished[0]]  # (dicts keep their order: the oldest)
             runs[run.info.id] = run
 
+        def started(signaller: Signaller) -> None:
+            run.signaller = signaller
+            run.started.set()
+
         def body() -> None:
             try:
-                run.result = self.node.exec(sandbox_id, req)
+                run.result = self.node.run_command(sandbox_id, req, on_stdout, on_stderr,
+                                                   on_started=started)
             except SandboxError as e:
                 run.error = e
             except Exception as e:  # noqa: BLE001 - the waiter gets it, typed
                 run.error = BackendUnavailable(f"{run.info.id}: {type(e).__name__}: {e}")
             finally:
                 run.done.set()
+                run.started.set()
+                if on_done is not None:
+                    try:
+                        on_done(run.result, run.error)
+                    except Exception:
+                        log.exception("%s: on_done failed", run.info.id)
 
         threading.Thread(target=body, name=f"exec-{run.info.id}", daemon=True).start()
         return run.info
@@ -87,6 +114,25 @@ class Background:
             raise run.error
         assert run.result is not None
         return run.result
+
+    def signal(self, sandbox_id: str, exec_id: str, sig: int) -> None:
+        """`sig` to a running command (Node.signal)."""
+        try:
+            signal.Signals(sig)
+        except ValueError:
+            raise InvalidSpec(f"signal {sig} is not a signal number") from None
+        with self._lock:
+            run = self._runs.get(sandbox_id, {}).get(exec_id)
+        if run is None:
+            self.node._get(sandbox_id)
+            raise SandboxNotFound(f"no background command {exec_id!r} in {sandbox_id}")
+        run.started.wait(30)
+        if run.done.is_set():
+            raise SandboxStateError(f"{exec_id} has ended already")
+        if run.signaller is None:
+            info, _ = self.node._get(sandbox_id)
+            raise Unsupported(f"the {info.spec.backend} backend cannot signal a command")
+        run.signaller(sig)
 
     def forget(self, sandbox_id: str) -> None:
         """The sandbox went: its commands' results go too."""

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..api import Labels, Progress, SandboxApi, Sink
 from ..backends import Backend, Handle, capabilities, make_backend
-from ..backends.base import Eventful, Networked, Readable
+from ..backends.base import Eventful, Networked, Readable, Signaller
 from ..config import RuntimeConfig
 from ..errors import (
     BackendUnavailable,
@@ -352,6 +352,13 @@ class Node(SandboxApi):
     # -- exec and files ------------------------------------------------------
     def exec(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
              on_stderr: Sink | None = None) -> ExecResult:
+        return self.run_command(sandbox_id, req, on_stdout, on_stderr)
+
+    def run_command(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
+                    on_stderr: Sink | None = None,
+                    on_started: Callable[[Signaller], None] | None = None) -> ExecResult:
+        """exec(); `on_started` is given the command's Signaller once it runs
+        (backends that cannot signal a command give none)."""
         info, h = self._get(sandbox_id)
         backend = self._require(info, "exec")
         if info.state == "paused":
@@ -359,7 +366,7 @@ class Node(SandboxApi):
         with self._lock:
             self._busy[sandbox_id] = self._busy.get(sandbox_id, 0) + 1
         try:
-            r = backend.exec(h, req, on_stdout, on_stderr)
+            r = backend.exec(h, req, on_stdout, on_stderr, on_started=on_started)
         finally:
             with self._lock:
                 self._busy[sandbox_id] -= 1
@@ -387,6 +394,11 @@ class Node(SandboxApi):
     def wait(self, sandbox_id: str, exec_id: str, timeout: float | None = None) -> ExecResult:
         return self.background.wait(sandbox_id, exec_id, timeout)
 
+    def signal(self, sandbox_id: str, exec_id: str, signal: int = 15) -> None:
+        info, _ = self._get(sandbox_id)
+        self._require(info, "signal")
+        self.background.signal(sandbox_id, exec_id, signal)
+
     def files(self, sandbox_id: str) -> SandboxFiles:
         info, h = self._get(sandbox_id)
         files = self._require(info, "files").files(h)
@@ -407,6 +419,19 @@ class Node(SandboxApi):
 
     def stat(self, sandbox_id: str, path: str) -> FileInfo:
         return self.files(sandbox_id).stat(path)
+
+    def _archive_files(self, sandbox_id: str) -> SandboxFiles:
+        info, h = self._get(sandbox_id)
+        files = self._require(info, "archive").files(h)
+        self._touch(info, h)
+        return files
+
+    def put_archive(self, sandbox_id: str, path: str, data: bytes, keep_owners: bool = False
+                    ) -> None:
+        self._archive_files(sandbox_id).put_archive(path, data, keep_owners=keep_owners)
+
+    def get_archive(self, sandbox_id: str, path: str) -> bytes:
+        return self._archive_files(sandbox_id).get_archive(path)
 
     def capabilities(self, backend: str) -> dict[str, Any]:
         return capabilities(backend).as_dict()
