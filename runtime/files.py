@@ -192,7 +192,8 @@ class _Archives:
         try:
             tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")  # noqa: SIM115
         except bad as e:
-            raise FileError(f"not a tar archive (plain, gzip, bzip2 or xz): {e}") from None
+            why = str(e).splitlines()[0].rstrip(":")
+            raise FileError(f"not a tar archive (plain, gzip, bzip2 or xz): {why}") from None
         with tar:
             try:
                 members = tar.getmembers()

@@ -95,12 +95,19 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
                    "fits in it times the QoS class's overcommit [no memory admission].")
 @click.option("--overcommit", "overcommit", multiple=True, metavar="QOS=FACTOR",
               help="Memory overcommit of a QoS class [latency=1, best_effort=4].")
+@click.option("--docker-socket", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also serve the Docker Engine API on this Unix socket (mode 0600: root "
+                   "only), for docker-py and the docker CLI (DOCKER_HOST=unix://PATH).")
+@click.option("--docker-certs-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None, help="Registries' CA certificates for docker pull, as HOST/ca.crt "
+                                 "[/etc/docker/certs.d].")
 @click.pass_obj
 def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
           token_file: Path | None, state: Path | None, node_root: Path | None,
           stop: bool, fleet: str | None, node_id: str | None, advertise: str | None,
           node_labels: tuple[str, ...], max_sandboxes: int | None, max_in_flight: int | None,
-          memory_mb: int | None, overcommit: tuple[str, ...]) -> None:
+          memory_mb: int | None, overcommit: tuple[str, ...], docker_socket: Path | None,
+          docker_certs_dir: Path | None) -> None:
     """Run the node agent: the HTTP API that creates and drives this node's
     sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
     a restarted agent finds them again. SDK and CLI calls that name no node
@@ -136,7 +143,7 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
         click.echo(f"stopped the agent on {sock} (pid {pid})" if pid is not None
                    else f"no agent answers on {sock}", err=True)
         return
-    from runtime.agent.server import TcpListeners, bind_tcp, run_agent
+    from runtime.agent.server import DockerOptions, TcpListeners, bind_tcp, run_agent
 
     token = None
     listeners = TcpListeners()
@@ -167,11 +174,18 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
     root_logger = logging.getLogger()
     root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
     try:
+        docker = None
+        if docker_socket is not None:
+            docker = DockerOptions(docker_socket.absolute(),
+                                   docker_certs_dir or Path("/etc/docker/certs.d"))
         run_agent(config, socket=sock, listen=listeners.binds(), token=token, fleet=membership,
+                  docker=docker,
                   on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
                                               + "".join(f" http://{a}" for a in listen)
                                               + (f" in the fleet {fleet} as {node_id}"
-                                                 if fleet else ""), err=True))
+                                                 if fleet else "")
+                                              + (f"; the Docker API on unix://{docker.socket}"
+                                                 if docker else ""), err=True))
     finally:
         listeners.close()
 

@@ -41,6 +41,16 @@ LISTEN_BACKLOG = 4096  # (the kernel's net.core.somaxconn caps it)
 KEEP_ALIVE_S = 75.0
 
 
+@dataclass(frozen=True)
+class DockerOptions:
+    """The Docker Engine API endpoint (runtime.docker): its Unix socket and
+    where registries' CA certificates are (HOST/ca.crt, as dockerd's
+    /etc/docker/certs.d)."""
+
+    socket: Path
+    certs_dir: Path | None = None
+
+
 @dataclass
 class TcpListeners:
     """TCP sockets bound before the agent serves: a port given as 0 is one
@@ -105,7 +115,8 @@ async def _reaper(node: Node) -> None:
 
 
 def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = None,
-          token: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
+          token: str | None = None, on_ready: Callable[[], None] | None = None,
+          docker: DockerOptions | None = None) -> None:
     """Serve until SIGINT/SIGTERM. Sandboxes outlive the agent; a restarted
     agent on the same state directory finds them (Node.recover)."""
     if listen and token is None:
@@ -147,6 +158,9 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
                         return
 
             nursery.start_soon(signals)
+            if docker is not None:  # (root-only: its socket is made 0600)
+                from ..docker.server import serve_docker
+                await nursery.start(serve_docker, node, docker.socket, docker.certs_dir)
 
             async def ready_when_bound() -> None:
                 while socket is not None and not socket.exists():
@@ -169,7 +183,8 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
 def run_agent(config: RuntimeConfig, *, socket: Path | None = None,
               listen: list[str] | None = None, token: str | None = None,
               on_ready: Callable[[], None] | None = None,
-              fleet: tuple[str, Registration] | None = None) -> None:
+              fleet: tuple[str, Registration] | None = None,
+              docker: DockerOptions | None = None) -> None:
     """The agent of `config.state_dir` until SIGINT/SIGTERM: its node (which
     refuses when another node process owns the state), a pid file next to
     the socket (launch.stop reads it), serve, then close the node. `fleet`:
@@ -191,7 +206,7 @@ def run_agent(config: RuntimeConfig, *, socket: Path | None = None,
     try:
         sock.parent.mkdir(parents=True, exist_ok=True)
         pid.write_text(f"{os.getpid()}\n")
-        serve(node, socket=sock, listen=listen, token=token, on_ready=ready)
+        serve(node, socket=sock, listen=listen, token=token, on_ready=ready, docker=docker)
     finally:
         try:
             if member is not None:

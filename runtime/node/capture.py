@@ -181,6 +181,16 @@ class Captures:
             self._store, self._catalog = store, catalog
         return self._store, self._catalog
 
+    def local_store(self) -> tuple[ChunkStore, Catalog]:
+        """The local store and its catalog, writable (images pulled or
+        tagged through the node: the Docker endpoint); Unsupported with a
+        cluster store or a read-only one."""
+        if self.config.cluster:
+            raise Unsupported("this node serves images from a cluster store: convert and push "
+                              "images there with `lazyfs convert` and `lazyfs cluster push`")
+        with self._lock:
+            return self._open()
+
     def _images(self) -> ImageCatalog:
         """Where the images and layers sandboxes run are read from."""
         return self._open()[1] if not self.config.cluster else self.images.catalog()
