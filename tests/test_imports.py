@@ -126,5 +126,6 @@ def test_runtime_shows_its_rooms() -> None:
     top = {p.stem for p in (ROOT / "runtime").glob("*.py")}
     assert top == {"__init__", "api", "config", "errors", "files", "images", "native", "spec"}
     rooms = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()}
-    assert rooms == {"agent", "backends", "client", "fleet", "guest", "isolation", "node"}
+    assert rooms == {"agent", "backends", "client", "docker", "fleet", "guest", "isolation",
+                     "node"}
     assert len((ROOT / "runtime/node/core.py").read_text().splitlines()) <= 500

@@ -13,9 +13,12 @@ keep-alive connection for IDLE_S.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import logging
 import re
+import termios
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -180,8 +183,27 @@ class Connection:
                 else "HTTP/1.1 200 OK\r\nConnection: close\r\n")
         head += f"Content-Type: {content_type}\r\nApi-Version: {API_VERSION}\r\n\r\n"
         await self.stream.send_all(head.encode())
+        await _read_by_peer(self.stream)
         leftover, closed = self.h11.trailing_data
         return Raw(self.stream, bytes(leftover), closed)
+
+
+async def _read_by_peer(stream: trio.abc.Stream, timeout: float = 2.0) -> None:
+    """Wait until the client has read what was sent (a Unix socket's send
+    queue, TIOCOUTQ, is empty). docker-py reads a hijacked answer's head
+    through a buffered reader and then takes the raw socket: output sent
+    before it read the head would sit in that buffer, lost. (dockerd's
+    commands start slowly enough that this rarely shows; ours do not.)"""
+    sock = getattr(stream, "socket", None)
+    if sock is None or sock.family != trio.socket.AF_UNIX:
+        return
+    buf = array.array("i", [0])
+    with trio.move_on_after(timeout):
+        while True:
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf, True)
+            if buf[0] == 0:
+                return
+            await trio.sleep(0.0005)
 
 
 class Streamed:
@@ -327,6 +349,10 @@ class _quiet:
 
 
 async def _answer(conn: Connection, event: h11.Request, router: Router) -> None:
+    if len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD:
+        conn.keep = False  # (h11 bounds a head that arrives in parts; this, one read whole)
+        await conn.json(431, {"message": f"the request head is over {MAX_HEAD:,} bytes"})
+        return
     target = event.target.decode("latin-1")
     raw_path, _, qs = target.partition("?")
     path = raw_path  # (a route's parts are unquoted once matched)
