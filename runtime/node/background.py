@@ -121,10 +121,10 @@ class Background:
             signal.Signals(sig)
         except ValueError:
             raise InvalidSpec(f"signal {sig} is not a signal number") from None
+        self.node._require(self.node._get(sandbox_id)[0], "signal")
         with self._lock:
             run = self._runs.get(sandbox_id, {}).get(exec_id)
         if run is None:
-            self.node._get(sandbox_id)
             raise SandboxNotFound(f"no background command {exec_id!r} in {sandbox_id}")
         run.started.wait(30)
         if run.done.is_set():

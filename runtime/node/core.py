@@ -36,11 +36,7 @@ from ..backends.base import Eventful, Networked, Readable, Signaller
 from ..config import RuntimeConfig
 from ..errors import (
     BackendUnavailable,
-    ExecStatusUnknown,
-    ExecTimeout,
     InvalidSpec,
-    OutOfMemory,
-    OutputTruncated,
     SandboxError,
     SandboxNotFound,
     SandboxPreempted,
@@ -71,6 +67,7 @@ from .admission import Admission
 from .background import Background
 from .bulk import Bulk
 from .capture import Captures
+from .execs import checked
 from .preempt import PreemptedSandboxes
 from .preemption import Preemption
 from .reaping import Reaper
@@ -357,8 +354,7 @@ class Node(SandboxApi):
     def run_command(self, sandbox_id: str, req: ExecRequest, on_stdout: Sink | None = None,
                     on_stderr: Sink | None = None,
                     on_started: Callable[[Signaller], None] | None = None) -> ExecResult:
-        """exec(); `on_started` is given the command's Signaller once it runs
-        (backends that cannot signal a command give none)."""
+        """exec(); `on_started` gets its Signaller (a backend that can signal)."""
         info, h = self._get(sandbox_id)
         backend = self._require(info, "exec")
         if info.state == "paused":
@@ -373,20 +369,7 @@ class Node(SandboxApi):
                 current = self._sandboxes.get(sandbox_id)  # a kill may have raced us
             if current is not None:
                 self._touch(*current)
-        what = " ".join(req.cmd)[:200]
-        if r.status_unknown:
-            raise ExecStatusUnknown(f"{what!r}: its exit status is unknown (the guest agent "
-                                    "could not reap it; a process of it may be left)", r)
-        if r.timed_out:
-            raise ExecTimeout(f"{what!r} ran past its {req.timeout:g}s timeout; its "
-                              "processes were killed", r)
-        if r.truncated:
-            raise OutputTruncated(f"{what!r} printed more than {req.max_output_bytes} bytes "
-                                  "on a stream; it was killed", r)
-        if r.oom_killed:
-            raise OutOfMemory(f"{what!r} was killed: the sandbox hit its memory limit of "
-                              f"{info.spec.memory_mb} MB", r)
-        return r
+        return checked(r, req, info.spec.memory_mb)
 
     def exec_start(self, sandbox_id: str, req: ExecRequest) -> BackgroundExec:
         return self.background.start(sandbox_id, req)
@@ -395,13 +378,11 @@ class Node(SandboxApi):
         return self.background.wait(sandbox_id, exec_id, timeout)
 
     def signal(self, sandbox_id: str, exec_id: str, signal: int = 15) -> None:
-        info, _ = self._get(sandbox_id)
-        self._require(info, "signal")
         self.background.signal(sandbox_id, exec_id, signal)
 
-    def files(self, sandbox_id: str) -> SandboxFiles:
+    def files(self, sandbox_id: str, need: str = "files") -> SandboxFiles:
         info, h = self._get(sandbox_id)
-        files = self._require(info, "files").files(h)
+        files = self._require(info, need).files(h)
         self._touch(info, h)
         return files
 
@@ -420,18 +401,12 @@ class Node(SandboxApi):
     def stat(self, sandbox_id: str, path: str) -> FileInfo:
         return self.files(sandbox_id).stat(path)
 
-    def _archive_files(self, sandbox_id: str) -> SandboxFiles:
-        info, h = self._get(sandbox_id)
-        files = self._require(info, "archive").files(h)
-        self._touch(info, h)
-        return files
-
     def put_archive(self, sandbox_id: str, path: str, data: bytes, keep_owners: bool = False
                     ) -> None:
-        self._archive_files(sandbox_id).put_archive(path, data, keep_owners=keep_owners)
+        self.files(sandbox_id, "archive").put_archive(path, data, keep_owners=keep_owners)
 
     def get_archive(self, sandbox_id: str, path: str) -> bytes:
-        return self._archive_files(sandbox_id).get_archive(path)
+        return self.files(sandbox_id, "archive").get_archive(path)
 
     def capabilities(self, backend: str) -> dict[str, Any]:
         return capabilities(backend).as_dict()
