@@ -27,9 +27,13 @@ from tests.helpers.images import build_busybox_rootfs, tar_of
 from tests.helpers.registry import Registry, push_image
 from tests.helpers.sandboxes import IMAGE, runtime_missing
 
+# Debian's docker CLI (docker.io), the one install.sh installs, even where
+# another one comes first in PATH
+DOCKER = "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else shutil.which("docker")
+
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
-              pytest.mark.skipif(shutil.which("docker") is None,
+              pytest.mark.skipif(DOCKER is None,
                                  reason="needs the docker CLI (apt-get install docker.io)")]
 
 
@@ -41,7 +45,8 @@ class Endpoint:
 
     def cli(self, *args: str, stdin: bytes | None = None, timeout: float = 120
             ) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(["docker", *args], env=self.env, input=stdin,
+        assert DOCKER is not None
+        return subprocess.run([DOCKER, *args], env=self.env, input=stdin,
                               capture_output=True, timeout=timeout, check=False)
 
     def ok(self, *args: str, stdin: bytes | None = None) -> str:
@@ -101,7 +106,7 @@ def test_versions_ping_and_info_as_clients_negotiate(ep: Endpoint) -> None:
     out = ep.ok("version", "--format", "{{json .}}")
     doc = json.loads(out)
     assert doc["Server"]["ApiVersion"] == "1.47"
-    assert doc["Client"]["ApiVersion"] == "1.47"  # negotiated down from the CLI's own
+    assert doc["Server"]["MinAPIVersion"] <= doc["Client"]["ApiVersion"] <= "1.47"
     cl = ep.client()
     assert cl.ping() is True
     assert cl.api.api_version == "1.47"
