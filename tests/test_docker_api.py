@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -26,6 +27,8 @@ from tests.helpers.agents import Agent, running_agent
 from tests.helpers.images import build_busybox_rootfs, tar_of
 from tests.helpers.registry import Registry, push_image
 from tests.helpers.sandboxes import IMAGE, runtime_missing
+from tests.helpers.support import free_port, wait_until
+from tests.helpers.tlscerts import ThrowawayCA
 
 # Debian's docker CLI (docker.io), the one install.sh installs, even where
 # another one comes first in PATH
@@ -410,3 +413,80 @@ def test_malformed_and_refused_requests_leave_nothing_half_made(ep: Endpoint) ->
         c.remove(force=True)
     assert cl.ping() is True  # the endpoint is unharmed
     assert ep.sandboxes() == before
+
+
+def test_tcp_only_with_client_certificates(tmp_path: Path) -> None:
+    """`--docker-listen` serves TCP with TLS client certificates, as dockerd's
+    --tlsverify: the docker CLI (DOCKER_CERT_PATH, DOCKER_TLS_VERIFY) and
+    docker-py's TLSConfig work unchanged; a client without a certificate,
+    with one of another CA, or speaking plain HTTP gets nothing."""
+    ca = ThrowawayCA(tmp_path / "ca")
+    server = ca.issue(tmp_path / "server", "node", server_ip="127.0.0.1")
+    ca.issue(tmp_path / "client", "harness")
+    other = ThrowawayCA(tmp_path / "other-ca")
+    other.issue(tmp_path / "stranger", "stranger")
+    port = free_port()
+    d = tmp_path / "agent"
+    d.mkdir()
+    with running_agent(d, extra=["--docker-listen", f"127.0.0.1:{port}",
+                                 "--docker-tlscacert", str(ca.path),
+                                 "--docker-tlscert", str(server.cert),
+                                 "--docker-tlskey", str(server.key)]):
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, 20, "the Docker endpoint's TCP port")
+        assert DOCKER is not None
+        env = {**os.environ, "DOCKER_HOST": f"tcp://127.0.0.1:{port}", "DOCKER_TLS_VERIFY": "1",
+               "DOCKER_CERT_PATH": str(tmp_path / "client"),
+               "DOCKER_CONFIG": str(tmp_path / "home")}
+        p = subprocess.run([DOCKER, "run", "--rm", IMAGE, "sh", "-c", "echo over tls; exit 7"],
+                           env=env, capture_output=True, timeout=120, check=False)
+        assert (p.returncode, p.stdout) == (7, b"over tls\n"), p.stderr
+        tls = docker.tls.TLSConfig(client_cert=(str(tmp_path / "client/cert.pem"),
+                                                str(tmp_path / "client/key.pem")),
+                                   ca_cert=str(ca.path), verify=True)
+        # (requests lets $REQUESTS_CA_BUNDLE, set on some machines, override the
+        # session's CA: the test's client ignores the environment)
+        api = docker.APIClient(base_url=f"https://127.0.0.1:{port}", tls=tls, version="1.41")
+        api.trust_env = False
+        cl = docker.DockerClient(base_url=f"https://127.0.0.1:{port}", tls=tls, version="1.41")
+        cl.api = api
+        c = cl.containers.run(IMAGE, ["sleep", "60"], detach=True)
+        r = c.exec_run(["sh", "-c", "echo out; echo err >&2"], demux=True)
+        assert r.output == (b"out\n", b"err\n")
+        c.remove(force=True)
+        for cert_dir in ("stranger", None):  # another CA's certificate; none at all
+            env2 = {**env, "DOCKER_CERT_PATH": str(tmp_path / (cert_dir or "server"))}
+            if cert_dir is None:  # the CA to verify the server, no client certificate
+                bare = tmp_path / "bare"
+                bare.mkdir(exist_ok=True)
+                shutil.copy(ca.path, bare / "ca.pem")
+                env2 = {**env, "DOCKER_TLS_VERIFY": "", "DOCKER_CERT_PATH": "",
+                        "DOCKER_HOST": f"tcp://127.0.0.1:{port}"}
+                args = ["--tlsverify", f"--tlscacert={bare / 'ca.pem'}", "ps"]
+            else:
+                shutil.copy(ca.path, tmp_path / "stranger" / "ca.pem")
+                args = ["ps"]
+            p = subprocess.run([DOCKER, *args], env=env2, capture_output=True, timeout=60,
+                               check=False)
+            assert p.returncode != 0 and b"CONTAINER ID" not in p.stdout, (cert_dir, p)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /containers/json HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:
+                answer = s.recv(4096)
+            except ConnectionResetError:
+                answer = b""
+            assert b"Id" not in answer and b"200 OK" not in answer
+
+
+def test_plain_tcp_is_refused_in_one_line(tmp_path: Path) -> None:
+    from tests.helpers.agents import REPO
+    p = subprocess.run([sys.executable, "-m", "tools.cli", "agent", "--state",
+                        str(tmp_path / "state"), "--docker-listen", "127.0.0.1:2375"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].endswith(
+        "the Docker API is never served on plain TCP")
+    assert not (tmp_path / "state").exists()

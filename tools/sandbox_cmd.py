@@ -98,6 +98,16 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
 @click.option("--docker-socket", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also serve the Docker Engine API on this Unix socket (mode 0600: root "
                    "only), for docker-py and the docker CLI (DOCKER_HOST=unix://PATH).")
+@click.option("--docker-listen", multiple=True, metavar="HOST:PORT",
+              help="Also serve the Docker Engine API on TCP, only with TLS client "
+                   "certificates (--docker-tlscacert/--docker-tlscert/--docker-tlskey, as "
+                   "dockerd's --tlsverify; clients: docker --tlsverify, DOCKER_CERT_PATH).")
+@click.option("--docker-tlscacert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="CA certificate (PEM) that issues the Docker clients' certificates.")
+@click.option("--docker-tlscert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The Docker endpoint's TLS certificate (PEM).")
+@click.option("--docker-tlskey", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The Docker endpoint's TLS key (PEM).")
 @click.option("--docker-certs-dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, help="Registries' CA certificates for docker pull, as HOST/ca.crt "
                                  "[/etc/docker/certs.d].")
@@ -107,6 +117,8 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
           stop: bool, fleet: str | None, node_id: str | None, advertise: str | None,
           node_labels: tuple[str, ...], max_sandboxes: int | None, max_in_flight: int | None,
           memory_mb: int | None, overcommit: tuple[str, ...], docker_socket: Path | None,
+          docker_listen: tuple[str, ...], docker_tlscacert: str | None,
+          docker_tlscert: str | None, docker_tlskey: str | None,
           docker_certs_dir: Path | None) -> None:
     """Run the node agent: the HTTP API that creates and drives this node's
     sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
@@ -143,7 +155,8 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
         click.echo(f"stopped the agent on {sock} (pid {pid})" if pid is not None
                    else f"no agent answers on {sock}", err=True)
         return
-    from runtime.agent.server import DockerOptions, TcpListeners, bind_tcp, run_agent
+    from runtime.agent.server import TcpListeners, bind_tcp, run_agent
+    from runtime.docker.server import DockerOptions
 
     token = None
     listeners = TcpListeners()
@@ -175,16 +188,27 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
     root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
     try:
         docker = None
-        if docker_socket is not None:
-            docker = DockerOptions(docker_socket.absolute(),
-                                   docker_certs_dir or Path("/etc/docker/certs.d"))
+        tls = (docker_tlscacert, docker_tlscert, docker_tlskey)
+        if docker_listen and None in tls:
+            raise QuietError("--docker-listen needs --docker-tlscacert, --docker-tlscert and "
+                             "--docker-tlskey: the Docker API is never served on plain TCP",
+                             exit_code=2)
+        for address in docker_listen:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise QuietError(f"--docker-listen {address!r}: expected HOST:PORT", exit_code=2)
+        if docker_socket is not None or docker_listen:
+            docker = DockerOptions(docker_socket.absolute() if docker_socket else None,
+                                   docker_certs_dir or Path("/etc/docker/certs.d"),
+                                   tuple(docker_listen),
+                                   tls if docker_listen else None)  # type: ignore[arg-type]
         run_agent(config, socket=sock, listen=listeners.binds(), token=token, fleet=membership,
                   docker=docker,
                   on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
                                               + "".join(f" http://{a}" for a in listen)
                                               + (f" in the fleet {fleet} as {node_id}"
                                                  if fleet else "")
-                                              + (f"; the Docker API on unix://{docker.socket}"
+                                              + (f"; the Docker API on {docker.where()}"
                                                  if docker else ""), err=True))
     finally:
         listeners.close()

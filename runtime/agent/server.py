@@ -27,6 +27,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from ..config import RuntimeConfig
+from ..docker.http import close_all
+from ..docker.server import DockerOptions, serve_docker
+from ..docker.server import bind as bind_docker
 from ..errors import BackendUnavailable, InvalidSpec
 from ..fleet.etcd import Etcd
 from ..fleet.member import Member, Registration
@@ -39,16 +42,6 @@ log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 4096  # (the kernel's net.core.somaxconn caps it)
 KEEP_ALIVE_S = 75.0
-
-
-@dataclass(frozen=True)
-class DockerOptions:
-    """The Docker Engine API endpoint (runtime.docker): its Unix socket and
-    where registries' CA certificates are (HOST/ca.crt, as dockerd's
-    /etc/docker/certs.d)."""
-
-    socket: Path
-    certs_dir: Path | None = None
 
 
 @dataclass
@@ -146,6 +139,8 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
     if listen:
         servers.append((admission.wrap(make_app(node, token, metrics)), config(list(listen))))
 
+    docker_sockets = bind_docker(docker) if docker is not None else []
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_reaper, node)
@@ -159,8 +154,7 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
 
             nursery.start_soon(signals)
             if docker is not None:  # (root-only: its socket is made 0600)
-                from ..docker.server import serve_docker
-                await nursery.start(serve_docker, node, docker.socket, docker.certs_dir)
+                nursery.start_soon(serve_docker, node, docker, docker_sockets)
 
             async def ready_when_bound() -> None:
                 while socket is not None and not socket.exists():
@@ -177,7 +171,10 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
                                                        shutdown_trigger=shutdown.wait))
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    finally:
+        close_all(docker_sockets)
 
 
 def run_agent(config: RuntimeConfig, *, socket: Path | None = None,

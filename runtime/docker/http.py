@@ -14,10 +14,14 @@ keep-alive connection for IDLE_S.
 from __future__ import annotations
 
 import array
+import contextlib
 import fcntl
 import json
 import logging
+import os
 import re
+import socket as socketlib
+import ssl
 import termios
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_HEAD = 64 << 10
 MAX_JSON = 4 << 20  # a JSON request body
 IDLE_S = 120.0
+TLS_HEAD_PAUSE_S = 0.02  # see _read_by_peer
 READ_SIZE = 1 << 16
 RAW_STREAM = "application/vnd.docker.raw-stream"
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
@@ -103,6 +108,7 @@ class Connection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         self.answered = False
         self.method = ""
+        self.hijacked = False
         self.keep = True  # keep the connection for another request
         self._body_done = False
 
@@ -178,12 +184,12 @@ class Connection:
         await self.read_body(req, MAX_JSON)  # (the request's own body comes first)
         self.answered = True
         self.keep = False
+        self.hijacked = True
         upgrade = "upgrade" in req.headers.get("connection", "").lower()
         head = ("HTTP/1.1 101 UPGRADED\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n" if upgrade
                 else "HTTP/1.1 200 OK\r\nConnection: close\r\n")
         head += f"Content-Type: {content_type}\r\nApi-Version: {API_VERSION}\r\n\r\n"
         await self.stream.send_all(head.encode())
-        await _read_by_peer(self.stream)
         leftover, closed = self.h11.trailing_data
         return Raw(self.stream, bytes(leftover), closed)
 
@@ -196,6 +202,9 @@ async def _read_by_peer(stream: trio.abc.Stream, timeout: float = 2.0) -> None:
     commands start slowly enough that this rarely shows; ours do not.)"""
     sock = getattr(stream, "socket", None)
     if sock is None or sock.family != trio.socket.AF_UNIX:
+        # over TLS there is no telling what the client's process has read
+        # (a TCP send queue empties when the peer's kernel has it): a pause
+        await trio.sleep(TLS_HEAD_PAUSE_S)
         return
     buf = array.array("i", [0])
     with trio.move_on_after(timeout):
@@ -228,9 +237,13 @@ class Raw:
         self.stream = stream
         self._leftover = leftover
         self._eof = closed
+        self._head_read = False
 
     async def write(self, data: bytes) -> None:
         if data:
+            if not self._head_read:  # (the command starts meanwhile)
+                await _read_by_peer(self.stream)
+                self._head_read = True
             await self.stream.send_all(data)
 
     async def read(self) -> bytes:
@@ -333,6 +346,10 @@ async def serve_connection(stream: trio.abc.Stream, router: Router) -> None:
     except (_Closed, trio.BrokenResourceError, trio.ClosedResourceError):
         return
     finally:
+        if conn.hijacked:  # what the client sent last (its TLS close_notify after a
+            with _quiet(), trio.move_on_after(1.0):  # CloseWrite) read, not reset
+                while await stream.receive_some(READ_SIZE):
+                    pass
         with _quiet():
             await stream.aclose()
 
@@ -399,29 +416,84 @@ def _older(a: str, b: str) -> bool:
     return tuple(int(x) for x in a.split(".")) < tuple(int(x) for x in b.split("."))
 
 
-async def serve_unix(path: str, router: Router, *, task_status: Any = trio.TASK_STATUS_IGNORED,
-                     mode: int = 0o600) -> None:
-    """Serve `router` on a Unix socket at `path` (made `mode`) until cancelled."""
-    import os
+def make_tls_context(ca: str, cert: str, key: str) -> ssl.SSLContext:
+    """A server context that requires a client certificate issued by `ca`
+    (dockerd's --tlsverify)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+    ctx.load_cert_chain(cert, key)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
 
-    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    await sock.bind(path)
-    os.chmod(path, mode)
-    sock.listen(4096)
-    listener = trio.SocketListener(sock)
-    task_status.started()
-    try:
-        async def handle(s: trio.SocketStream) -> None:
-            try:
-                await serve_connection(s, router)
-            except Exception:  # one connection never ends the server
-                log.exception("docker endpoint: a connection failed")
 
-        await trio.serve_listeners(handle, [listener])
-    finally:
-        with _quiet():
+def bind_unix(path: str, mode: int = 0o600) -> socketlib.socket:
+    """A listening Unix socket at `path` (replacing a stale one), `mode`."""
+    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        s.bind(path)
+        os.chmod(path, mode)
+        s.listen(4096)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def bind_tcp(address: str) -> socketlib.socket:
+    """A listening TCP socket on HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    s = socketlib.socket(socketlib.AF_INET6 if ":" in host else socketlib.AF_INET,
+                         socketlib.SOCK_STREAM)
+    try:
+        s.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)
+        s.bind((host, int(port)))
+        s.listen(4096)
+    except (OSError, OverflowError):
+        s.close()
+        raise
+    return s
+
+
+async def serve(sockets: list[tuple[socketlib.socket, ssl.SSLContext | None]],
+                router: Router) -> None:
+    """Serve `router` on bound sockets (bind_unix / bind_tcp), each plain or
+    TLS with its context (make_tls_context: client certificates required, a
+    client without one never gets past the handshake), until cancelled."""
+    listeners: list[trio.abc.Listener[Any]] = []
+    for sock, context in sockets:
+        plain = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        listeners.append(plain if context is None else trio.SSLListener(
+            plain, context, https_compatible=True))
+
+    async def handle(stream: trio.abc.Stream) -> None:
+        if isinstance(stream, trio.SSLStream):
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError as e:
+                log.warning("docker endpoint: a TLS client refused: %s", e.__cause__ or e)
+                with _quiet():
+                    await stream.transport_stream.aclose()
+                return
+        try:
+            await serve_connection(stream, router)
+        except Exception:  # one connection never ends the server
+            log.exception("docker endpoint: a connection failed")
+
+    try:
+        await trio.serve_listeners(handle, listeners)
+    finally:
+        close_all(sockets)
+
+
+def close_all(sockets: list[tuple[socketlib.socket, ssl.SSLContext | None]]) -> None:
+    """Close bound sockets (a Unix one's path removed)."""
+    for sock, _ in sockets:
+        if sock.family == socketlib.AF_UNIX and sock.fileno() >= 0:
+            with contextlib.suppress(OSError):
+                path = sock.getsockname()
+                if path:
+                    os.unlink(path)
+        sock.close()

@@ -13,14 +13,17 @@ import functools
 import json
 import logging
 import platform
+import socket
+import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
-from ..errors import FileError, SandboxError
+from ..errors import BackendUnavailable, FileError, InvalidSpec, SandboxError
 from ..node import Node
 from .engine import STDIN_LIMIT, Container, Engine, Exec, iter_lines, to_http
 from .http import (
@@ -32,7 +35,10 @@ from .http import (
     Raw,
     Request,
     Router,
-    serve_unix,
+    bind_tcp,
+    bind_unix,
+    make_tls_context,
+    serve,
 )
 from .images import DockerImages, hub_short, registry_auth
 from .shapes import STDERR, STDOUT, filters, frame, iso, since_time
@@ -97,10 +103,6 @@ class DockerServer:
         r("POST", "/exec/{id}/resize", self.accept)
         r("GET", "/exec/{id}/json", self.exec_inspect)
         self.router.fallback = self.not_served
-
-    async def serve(self, path: Path, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        await serve_unix(str(path), self.router, task_status=task_status)
 
     async def _thread(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         try:
@@ -440,7 +442,7 @@ class DockerServer:
             await self._thread(self.engine.exec_detached, e)
             await req.conn.send(200, b"")
             return
-        c = await self._thread(self.engine.exec_begin, e)
+        c = self.engine.exec_begin(e)
         tty = bool(body.get("Tty", e.config.get("Tty")))
         try:
             raw = await req.conn.hijack(req, RAW_STREAM if tty else MULTIPLEXED)
@@ -541,6 +543,62 @@ def _tail(entries: list[tuple[float, int, bytes]], n: int) -> list[tuple[float, 
     return lines[-n:] if n else []
 
 
-async def serve_docker(node: Node, path: Path, certs_dir: Path | None = None,
-                       task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    await DockerServer(node, certs_dir).serve(path, task_status=task_status)
+def bind(options: DockerOptions) -> list[tuple[socket.socket, ssl.SSLContext | None]]:
+    """The endpoint's sockets, bound now (before the agent serves: a bad
+    address or certificate is one error line, nothing left bound)."""
+    out: list[tuple[socket.socket, ssl.SSLContext | None]] = []
+    try:
+        if options.socket is not None:
+            options.socket.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                out.append((bind_unix(str(options.socket)), None))
+            except OSError as e:
+                raise BackendUnavailable(f"--docker-socket {options.socket}: "
+                                         f"{e.strerror or e}") from None
+        if options.listen:
+            assert options.tls is not None
+            try:
+                context = make_tls_context(*options.tls)
+            except (OSError, ssl.SSLError) as e:
+                raise InvalidSpec(f"the Docker endpoint's TLS files {', '.join(options.tls)}: "
+                                  f"{e}") from None
+            for address in options.listen:
+                try:
+                    out.append((bind_tcp(address), context))
+                except (OSError, OverflowError, ValueError) as e:
+                    raise BackendUnavailable(f"--docker-listen {address}: cannot bind it: "
+                                             f"{getattr(e, 'strerror', None) or e}") from None
+    except BaseException:
+        for sock, _ in out:
+            sock.close()
+        raise
+    return out
+
+
+async def serve_docker(node: Node, options: DockerOptions,
+                       sockets: list[tuple[socket.socket, ssl.SSLContext | None]]) -> None:
+    """Serve the endpoint on `sockets` (bind(options)) until cancelled."""
+    await serve(sockets, DockerServer(node, options.certs_dir).router)
+
+
+@dataclass(frozen=True)
+class DockerOptions:
+    """Where the endpoint serves: a Unix socket (0600) and TCP listeners
+    (HOST:PORT, only with `tls`: the CA that issues the clients'
+    certificates, the server's certificate and key, dockerd's --tlsverify),
+    and where registries' CA certificates are (HOST/ca.crt, as dockerd's
+    /etc/docker/certs.d)."""
+
+    socket: Path | None = None
+    certs_dir: Path | None = None
+    listen: tuple[str, ...] = ()
+    tls: tuple[str, str, str] | None = None  # (ca, cert, key) files
+
+    def where(self) -> str:
+        return " ".join([*([f"unix://{self.socket}"] if self.socket else []),
+                         *(f"tcp://{a} (TLS, client certificates)" for a in self.listen)])
+
+    def __post_init__(self) -> None:
+        if self.listen and self.tls is None:
+            raise ValueError("the Docker endpoint serves TCP only with TLS client "
+                             "certificates")
