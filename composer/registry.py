@@ -269,3 +269,28 @@ class RegistrySource:
                                f"blob digest mismatch: {e.__cause__}") from e
             raise
         return manifest
+
+
+def check_login(host: str, options: RegistryOptions) -> None:
+    """The registry at `host` accepts `options`' credentials (what `docker
+    login` asks of a daemon): its /v2/ answered with them. BadSource naming
+    why otherwise (wrong credentials, unreachable, TLS)."""
+    plain = bool(options.plain_http)
+    # (a repository name is needed to make a client; only /v2/ is asked)
+    client = DXF(host, "login", auth=lambda c, r: c.authenticate(options.username,
+                                                                options.password, response=r),
+                 insecure=plain, tlsverify=options.tls_verify, timeout=options.timeout)
+    try:
+        client.api_version_check()
+    except dxf_errors.DXFUnauthorizedError:
+        raise BadSource(f"registry {host}: unauthorized: incorrect username or password"
+                        ) from None
+    except dxf_errors.DXFAuthInsecureError:
+        raise BadSource(f"registry {host}: refusing to send credentials over plain HTTP"
+                        ) from None
+    except requests.exceptions.SSLError as e:
+        raise BadSource(f"registry {host}: {_tls_reason(e)}") from None
+    except requests.exceptions.HTTPError as e:
+        raise BadSource(f"registry {host}: {e}") from None
+    except (requests.exceptions.RequestException, OSError) as e:
+        raise BadSource(f"registry {host}: {_unreachable_reason(e, options.timeout)}") from None

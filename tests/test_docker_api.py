@@ -310,6 +310,17 @@ def test_pull_with_tls_and_auth_then_a_swe_bench_like_flow(ep: Endpoint, tmp_pat
                                                          "password": reg.password})
         assert img.id.startswith("blake3:") and f"{name}:1" in img.tags
         assert cl.images.get(f"{name}:1").attrs["Config"]["WorkingDir"] == "/repo"
+        # the CLI: login (the endpoint checks the credentials with the registry), pull
+        assert reg.password is not None and reg.username is not None
+        p = ep.cli("login", reg.host, "-u", reg.username, "--password-stdin",
+                   stdin=b"wrong\n")
+        assert p.returncode != 0 and b"incorrect username or password" in p.stderr
+        p = ep.cli("login", reg.host, "-u", reg.username, "--password-stdin",
+                   stdin=reg.password.encode() + b"\n")
+        assert p.returncode == 0 and b"Login Succeeded" in p.stdout, p.stderr
+        ep.ok("rmi", f"{name}:1")
+        p = ep.cli("pull", f"{name}:1")
+        assert p.returncode == 0 and b"Downloaded newer image" in p.stdout + p.stderr, p
 
     # the evaluation flow, as SWE-bench's harness drives docker-py
     c = cl.containers.run(f"{name}:1", ["sleep", "3600"], detach=True)

@@ -346,12 +346,27 @@ async def serve_connection(stream: trio.abc.Stream, router: Router) -> None:
     except (_Closed, trio.BrokenResourceError, trio.ClosedResourceError):
         return
     finally:
-        if conn.hijacked:  # what the client sent last (its TLS close_notify after a
-            with _quiet(), trio.move_on_after(1.0):  # CloseWrite) read, not reset
-                while await stream.receive_some(READ_SIZE):
-                    pass
+        if conn.hijacked:
+            await _end_hijacked(stream)
         with _quiet():
             await stream.aclose()
+
+
+async def _end_hijacked(stream: trio.abc.Stream) -> None:
+    """End a hijacked connection so that the client sees the end, not a
+    reset: what it sent last (the docker CLI's TLS close_notify after its
+    CloseWrite) is read, not left unread at close. A plain socket: our EOF
+    first, then the client's (it closes on ours). TLS has no half-close
+    here: only what arrived within a moment is read."""
+    with _quiet():
+        if isinstance(stream, trio.SocketStream):
+            await stream.send_eof()
+            wait = 1.0
+        else:
+            wait = 0.005
+        with trio.move_on_after(wait):
+            while await stream.receive_some(READ_SIZE):
+                pass
 
 
 class _quiet:

@@ -177,13 +177,38 @@ class DockerImages:
             out.append({"Deleted": f.digest})
         return out
 
+    # -- registries ------------------------------------------------------------------
+    def registry_options(self, host: str, auth: dict[str, Any]) -> Any:
+        """How to reach registry `host`: the credentials given (docker-py's
+        auth_config, the CLI's login), its CA from the certs directory."""
+        from composer.registry import RegistryOptions
+
+        ca = self.certs_dir / host / "ca.crt" if self.certs_dir is not None else None
+        return RegistryOptions.given(
+            username=auth.get("username") or None, password=auth.get("password") or None,
+            tls_verify=str(ca) if ca is not None and ca.exists() else True)
+
+    def login(self, auth: dict[str, Any]) -> None:
+        """What `docker login` asks: the registry accepts these credentials."""
+        from composer.registry import check_login
+
+        server = str(auth.get("serveraddress") or "")
+        host = server.removeprefix("https://").removeprefix("http://").split("/")[0]
+        if not host or hub_short(host + "/") != host + "/":
+            raise HttpError(400, f"login to {server or 'Docker Hub'}: lazyfs logs in to the "
+                                 "registry named (docker login HOST[:PORT]); Docker Hub is not "
+                                 "reachable from here")
+        try:
+            check_login(host, self.registry_options(host, auth))
+        except LazyfsError as e:
+            raise HttpError(401, str(e)) from None
+
     # -- pull ----------------------------------------------------------------------
     def pull(self, ref: str, auth: dict[str, Any], report: Callable[[dict[str, Any]], None]
              ) -> str:
         """Convert registry image `ref` (HOST[:PORT]/REPO:TAG) into the local
         store under that name; Docker's progress lines to `report`."""
         from composer.convert import convert_image
-        from composer.registry import RegistryOptions
 
         host, slash, _ = ref.partition("/")
         if not slash or ("." not in host and ":" not in host and host != "localhost") \
@@ -195,10 +220,7 @@ class DockerImages:
             tag = normalize_tag(ref)
         except (ComposerError, ValueError) as e:
             raise HttpError(400, f"invalid reference format: {e}") from None
-        ca = self.certs_dir / host / "ca.crt" if self.certs_dir is not None else None
-        options = RegistryOptions.given(
-            username=auth.get("username") or None, password=auth.get("password") or None,
-            tls_verify=str(ca) if ca is not None and ca.exists() else True)
+        options = self.registry_options(host, auth)
         store, catalog = self._local()
         repo, _, version = tag.rpartition(":")
         report({"status": f"Pulling from {repo.partition('/')[2]}", "id": version})
@@ -215,6 +237,7 @@ class DockerImages:
                         "progressDetail": {"current": done[0]},
                         "progress": f"{done[0] / 1e6:,.1f} MB, {done[1]:,} files"})
 
+        had = next((d for t, d in self._catalog().list_tags() if t == tag), None)
         t0 = time.monotonic()
         try:
             with self._lock:
@@ -223,7 +246,7 @@ class DockerImages:
         except (LazyfsError, OSError) as e:
             raise HttpError(500, f"pulling {ref}: {e}") from None
         report({"status": f"Digest: {out.digest}"})
-        what = ("Image is up to date for" if out.image_known
+        what = ("Image is up to date for" if had == str(out.digest)
                 else "Downloaded newer image for")
         report({"status": f"Status: {what} {tag} ({done[0] / 1e6:,.1f} MB converted in "
                           f"{time.monotonic() - t0:.1f} s)"})

@@ -73,6 +73,7 @@ class DockerServer:
         r("GET", "/version", self.version)
         r("GET", "/info", self.info)
         r("GET", "/events", self.events)
+        r("POST", "/auth", self.auth)
         r("GET", "/images/json", self.images_list)
         r("POST", "/images/create", self.images_pull)
         r("GET", "/images/{name:path}/json", self.images_inspect)
@@ -158,6 +159,13 @@ class DockerServer:
         raise HttpError(501 if what else 404,
                         f"lazyfs's Docker endpoint does not serve {what}" if what
                         else f"page not found: {req.method} {req.path}")
+
+    async def auth(self, req: Request) -> None:
+        body = await req.json()
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        await self._thread(self.images.login, body)
+        await req.conn.json(200, {"Status": "Login Succeeded", "IdentityToken": ""})
 
     async def accept(self, req: Request) -> None:
         """(resizing a terminal that is not there)"""
