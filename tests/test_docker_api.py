@@ -501,3 +501,72 @@ def test_plain_tcp_is_refused_in_one_line(tmp_path: Path) -> None:
     assert p.stderr.strip().splitlines()[-1].endswith(
         "the Docker API is never served on plain TCP")
     assert not (tmp_path / "state").exists()
+
+
+def test_containers_outlive_a_restarted_agent_as_exited(tmp_path: Path) -> None:
+    """The agent keeps a record per container: restarted, it shows them
+    again (exited: their main process ended with it), and start, cp and
+    rm work on them; a record whose sandbox is gone is dropped."""
+    sock = tmp_path / "docker.sock"
+    with running_agent(tmp_path, extra=["--docker-socket", str(sock)]) as a:
+        wait_until(sock.exists, 20, "the Docker socket")
+        cl = docker.DockerClient(base_url=f"unix://{sock}", version="auto")
+        kept = cl.containers.run(IMAGE, ["sleep", "600"], detach=True, name="kept")
+        kept.exec_run(["sh", "-c", "echo survived > /tmp/mark"])
+        gone = cl.containers.run(IMAGE, ["sleep", "600"], detach=True, name="gone")
+        a.stop()
+        from runtime.config import RuntimeConfig
+        from runtime.node import Node
+        n = Node(RuntimeConfig(store=a.store, state_dir=a.d / "state", node_root=a.node_root))
+        n.kill(gone.id)  # its sandbox goes while no agent runs
+        n.close()
+        a.start()
+        wait_until(sock.exists, 20, "the Docker socket")
+        cl = docker.DockerClient(base_url=f"unix://{sock}", version="auto")
+        listed = {c.name: c for c in cl.containers.list(all=True)}
+        assert set(listed) == {"kept"}
+        c = listed["kept"]
+        assert c.status == "exited" and c.attrs["State"]["ExitCode"] == 137
+        assert "agent restarted" in c.attrs["State"]["Error"]
+        c.start()
+        assert c.exec_run(["cat", "/tmp/mark"]).output == b"survived\n"
+        c.remove(force=True)
+        assert not list((tmp_path / "state" / "docker").glob("*.json"))
+
+
+def test_docker_py_tag_logs_tail_detached_exec_top_and_inspect(ep: Endpoint) -> None:
+    cl = ep.client()
+    img = cl.images.get(IMAGE)
+    assert img.tag("tagged/bb", "7") is True
+    assert cl.images.get("tagged/bb:7").id == img.id
+    cl.images.remove("tagged/bb:7")
+    with pytest.raises(docker.errors.ImageNotFound):
+        cl.images.get("tagged/bb:7")
+    assert cl.images.get(IMAGE).id == img.id  # untagging one name leaves the others
+    c = cl.containers.run(IMAGE, ["sh", "-c", ("for i in 1 2 3 4 5; do echo $i; done; "
+                                  "echo e >&2; sleep 600")], detach=True,
+                          environment={"FOO": "bar"}, working_dir="/tmp", mem_limit="64m",
+                          nano_cpus=500_000_000, pids_limit=64, labels={"k": "v"})
+    try:
+        wait_until(lambda: b"5" in c.logs(), 20, "the container's output")
+        assert c.logs(tail=2, stderr=False) == b"4\n5\n"
+        assert c.logs(stdout=False) == b"e\n"
+        assert c.logs(since=time.time() + 60) == b""
+        ts = c.logs(timestamps=True, stderr=False).splitlines()
+        assert len(ts) == 5 and ts[0].endswith(b"Z 1")
+        exec_id = cl.api.exec_create(c.id, ["sh", "-c", ("sleep 0.3; echo $FOO > detached; "
+                                            "exit 9")])["Id"]
+        assert cl.api.exec_start(exec_id, detach=True) in (b"", "")
+        wait_until(lambda: cl.api.exec_inspect(exec_id)["ExitCode"] is not None, 20,
+                   "the detached exec")
+        assert cl.api.exec_inspect(exec_id)["ExitCode"] == 9
+        assert c.exec_run(["cat", "/tmp/detached"]).output == b"bar\n"  # env and workdir
+        attrs = cl.api.inspect_container(c.id)
+        assert attrs["Config"]["Labels"] == {"k": "v"}
+        assert attrs["HostConfig"]["Runtime"] == "lazyfs-container"
+        sb = Sandbox.connect(c.id, node=ep.agent.unix)  # the limits are the sandbox's
+        assert (sb.info.spec.memory_mb, sb.info.spec.cpu, sb.info.spec.pids) == (64, 0.5, 64)
+        top = c.top()
+        assert any("sleep" in " ".join(p) for p in top["Processes"]), top
+    finally:
+        c.remove(force=True)

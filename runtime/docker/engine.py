@@ -24,6 +24,8 @@ before the command starts), not as a terminal.
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import logging
 import math
 import re
@@ -34,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
@@ -65,6 +68,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOG_LIMIT = 64 << 20  # per stream, per run of a main process
+KEPT_LOG = 2 * LOG_LIMIT  # per container, over its runs: older output is dropped
 EXEC_TIMEOUT = 7 * 86400.0  # the most ExecRequest allows: Docker's commands have none
 STDIN_LIMIT = 64 << 20
 MAX_EVENTS = 10_000
@@ -123,6 +127,7 @@ class Container:
     main: Run | None = None
     log: list[tuple[float, int, bytes]] = field(default_factory=list)
     log_start: int = 0  # index of log[0] in all the output ever kept
+    log_bytes: int = 0
     stdin: bytes | None = None  # an attached client's, read whole, for the next run
     stdin_wanted: bool = False  # a client attached with stdin: the next run waits for it
     stdin_ready: threading.Event = field(default_factory=threading.Event)
@@ -161,6 +166,57 @@ class Engine:
         self.execs: dict[str, Exec] = {}
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_EVENTS)
         self.event_seq = 0
+        self.dir = node.config.state_dir / "docker"  # a record per container
+        self.recover()
+
+    # -- records -----------------------------------------------------------------------
+    def _save(self, c: Container) -> None:
+        """What a restarted agent needs to show the container again (its
+        sandbox outlives the agent; its main process does not)."""
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        doc = {"id": c.id, "name": c.name, "image": c.image, "image_id": c.image_id,
+               "command": c.command, "config": c.config, "host_config": c.host_config,
+               "backend": c.backend, "created": c.created, "restarts": c.restarts}
+        tmp = self.dir / f".{c.id}.tmp"
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(self.dir / f"{c.id}.json")
+
+    def _forget(self, c: Container) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / f"{c.id}.json").unlink()
+
+    def recover(self) -> None:
+        """The containers of an earlier agent whose sandboxes are still
+        here, exited (their main process ended with that agent); records of
+        sandboxes gone are dropped."""
+        if not self.dir.is_dir():
+            return
+        for f in sorted(self.dir.glob("*.json")):
+            try:
+                doc = json.loads(f.read_text())
+                c = Container(id=str(doc["id"]), name=str(doc["name"]),
+                              image=str(doc["image"]), image_id=str(doc["image_id"]),
+                              command=[str(x) for x in doc["command"]],
+                              config=dict(doc["config"]), host_config=dict(doc["host_config"]),
+                              backend=str(doc["backend"]), created=float(doc["created"]),
+                              restarts=int(doc["restarts"]))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("docker: dropping the unreadable record %s: %s", f, e)
+                f.unlink(missing_ok=True)
+                continue
+            if f.stem != c.id:
+                f.unlink(missing_ok=True)
+                continue
+            try:
+                self.node.get(c.id)
+            except SandboxError:
+                f.unlink(missing_ok=True)  # its sandbox is gone
+                continue
+            c.status, c.exit_code, c.finished_at = "exited", 137, _now()
+            c.error = "the agent restarted: the container's main process ended with it"
+            self.containers[c.id] = c
+        if self.containers:
+            log.info("docker: %d containers of an earlier agent (exited)", len(self.containers))
 
     # -- lookups ---------------------------------------------------------------------
     def get(self, ref: str) -> Container:
@@ -300,6 +356,13 @@ class Engine:
                       created=info.created)
         with self._lock:
             self.containers[c.id] = c
+        try:
+            self._save(c)
+        except OSError as e:
+            self.containers.pop(c.id, None)
+            with contextlib.suppress(SandboxError):
+                self.node.kill(c.id)
+            raise HttpError(500, f"cannot record the container: {e}") from None
         self.emit(c, "create")
         return c
 
@@ -366,6 +429,15 @@ class Engine:
             def put(data: bytes) -> None:
                 with self.changed:
                     c.log.append((_now(), STDOUT if c.tty else stream, data))
+                    c.log_bytes += len(data)
+                    if c.log_bytes > KEPT_LOG:  # the oldest quarter goes
+                        n, dropped = 0, 0
+                        while n < len(c.log) - 1 and dropped < KEPT_LOG // 4:
+                            dropped += len(c.log[n][2])
+                            n += 1
+                        del c.log[:n]
+                        c.log_bytes -= dropped
+                        c.log_start += n
                     self.changed.notify_all()
             return put
 
@@ -453,6 +525,7 @@ class Engine:
         c = self.get(ref)
         self.stop(c.id, timeout)
         c.restarts += 1
+        self._save(c)
         self.start(c.id)
         self.emit(c, "restart")
 
@@ -493,6 +566,7 @@ class Engine:
             if any(o.name == name and o is not c for o in self.containers.values()):
                 raise HttpError(409, f'Conflict. The container name "/{name}" is already in use')
             old, c.name = c.name, name
+            self._save(c)
         self.emit(c, "rename", {"oldName": f"/{old}"})
 
     def remove(self, ref: str, force: bool) -> None:
@@ -520,6 +594,7 @@ class Engine:
                 c.finished += 1
                 c.exit_code, c.finished_at = 137, _now()
             self.containers.pop(c.id, None)
+            self._forget(c)
             for x in [x for x in self.execs.values() if x.container == c.id]:
                 self.execs.pop(x.id, None)
             c.status = "removed"
@@ -537,6 +612,29 @@ class Engine:
                     return False
                 self.changed.wait(1.0 if left is None else min(left, 1.0))
             return True
+
+    def top(self, ref: str) -> tuple[list[str], list[list[str]]]:
+        """The container's processes as the host sees them (its cgroup's
+        members, read from /proc: nothing the sandbox prints is trusted)."""
+        c = self.get(ref)
+        if c.status not in ("running", "paused"):
+            raise HttpError(409, f"container {c.id} is not running")
+        if c.backend != "container":
+            raise HttpError(501, f"top: the {c.backend} backend's processes are in its guest")
+        from ..isolation import cgroups
+        procs = []
+        for pid in sorted(cgroups.pids(c.id)):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # it ended meanwhile
+            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+            cmd = b" ".join(a for a in argv if a).decode(errors="replace") or \
+                f"[{fields.get('Name', '?').strip()}]"
+            procs.append([fields.get("Uid", "?").split()[0], str(pid),
+                          fields.get("PPid", "?").strip(), cmd])
+        return ["UID", "PID", "PPID", "CMD"], procs
 
     # -- logs ------------------------------------------------------------------------
     def log_after(self, c: Container, cursor: int, timeout: float

@@ -25,7 +25,7 @@ import trio
 
 from ..errors import BackendUnavailable, FileError, InvalidSpec, SandboxError
 from ..node import Node
-from .engine import STDIN_LIMIT, Container, Engine, Exec, iter_lines, to_http
+from .engine import STDIN_LIMIT, Container, Engine, iter_lines, to_http
 from .http import (
     API_VERSION,
     MIN_API_VERSION,
@@ -281,15 +281,7 @@ class DockerServer:
         await req.conn.send(204, b"")
 
     async def top(self, req: Request) -> None:
-        c = self.engine.get(req.params["id"])
-        if c.status != "running":
-            raise HttpError(409, f"container {c.id} is not running")
-        r = await self._thread(self.node.exec, c.id, self.engine.exec_request(
-            Exec(id="top", container=c.id, config={"Cmd": ["ps", "-o", "pid,user,args"]}),
-            b""))
-        lines = r.stdout.decode(errors="replace").splitlines()
-        titles = lines[0].split() if lines else ["PID", "USER", "COMMAND"]
-        procs = [ln.split(None, len(titles) - 1) for ln in lines[1:]]
+        titles, procs = await self._thread(self.engine.top, req.params["id"])
         await req.conn.json(200, {"Titles": titles, "Processes": procs})
 
     async def wait(self, req: Request) -> None:
