@@ -570,3 +570,35 @@ def test_docker_py_tag_logs_tail_detached_exec_top_and_inspect(ep: Endpoint) -> 
         assert any("sleep" in " ".join(p) for p in top["Processes"]), top
     finally:
         c.remove(force=True)
+
+
+@pytest.mark.parametrize("body", [
+    {"Image": 5}, {"Image": IMAGE, "Cmd": [1, 2]}, {"Image": IMAGE, "Cmd": {"a": 1}},
+    {"Image": IMAGE, "Env": "A=1"}, {"Image": IMAGE, "Env": [None]},
+    {"Image": IMAGE, "Cmd": ["true"], "HostConfig": []},
+    {"Image": IMAGE, "Cmd": ["true"], "HostConfig": {"Memory": "lots"}},
+    {"Image": IMAGE, "Cmd": ["true"], "HostConfig": {"Memory": 1}},
+    {"Image": IMAGE, "Cmd": ["true"], "HostConfig": {"NanoCpus": -5}},
+    {"Image": IMAGE, "Cmd": ["true"], "HostConfig": {"PidsLimit": 1.5}},
+    {"Image": IMAGE, "Cmd": ["true"], "Labels": {"k": 1}},
+    {"Image": IMAGE, "Cmd": ["true"], "Labels": {"bad key!": "v"}},
+    {"Image": IMAGE, "Cmd": ["true"], "StopSignal": "SIGNOPE"},
+    {"Image": IMAGE, "Cmd": ["true"], "StopTimeout": "soon"},
+    {"Image": IMAGE, "Cmd": ["true"], "WorkingDir": "relative"},
+    {"Image": IMAGE, "Cmd": ["true"], "User": "1000"},
+    {"Image": IMAGE, "Cmd": ["a\0b"]}, {"Image": IMAGE, "Cmd": []},
+    {"Image": IMAGE, "Cmd": ["true"], "HostConfig": {"Runtime": "kata"}},
+    [1, 2, 3], "a string",
+])
+def test_a_malformed_create_is_a_400_and_makes_nothing(ep: Endpoint, body: Any) -> None:
+    before = ep.sandboxes()
+    raw = json.dumps(body).encode()
+    answer = ep.raw(b"POST /v1.41/containers/create HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(raw), raw))
+    status = answer.split(b"\r\n")[0]
+    assert b" 400 " in status, answer
+    message = json.loads(answer.partition(b"\r\n\r\n")[2])["message"]
+    assert "\n" not in message and message
+    assert ep.sandboxes() == before
+    assert ep.client().containers.list(all=True, filters={"status": "created"}) == []

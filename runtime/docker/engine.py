@@ -287,7 +287,8 @@ class Engine:
         image_name = body.get("Image")
         if not isinstance(image_name, str) or not image_name:
             raise HttpError(400, "Config.Image: an image is needed")
-        hc = body.get("HostConfig") or {}
+        hc = body.get("HostConfig")
+        hc = {} if hc is None else hc
         if not isinstance(hc, dict):
             raise HttpError(400, "HostConfig must be a JSON object")
         self._refuse(body, hc)
@@ -302,6 +303,10 @@ class Engine:
         command = [*(entrypoint or []), *(cmd or [])]
         if not command:
             raise HttpError(400, "no command specified")
+        try:
+            build(ExecRequest, cmd=tuple(command))
+        except InvalidSpec as e:
+            raise HttpError(400, f"Cmd / Entrypoint: {e}") from None
         env: dict[str, str] = {}
         for item in [*(as_list(ic.get("Env"), "the image's Env") or []),
                      *(as_list(body.get("Env"), "Env") or [])]:
@@ -314,7 +319,16 @@ class Engine:
                                  "of its own user namespace; other users are not supported")
         if body.get("Hostname") and body.get("Hostname") != "":
             raise HttpError(400, "Hostname: a lazyfs sandbox's host name cannot be set")
+        if body.get("StopSignal"):
+            parse_signal(str(body["StopSignal"]))
+        if body.get("StopTimeout") is not None and (
+                isinstance(body["StopTimeout"], bool) or not isinstance(body["StopTimeout"], int)):
+            raise HttpError(400, "StopTimeout: expected an integer of seconds")
+        if not isinstance(body.get("Labels") or {}, dict):
+            raise HttpError(400, "Labels: expected an object of strings")
         labels = {**(ic.get("Labels") or {}), **(body.get("Labels") or {})}
+        if not all(isinstance(v, str) for v in labels.values()):
+            raise HttpError(400, "Labels: expected an object of strings")
         backend = RUNTIMES.get(str(hc.get("Runtime") or labels.get(BACKEND_LABEL) or ""))
         if backend is None:
             if (hc.get("Runtime") or labels.get(BACKEND_LABEL)) in ("lazyfs-fncall", "fncall"):
@@ -326,13 +340,13 @@ class Engine:
                                   "workdir": str(body.get("WorkingDir") or ic.get("WorkingDir")
                                               or "/"),
                                   "timeout": None, "network": _network(hc)}
-        memory = int(hc.get("Memory") or 0)
+        memory = _number(hc, "Memory")
         if memory:
             kw["memory_mb"] = math.ceil(memory / (1 << 20))
         cpu = _cpus(hc)
         if cpu is not None:
             kw["cpu"] = cpu
-        pids = int(hc.get("PidsLimit") or 0)
+        pids = _number(hc, "PidsLimit")
         if pids > 0:
             kw["pids"] = pids
         try:
@@ -841,11 +855,21 @@ def _network(hc: dict[str, Any]) -> NetworkPolicy:
     return NetworkPolicy()
 
 
+def _number(hc: dict[str, Any], key: str) -> int:
+    """HostConfig.<key> as an integer (absent or null: 0); 400 naming it otherwise."""
+    v = hc.get(key)
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise HttpError(400, f"HostConfig.{key}: expected an integer, not {v!r}"[:200])
+    return v
+
+
 def _cpus(hc: dict[str, Any]) -> float | None:
-    nano = int(hc.get("NanoCpus") or 0)
+    nano = _number(hc, "NanoCpus")
     if nano:
         return nano / 1e9
-    quota, period = int(hc.get("CpuQuota") or 0), int(hc.get("CpuPeriod") or 0)
+    quota, period = _number(hc, "CpuQuota"), _number(hc, "CpuPeriod")
     if quota > 0:
         return quota / (period or 100_000)
     return None
