@@ -678,6 +678,7 @@ class Engine:
                                  "as the root of its own user namespace")
         e = Exec(id=secrets.token_hex(32), container=c.id,
                  config={**body, "Cmd": cmd})
+        self.exec_request(e, b"")  # (a bad command or environment: 400 now, not at start)
         with self._lock:
             self.execs[e.id] = e
         self.emit(c, "exec_create", {"execID": e.id})
