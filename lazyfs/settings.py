@@ -125,6 +125,8 @@ _KEYS: dict[str, _Key] = {
     "client_node": _Key("client", "node", "LAZYFS_NODE", str, "--node"),
     "client_fleet": _Key("client", "fleet", "LAZYFS_FLEET", str, "--fleet"),
     "client_token": _Key("client", "token", "LAZYFS_NODE_TOKEN", str, "--token"),
+    # the caller's TLS identity for https:// agents (runtime.fleet.ca: ca.pem, cert.pem, key.pem)
+    "client_tls_dir": _Key("client", "tls_dir", "LAZYFS_TLS_DIR", Path, "client.tls_dir"),
     # AsyncSandbox's connections to one node agent (runtime.client.transport.AsyncHttp)
     "client_connections": _Key("client", "connections", "LAZYFS_CLIENT_CONNECTIONS", int,
                                "client.connections", 1024),

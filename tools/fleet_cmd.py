@@ -125,3 +125,65 @@ def undrain(fleet: str | None, node_id: str) -> None:
     """Place sandboxes on NODE_ID again."""
     set_draining(_etcd(fleet), node_id, False)
     click.echo(f"{node_id}: ready", err=True)
+
+
+@fleet.group()
+def ca() -> None:
+    """The fleet's certificate authority: node and client identities for
+    agents serving HTTPS (`lazyfs agent --tls-dir`) and their callers
+    (LAZYFS_TLS_DIR)."""
+
+
+@ca.command("init")
+@click.argument("ca_dir", type=click.Path(file_okay=False, path_type=Path))
+def ca_init(ca_dir: Path) -> None:
+    """Make a CA in CA_DIR (ca.pem, ca-key.pem mode 0600, crl.pem). Keep
+    ca-key.pem off the nodes."""
+    from runtime.errors import InvalidSpec
+    from runtime.fleet.ca import FleetCA
+    try:
+        FleetCA.init(ca_dir)
+    except InvalidSpec as e:
+        raise QuietError(str(e), exit_code=2) from None
+    click.echo(f"fleet CA in {ca_dir}: give nodes and callers identities with "
+               f"`lazyfs fleet ca issue node|client NAME --ca {ca_dir} --out DIR`")
+
+
+@ca.command("issue")
+@click.argument("kind", type=click.Choice(["node", "client"]))
+@click.argument("name")
+@click.option("--ca", "ca_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The CA's directory (lazyfs fleet ca init).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Where to write cert.pem, key.pem (0600), ca.pem and crl.pem.")
+@click.option("--address", "addresses", multiple=True, metavar="IP",
+              help="node: an IP address it is also reached at directly (https://IP:PORT).")
+def ca_issue(kind: str, name: str, ca_dir: Path, out: Path, addresses: tuple[str, ...]) -> None:
+    """An identity: a node's (NAME: its node id; its certificate names
+    NAME.node.lazyfs, which fleet clients check against the record they
+    picked) or a caller's (NAME: who it is, for logs and revocation)."""
+    from runtime.errors import InvalidSpec
+    from runtime.fleet.ca import FleetCA
+    try:
+        authority = FleetCA(ca_dir)
+        ident = (authority.issue_node(name, out, addresses) if kind == "node"
+                 else authority.issue_client(name, out))
+    except InvalidSpec as e:
+        raise QuietError(str(e), exit_code=2) from None
+    click.echo(f"{kind} {name}: {ident.cert} ({ident.key}, {ident.ca})")
+
+
+@ca.command("revoke")
+@click.argument("cert", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--ca", "ca_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The CA's directory.")
+def ca_revoke(cert: Path, ca_dir: Path) -> None:
+    """Revoke CERT in the CA's crl.pem; copy that file to the agents'
+    --tls-dir (they read it again within a second of a change)."""
+    from runtime.errors import InvalidSpec
+    from runtime.fleet.ca import FleetCA
+    try:
+        serial = FleetCA(ca_dir).revoke(cert)
+    except InvalidSpec as e:
+        raise QuietError(str(e), exit_code=2) from None
+    click.echo(f"revoked serial {serial:x}: distribute {ca_dir / 'crl.pem'} to the agents")

@@ -95,6 +95,10 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
                    "fits in it times the QoS class's overcommit [no memory admission].")
 @click.option("--overcommit", "overcommit", multiple=True, metavar="QOS=FACTOR",
               help="Memory overcommit of a QoS class [latency=1, best_effort=4].")
+@click.option("--tls-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Serve --listen over HTTPS with this node identity (cert.pem, key.pem, "
+                   "ca.pem, crl.pem: `lazyfs fleet ca issue node NODE_ID`); every caller must "
+                   "present a client certificate of the fleet's CA (no token needed).")
 @click.option("--docker-socket", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also serve the Docker Engine API on this Unix socket (mode 0600: root "
                    "only), for docker-py and the docker CLI (DOCKER_HOST=unix://PATH).")
@@ -119,7 +123,7 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
           memory_mb: int | None, overcommit: tuple[str, ...], docker_socket: Path | None,
           docker_listen: tuple[str, ...], docker_tlscacert: str | None,
           docker_tlscert: str | None, docker_tlskey: str | None,
-          docker_certs_dir: Path | None) -> None:
+          docker_certs_dir: Path | None, tls_dir: Path | None) -> None:
     """Run the node agent: the HTTP API that creates and drives this node's
     sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
     a restarted agent finds them again. SDK and CLI calls that name no node
@@ -160,9 +164,17 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
 
     token = None
     listeners = TcpListeners()
+    tls = None
+    if tls_dir is not None:
+        from runtime.fleet.ca import Identity
+        try:
+            tls = Identity(tls_dir).check(client=False)
+        except InvalidSpec as e:
+            raise QuietError(str(e), exit_code=2) from None
     if listen:
-        if token_file is None:
-            raise QuietError("--listen needs --token-file (TCP clients must authenticate)")
+        if token_file is None and tls is None:
+            raise QuietError("--listen needs --tls-dir (client certificates) or --token-file "
+                             "(TCP clients must authenticate)")
         try:  # bound now: a port 0 is known before the node registers it
             listeners = bind_tcp(listen)
         except InvalidSpec as e:
@@ -170,10 +182,11 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
         except BackendUnavailable as e:
             raise QuietError(str(e)) from None
         listen = tuple(listeners.addresses)
-        if not token_file.exists():
-            token_file.write_text(secrets.token_urlsafe(32) + "\n")
-            token_file.chmod(0o600)
-        token = token_file.read_text().strip()
+        if token_file is not None:
+            if not token_file.exists():
+                token_file.write_text(secrets.token_urlsafe(32) + "\n")
+                token_file.chmod(0o600)
+            token = token_file.read_text().strip()
     membership = None
     if fleet is not None:
         from runtime.fleet.etcd import endpoints
@@ -182,14 +195,14 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
         endpoints(fleet)  # a bad URL fails here, in one line
         assert node_id is not None
         membership = (fleet, Registration(
-            node_id=node_id, address=advertise or f"http://{listen[0]}",
+            node_id=node_id, address=advertise or f"{'https' if tls else 'http'}://{listen[0]}",
             backends=usable_backends(), labels=_labels(node_labels, "--node-label")))
     root_logger = logging.getLogger()
     root_logger.setLevel(min(root_logger.level, logging.WARNING))  # a server's warnings show
     try:
         docker = None
-        tls = (docker_tlscacert, docker_tlscert, docker_tlskey)
-        if docker_listen and None in tls:
+        docker_tls = (docker_tlscacert, docker_tlscert, docker_tlskey)
+        if docker_listen and None in docker_tls:
             raise QuietError("--docker-listen needs --docker-tlscacert, --docker-tlscert and "
                              "--docker-tlskey: the Docker API is never served on plain TCP",
                              exit_code=2)
@@ -201,11 +214,12 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
             docker = DockerOptions(docker_socket.absolute() if docker_socket else None,
                                    docker_certs_dir or Path("/etc/docker/certs.d"),
                                    tuple(docker_listen),
-                                   tls if docker_listen else None)  # type: ignore[arg-type]
+                                   docker_tls if docker_listen else None)  # type: ignore[arg-type]
         run_agent(config, socket=sock, listen=listeners.binds(), token=token, fleet=membership,
-                  docker=docker,
+                  docker=docker, tls=tls,
                   on_ready=lambda: click.echo(f"lazyfs agent serving unix://{sock}"
-                                              + "".join(f" http://{a}" for a in listen)
+                                              + "".join(f" {'https' if tls else 'http'}://{a}"
+                                                        for a in listen)
                                               + (f" in the fleet {fleet} as {node_id}"
                                                  if fleet else "")
                                               + (f"; the Docker API on {docker.where()}"

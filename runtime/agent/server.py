@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket as socketlib
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..docker.http import close_all
 from ..docker.server import DockerOptions, serve_docker
 from ..docker.server import bind as bind_docker
 from ..errors import BackendUnavailable, InvalidSpec
+from ..fleet.ca import CrlWatch, Identity, server_context
 from ..fleet.etcd import Etcd
 from ..fleet.member import Member, Registration
 from ..node import Node
@@ -107,15 +109,46 @@ async def _reaper(node: Node) -> None:
             log.exception("reaping sandboxes failed")
 
 
+class _TlsConfig(Config):  # type: ignore[misc]
+    """hypercorn's config serving TLS with our context (runtime.fleet.ca:
+    client certificates required, the revocation list read again as it
+    changes) instead of one it would make from file names."""
+
+    context: ssl.SSLContext
+
+    @property
+    def ssl_enabled(self) -> bool:
+        return True
+
+    def create_ssl_context(self) -> ssl.SSLContext:
+        return self.context
+
+
+async def _watch_crl(crl: CrlWatch) -> None:
+    while True:
+        await trio.sleep(1.0)
+        if crl.poll():
+            log.info("loaded the revocation list %s again", crl.ident.crl)
+
+
 def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = None,
           token: str | None = None, on_ready: Callable[[], None] | None = None,
-          docker: DockerOptions | None = None) -> None:
+          docker: DockerOptions | None = None, tls: Identity | None = None) -> None:
     """Serve until SIGINT/SIGTERM. Sandboxes outlive the agent; a restarted
-    agent on the same state directory finds them (Node.recover)."""
-    if listen and token is None:
-        raise ValueError("a TCP listener needs a token (--token-file)")
-    def config(binds: list[str]) -> Config:
-        c = Config()
+    agent on the same state directory finds them (Node.recover). `tls`: TCP
+    listeners serve HTTPS to callers with a client certificate of the
+    fleet's CA (then a token is not needed)."""
+    if listen and token is None and tls is None:
+        raise ValueError("a TCP listener needs a token (--token-file) or TLS (--tls-dir)")
+    context = server_context(tls) if tls is not None else None
+    crl = CrlWatch(tls, context) if tls is not None and context is not None else None
+
+    def config(binds: list[str], secure: bool = False) -> Config:
+        c: Config = Config()
+        if secure:
+            c = _TlsConfig()
+            assert context is not None
+            c.context = context
         c.bind = binds
         c.accesslog = None
         c.errorlog = logging.getLogger("hypercorn.error")
@@ -137,7 +170,8 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
         servers.append((admission.wrap(make_app(node, metrics=metrics)),
                         config([f"unix:{socket}"])))
     if listen:
-        servers.append((admission.wrap(make_app(node, token, metrics)), config(list(listen))))
+        servers.append((admission.wrap(make_app(node, token, metrics)),
+                        config(list(listen), secure=tls is not None)))
 
     docker_sockets = bind_docker(docker) if docker is not None else []
 
@@ -153,6 +187,8 @@ def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = 
                         return
 
             nursery.start_soon(signals)
+            if crl is not None:
+                nursery.start_soon(_watch_crl, crl)
             if docker is not None:  # (root-only: its socket is made 0600)
                 nursery.start_soon(serve_docker, node, docker, docker_sockets)
 
@@ -181,7 +217,7 @@ def run_agent(config: RuntimeConfig, *, socket: Path | None = None,
               listen: list[str] | None = None, token: str | None = None,
               on_ready: Callable[[], None] | None = None,
               fleet: tuple[str, Registration] | None = None,
-              docker: DockerOptions | None = None) -> None:
+              docker: DockerOptions | None = None, tls: Identity | None = None) -> None:
     """The agent of `config.state_dir` until SIGINT/SIGTERM: its node (which
     refuses when another node process owns the state), a pid file next to
     the socket (launch.stop reads it), serve, then close the node. `fleet`:
@@ -203,7 +239,8 @@ def run_agent(config: RuntimeConfig, *, socket: Path | None = None,
     try:
         sock.parent.mkdir(parents=True, exist_ok=True)
         pid.write_text(f"{os.getpid()}\n")
-        serve(node, socket=sock, listen=listen, token=token, on_ready=ready, docker=docker)
+        serve(node, socket=sock, listen=listen, token=token, on_ready=ready, docker=docker,
+              tls=tls)
     finally:
         try:
             if member is not None:

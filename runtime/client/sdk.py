@@ -399,7 +399,7 @@ async def _call(t: Transport, name: str, *args: Any) -> Any:
     AsyncHttp client in this event loop (no thread); an embedded node's or a
     fleet's in a worker thread."""
     if isinstance(t, Http):
-        client = await async_agent_client(t.url, t.token)
+        client = await async_agent_client(t.url, t.token, t.server_name)
         return await client.call(OPS[name], args, {})
     return await _thread(getattr(t, name), *args)
 

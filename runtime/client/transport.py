@@ -22,11 +22,13 @@ import base64
 import itertools
 import json
 import random
+import ssl
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -98,7 +100,69 @@ def client_args(url: str, token: str | None) -> tuple[str, dict[str, Any]]:
         return "http://agent", {"uds": url[len("unix://"):], "headers": headers}
     if url.startswith(("http://", "https://")):
         return url.rstrip("/"), {"headers": headers}
-    raise BackendUnavailable(f"node {url!r}: expected unix:///PATH or http://HOST:PORT")
+    raise BackendUnavailable(f"node {url!r}: expected unix:///PATH, http(s)://HOST:PORT")
+
+
+def tls_context(url: str) -> ssl.SSLContext | None:
+    """For an https:// agent: the fleet CA and this caller's certificate
+    ($LAZYFS_TLS_DIR, `[client] tls_dir`; runtime.fleet.ca), or None
+    (httpx's default verification) when no identity is set."""
+    if not url.startswith("https://"):
+        return None
+    d = setting("client_tls_dir")
+    if d is None:
+        return None
+    from ..fleet.ca import Identity, client_context
+    return client_context(Identity(Path(d)))
+
+
+class _Named(httpx.BaseTransport):
+    """Connects asking for `name` (TLS SNI), which the server's certificate
+    must carry: a fleet node's certificate names its node id."""
+
+    def __init__(self, inner: httpx.HTTPTransport, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.extensions["sni_hostname"] = self.name
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _AsyncNamed(httpx.AsyncBaseTransport):
+    def __init__(self, inner: httpx.AsyncHTTPTransport, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.extensions["sni_hostname"] = self.name
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def sync_transport(url: str, uds: str | None, limits: httpx.Limits,
+                   server_name: str | None) -> httpx.BaseTransport | None:
+    if uds:
+        return httpx.HTTPTransport(uds=uds, limits=limits)
+    ctx = tls_context(url)
+    if ctx is None and server_name is None:
+        return None
+    inner = httpx.HTTPTransport(verify=ctx if ctx is not None else True, limits=limits)
+    return _Named(inner, server_name) if server_name else inner
+
+
+def async_transport(url: str, uds: str | None, limits: httpx.Limits,
+                    server_name: str | None) -> httpx.AsyncBaseTransport | None:
+    if uds:
+        return httpx.AsyncHTTPTransport(uds=uds, limits=limits)
+    ctx = tls_context(url)
+    if ctx is None and server_name is None:
+        return None
+    inner = httpx.AsyncHTTPTransport(verify=ctx if ctx is not None else True, limits=limits)
+    return _AsyncNamed(inner, server_name) if server_name else inner
 
 
 @dataclass
@@ -215,11 +279,11 @@ class Http(SandboxApi):
     """Calls a node agent over HTTP: one method per operation of
     runtime.api, made from its declaration (below the class)."""
 
-    def __init__(self, url: str, token: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None = None,
+                 server_name: str | None = None) -> None:
         base, kw = client_args(url, token)
-        uds = kw.pop("uds", None)
-        transport = httpx.HTTPTransport(uds=uds, limits=LIMITS) if uds else None
-        self.url, self.token = url, token
+        transport = sync_transport(url, kw.pop("uds", None), LIMITS, server_name)
+        self.url, self.token, self.server_name = url, token, server_name
         self.client = httpx.Client(base_url=base, transport=transport, timeout=TIMEOUT,
                                    limits=LIMITS, **kw)
 
@@ -273,11 +337,11 @@ for _o in OPS.values():
 class _Shard:
     """One httpx pool of AsyncHttp and how many of its connections are taken."""
 
-    def __init__(self, url: str, token: str | None, size: int) -> None:
+    def __init__(self, url: str, token: str | None, size: int,
+                 server_name: str | None = None) -> None:
         base, kw = client_args(url, token)
-        uds = kw.pop("uds", None)
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        transport = httpx.AsyncHTTPTransport(uds=uds, limits=limits) if uds else None
+        transport = async_transport(url, kw.pop("uds", None), limits, server_name)
         self.client = httpx.AsyncClient(base_url=base, transport=transport, timeout=TIMEOUT,
                                         limits=limits, **kw)
         self.size, self.taken = size, 0
@@ -300,7 +364,8 @@ class AsyncHttp:
     number waiting at every step: 32 s of CPU for 1,000 calls queued)."""
 
     def __init__(self, url: str, token: str | None = None, *,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None, server_name: str | None = None) -> None:
+        self.server_name = server_name
         if max_connections is None:
             max_connections = int(setting("client_connections"))
         if max_connections < 1:
@@ -317,7 +382,8 @@ class AsyncHttp:
             if shard.taken < shard.size:
                 return shard
         made = sum(s.size for s in self._shards)
-        shard = _Shard(self.url, self.token, min(ASYNC_SHARD, self._max - made))
+        shard = _Shard(self.url, self.token, min(ASYNC_SHARD, self._max - made),
+                       self.server_name)
         self._shards.append(shard)
         return shard
 
@@ -376,7 +442,7 @@ async def _close_with_the_loop(client: AsyncHttp) -> AsyncIterator[None]:
         await client.aclose()
 
 
-_async_clients: weakref.WeakKeyDictionary[Any, dict[tuple[str, str | None], tuple[
+_async_clients: weakref.WeakKeyDictionary[Any, dict[tuple[str, str | None, str | None], tuple[
     AsyncHttp, AsyncIterator[None]]]] = weakref.WeakKeyDictionary()
 
 
@@ -388,13 +454,14 @@ def _event_loop() -> Any:
     return asyncio.get_running_loop()
 
 
-async def async_agent_client(url: str, token: str | None) -> AsyncHttp:
-    """The AsyncHttp of this agent and token in the running event loop."""
-    key = (url, token or setting("client_token"))
+async def async_agent_client(url: str, token: str | None, server_name: str | None = None
+                             ) -> AsyncHttp:
+    """The AsyncHttp of this agent, token and TLS name in the running event loop."""
+    key = (url, token or setting("client_token"), server_name)
     loop = _event_loop()
     clients = _async_clients.setdefault(loop, {})
     if key not in clients:
-        client = AsyncHttp(url, key[1])
+        client = AsyncHttp(url, key[1], server_name=server_name)
         closer = _close_with_the_loop(client)
         await closer.__anext__()
         clients[key] = (client, closer)
@@ -448,16 +515,17 @@ def local(config: RuntimeConfig | None = None, *, detached: bool = False) -> Tra
     return embedded_node(config)
 
 
-_clients: dict[tuple[str, str | None], Http] = {}
+_clients: dict[tuple[str, str | None, str | None], Http] = {}
 
 
-def agent_client(url: str, token: str | None) -> Http:
-    """One HTTP client (connection pool) per agent and token in this
-    process, shared by every Sandbox and thread."""
-    key = (url, token or setting("client_token"))
+def agent_client(url: str, token: str | None, server_name: str | None = None) -> Http:
+    """One HTTP client (connection pool) per agent, token and TLS name in
+    this process, shared by every Sandbox and thread. `server_name`: what
+    an https:// agent's certificate must name (a fleet node's: its id)."""
+    key = (url, token or setting("client_token"), server_name)
     with _lock:
         if key not in _clients:
-            _clients[key] = Http(url, key[1])
+            _clients[key] = Http(url, key[1], server_name)
         return _clients[key]
 
 

@@ -28,6 +28,7 @@ import atexit
 import dataclasses
 import logging
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +38,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
+
+from lazyfs.settings import setting
 
 from ..api import BY_ID, OPS, OWN, Labels, Op, Progress, SandboxApi
 from ..errors import (
@@ -61,6 +64,7 @@ from .records import (
     check_node_id,
     drain_key,
     moved_key,
+    node_name,
     node_of,
 )
 from .scheduler import Index, K, Request, candidates
@@ -195,6 +199,25 @@ def _transport_failure(e: BackendUnavailable) -> bool:
     return isinstance(e.__cause__, httpx.TransportError)
 
 
+class _Untrusted(BackendUnavailable):
+    """A node record this caller does not trust enough to send it anything."""
+
+
+def _tls_refused(e: BackendUnavailable) -> bool:
+    """The connection failed in its TLS handshake (a certificate that does
+    not chain to the fleet's CA or names another node; our certificate
+    refused)."""
+    seen: set[int] = set()
+    c: BaseException | None = e.__cause__
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        if isinstance(c, ssl.SSLError) or "CERTIFICATE_VERIFY_FAILED" in str(c) \
+                or "SSL" in type(c).__name__:
+            return True
+        c = c.__cause__ or c.__context__
+    return False
+
+
 class Fleet(SandboxApi):
     """A Transport over the fleet of the etcd at `url` (see the module
     docstring). `node_labels`: labels a node must carry to get creations.
@@ -205,6 +228,7 @@ class Fleet(SandboxApi):
                  node_labels: Mapping[str, str] | None = None,
                  nodes: NodeList | None = None) -> None:
         self.url, self.token, self.k = url, token, k
+        self.untrusted = 0  # records whose agents failed to prove their node (TLS)
         self.node_labels = dict(node_labels or {})
         self.nodes = nodes or NodeList(Etcd(url))
         self._rng = random.Random()
@@ -219,9 +243,26 @@ class Fleet(SandboxApi):
         """Close the connection to etcd (the agents' pools are the process's)."""
         self.nodes.etcd.close()
 
-    def agent(self, address: str) -> Http:
+    def agent(self, node_id: str, address: str) -> Http:
+        """The agent of node `node_id` at `address` (its record's). Over
+        https the agent must prove it is that node: its certificate, of the
+        fleet's CA, names node_name(node_id), or nothing is sent."""
         from ..client.transport import agent_client
-        return agent_client(address, self.token)
+        if not address.startswith("https://") and setting("client_tls_dir") is not None:
+            raise _Untrusted(f"node {node_id}'s record names {address}: this caller's fleet "
+                             "is TLS ($LAZYFS_TLS_DIR): a plain http record proves nothing")
+        name = node_name(node_id) if address.startswith("https://") else None
+        return agent_client(address, self.token, name)
+
+    def _untrusted(self, node_id: str, address: str, e: BackendUnavailable) -> bool:
+        """A record whose agent failed to prove it is its node (TLS): counted
+        and logged, skipped."""
+        if not isinstance(e, _Untrusted) and not _tls_refused(e):
+            return False
+        self.untrusted += 1
+        log.warning("fleet %s: node %s's record (%s) failed its TLS check (%s): skipped",
+                    self.url, node_id, address, e.__cause__ or e)
+        return True
 
     # -- create ------------------------------------------------------------------
     def create(self, spec: SandboxSpec, progress: Progress | None = None) -> SandboxInfo:
@@ -230,11 +271,14 @@ class Fleet(SandboxApi):
         refusals: list[str] = []
         for node_id in candidates(index, Request.of(spec, self.node_labels), k=self.k,
                                   rng=self._rng):
+            address = index.by_id[node_id].record.address
             try:
-                return self.agent(index.by_id[node_id].record.address).create(spec, progress)
+                agent = self.agent(node_id, address)
+                return agent.create(spec, progress)
             except QuotaExceeded as e:  # the node's final say: try the next
                 refusals.append(f"{node_id}: {e}")
             except BackendUnavailable as e:
+                self._untrusted(node_id, address, e)
                 refusals.append(f"{node_id}: {e}")
         if refusals:
             raise QuotaExceeded("every candidate node refused the sandbox: "
@@ -272,8 +316,11 @@ class Fleet(SandboxApi):
     def _on_node(self, node_id: str, sandbox_id: str, call: Callable[[Http], T]) -> T:
         address = self.nodes.address(node_id, sandbox_id)
         try:
-            return call(self.agent(address))
+            return call(self.agent(node_id, address))
         except BackendUnavailable as e:
+            if self._untrusted(node_id, address, e):
+                raise NodeLost(f"sandbox {sandbox_id}: its node {node_id} ({address}) failed "
+                               f"to prove it is {node_id}: {e.__cause__}") from e
             if _transport_failure(e):
                 raise NodeLost(f"sandbox {sandbox_id}: its node {node_id} ({address}) does "
                                f"not answer: {e.__cause__}") from e
@@ -347,7 +394,7 @@ class Fleet(SandboxApi):
                 continue
             asked.add(store)
             try:
-                found = [p for p in self.agent(n.record.address).list_preempted(None)
+                found = [p for p in self.agent(n.record.node_id, n.record.address).list_preempted(None)
                          if p.id == sandbox_id]
             except BackendUnavailable as e:
                 log.warning("node %s does not answer: %s", n.record.node_id, e)
@@ -362,7 +409,7 @@ class Fleet(SandboxApi):
         path of a move and of a restore by hand. etcd down after the restore:
         it runs there all the same, only calls by id from other clients miss
         it until a restore or move writes the record again (logged)."""
-        info = self.agent(target.address).restore(sandbox_id)
+        info = self.agent(target.node_id, target.address).restore(sandbox_id)
         key = moved_key(sandbox_id)
         try:
             if target.node_id == node_of(sandbox_id):  # back on the node its id names
@@ -384,8 +431,10 @@ class Fleet(SandboxApi):
 
         def one(n: NodeView) -> list[T]:
             try:
-                return call(self.agent(n.record.address))
+                return call(self.agent(n.record.node_id, n.record.address))
             except BackendUnavailable as e:
+                if self._untrusted(n.record.node_id, n.record.address, e):
+                    return []  # (an impostor's record: nothing of it is asked or shown)
                 if not _transport_failure(e):
                     errors.append(e)
                 log.warning("node %s does not answer: %s", n.record.node_id, e)
@@ -439,7 +488,7 @@ class Fleet(SandboxApi):
                               "snapshots in a local store no other node sees (agents "
                               "need a shared --cluster store); it is drained, its "
                               "sandboxes run on")
-        source = self.agent(view.record.address)
+        source = self.agent(view.record.node_id, view.record.address)
         out = []
         for info in source.list_sandboxes(labels):
             t0 = time.monotonic()
@@ -478,7 +527,7 @@ class Fleet(SandboxApi):
     def capabilities(self, backend: str) -> dict[str, Any]:
         for n in self.nodes.nodes():
             if backend in n.record.backends:
-                return self.agent(n.record.address).capabilities(backend)
+                return self.agent(n.record.node_id, n.record.address).capabilities(backend)
         raise FleetUnavailable(f"no node of the fleet {self.url} runs the {backend} backend")
 
 

@@ -42,6 +42,15 @@ def check_node_id(node_id: str) -> str:
     return node_id
 
 
+NODE_DOMAIN = "node.lazyfs"
+
+
+def node_name(node_id: str) -> str:
+    """The DNS name a node's TLS certificate carries and clients ask for
+    (runtime.fleet.ca)."""
+    return f"{check_node_id(node_id)}.{NODE_DOMAIN}"
+
+
 def node_key(node_id: str) -> str:
     return NODES + node_id
 

@@ -105,7 +105,7 @@ def running_agent(d: Path, repo: Path = REPO, extra: Sequence[str] = ()) -> Iter
 def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token: str,
                 max_sandboxes: int, memory_mb: int | None = None,
                 cluster: str | None = None, log_json: bool = False,
-                net: NodeNet | None = None) -> Agent:
+                net: NodeNet | None = None, extra: Sequence[str] = ()) -> Agent:
     """An agent (not started) in the fleet of `etcd_url` as `node_id`, with
     its own busybox store (or, with `cluster`, the cluster store the fleet
     shares), lazyfs daemon and state in `d`, the fleet's `token` and label
@@ -119,7 +119,7 @@ def fleet_agent(d: Path, etcd_url: str, node_id: str, stack: ExitStack, *, token
     a = Agent(d, store, lazy.paths.root, extra=[
         "--fleet", etcd_url, "--node-id", node_id, "--node-label", f"zone={node_id}",
         "--max-sandboxes", str(max_sandboxes),
-        *(["--memory-mb", str(memory_mb)] if memory_mb is not None else [])],
+        *(["--memory-mb", str(memory_mb)] if memory_mb is not None else []), *extra],
         cluster=cluster, log_json=log_json, net=net)
     stack.callback(_teardown, a)
     return a

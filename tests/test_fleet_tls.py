@@ -1,0 +1,290 @@
+"""A fleet nobody can hijack: agents serving HTTPS with node certificates of
+the fleet's CA (`lazyfs fleet ca`), callers with client certificates, and
+the attacks performed: an impostor's node records in etcd (a server with
+another CA's certificate, one with a real node certificate of another
+node, a plain http one) get no request at all; a caller without a client
+certificate, with another CA's, or speaking plain HTTP gets nothing; a
+revoked client certificate is refused once the agent has the new list.
+Real etcd, real agents (separate processes), real TLS."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime import Sandbox, SandboxError
+from runtime.client import transport
+from runtime.fleet import client as fleet_client_module
+from runtime.fleet.ca import FleetCA, Identity
+from runtime.fleet.client import fleet_client, read_nodes
+from runtime.fleet.etcd import Etcd
+from runtime.fleet.records import Capacity, NodeRecord, node_key
+from tests.helpers.agents import REPO, Agent, fleet_agent
+from tests.helpers.etcd import EtcdServer, etcd_missing
+from tests.helpers.sandboxes import IMAGE, runtime_missing
+from tests.helpers.support import wait_until
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
+              pytest.mark.skipif(etcd_missing() is not None, reason=str(etcd_missing()))]
+
+TOKEN = "tls-fleet-token"
+
+
+@dataclass
+class TlsFleet:
+    etcd: EtcdServer
+    agent: Agent
+    ca: FleetCA
+    d: Path
+    caller: Identity
+    identities: dict[str, Identity] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.etcd.url
+
+
+def _as(monkeypatch: pytest.MonkeyPatch, ident: Identity | Path | None) -> None:
+    """Calls from now on with this TLS identity (fresh connections)."""
+    transport._close_clients()
+    fleet_client_module._close_fleets()
+    if ident is None:
+        monkeypatch.delenv("LAZYFS_TLS_DIR", raising=False)
+    else:
+        monkeypatch.setenv("LAZYFS_TLS_DIR", str(ident.dir if isinstance(ident, Identity)
+                                                 else ident))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsFleet]:
+    d = tmp_path_factory.mktemp("tlsfleet")
+    with ExitStack() as stack:
+        ca = FleetCA.init(d / "ca")
+        node = ca.issue_node("n1", d / "n1-identity", ("127.0.0.1",))
+        caller = ca.issue_client("trainer", d / "trainer")
+        etcd = stack.enter_context(EtcdServer(d / "etcd"))
+        agent = fleet_agent(d / "n1", etcd.url, "n1", stack, token=TOKEN, max_sandboxes=20,
+                            extra=["--tls-dir", str(node.dir)])
+        agent.start()
+        e = Etcd(etcd.url)
+        wait_until(lambda: len(read_nodes(e)) == 1, 20, "the node registered")
+        assert read_nodes(e)[0].record.address.startswith("https://")
+        e.close()
+        yield TlsFleet(etcd, agent, ca, d, caller)
+    transport._close_clients()
+    fleet_client_module._close_fleets()
+
+
+def test_a_caller_with_a_client_certificate_is_served(fleet: TlsFleet,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _as(monkeypatch, fleet.caller)
+    with Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN) as sb:
+        assert sb.id.endswith(".n1")
+        assert sb.exec("echo over mtls").stdout == b"over mtls\n"
+        assert sb.id in {s.id for s in Sandbox.list(fleet=fleet.url, token=TOKEN)}
+
+
+def _tls_refuses(url: str, *, cert: Identity | None, ca: Path) -> str:
+    """What a direct https call with this identity gets (a refusal's words)."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.check_hostname = False
+    if cert is not None:
+        ctx.load_cert_chain(str(cert.cert), str(cert.key))
+    try:
+        r = httpx.get(f"{url}/v1/sandboxes", verify=ctx, timeout=10,
+                      headers={"authorization": f"Bearer {TOKEN}"})
+    except (httpx.TransportError, ssl.SSLError) as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError(f"answered {r.status_code}: {r.text[:200]}")
+
+
+def test_callers_without_a_fleet_client_certificate_get_nothing(
+        fleet: TlsFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = {s.id for s in Sandbox.list(node=fleet.agent.unix)}
+    url = f"https://127.0.0.1:{fleet.agent.port}"
+    # no certificate at all (the right token does not help)
+    assert _tls_refuses(url, cert=None, ca=fleet.ca.dir / "ca.pem")
+    # a certificate of another CA
+    other = FleetCA.init(fleet.d / "other-ca").issue_client("stranger", fleet.d / "stranger")
+    assert _tls_refuses(url, cert=other, ca=fleet.ca.dir / "ca.pem")
+    # a node's certificate is not a client's
+    assert _tls_refuses(url, cert=Identity(fleet.d / "n1-identity"), ca=fleet.ca.dir / "ca.pem")
+    # plain HTTP on the TLS port
+    with socket.create_connection(("127.0.0.1", fleet.agent.port), timeout=10) as s:
+        s.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n"
+                  b"authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n")
+        try:
+            answer = s.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            answer = b""
+        assert b"sandboxes" not in answer and b"200 OK" not in answer
+    # the SDK with the CA only (no client certificate): every node refuses it
+    bare = fleet.d / "bare"
+    bare.mkdir(exist_ok=True)
+    shutil.copy(fleet.ca.dir / "ca.pem", bare / "ca.pem")
+    _as(monkeypatch, bare)
+    with pytest.raises(SandboxError):
+        Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN)
+    _as(monkeypatch, None)
+    assert {s.id for s in Sandbox.list(node=fleet.agent.unix)} == before  # nothing made
+
+
+def test_a_revoked_client_certificate_is_refused(fleet: TlsFleet,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    stolen = fleet.ca.issue_client("laptop", fleet.d / "laptop")
+    _as(monkeypatch, stolen)
+    assert Sandbox.list(fleet=fleet.url, token=TOKEN) is not None  # served, before
+    fleet.ca.revoke(stolen.cert)
+    shutil.copy(fleet.ca.dir / "crl.pem", fleet.d / "n1-identity" / "crl.pem.tmp")
+    os.replace(fleet.d / "n1-identity" / "crl.pem.tmp", fleet.d / "n1-identity" / "crl.pem")
+
+    def refused() -> bool:
+        _as(monkeypatch, stolen)  # (a new connection: TLS checks at the handshake)
+        try:
+            Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN).kill()
+        except SandboxError:
+            return True
+        return False
+
+    wait_until(refused, 10, "the agent refusing the revoked certificate")
+    _as(monkeypatch, fleet.caller)  # everyone else is still served
+    with Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN) as sb:
+        assert sb.exec("true").exit_code == 0
+
+
+class Impostor:
+    """A server an attacker runs: TLS with the certificate given (or plain
+    HTTP), counting every byte of application data a client sends it."""
+
+    def __init__(self, context: ssl.SSLContext | None) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.context = context
+        self.received = 0
+        self.connections = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        try:
+            s = self.context.wrap_socket(conn, server_side=True) if self.context else conn
+            while data := s.recv(65536):
+                self.received += len(data)
+                s.sendall(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 2\r\n\r\n{}")
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
+def _context(ident: Identity) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(ident.cert), str(ident.key))
+    return ctx
+
+
+def test_impostor_records_get_no_request(fleet: TlsFleet,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Someone who can write etcd registers three nodes pointing at servers
+    of theirs, more attractive than the real one (empty, big): another CA's
+    certificate, the real n1's own certificate and key (stolen) under
+    another node id, and plain HTTP. Creations all land on n1; the
+    impostors get no byte of a request (no token, no image name)."""
+    other = FleetCA.init(fleet.d / "evil-ca").issue_node("evil-a", fleet.d / "evil-a")
+    impostors = {"evil-a": Impostor(_context(other)),
+                 "evil-b": Impostor(_context(Identity(fleet.d / "n1-identity"))),
+                 "evil-c": Impostor(None)}
+    e = Etcd(fleet.etcd.url)
+    try:
+        for node_id, imp in impostors.items():
+            scheme = "http" if imp.context is None else "https"
+            record = NodeRecord(node_id=node_id, address=f"{scheme}://127.0.0.1:{imp.port}",
+                                backends=["container", "fncall"],
+                                capacity=Capacity(cores=256, memory_mb=1 << 20,
+                                                  disk_mb=1 << 24, max_sandboxes=100_000),
+                                started=time.time(), reported=time.time())
+            e.put(node_key(node_id), record.model_dump_json().encode())
+        _as(monkeypatch, fleet.caller)
+        fc = fleet_client(fleet.url, TOKEN)
+        wait_until(lambda: len(fc.nodes.nodes(fresh=True)) == 4, 10, "the impostors listed")
+        made = []
+        for _ in range(8):
+            sb = Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN)
+            made.append(sb)
+        assert all(sb.id.endswith(".n1") for sb in made)
+        ids = {s.id for s in Sandbox.list(fleet=fleet.url, token=TOKEN)}  # asks every node
+        assert {sb.id for sb in made} <= ids
+        for sb in made:
+            sb.kill()
+        assert fc.untrusted > 0
+        for node_id, imp in impostors.items():
+            assert imp.received == 0, (node_id, imp.received)
+        assert impostors["evil-a"].connections + impostors["evil-b"].connections > 0
+    finally:
+        for node_id, imp in impostors.items():
+            e.delete(node_key(node_id))
+            imp.close()
+        e.close()
+
+
+def test_the_ca_cli(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tools.cli", "fleet", "ca", *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+
+    assert cli("init", str(tmp_path / "ca")).returncode == 0
+    assert oct((tmp_path / "ca" / "ca-key.pem").stat().st_mode & 0o777) == "0o600"
+    again = cli("init", str(tmp_path / "ca"))
+    assert again.returncode == 2 and "already" in again.stderr
+    p = cli("issue", "node", "n7", "--ca", str(tmp_path / "ca"), "--out", str(tmp_path / "n7"),
+            "--address", "10.0.0.7")
+    assert p.returncode == 0, p.stderr
+    bad = cli("issue", "node", "Bad_Id", "--ca", str(tmp_path / "ca"), "--out",
+              str(tmp_path / "x"))
+    assert bad.returncode == 2 and "node id" in bad.stderr
+    assert cli("issue", "client", "ci", "--ca", str(tmp_path / "ca"), "--out",
+               str(tmp_path / "ci")).returncode == 0
+    p = cli("revoke", str(tmp_path / "ci" / "cert.pem"), "--ca", str(tmp_path / "ca"))
+    assert p.returncode == 0 and "revoked serial" in p.stdout
+    from cryptography import x509
+    crl = x509.load_pem_x509_crl((tmp_path / "ca" / "crl.pem").read_bytes())
+    cert = x509.load_pem_x509_certificate((tmp_path / "ci" / "cert.pem").read_bytes())
+    assert crl.get_revoked_certificate_by_serial_number(cert.serial_number) is not None
+    node_cert = x509.load_pem_x509_certificate((tmp_path / "n7" / "cert.pem").read_bytes())
+    sans = node_cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["n7.node.lazyfs"]
