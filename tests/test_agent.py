@@ -344,7 +344,10 @@ def test_an_agent_on_port_0_serves_where_it_says(tmp_path: Path) -> None:
     address is one line, exit code 2."""
     cli = [sys.executable, "-m", "tools.cli", "agent", "--state", str(tmp_path / "state"),
            "--node-root", str(tmp_path / "root"), "--socket", str(tmp_path / "agent.sock"),
-           "--token-file", str(tmp_path / "token")]
+           "--token-file", str(tmp_path / "token"), "--insecure"]
+    plain = subprocess.run([*cli[:-1], "--listen", "127.0.0.1:0"], cwd=REPO,
+                           capture_output=True, text=True, check=False)
+    assert plain.returncode == 2 and "--insecure" in plain.stderr  # (never plain by default)
     bad = subprocess.run([*cli, "--listen", "127.0.0.1:http"], cwd=REPO, capture_output=True,
                          text=True, check=False)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
@@ -364,7 +367,7 @@ def test_an_agent_on_port_0_serves_where_it_says(tmp_path: Path) -> None:
         assert r.status_code == 200 and r.json()["ok"] is True
         assert httpx.get(f"{url}/v1/health").status_code == 401
     finally:
-        subprocess.run([*cli[:-2], "--stop"], cwd=REPO, check=False, capture_output=True)
+        subprocess.run([*cli[:-3], "--stop"], cwd=REPO, check=False, capture_output=True)
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:

@@ -31,7 +31,8 @@ from runtime.fleet import client as fleet_client_module
 from runtime.fleet.ca import FleetCA, Identity
 from runtime.fleet.client import fleet_client, read_nodes
 from runtime.fleet.etcd import Etcd
-from runtime.fleet.records import Capacity, NodeRecord, node_key
+from runtime.fleet.records import Capacity, NodeRecord, node_key, node_name
+from runtime.spec import SandboxSpec
 from tests.helpers.agents import REPO, Agent, fleet_agent
 from tests.helpers.etcd import EtcdServer, etcd_missing
 from tests.helpers.sandboxes import IMAGE, runtime_missing
@@ -288,3 +289,82 @@ def test_the_ca_cli(tmp_path: Path) -> None:
     node_cert = x509.load_pem_x509_certificate((tmp_path / "n7" / "cert.pem").read_bytes())
     sans = node_cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert sans.get_values_for_type(x509.DNSName) == ["n7.node.lazyfs"]
+
+
+class Relay:
+    """A man in the middle: relays TCP to `target` and keeps every byte it
+    sees both ways (what it could read), or, given a TLS context, ends the
+    client's TLS itself (what it could present)."""
+
+    def __init__(self, target: int, context: ssl.SSLContext | None = None) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.target, self.context = target, context
+        self.seen = bytearray()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                self.seen += data
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _one(self, conn: socket.socket) -> None:
+        if self.context is not None:
+            try:
+                with self.context.wrap_socket(conn, server_side=True) as tls:
+                    self.seen += tls.recv(65536)
+            except (OSError, ssl.SSLError):
+                pass
+            conn.close()
+            return
+        with conn, socket.create_connection(("127.0.0.1", self.target)) as up:
+            back = threading.Thread(target=self._pipe, args=(up, conn), daemon=True)
+            back.start()
+            self._pipe(conn, up)
+            back.join(10)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_man_in_the_middle_sees_ciphertext_or_a_tls_failure(
+        fleet: TlsFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    _as(monkeypatch, fleet.caller)
+    secret_image = IMAGE
+    relay = Relay(fleet.agent.port)
+    try:  # a passive relay: the call works, the relay saw no token, id or image name
+        via = transport.agent_client(f"https://127.0.0.1:{relay.port}", TOKEN, node_name("n1"))
+        info = via.create(SandboxSpec(image=secret_image))
+        via.kill(info.id)
+        assert relay.seen and TOKEN.encode() not in relay.seen
+        assert info.id.encode() not in relay.seen and secret_image.encode() not in relay.seen
+    finally:
+        relay.close()
+    evil = FleetCA.init(fleet.d / "mitm-ca").issue_node("n1", fleet.d / "mitm-n1")
+    relay = Relay(fleet.agent.port, _context(evil))  # presents "n1" of another CA
+    try:
+        via = transport.agent_client(f"https://127.0.0.1:{relay.port}", TOKEN, node_name("n1"))
+        with pytest.raises(SandboxError):
+            via.list_sandboxes()
+        assert relay.seen == b""  # the client sent nothing once the handshake failed
+    finally:
+        relay.close()

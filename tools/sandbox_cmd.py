@@ -95,6 +95,9 @@ def _target(settings: Settings, node: str | None, *, detached: bool = False) -> 
                    "fits in it times the QoS class's overcommit [no memory admission].")
 @click.option("--overcommit", "overcommit", multiple=True, metavar="QOS=FACTOR",
               help="Memory overcommit of a QoS class [latency=1, best_effort=4].")
+@click.option("--insecure", is_flag=True,
+              help="Serve --listen over plain HTTP with a bearer token (one-machine setups: the "
+                   "token travels in the clear); a fleet's agents serve HTTPS (--tls-dir).")
 @click.option("--tls-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Serve --listen over HTTPS with this node identity (cert.pem, key.pem, "
                    "ca.pem, crl.pem: `lazyfs fleet ca issue node NODE_ID`); every caller must "
@@ -123,7 +126,7 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
           memory_mb: int | None, overcommit: tuple[str, ...], docker_socket: Path | None,
           docker_listen: tuple[str, ...], docker_tlscacert: str | None,
           docker_tlscert: str | None, docker_tlskey: str | None,
-          docker_certs_dir: Path | None, tls_dir: Path | None) -> None:
+          docker_certs_dir: Path | None, insecure: bool, tls_dir: Path | None) -> None:
     """Run the node agent: the HTTP API that creates and drives this node's
     sandboxes (OpenAPI schema at /openapi.json). Sandboxes outlive the agent;
     a restarted agent finds them again. SDK and CLI calls that name no node
@@ -171,7 +174,11 @@ def agent(settings: Settings, socket: Path | None, listen: tuple[str, ...],
             tls = Identity(tls_dir).check(client=False)
         except InvalidSpec as e:
             raise QuietError(str(e), exit_code=2) from None
-    if listen:
+    if listen and not stop:
+        if tls is None and not insecure:
+            raise QuietError("--listen without --tls-dir would serve plain HTTP: give --tls-dir "
+                             "(`lazyfs fleet ca issue node ID`), or --insecure with --token-file "
+                             "on one machine", exit_code=2)
         if token_file is None and tls is None:
             raise QuietError("--listen needs --tls-dir (client certificates) or --token-file "
                              "(TCP clients must authenticate)")

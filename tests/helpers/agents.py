@@ -68,7 +68,8 @@ class Agent(ServerProcess):
                *logs, "agent",
                "--socket", str(self.sock), "--state", str(self.d / "state"),
                "--node-root", str(self.node_root), "--listen", f"{self.host}:{self.port}",
-               "--token-file", str(self.token_file), *self.extra]
+               "--token-file", str(self.token_file),
+               *([] if "--tls-dir" in self.extra else ["--insecure"]), *self.extra]
         self.spawn(self.net.wrap(cmd) if self.net is not None else cmd, cwd=self.repo)
         self.wait_ready()
 
