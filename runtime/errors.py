@@ -15,6 +15,7 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     │   │                      backoff, for OVERLOAD_RETRY_S seconds)
     │   └── FleetUnavailable   etcd does not answer, or no node of the fleet
     │                          can take the sandbox
+    ├── PermissionDenied       the caller may not do this (etcd's roles)
     ├── QuotaExceeded          the node refuses more sandboxes
     ├── SandboxStateError      the call does not fit the state (exec while paused)
     │   ├── SandboxPreempted   the sandbox was preempted (pause_many(snapshot=True)):
@@ -80,6 +81,13 @@ class Overloaded(BackendUnavailable):
 
 class FleetUnavailable(BackendUnavailable):
     pass
+
+
+class PermissionDenied(SandboxError):
+    """The caller may not do this (etcd's roles: a node writes only its own
+    record)."""
+
+    status = 403
 
 
 class QuotaExceeded(SandboxError):

@@ -368,3 +368,63 @@ def test_a_man_in_the_middle_sees_ciphertext_or_a_tls_failure(
         assert relay.seen == b""  # the client sent nothing once the handshake failed
     finally:
         relay.close()
+
+
+def test_etcd_roles_let_a_node_write_only_its_own_record(
+        fleet: TlsFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """etcd over https with its own users and roles (`lazyfs fleet
+    etcd-auth`, runtime.fleet.etcdauth): a node's credentials write its own
+    record and no other key; a client's read and write no record; without
+    credentials etcd answers nothing; the fleet works end to end."""
+    from runtime import PermissionDenied
+    from runtime.errors import FleetUnavailable
+    from runtime.fleet import etcdauth
+
+    d = fleet.d / "roles"
+    server = fleet.ca.issue_node("etcd", d / "etcd-tls", ("127.0.0.1",))
+    n2 = fleet.ca.issue_node("n2", d / "n2")
+    n3 = fleet.ca.issue_node("n3", d / "n3")
+    reader = fleet.ca.issue_client("reader", d / "reader")
+    with ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer(d / "etcd", tls=(server.cert, server.key,
+                                                               server.ca)))
+        assert etcd.url.startswith("etcds://")
+        etcdauth.setup(etcd.url, "root-secret", {"n2": n2.dir, "n3": n3.dir},
+                       {"reader": reader.dir}, ca=fleet.ca.dir / "ca.pem")
+        assert oct((n2.dir / "etcd-auth").stat().st_mode & 0o777) == "0o600"
+        agent = fleet_agent(d / "agent", etcd.url, "n2", stack, token=TOKEN,
+                            max_sandboxes=10, extra=["--tls-dir", str(n2.dir)])
+        agent.start()
+        as_reader = Etcd(etcd.url, identity=reader.dir)
+        stack.callback(as_reader.close)
+        wait_until(lambda: [n.record.node_id for n in read_nodes(as_reader)] == ["n2"], 20,
+                   "n2 registered with its own credentials")
+        as_n2 = Etcd(etcd.url, identity=n2.dir)
+        stack.callback(as_n2.close)
+        forged = NodeRecord(node_id="n3", address="https://127.0.0.1:1", backends=["container"],
+                            capacity=Capacity(cores=1, memory_mb=1, disk_mb=1,
+                                              max_sandboxes=1)).model_dump_json().encode()
+        with pytest.raises(PermissionDenied):
+            as_n2.put(node_key("n3"), forged)  # another node's key
+        with pytest.raises(PermissionDenied):
+            as_n2.put("/lazyfs/fleet/drain/n3", b"1")  # an operator's
+        with pytest.raises(PermissionDenied):
+            as_reader.put(node_key("evil"), forged)  # a client writes no record
+        with pytest.raises(PermissionDenied):
+            as_reader.delete(node_key("n2"))
+        anon_dir = d / "anon"
+        anon_dir.mkdir()
+        shutil.copy(fleet.ca.dir / "ca.pem", anon_dir / "ca.pem")
+        anon = Etcd(etcd.url, identity=anon_dir)
+        stack.callback(anon.close)
+        with pytest.raises(PermissionDenied):
+            anon.get_prefix("/lazyfs/fleet/")
+        plain = Etcd(etcd.url.replace("etcds://", "etcd://"), identity=reader.dir)
+        stack.callback(plain.close)
+        with pytest.raises(FleetUnavailable):
+            plain.get_prefix("/lazyfs/fleet/")
+        assert [n.record.node_id for n in read_nodes(as_reader)] == ["n2"]
+        # the whole path: a caller with its identity (agents' client certificate, etcd's user)
+        _as(monkeypatch, reader)
+        with Sandbox.create(IMAGE, fleet=etcd.url, token=TOKEN) as sb:
+            assert sb.id.endswith(".n2") and sb.exec("echo ok").stdout == b"ok\n"

@@ -187,3 +187,40 @@ def ca_revoke(cert: Path, ca_dir: Path) -> None:
     except InvalidSpec as e:
         raise QuietError(str(e), exit_code=2) from None
     click.echo(f"revoked serial {serial:x}: distribute {ca_dir / 'crl.pem'} to the agents")
+
+
+@fleet.command("etcd-auth")
+@_fleet_option
+@click.option("--root-password-file", type=click.Path(dir_okay=False, exists=True,
+                                                      path_type=Path), required=True,
+              help="etcd's root password (made the root user's when etcd has no users yet).")
+@click.option("--node", "nodes", multiple=True, metavar="NODE_ID=DIR",
+              help="A node and its identity directory (gets etcd-auth: its user, password).")
+@click.option("--client", "clients", multiple=True, metavar="NAME=DIR",
+              help="A client and its identity directory (read-only in etcd).")
+@click.option("--ca", "ca_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              default=None, help="The CA etcd's certificate chains to [LAZYFS_TLS_DIR/ca.pem].")
+def etcd_auth(fleet: str | None, root_password_file: Path, nodes: tuple[str, ...],
+              clients: tuple[str, ...], ca_file: Path | None) -> None:
+    """Switch on etcd's users and roles for the fleet (over etcds://): each
+    node may write only its own record, clients only read (and delete the
+    forwarding records of sandboxes they kill), root does the rest."""
+    from runtime.errors import SandboxError
+    from runtime.fleet import etcdauth
+
+    def pairs(items: tuple[str, ...], what: str) -> dict[str, Path]:
+        out = {}
+        for item in items:
+            name, sep, d = item.partition("=")
+            if not sep or not name or not d:
+                raise QuietError(f"--{what} {item!r}: expected NAME=DIR", exit_code=2)
+            out[name] = Path(d)
+        return out
+
+    try:
+        etcdauth.setup(_url(fleet), root_password_file.read_text().strip(),
+                       pairs(nodes, "node"), pairs(clients, "client"), ca=ca_file)
+    except SandboxError as e:
+        raise QuietError(str(e), exit_code=2) from None
+    click.echo(f"etcd {_url(fleet)}: authentication on; {len(nodes)} node and "
+               f"{len(clients)} client users (their passwords in DIR/etcd-auth)")

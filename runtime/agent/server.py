@@ -228,7 +228,7 @@ def run_agent(config: RuntimeConfig, *, socket: Path | None = None,
     pid = pid_file(sock)
     member: Member | None = None
     if fleet is not None:
-        member = Member(node, Etcd(fleet[0]), fleet[1])
+        member = Member(node, Etcd(fleet[0], identity=tls.dir if tls else None), fleet[1])
 
     def ready() -> None:
         if member is not None:

@@ -22,15 +22,21 @@ etcd's) is a FleetUnavailable naming the endpoint.
 from __future__ import annotations
 
 import base64
+import ssl
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from ..errors import FleetUnavailable, InvalidSpec
+from lazyfs.settings import setting
+
+from ..errors import FleetUnavailable, InvalidSpec, PermissionDenied
 
 SCHEME = "etcd://"
+TLS_SCHEME = "etcds://"  # etcd's client port over https (its certificate of the fleet's CA)
+AUTH_FILE = "etcd-auth"  # in a TLS identity directory: the etcd user name, then its password
 # a member that does not accept a connection within 1 s is down for us
 # (creations fail fast: docs/fleet.md, "Failures"); an answer may take
 # longer on a loaded member (a read of 1,000 node records is ~1 MiB)
@@ -57,15 +63,34 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 
 def endpoints(url: str) -> list[str]:
-    """'etcd://h1:2379,h2:2379' → ['http://h1:2379', 'http://h2:2379']."""
-    if not url.startswith(SCHEME) or not url[len(SCHEME):].strip("/"):
-        raise InvalidSpec(f"fleet {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
-    hosts = [h.strip() for h in url[len(SCHEME):].strip("/").split(",")]
+    """'etcd://h1:2379,h2:2379' → ['http://h1:2379', 'http://h2:2379'];
+    'etcds://…' → https:// members."""
+    scheme = TLS_SCHEME if url.startswith(TLS_SCHEME) else SCHEME
+    if not url.startswith(scheme) or not url[len(scheme):].strip("/"):
+        raise InvalidSpec(f"fleet {url!r}: expected etcd://HOST:PORT[,HOST:PORT...] "
+                          "(etcds:// over https)")
+    hosts = [h.strip() for h in url[len(scheme):].strip("/").split(",")]
     for h in hosts:
         host, sep, port = h.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise InvalidSpec(f"fleet {url!r}: {h!r} is not HOST:PORT")
-    return [f"http://{h}" for h in hosts]
+    return [f"{'https' if scheme == TLS_SCHEME else 'http'}://{h}" for h in hosts]
+
+
+def read_auth(identity_dir: Path | None) -> tuple[str, str] | None:
+    """(user, password) from an identity directory's etcd-auth file."""
+    if identity_dir is None:
+        return None
+    f = identity_dir / AUTH_FILE
+    try:
+        lines = f.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise InvalidSpec(f"{f}: {e}") from None
+    if len(lines) < 2 or not lines[0] or not lines[1]:
+        raise InvalidSpec(f"{f}: expected the etcd user name, then its password")
+    return lines[0], lines[1]
 
 
 class Etcd:
@@ -73,16 +98,38 @@ class Etcd:
     thread-safe (one httpx connection pool). A member that does not answer
     is skipped for the next one; FleetUnavailable when none does."""
 
-    def __init__(self, url: str, *, timeout: httpx.Timeout = TIMEOUT) -> None:
+    def __init__(self, url: str, *, timeout: httpx.Timeout = TIMEOUT,
+                 identity: Path | None = None) -> None:
+        """`identity`: a TLS identity directory (runtime.fleet.ca): its CA
+        verifies an etcds:// member, its etcd-auth file (if any) logs in.
+        None: the caller's ($LAZYFS_TLS_DIR)."""
         self.url = url
         self._members = endpoints(url)
         self._current = 0
         self._lock = threading.Lock()
-        self.client = httpx.Client(timeout=timeout,
+        if identity is None and setting("client_tls_dir") is not None:
+            identity = Path(setting("client_tls_dir"))
+        verify: Any = True
+        if url.startswith(TLS_SCHEME) and identity is not None:
+            verify = ssl.create_default_context(cafile=str(identity / "ca.pem"))
+        self._auth = read_auth(identity)
+        self._token: str | None = None
+        self.client = httpx.Client(timeout=timeout, verify=verify,
                                    limits=httpx.Limits(max_keepalive_connections=64))
 
     def close(self) -> None:
         self.client.close()
+
+    def _login(self, member: str) -> str:
+        """A token of etcd's for our user (etcd-auth)."""
+        assert self._auth is not None
+        r = self.client.post(f"{member}/v3/auth/authenticate",
+                             json={"name": self._auth[0], "password": self._auth[1]})
+        if r.status_code != 200 or "token" not in r.json():
+            raise PermissionDenied(f"etcd {self.url}: user {self._auth[0]!r} cannot log in: "
+                                   f"{r.text[:200]}")
+        token: str = r.json()["token"]
+        return token
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         errors = []
@@ -92,11 +139,23 @@ class Etcd:
             n = (start + i) % len(self._members)
             member = self._members[n]
             try:
-                r = self.client.post(f"{member}/v3/{path}", json=body)
+                if self._auth is not None and self._token is None:
+                    self._token = self._login(member)
+                headers = {"authorization": self._token} if self._token else {}
+                r = self.client.post(f"{member}/v3/{path}", json=body, headers=headers)
+                if r.status_code != 200 and self._auth is not None \
+                        and "token" in r.text.lower():  # expired: log in again, once
+                    self._token = self._login(member)
+                    r = self.client.post(f"{member}/v3/{path}", json=body,
+                                         headers={"authorization": self._token})
             except httpx.HTTPError as e:
                 errors.append(f"{member}: {e or type(e).__name__}")
                 continue
             if r.status_code != 200:
+                if "permission denied" in r.text or "user name is empty" in r.text:
+                    raise PermissionDenied(f"etcd {self.url} refused {path} of "
+                                           f"{self._auth[0] if self._auth else 'anyone'}: "
+                                           f"{r.text[:200]}")
                 errors.append(f"{member}: HTTP {r.status_code} {r.text[:200]}")
                 continue
             try:
@@ -108,6 +167,10 @@ class Etcd:
                 self._current = n
             return out
         raise FleetUnavailable(f"etcd {self.url} unreachable: {'; '.join(errors)}")
+
+    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Any call of etcd's v3 JSON API (auth/..., for runtime.fleet.etcdauth)."""
+        return self._call(path, body)
 
     # -- keys ----------------------------------------------------------------
     def put(self, key: str, value: bytes, *, lease: int | None = None) -> int:

@@ -12,6 +12,7 @@ parent-death signal so a killed test run leaves no etcd behind).
 from __future__ import annotations
 
 import shutil
+import ssl
 from pathlib import Path
 
 import httpx
@@ -33,27 +34,35 @@ class EtcdServer(ServerProcess):
     name = "etcd"
     error = FleetUnavailable
 
-    def __init__(self, workdir: Path, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, workdir: Path, *, host: str = "127.0.0.1",
+                 tls: tuple[Path, Path, Path] | None = None) -> None:
         """`host`: the address clients reach it at (netns.FleetNet's service
-        address for nodes in network namespaces); it listens on loopback too."""
+        address for nodes in network namespaces); it listens on loopback too.
+        `tls`: (its certificate, key, the CA) to serve https (url etcds://)."""
         super().__init__(workdir / "etcd.log", startup_timeout=20, stop_grace=5)
         self.workdir = workdir
         self.host = host
+        self.tls = tls
+        self.scheme = "https" if tls else "http"
         self.client_port = free_port()
         self.peer_port = free_port()
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def url(self) -> str:
-        return f"etcd://{self.host}:{self.client_port}"
+        return f"{'etcds' if self.tls else 'etcd'}://{self.host}:{self.client_port}"
 
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
-        listen = {self.client_url, f"http://127.0.0.1:{self.client_port}"}
-        self.launch(["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"),
+        listen = {self.client_url, f"{self.scheme}://127.0.0.1:{self.client_port}"}
+        # (no --trusted-ca-file: callers log in with passwords, runtime.fleet.etcdauth;
+        # etcd's own gateway dials it with its server certificate)
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])]
+        self.launch(["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"), *tls,
                     "--listen-client-urls", ",".join(sorted(listen)),
                     "--advertise-client-urls", self.client_url,
                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -63,7 +72,9 @@ class EtcdServer(ServerProcess):
 
     def ready(self) -> bool:
         try:
-            r = httpx.get(f"{self.client_url}/health", timeout=1.0)
+            r = httpx.get(f"{self.client_url}/health", timeout=1.0,
+                          verify=ssl.create_default_context(cafile=str(self.tls[2]))
+                          if self.tls else True)
         except httpx.HTTPError as e:
             self.last = str(e)
             return False
