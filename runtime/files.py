@@ -10,6 +10,7 @@ link that makes the host read or write its own files. Writes are atomic
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import ctypes
 import errno
@@ -17,6 +18,7 @@ import io
 import logging
 import lzma
 import os
+import secrets
 import shutil
 import stat
 import subprocess
@@ -167,6 +169,64 @@ def _check_archive(members: list[tarfile.TarInfo]) -> None:
             seen.add(rel)
 
 
+def _decompressed(data: bytes) -> bytes:
+    """A tar as it is, or gzip / bzip2 / xz decompressed, at most
+    MAX_ARCHIVE + 64 MiB (of headers) of it: a small bomb is refused
+    before it fills memory."""
+    limit = MAX_ARCHIVE + (64 << 20)
+    step = 1 << 20
+    out = io.BytesIO()
+
+    def put(part: bytes) -> None:
+        out.write(part)
+        if out.tell() > limit:
+            raise FileError(f"the archive decompresses to more than {limit >> 20} MiB")
+
+    try:
+        if data[:2] == b"\x1f\x8b":
+            z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            chunk = data
+            while chunk:
+                put(z.decompress(chunk, step))
+                chunk = z.unconsumed_tail
+            put(z.flush(step))
+        elif data[:3] == b"BZh" or data[:6] == b"\xfd7zXZ\x00":
+            d: Any = bz2.BZ2Decompressor() if data[:3] == b"BZh" else lzma.LZMADecompressor()
+            put(d.decompress(data, step))
+            while not d.eof and not d.needs_input:
+                put(d.decompress(b"", step))
+        else:
+            return data
+    except (zlib.error, OSError, lzma.LZMAError, EOFError, ValueError) as e:
+        raise FileError(f"not a compressed tar archive: {e}") from None
+    return out.getvalue()
+
+
+def _set_meta(fd: int, uid: int | None, gid: int | None, mode: int, mtime: float | None
+              ) -> None:
+    """Owner, mode and time of what `fd` (O_PATH or open) is, through the
+    descriptor's /proc link: the inode itself, whatever its name is now."""
+    where = f"/proc/self/fd/{fd}"
+    if uid is not None and gid is not None:
+        os.chown(where, uid, gid)
+    os.chmod(where, mode)
+    if mtime is not None:
+        os.utime(where, (mtime, mtime))
+
+
+def _meta_of(parent: int, name: str, kind: int, uid: int, gid: int, mode: int,
+             mtime: float) -> None:
+    """_set_meta on `name` in `parent`, opened without following it; a name
+    swapped meanwhile for something of another kind (a symlink) is an error."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    try:
+        if stat.S_IFMT(os.fstat(fd).st_mode) != kind:
+            raise FileError(f"{name}: changed while it was unpacked")
+        _set_meta(fd, uid, gid, mode, mtime)
+    finally:
+        os.close(fd)
+
+
 def _sandbox_id(host: int, owner: int | None) -> int:
     """A host uid or gid as the sandbox sees it."""
     if owner is None:
@@ -179,6 +239,21 @@ class _Archives:
 
     root: str
     owner: int | None
+    _pinned: int | None = None  # the root, opened once for a whole archive
+
+    @contextmanager
+    def pinned(self) -> Iterator[None]:
+        """The root opened once for what follows (an archive's many entries:
+        a sandbox killed meanwhile, its init's pid reused, cannot move them
+        elsewhere)."""
+        fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._pinned = fd
+        try:
+            yield
+        finally:
+            self._pinned = None
+            os.close(fd)
+
 
     def _ids(self, m: tarfile.TarInfo, keep: bool) -> tuple[int, int]:
         base = self.owner or 0
@@ -188,41 +263,51 @@ class _Archives:
 
     def put_archive(self, path: str, data: bytes, *, keep_owners: bool = False) -> None:
         dest = _clean(path)
-        bad = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
+        raw = _decompressed(data)
+        bad = (tarfile.TarError, EOFError, OSError, ValueError, UnicodeError)
         try:
-            tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")  # noqa: SIM115
+            tar = tarfile.open(fileobj=io.BytesIO(raw), mode="r:")  # noqa: SIM115
         except bad as e:
             why = str(e).splitlines()[0].rstrip(":")
             raise FileError(f"not a tar archive (plain, gzip, bzip2 or xz): {why}") from None
         with tar:
-            try:
-                members = tar.getmembers()
+            members: list[tarfile.TarInfo] = []
+            try:  # entry by entry, counted as they come (not getmembers())
+                while (m := tar.next()) is not None:
+                    members.append(m)
+                    if len(members) > MAX_ARCHIVE_ENTRIES:
+                        raise FileError(f"the archive has more than {MAX_ARCHIVE_ENTRIES:,} "
+                                        "entries")
             except bad as e:
                 raise FileError(f"a broken tar archive: {e}") from None
             _check_archive(members)
-            try:
-                with self._dir_of(dest):  # it must be a directory already
-                    pass
-            except OSError as e:
-                raise _error(e, path) from None
-            for m in members:
-                rel = _member_path(m.name)
+            with self.pinned():
                 try:
-                    self._unpack(tar, m, dest / rel if rel is not None else dest, keep_owners)
+                    with self._dir_of(dest):  # it must be a directory already
+                        pass
                 except OSError as e:
-                    raise _error(e, f"{path}: {_printable(m.name)}") from None
+                    raise _error(e, path) from None
+                for m in members:
+                    rel = _member_path(m.name)
+                    try:
+                        if rel is None:  # the archive's root: the directory unpacked into
+                            with self._dir_of(dest) as fd:
+                                _set_meta(fd, None, None, m.mode & 0o7777 or 0o755, None)
+                        else:
+                            self._unpack(tar, m, dest / rel, keep_owners)
+                    except OSError as e:
+                        raise _error(e, f"{path}: {_printable(m.name)}") from None
 
     def _dir_of(self, path: PurePosixPath, create: bool = False) -> Any:
         return self._dir(path, create=create)  # type: ignore[attr-defined]
 
     def _unpack(self, tar: tarfile.TarFile, m: tarfile.TarInfo, target: PurePosixPath,
                 keep: bool) -> None:
+        """One entry. Owners, modes and times are set through a descriptor of
+        what was made (never by name: a sandbox that swaps the name for a
+        symlink meanwhile would aim them at a host file)."""
         uid, gid = self._ids(m, keep)
         mode = m.mode & 0o7777
-        if target.name in ("", ".", ".."):  # the directory unpacked into
-            with self._dir_of(target) as fd:
-                os.chmod(f"/proc/self/fd/{fd}", mode or 0o755)
-            return
         with self._dir_of(target.parent, create=True) as parent:
             name = target.name
             try:
@@ -234,11 +319,8 @@ class _Archives:
                                 f"{'link' if m.issym() or m.islnk() else 'file'}")
             if st is not None and not stat.S_ISDIR(st.st_mode) and m.isdir():
                 raise FileError(f"{target}: cannot replace a file with a directory")
-            if m.isdir():
-                if st is None:
-                    os.mkdir(name, 0o700, dir_fd=parent)
-            elif m.isreg():
-                tmp = f".{name}.lazyfs-{os.getpid()}.tmp"
+            if m.isreg():
+                tmp = f".lazyfs-{secrets.token_hex(8)}.tmp"  # (short: any name fits)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o600, dir_fd=parent)
                 try:
@@ -246,36 +328,42 @@ class _Archives:
                     assert src is not None
                     with os.fdopen(fd, "wb") as f:
                         shutil.copyfileobj(src, f, 1 << 20)
+                        f.flush()
+                        _set_meta(f.fileno(), uid, gid, mode, m.mtime)
                     os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
                 except BaseException:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=parent)
                     raise
-            else:
-                if st is not None:
-                    os.unlink(name, dir_fd=parent)
-                if m.issym():
-                    os.symlink(m.linkname, name, dir_fd=parent)
-                elif m.isfifo():
-                    os.mkfifo(name, 0o600, dir_fd=parent)
-                else:  # a hard link: to a file of the sandbox (resolved in its root)
-                    linked = _member_path(m.linkname)
-                    assert linked is not None
-                    src_path = str(self._base_of(target, m.name, linked))
-                    with self._dir_of(PurePosixPath("/")) as root:
-                        tfd = _openat2(root, src_path, os.O_PATH | os.O_NOFOLLOW)
-                    try:
-                        if not stat.S_ISREG(os.fstat(tfd).st_mode):
-                            raise FileError(f"{target}: a hard link to {src_path}, "
-                                            "which is not a regular file")
-                        os.link(f"/proc/self/fd/{tfd}", name, dst_dir_fd=parent)
-                    finally:
-                        os.close(tfd)
-                    return  # (the link shares its file's owner, mode and times)
-            os.chown(name, uid, gid, dir_fd=parent, follow_symlinks=False)
-            if not m.issym():
-                os.chmod(name, mode, dir_fd=parent)
-            os.utime(name, (m.mtime, m.mtime), dir_fd=parent, follow_symlinks=False)
+                return
+            if m.isdir():
+                if st is None:
+                    os.mkdir(name, 0o700, dir_fd=parent)
+                _meta_of(parent, name, stat.S_IFDIR, uid, gid, mode, m.mtime)
+                return
+            if st is not None:
+                os.unlink(name, dir_fd=parent)
+            if m.issym():
+                os.symlink(m.linkname, name, dir_fd=parent)
+                # (a symlink's own owner and time: never followed)
+                os.chown(name, uid, gid, dir_fd=parent, follow_symlinks=False)
+                os.utime(name, (m.mtime, m.mtime), dir_fd=parent, follow_symlinks=False)
+            elif m.isfifo():
+                os.mkfifo(name, 0o600, dir_fd=parent)
+                _meta_of(parent, name, stat.S_IFIFO, uid, gid, mode, m.mtime)
+            else:  # a hard link: to a file of the sandbox (resolved in its root)
+                linked = _member_path(m.linkname)
+                assert linked is not None
+                src_path = str(self._base_of(target, m.name, linked))
+                with self._dir_of(PurePosixPath("/")) as root:
+                    tfd = _openat2(root, src_path, os.O_PATH | os.O_NOFOLLOW)
+                try:
+                    if not stat.S_ISREG(os.fstat(tfd).st_mode):
+                        raise FileError(f"{target}: a hard link to {src_path}, "
+                                        "which is not a regular file")
+                    os.link(f"/proc/self/fd/{tfd}", name, dst_dir_fd=parent)
+                finally:
+                    os.close(tfd)  # (the link shares its file's owner, mode and times)
 
     @staticmethod
     def _base_of(target: PurePosixPath, name: str, linked: PurePosixPath) -> PurePosixPath:
@@ -295,7 +383,7 @@ class _Archives:
         links: dict[tuple[int, int], str] = {}
         arcroot = top.name or "."
         try:
-            with self._dir_of(PurePosixPath("/")) as root, \
+            with self.pinned(), self._dir_of(PurePosixPath("/")) as root, \
                     tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
                 stack: list[tuple[PurePosixPath, str]] = [(top, arcroot)]
                 entries = 0
@@ -384,7 +472,8 @@ class SandboxFiles(_Archives):
 
     @contextmanager
     def _dir(self, path: PurePosixPath, *, create: bool = False) -> Iterator[int]:
-        rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        rootfd = (os.dup(self._pinned) if self._pinned is not None
+                  else os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
         try:
             if create:  # each level resolved from the root, so links stay inside
                 for i in range(2, len(path.parts) + 1):

@@ -166,6 +166,7 @@ class Engine:
         self.execs: dict[str, Exec] = {}
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_EVENTS)
         self.event_seq = 0
+        self._reserved: set[str] = set()  # names of containers being made
         self.dir = node.config.state_dir / "docker"  # a record per container
         self.recover()
 
@@ -278,12 +279,22 @@ class Engine:
                 raise HttpError(400, f"Invalid container name ({name}), only "
                                      "[a-zA-Z0-9][a-zA-Z0-9_.-] are allowed")
             name = name.lstrip("/")
-            with self._lock:
-                taken = [c for c in self.containers.values() if c.name == name]
-            if taken:
-                raise HttpError(409, f'Conflict. The container name "/{name}" is already in '
-                                     f'use by container "{taken[0].id}". You have to remove '
-                                     "(or rename) that container to be able to reuse that name.")
+            with self._lock:  # (reserved while it is made: two creates, one name)
+                taken = [c.id for c in self.containers.values() if c.name == name]
+                if taken or name in self._reserved:
+                    raise HttpError(409, f'Conflict. The container name "/{name}" is already '
+                                         f'in use by container "{(taken or ["?"])[0]}". You '
+                                         "have to remove (or rename) that container to be able "
+                                         "to reuse that name.")
+                self._reserved.add(name)
+        try:
+            return self._create(body, name or None)
+        finally:
+            if name:
+                with self._lock:
+                    self._reserved.discard(name)
+
+    def _create(self, body: dict[str, Any], name: str | None) -> Container:
         image_name = body.get("Image")
         if not isinstance(image_name, str) or not image_name:
             raise HttpError(400, "Config.Image: an image is needed")
@@ -553,7 +564,8 @@ class Engine:
         except SandboxError as e:
             raise to_http(e) from None
         with self.changed:
-            c.status = "paused"
+            if c.status == "running":  # (its main process may have ended meanwhile)
+                c.status = "paused"
             self.changed.notify_all()
         self.emit(c, "pause")
 

@@ -37,6 +37,8 @@ MAX_HEAD = 64 << 10
 MAX_JSON = 4 << 20  # a JSON request body
 IDLE_S = 120.0
 TLS_HEAD_PAUSE_S = 0.02  # see _read_by_peer
+HANDSHAKE_S = 10.0
+BODY_IDLE_S = 60.0  # a request body that stops coming: the connection goes
 READ_SIZE = 1 << 16
 RAW_STREAM = "application/vnd.docker.raw-stream"
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
@@ -139,7 +141,11 @@ class Connection:
         parts: list[bytes] = []
         size = 0
         while True:
-            event = await self._next()
+            with trio.move_on_after(BODY_IDLE_S) as idle:
+                event = await self._next()
+            if idle.cancelled_caught:
+                self.keep = False
+                raise HttpError(408, f"the request body stopped coming for {BODY_IDLE_S:g} s")
             if isinstance(event, h11.Data):
                 size += len(event.data)
                 if size > limit:
@@ -170,8 +176,15 @@ class Connection:
         await self.send(status, json.dumps(obj).encode(), headers=headers)
 
     async def start(self, status: int, content_type: str) -> Streamed:
-        """A streamed answer (chunked): write() its parts, end() it."""
+        """A streamed answer (chunked): write() its parts, end() it. (To a
+        HEAD: the head only; the parts are dropped.)"""
         self.answered = True
+        if self.method == "HEAD":
+            await self._send(h11.Response(status_code=status, headers=[
+                ("Content-Type", content_type), ("Api-Version", API_VERSION),
+                ("Server", SERVER), ("Content-Length", "0")]))
+            await self._send(h11.EndOfMessage())
+            return _Dropped(self)
         await self._send(h11.Response(status_code=status, headers=[
             ("Content-Type", content_type), ("Api-Version", API_VERSION), ("Server", SERVER),
             ("Transfer-Encoding", "chunked")]))
@@ -228,6 +241,14 @@ class Streamed:
 
     async def end(self) -> None:
         await self.conn._send(h11.EndOfMessage())
+
+
+class _Dropped(Streamed):
+    async def write(self, data: bytes) -> None:
+        return None
+
+    async def end(self) -> None:
+        return None
 
 
 class Raw:
@@ -381,6 +402,7 @@ class _quiet:
 
 
 async def _answer(conn: Connection, event: h11.Request, router: Router) -> None:
+    conn.method = event.method.decode()
     if len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD:
         conn.keep = False  # (h11 bounds a head that arrives in parts; this, one read whole)
         await conn.json(431, {"message": f"the request head is over {MAX_HEAD:,} bytes"})
@@ -396,7 +418,6 @@ async def _answer(conn: Connection, event: h11.Request, router: Router) -> None:
                                   f"supported API version is {MIN_API_VERSION}, please "
                                   "upgrade your client to a newer version"})
             return
-    conn.method = event.method.decode()
     req = Request(method=event.method.decode(), path=path,
                   query=urllib.parse.parse_qs(qs, keep_blank_values=True),
                   headers={k.decode().lower(): v.decode("latin-1") for k, v in event.headers},
@@ -419,12 +440,33 @@ async def _answer(conn: Connection, event: h11.Request, router: Router) -> None:
         await conn.json(e.status, {"message": e.message})
     except (_Closed, trio.BrokenResourceError, trio.ClosedResourceError):
         raise
+    except BaseExceptionGroup as eg:  # (trio's nurseries group what their tasks raise)
+        leaves = _leaves(eg)
+        http = [x for x in leaves if isinstance(x, HttpError)]
+        gone = (_Closed, trio.BrokenResourceError, trio.ClosedResourceError, trio.Cancelled)
+        if http and not conn.answered:
+            await conn.json(http[0].status, {"message": http[0].message})
+        elif all(isinstance(x, gone) for x in leaves) or http:
+            conn.keep = False
+        else:
+            log.error("docker endpoint: %s %s failed", req.method, path, exc_info=eg)
+            conn.keep = False
+            if not conn.answered:
+                await conn.json(500, {"message": "; ".join(
+                    f"{type(x).__name__}: {x}" for x in leaves)[:500]})
     except Exception as e:
         log.exception("docker endpoint: %s %s failed", req.method, path)
         if conn.answered:
             conn.keep = False
             return
         await conn.json(500, {"message": f"{type(e).__name__}: {e}"})
+
+
+def _leaves(eg: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for x in eg.exceptions:
+        out.extend(_leaves(x) if isinstance(x, BaseExceptionGroup) else [x])
+    return out
 
 
 def _older(a: str, b: str) -> bool:
@@ -447,7 +489,11 @@ def bind_unix(path: str, mode: int = 0o600) -> socketlib.socket:
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        s.bind(path)
+        old = os.umask(0o777 & ~mode)  # (made with its mode: never briefly open)
+        try:
+            s.bind(path)
+        finally:
+            os.umask(old)
         os.chmod(path, mode)
         s.listen(4096)
     except OSError:
@@ -486,8 +532,9 @@ async def serve(sockets: list[tuple[socketlib.socket, ssl.SSLContext | None]],
     async def handle(stream: trio.abc.Stream) -> None:
         if isinstance(stream, trio.SSLStream):
             try:
-                await stream.do_handshake()
-            except trio.BrokenResourceError as e:
+                with trio.fail_after(HANDSHAKE_S):
+                    await stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError) as e:
                 log.warning("docker endpoint: a TLS client refused: %s", e.__cause__ or e)
                 with _quiet():
                     await stream.transport_stream.aclose()

@@ -15,6 +15,7 @@ import binascii
 import builtins
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DIGEST_PREFIX = "blake3:"
+_REGISTRY_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _HUB_PREFIXES = ("docker.io/library/", "index.docker.io/library/", "docker.io/",
                  "index.docker.io/")
 
@@ -183,6 +185,8 @@ class DockerImages:
         auth_config, the CLI's login), its CA from the certs directory."""
         from composer.registry import RegistryOptions
 
+        if not _REGISTRY_HOST.fullmatch(host):
+            raise HttpError(400, f"invalid registry host {host!r}")
         ca = self.certs_dir / host / "ca.crt" if self.certs_dir is not None else None
         return RegistryOptions.given(
             username=auth.get("username") or None, password=auth.get("password") or None,

@@ -46,6 +46,8 @@ from .shapes import STDERR, STDOUT, filters, frame, iso, since_time
 log = logging.getLogger(__name__)
 
 THREADS = 256
+EXEC_THREADS = 4096
+WAIT_THREADS = 1024
 T = TypeVar("T")
 ARCHIVE_LIMIT = (1 << 30) + (64 << 20)  # files.MAX_ARCHIVE plus the tar's own headers
 _NOT_SERVED = {
@@ -66,7 +68,11 @@ class DockerServer:
         self.node = node
         self.images = DockerImages(node, certs_dir)
         self.engine = Engine(node, self.images)
-        self.limiter = trio.CapacityLimiter(THREADS)
+        self.limiter = trio.CapacityLimiter(THREADS)  # calls of the node
+        # commands run (an exec holds its thread while it runs) and waits (a
+        # second at a time): neither takes the calls' threads
+        self.exec_limiter = trio.CapacityLimiter(EXEC_THREADS)
+        self.wait_limiter = trio.CapacityLimiter(WAIT_THREADS)
         self.router = Router()
         r = self.router.add
         r("GET", "/_ping", self.ping)
@@ -111,6 +117,11 @@ class DockerServer:
                                                  limiter=self.limiter)
         except SandboxError as e:
             raise to_http(e) from None
+
+    async def _wait(self, fn: Callable[..., T], *args: Any) -> T:
+        """A wait of a second or so, in a thread of the waits' own."""
+        return await trio.to_thread.run_sync(functools.partial(fn, *args),
+                                             limiter=self.wait_limiter)
 
     # -- system ----------------------------------------------------------------------
     async def ping(self, req: Request) -> None:
@@ -299,7 +310,7 @@ class DockerServer:
             else:
                 raise HttpError(400, f"invalid condition: {cond!r}")
         out = await req.conn.start(200, "application/json")  # the wait is registered
-        while not await self._thread(e.wait_until, c, done, 1.0):
+        while not await self._wait(e.wait_until, c, done, 1.0):
             pass
         err = {"Message": c.error} if c.error else None
         await out.line({"StatusCode": c.exit_code, "Error": err})
@@ -314,29 +325,40 @@ class DockerServer:
             cursor = 0 if req.flag("logs") else c.log_start + len(c.log)
             if want_in and c.status not in ("running", "paused"):
                 c.stdin_wanted = True
-        raw = await req.conn.hijack(req, RAW_STREAM if c.tty else MULTIPLEXED)
-
-        async def stdin() -> None:
-            data = await raw.read_all(STDIN_LIMIT)
+        def give(data: bytes) -> None:  # the next run starts with this stdin
             with self.engine._lock:
-                c.stdin = data
-                c.stdin_ready.set()
+                if not c.stdin_ready.is_set():
+                    c.stdin = data
+                    c.stdin_ready.set()
 
-        async with trio.open_nursery() as n:
+        try:
+            raw = await req.conn.hijack(req, RAW_STREAM if c.tty else MULTIPLEXED)
+
+            async def stdin() -> None:
+                data = b""
+                try:
+                    data = await raw.read_all(STDIN_LIMIT)
+                finally:  # (whatever ends it: the command never waits for ever)
+                    give(data)
+
+            async with trio.open_nursery() as n:
+                if want_in:
+                    n.start_soon(stdin)
+                if req.flag("stream", True):
+                    await self._follow(c, raw, cursor, wanted,
+                                       lambda: c.finished >= target or c.status == "removed")
+                    n.cancel_scope.cancel()
+        finally:
             if want_in:
-                n.start_soon(stdin)
-            if req.flag("stream", True):
-                await self._follow(c, raw, cursor, wanted,
-                                   lambda: c.finished >= target or c.status == "removed")
-            n.cancel_scope.cancel()
+                give(b"")
 
     async def _follow(self, c: Container, raw: Raw | Any, cursor: int,
                       wanted: dict[int, bool], until: Callable[[], bool],
                       timestamps: bool = False) -> None:
         while True:
             over = until()
-            entries, cursor = await self._thread(self.engine.log_after, c, cursor,
-                                                 0 if over else 1.0)
+            entries, cursor = await self._wait(self.engine.log_after, c, cursor,
+                                               0 if over else 1.0)
             for t, stream, data in entries:
                 if wanted.get(stream):
                     if timestamps:
@@ -474,7 +496,7 @@ class DockerServer:
                 try:
                     result = await trio.to_thread.run_sync(
                         functools.partial(self.node.exec, c.id, execreq, sink(STDOUT),
-                                          sink(STDERR)), limiter=self.limiter)
+                                          sink(STDERR)), limiter=self.exec_limiter)
                 except SandboxError as err:
                     error = err
                     if getattr(err, "result", None) is None:
@@ -501,7 +523,7 @@ class DockerServer:
         if since is None:
             seq = self.engine.event_seq
         while True:
-            batch = await self._thread(self.engine.events_after, seq, 1.0)
+            batch = await self._wait(self.engine.events_after, seq, 1.0)
             for ev in batch:
                 seq = ev["seq"]
                 if since is not None and ev["time"] < since:
