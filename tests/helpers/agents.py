@@ -69,9 +69,17 @@ class Agent(ServerProcess):
                "--socket", str(self.sock), "--state", str(self.d / "state"),
                "--node-root", str(self.node_root), "--listen", f"{self.host}:{self.port}",
                "--token-file", str(self.token_file),
-               *([] if "--tls-dir" in self.extra else ["--insecure"]), *self.extra]
+               *(["--insecure"] if self._needs_insecure() else []), *self.extra]
         self.spawn(self.net.wrap(cmd) if self.net is not None else cmd, cwd=self.repo)
         self.wait_ready()
+
+    def _needs_insecure(self) -> bool:
+        """Plain TCP with a token: `--insecure`, since the agent has it (a
+        benchmark's baseline may run an earlier tree that does not)."""
+        if "--tls-dir" in self.extra:
+            return False
+        cli = self.repo / "tools" / "sandbox_cmd.py"
+        return cli.exists() and '"--insecure"' in cli.read_text()
 
     def ready(self) -> bool:
         if not self.sock.exists():
