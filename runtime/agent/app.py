@@ -113,6 +113,13 @@ def make_app(node: Node, token: str | None = None,
         status = 400 if type(e) is SandboxError else e.status
         return JSONResponse(error_body(e), status_code=status)
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        # (a bug: the caller learns what failed in one line; the log has the traceback)
+        return JSONResponse({"error": {"type": "SandboxError", "message":
+                                       f"the node agent failed: {type(e).__name__}: {e}"}},
+                            status_code=500)
+
     if token is not None:
         @app.middleware("http")
         async def _auth(request: Request, call_next: Callable[..., Any]) -> Any:

