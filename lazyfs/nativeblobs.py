@@ -103,6 +103,7 @@ WALK_AFTER = 3
 WALK_START = 8
 WALK_MAX = 256
 WALK_BYTES = 16 << 20
+MAX_READ = 1 << 20  # the mount's max_read, as blobd.c's MAX_READ
 MAX_RESTARTS = 5  # in a minute; then the Python path serves new mounts
 
 
@@ -271,6 +272,7 @@ class BlobServer:
         self.sock_path = paths.native_socket
         self.sanitize = sanitize
         self.proc: subprocess.Popen[bytes] | None = None
+        self._fuse: int | None = None  # the FUSE connection (/dev/fuse), held across servers
         self.restarts: list[float] = []
         self.events = {"cache_corrupt": 0, "pack_corrupt": 0, "failed": 0, "timed_out": 0,
                        "restarts": 0}
@@ -312,9 +314,9 @@ class BlobServer:
         ls.setblocking(False)
         self._listener = ls
 
-    async def _spawn(self) -> None:
+    async def _spawn(self, *, resume: bool = False) -> None:
         self._mounted = trio.Event()
-        self._popen()
+        self._popen(resume=resume)
         assert self.proc is not None
         with trio.move_on_after(READY_TIMEOUT):
             while self.proc.poll() is None and not self._mounted.is_set():
@@ -328,9 +330,14 @@ class BlobServer:
                               "see the daemon's log)")
         log.info("native blob server pid %d serving %s", self.proc.pid, self.mnt)
 
-    def _popen(self) -> None:
-        self._detach_mount()
-        self.mnt.mkdir(mode=0o700, exist_ok=True)
+    def _popen(self, *, resume: bool) -> None:
+        """Start a server: on a new mount, or (`resume`) on the connection a
+        dead one served, which this process held: its readers waited."""
+        if not resume or self._fuse is None:
+            resume = False
+            self._abort()
+            self.mnt.mkdir(mode=0o700, exist_ok=True)
+            self._fuse = self._mount()
         o = self.fs.options
         assert self._binary is not None
         env = dict(os.environ)
@@ -340,8 +347,30 @@ class BlobServer:
         # (from the event loop's thread: PR_SET_PDEATHSIG follows the thread that forks)
         self.proc = subprocess.Popen(
             [str(self._binary), str(self.mnt), str(self.tables), str(self.sock_path),
-             str(max(1, o.hot_bytes >> 20)), str(max(1, round(o.fetch_timeout)))],
-            stdin=subprocess.DEVNULL, env=env, close_fds=True)
+             str(max(1, o.hot_bytes >> 20)), str(max(1, round(o.fetch_timeout))),
+             str(self._fuse), *(["resume"] if resume else [])],
+            stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=(self._fuse,))
+
+    def _mount(self) -> int:
+        """The blobs' FUSE mount, made here (fd=N): the connection is this
+        process's, so a server's death leaves it up for the next server."""
+        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            sysmount.mount("lazyfs-blobs", self.mnt, FSTYPE,
+                           sysmount.MS_RDONLY | sysmount.MS_NOSUID | sysmount.MS_NODEV,
+                           f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,"
+                           f"default_permissions,max_read={MAX_READ}")
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def _abort(self) -> None:
+        """End the connection (its readers get errors) and detach the mount."""
+        if self._fuse is not None:
+            os.close(self._fuse)
+            self._fuse = None
+        self._detach_mount()
 
     async def _watch(self) -> None:
         """Restart a server that died (its readers got errors)."""
@@ -356,19 +385,24 @@ class BlobServer:
             self.fs.fetch.tracer.error()
             self._close_conns()
             if len(self.restarts) > MAX_RESTARTS:
-                log.error("native blob server died (exit %s) %d times in a minute; new "
-                          "mounts read through the Python path", code, len(self.restarts))
-                self._detach_mount()
+                log.error("native blob server died (exit %s) %d times in a minute; its "
+                          "readers get errors, new mounts read through the Python path",
+                          code, len(self.restarts))
+                self._abort()
                 self.proc = None
                 return
-            log.error("native blob server died (exit %s): mounts made over it read errors "
-                      "until remade; starting another", code)
+            log.error("native blob server died (exit %s): starting another on its "
+                      "connection (its readers wait for it)", code)
             try:
-                await self._spawn()
-            except DaemonError as e:
-                log.error("%s", e)
-                self.proc = None
-                return
+                await self._spawn(resume=True)
+            except DaemonError as e:  # (its readers got errors: a new mount for new readers)
+                log.error("%s; its readers got errors, starting one on a new mount", e)
+                try:
+                    await self._spawn()
+                except DaemonError as e2:
+                    log.error("%s", e2)
+                    self.proc = None
+                    return
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -378,7 +412,7 @@ class BlobServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._detach_mount()
+        self._abort()
 
     def _detach_mount(self) -> None:
         if sysmount.is_mount_point(self.mnt):

@@ -24,10 +24,20 @@
    the daemon's socket closes, this server unmounts and exits: readers get
    errors, never bytes nobody accounted for.
 
+   The daemon holds the FUSE connection (it mounts with fd=N and passes N
+   here), so a server that dies does not take the mount along: readers
+   wait, and the next server the daemon starts takes the connection over
+   (`resume`): it accepts the connection as already initialised, asks the
+   kernel to send again every request the dead one had taken
+   (FUSE_NOTIFY_RESEND, Linux 6.9), and finds a layer by its inode, which
+   is the layer id the daemon gave it (inode = layer id + 2), from its table.
+   When the daemon dies, its descriptor closes with it, this server exits
+   (parent-death signal) and the connection ends: readers get errors.
+
    TABLES/generation (8 bytes, mapped shared): the daemon bumps it to make
    this server forget its hot set (`lazyfs` drop_cache: a cold node).
 
-   usage: lazyfs-blobd MOUNTPOINT TABLES SOCKET [HOT_MIB] [TIMEOUT_S]
+   usage: lazyfs-blobd MOUNTPOINT TABLES SOCKET [HOT_MIB] [TIMEOUT_S] [FUSE_FD [resume]]
           lazyfs-blobd --check TABLE      (parse a table: exit 0 if valid)
 
    The extent table (little-endian), version 1:
@@ -44,9 +54,11 @@
 
 #define FUSE_USE_VERSION 312
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <fuse_lowlevel.h>
+#include <linux/fuse.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -220,7 +232,7 @@ static const char *tables_dir, *sock_path, *mountpoint;
 static struct fuse_session *session;
 static int fetch_timeout_s = 30;
 static pthread_rwlock_t layers_lock = PTHREAD_RWLOCK_INITIALIZER;
-static struct layer *layers[MAX_LAYERS];  /* inode = index + 2 */
+static struct layer *layers[MAX_LAYERS];  /* by layer id; inode = id + 2 */
 static uint32_t n_layers;
 static const uint8_t zeros[MAX_READ];  /* what gaps read as */
 
@@ -255,9 +267,13 @@ static int n_pack_fds;
 static __thread int conn_fd = -1;  /* this thread's connection to the daemon */
 static __thread ZSTD_DCtx *dctx;
 
+static int fuse_fd = -1;  /* the connection the daemon holds and passed (fd mode) */
+static volatile int daemon_gone;
+
 static void die_on_daemon_gone(void) {
     /* the daemon is what accounts for reads: without it, serve nothing */
     fprintf(stderr, "lazyfs-blobd: the daemon's socket closed; unmounting\n");
+    daemon_gone = 1;
     if (session) fuse_session_exit(session);
     kill(getpid(), SIGTERM);
 }
@@ -654,8 +670,28 @@ static int valid_digest(const char *name, size_t n) {
 
 static uint32_t find_layer(const char *digest) {
     for (uint32_t i = 0; i < n_layers; i++)
-        if (strcmp(layers[i]->digest, digest) == 0) return i + 1;
+        if (layers[i] && strcmp(layers[i]->digest, digest) == 0) return i + 1;
     return 0;
+}
+
+/* Put a loaded table in its layer id's place; the index + 1, or 0 (its id
+   out of range, or another layer there: *err). Takes l (freed if unused). */
+static uint32_t place_layer(struct layer *l, int *err) {
+    uint32_t id = l->layer_id, i = 0;
+    if (id >= MAX_LAYERS) { free_layer(l); *err = ENFILE; return 0; }
+    pthread_rwlock_wrlock(&layers_lock);
+    if (!layers[id]) {
+        layers[id] = l;
+        l = NULL;
+        if (id + 1 > n_layers) n_layers = id + 1;
+        i = id + 1;
+    } else if (strcmp(layers[id]->digest, l->digest) == 0) {
+        i = id + 1;  /* (another thread loaded it meanwhile) */
+    }
+    pthread_rwlock_unlock(&layers_lock);
+    free_layer(l);
+    if (!i) *err = EIO;  /* another layer under that id: not a table of the daemon's */
+    return i;
 }
 
 /* The layer's index + 1 (loading its table, asking the daemon to write it
@@ -682,17 +718,41 @@ static uint32_t layer_named(const char *digest, int *err) {
         return 0;
     }
     snprintf(l->digest, sizeof l->digest, "%s", digest);
-    pthread_rwlock_wrlock(&layers_lock);
-    i = find_layer(digest);
-    if (!i && n_layers < MAX_LAYERS) {
-        layers[n_layers++] = l;
-        i = n_layers;
-        l = NULL;
+    return place_layer(l, err);
+}
+
+/* A layer the kernel names by an inode this server never gave out: one a
+   dead server looked up (resume). Its table is the one with that layer id. */
+static struct layer *layer_by_table(uint32_t id) {
+    static pthread_mutex_t scan_mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&scan_mu);
+    struct layer *found = NULL;
+    DIR *d = opendir(tables_dir);
+    struct dirent *de;
+    while (d && !found && (de = readdir(d)) != NULL) {
+        size_t n = strlen(de->d_name);
+        if (n <= 4 || strcmp(de->d_name + n - 4, ".ext") != 0 || n - 4 > MAX_NAME ||
+            !valid_digest(de->d_name, n - 4))
+            continue;
+        char path[4400], why[300];
+        snprintf(path, sizeof path, "%s/%s", tables_dir, de->d_name);
+        struct layer *l = load_table(path, why, sizeof why);
+        if (!l) continue;
+        if (l->layer_id != id) { free_layer(l); continue; }
+        memcpy(l->digest, de->d_name, n - 4);
+        l->digest[n - 4] = 0;
+        int err = 0;
+        uint32_t i = place_layer(l, &err);
+        if (i) {
+            pthread_rwlock_rdlock(&layers_lock);
+            found = layers[i - 1];
+            pthread_rwlock_unlock(&layers_lock);
+        }
+        break;
     }
-    pthread_rwlock_unlock(&layers_lock);
-    free_layer(l);
-    if (!i) *err = ENFILE;
-    return i;
+    if (d) closedir(d);
+    pthread_mutex_unlock(&scan_mu);
+    return found;
 }
 
 static struct layer *layer_of(fuse_ino_t ino) {
@@ -700,6 +760,7 @@ static struct layer *layer_of(fuse_ino_t ino) {
     pthread_rwlock_rdlock(&layers_lock);
     if (ino >= 2 && ino - 2 < n_layers) l = layers[ino - 2];
     pthread_rwlock_unlock(&layers_lock);
+    if (!l && ino >= 2 && ino - 2 < MAX_LAYERS) l = layer_by_table((uint32_t)(ino - 2));
     return l;  /* (layers are never freed while serving) */
 }
 
@@ -782,6 +843,7 @@ static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     size_t used = 0;
     pthread_rwlock_rdlock(&layers_lock);
     for (uint32_t i = (uint32_t)off; i < n_layers; i++) {
+        if (!layers[i]) continue;
         char name[MAX_NAME + 8];
         snprintf(name, sizeof name, "%s.data", layers[i]->digest);
         struct stat st;
@@ -981,6 +1043,38 @@ static const struct fuse_lowlevel_ops ops = {
     .read = op_read,
 };
 
+/* Take over a connection a dead server served (see the top): libfuse is
+   told the connection is initialised by an INIT of our own making (its
+   reply goes to the kernel, which knows no such request and drops it), then
+   the kernel sends again what the dead server had read but not answered. */
+enum { NOTIFY_RESEND = 7 };  /* FUSE_NOTIFY_RESEND (Linux 6.9; not in older headers) */
+
+static int resume_session(void) {
+    struct {
+        struct fuse_in_header h;
+        struct fuse_init_in i;
+    } in;
+    memset(&in, 0, sizeof in);
+    in.h.len = sizeof in;
+    in.h.opcode = FUSE_INIT;
+    in.h.unique = UINT64_C(1) << 62;  /* (no request of the kernel's has it) */
+    in.i.major = FUSE_KERNEL_VERSION;
+    in.i.minor = FUSE_KERNEL_MINOR_VERSION;
+    /* (as the kernel's first INIT offered: libfuse sizes its read buffer by
+       them, and the kernel, which keeps the first INIT's terms, wants it
+       as large as max_write) */
+    in.i.flags = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_MAX_PAGES;
+    struct fuse_buf b = {.size = sizeof in, .mem = &in};
+    fuse_session_process_buf(session, &b);
+    struct fuse_out_header oh = {.len = sizeof oh, .error = NOTIFY_RESEND, .unique = 0};
+    if (write(fuse_fd, &oh, sizeof oh) != (ssize_t)sizeof oh) {
+        fprintf(stderr, "lazyfs-blobd: the kernel would not resend the dead server's "
+                        "requests: %s\n", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--check") == 0) {
         char why[300];
@@ -991,8 +1085,20 @@ int main(int argc, char **argv) {
         free_layer(l);
         return 0;
     }
-    if (argc < 4 || argc > 6) {
-        fprintf(stderr, "usage: lazyfs-blobd MOUNTPOINT TABLES SOCKET [HOT_MIB] [TIMEOUT_S]\n"
+    int resume = 0;
+    if (argc > 6) {
+        char *end;
+        long fd = strtol(argv[6], &end, 10);
+        if (*end || fd < 0 || fd > 1 << 20 || fcntl((int)fd, F_GETFD) < 0) {
+            fprintf(stderr, "lazyfs-blobd: FUSE_FD %s: not an open descriptor\n", argv[6]);
+            return 2;
+        }
+        fuse_fd = (int)fd;
+    }
+    if (argc > 7) resume = strcmp(argv[7], "resume") == 0 ? 1 : -1;
+    if (argc < 4 || argc > 8 || resume < 0) {
+        fprintf(stderr, "usage: lazyfs-blobd MOUNTPOINT TABLES SOCKET [HOT_MIB] [TIMEOUT_S] "
+                        "[FUSE_FD [resume]]\n"
                         "       lazyfs-blobd --check TABLE\n");
         return 2;
     }
@@ -1003,7 +1109,8 @@ int main(int argc, char **argv) {
     if (argc > 5) fetch_timeout_s = atoi(argv[5]);
     if (fetch_timeout_s < 1) fetch_timeout_s = 1;
     prctl(PR_SET_PDEATHSIG, SIGTERM);  /* the daemon that started us is what accounts */
-    if (getppid() == 1) return 1;
+    pid_t parent = getppid();
+    if (parent == 1) return 1;
     char gpath[4200];
     snprintf(gpath, sizeof gpath, "%s/generation", tables_dir);
     int gfd = open(gpath, O_RDWR | O_CLOEXEC);
@@ -1028,7 +1135,11 @@ int main(int argc, char **argv) {
     struct fuse_args args = FUSE_ARGS_INIT(3, fargs);
     session = fuse_session_new(&args, &ops, sizeof ops, NULL);
     if (!session) return 1;
-    if (fuse_set_signal_handlers(session) != 0 || fuse_session_mount(session, argv[1]) != 0) {
+    char fd_path[32];  /* libfuse takes "/dev/fd/N" as a mounted connection */
+    snprintf(fd_path, sizeof fd_path, "/dev/fd/%d", fuse_fd);
+    if (fuse_set_signal_handlers(session) != 0 ||
+        fuse_session_mount(session, fuse_fd >= 0 ? fd_path : argv[1]) != 0 ||
+        (resume && resume_session() != 0)) {
         fuse_session_destroy(session);
         return 1;
     }
@@ -1044,7 +1155,9 @@ int main(int argc, char **argv) {
     fuse_loop_cfg_set_idle_threads(cfg, 8);
     int r = fuse_session_loop_mt(session, cfg);
     fuse_loop_cfg_destroy(cfg);
-    fuse_session_unmount(session);
+    fuse_session_unmount(session);  /* (in fd mode the daemon's mount: not ours to undo...) */
+    if (fuse_fd >= 0 && (daemon_gone || getppid() != parent))
+        umount2(mountpoint, MNT_DETACH);  /* (...unless it died) */
     fuse_remove_signal_handlers(session);
     fuse_session_destroy(session);
     return r < 0 ? 1 : 0;

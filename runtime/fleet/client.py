@@ -269,6 +269,7 @@ class Fleet(SandboxApi):
         index = self.nodes.index()
         nodes = index.nodes
         refusals: list[str] = []
+        full = False  # a node refused it for its limits (else: nodes that failed)
         for node_id in candidates(index, Request.of(spec, self.node_labels), k=self.k,
                                   rng=self._rng):
             address = index.by_id[node_id].record.address
@@ -276,13 +277,15 @@ class Fleet(SandboxApi):
                 agent = self.agent(node_id, address)
                 return agent.create(spec, progress)
             except QuotaExceeded as e:  # the node's final say: try the next
+                full = True
                 refusals.append(f"{node_id}: {e}")
             except BackendUnavailable as e:
                 self._untrusted(node_id, address, e)
                 refusals.append(f"{node_id}: {e}")
         if refusals:
-            raise QuotaExceeded("every candidate node refused the sandbox: "
-                                + "; ".join(refusals))
+            raise (QuotaExceeded if full else BackendUnavailable)(
+                f"every candidate node {'refused' if full else 'failed to make'} the "
+                "sandbox: " + "; ".join(refusals))
         raise FleetUnavailable(
                 f"no node of the fleet {self.url} can take a {spec.backend} sandbox of "
                 f"{spec.memory_mb} MB ({spec.qos.value})"
