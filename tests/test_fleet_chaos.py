@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow,
               pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))]
 
 BURST = 300
-RATE = 4.0  # cycles begun per second: the burst lasts through every fault
+RATE = 5.0  # cycles begun per second: the burst lasts through every fault
 RESUME_S = 10.0
 DAEMON_KILLED = "c2"  # the node whose lazyfs daemon is killed
 DAEMON_CHECK = 4  # the residents' check after that kill (0: before any fault)
