@@ -431,6 +431,10 @@ def end_daemon(paths: NodePaths) -> None:
             time.sleep(0.02)
     if sysmount.find_mount(paths.mnt) is not None:  # dead daemon, stale mount
         sysmount.umount(paths.mnt, lazy=True)
+    # (and its native blob server's, when both died: the server detaches it
+    # itself when it outlives the daemon, but a server killed first cannot)
+    while sysmount.find_mount(paths.native_blobs) is not None:
+        sysmount.umount(paths.native_blobs, lazy=True)
 
 
 # -- the image catalog -------------------------------------------------------------------

@@ -31,6 +31,7 @@ from .errors import (
                      SandboxNotFound,
                      SandboxPreempted,
                      SandboxStateError,
+                     StoreUnavailable,
                      Unsupported,
 )
 from .spec import (
@@ -85,5 +86,6 @@ __all__ = [
                      "SandboxStateError",
                      "Snapshot",
                      "SnapshotInfo",
+                     "StoreUnavailable",
                      "Unsupported",
 ]

@@ -13,8 +13,10 @@ agent and the SDK (the agent sends the class name; the SDK raises the class). Un
     │   ├── Overloaded         the node agent has more calls in flight than it
     │   │                      takes; nothing was done: retry (the SDK does, with
     │   │                      backoff, for OVERLOAD_RETRY_S seconds)
-    │   └── FleetUnavailable   etcd does not answer, or no node of the fleet
-    │                          can take the sandbox
+    │   ├── FleetUnavailable   etcd does not answer, or no node of the fleet
+    │   │                      can take the sandbox
+    │   └── StoreUnavailable   the image store does not answer (a cluster
+    │                          store the nodes share: no other node is tried)
     ├── PermissionDenied       the caller may not do this (etcd's roles)
     ├── QuotaExceeded          the node refuses more sandboxes
     ├── SandboxStateError      the call does not fit the state (exec while paused)
@@ -83,6 +85,11 @@ class FleetUnavailable(BackendUnavailable):
     pass
 
 
+class StoreUnavailable(BackendUnavailable):
+    """The image store (the cluster store the fleet shares) does not answer:
+    no node of the fleet can resolve the image, so the fleet tries no other."""
+
+
 class PermissionDenied(SandboxError):
     """The caller may not do this (etcd's roles: a node writes only its own
     record)."""
@@ -138,11 +145,10 @@ class ExecStatusUnknown(ExecError):
     pass
 
 
-ERRORS: dict[str, type[SandboxError]] = {
-    cls.__name__: cls for cls in (
-        SandboxError, SandboxNotFound, ImageNotFound, InvalidSpec, Unsupported,
-        BackendUnavailable, NodeLost, Overloaded, FleetUnavailable, QuotaExceeded, SandboxStateError, SandboxPreempted,
-        RestoreConflict,
-        NotCheckpointable, FileError, ExecError, ExecTimeout, OutputTruncated, OutOfMemory,
-        ExecStatusUnknown)
-}
+def _classes(cls: type[SandboxError]) -> list[type[SandboxError]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _classes(sub))]
+
+
+# every class above by name (what the agent sends, what the SDK raises)
+ERRORS: dict[str, type[SandboxError]] = {c.__name__: c for c in _classes(SandboxError)
+                                         if c.__module__ == __name__}

@@ -24,7 +24,7 @@ from lazyfs.mounts import stop_daemon
 from lazyfs.node import DaemonSpec, NodePaths, ensure_daemon, open_catalog
 
 from .config import RuntimeConfig
-from .errors import BackendUnavailable, ImageNotFound, InvalidSpec, SandboxError
+from .errors import BackendUnavailable, ImageNotFound, InvalidSpec, SandboxError, StoreUnavailable
 from .spec import CHECKPOINT_KEY, VM_STATE_KEY, ResolvedImage, VmState
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,11 @@ class Images:
                                 " (lazyfs images lists them)") from None
         except SandboxError:
             raise
-        except (LazyfsError, OSError) as e:  # (a cluster store down: nothing was made)
-            raise BackendUnavailable(f"cannot resolve {name!r}: the image store "
-                                     f"{self.config.cluster or self.config.store} does not "
-                                     f"answer: {e}") from e
+        except (LazyfsError, OSError) as e:  # (a store down: nothing was made)
+            shared = self.config.cluster is not None  # (every node of a fleet reads it)
+            raise (StoreUnavailable if shared else BackendUnavailable)(
+                f"cannot resolve {name!r}: the image store "
+                f"{self.config.cluster or self.config.store} does not answer: {e}") from e
         if CHECKPOINT_KEY in image.config:  # its one layer is CRIU's images, not a root
             raise InvalidSpec(f"{name} is a checkpoint, not an image: Sandbox.restore it")
         if VM_STATE_KEY in image.config:  # a microVM snapshot: its top layer is the state

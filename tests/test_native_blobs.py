@@ -18,6 +18,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from composer.remote import ClusterCatalog
 from lazyfs import nativeblobs, sysmount
 from lazyfs.blob import LayerBlob
 from lazyfs.tree import LayerTree
-from tests.helpers.lazynode import LazyNode
+from tests.helpers.lazynode import REPO, LazyNode
 from tests.helpers.support import flip_byte, pack_path, wait_until
 from tests.helpers.treediff import diff_trees
 from tests.test_kernel_path import _kernel_path_missing, _workload, image, image_tars
@@ -418,3 +419,90 @@ def test_a_walk_through_a_cluster_image_fetches_ahead_and_a_sparse_reader_only_w
         assert st["prefetched_chunks"] > len(big) // 2
         # ahead of the walk, never past the layer
         assert st["cache"]["fetched_bytes"] <= sum(sizes.values())
+
+
+@pytest.mark.parametrize("what", ["daemon", "daemon and server"])
+def test_killing_the_daemon_under_40_readers_errors_or_right_bytes_then_the_node_recovers(
+        what: str, tmp_path: Path, store: ChunkStore, cat: Catalog, image: list[str],
+        image_tars: dict[str, Path]) -> None:
+    """SIGKILL of the lazyfs daemon (or of its native server, then the
+    daemon) while 40 readers stream the image's larger files with the page
+    cache dropped: every read ends with the right bytes or an error, never
+    wrong ones; no read waits past the fetch timeout; after it, `lazyfs
+    umount ROOT/mnt` leaves nothing mounted and a new daemon on the same
+    root serves a new mount of the whole image."""
+    ref = image_tars["ref"]
+    files = sorted(str(p.relative_to(ref)) for p in ref.rglob("*")
+                   if p.is_file() and not p.is_symlink() and p.stat().st_size >= 64 << 10)
+    want = {rel: (ref / rel).read_bytes() for rel in files}
+    node = LazyNode(tmp_path / "node", Path(store.root), extra=["--native-blobs"])
+    node.start()
+    try:
+        root = node.mount(cat, "posix:1", tmp_path / "root", kernel=True)
+        server = _native(node)["pid"]
+        done: list[str] = []
+        wrong: list[str] = []
+        errors_after: list[str] = []
+        slowest = [0.0]
+        killed = threading.Event()
+        stop = threading.Event()
+
+        def reader(k: int) -> None:
+            rng = random.Random(k)
+            while not stop.is_set():
+                rel = rng.choice(files)
+                got = bytearray()
+                try:
+                    with open(root / rel, "rb") as f:
+                        while True:
+                            t = time.monotonic()
+                            piece = f.read(128 << 10)
+                            slowest[0] = max(slowest[0], time.monotonic() - t)
+                            if not piece:
+                                break
+                            got += piece
+                except OSError as e:
+                    if killed.is_set():
+                        errors_after.append(f"{rel}: {e.strerror}")
+                    else:
+                        wrong.append(f"{rel}: failed before the kill: {e}")
+                    continue
+                if bytes(got) != want[rel]:
+                    wrong.append(rel)
+                done.append(rel)
+
+        node.request({"op": "drop_cache"})
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(40)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        if what != "daemon":
+            os.kill(server, signal.SIGKILL)
+        killed.set()
+        node.kill()
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        time.sleep(2.0)
+        stop.set()
+        for t in threads:
+            t.join(45)
+        assert not [t for t in threads if t.is_alive()], "a reader hangs"
+        assert wrong == [], wrong[:5]
+        assert done and errors_after, (len(done), len(errors_after))
+        assert slowest[0] < 30 + 10, slowest  # (the fetch timeout, and then some)
+        wait_until(lambda: server not in _server_pids(), 20, "the server to exit")
+        # the node recovers: umount ROOT/mnt cleans up, a new daemon serves a new mount
+        p = subprocess.run([sys.executable, "-m", "tools.cli", "umount", "--lazy",
+                            str(node.paths.mnt)], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, check=False)
+        assert p.returncode == 0, p.stderr
+        node.mounted.clear()
+        assert [m.mount_point for m in sysmount.mounts()
+                if m.mount_point.startswith(str(node.paths.root) + "/")
+                or m.mount_point == str(tmp_path / "root")] == []
+    finally:
+        node.close()
+    again = LazyNode(tmp_path / "node", Path(store.root), extra=["--native-blobs"])
+    with again:
+        new = again.mount(cat, "posix:1", tmp_path / "again", kernel=True)
+        assert diff_trees(ref, new) == []

@@ -50,6 +50,7 @@ from ..errors import (
     RestoreConflict,
     SandboxError,
     SandboxNotFound,
+    StoreUnavailable,
     Unsupported,
 )
 from ..spec import PreemptedSandbox, SandboxInfo, SandboxSpec
@@ -279,6 +280,8 @@ class Fleet(SandboxApi):
             except QuotaExceeded as e:  # the node's final say: try the next
                 full = True
                 refusals.append(f"{node_id}: {e}")
+            except StoreUnavailable:  # the store every node reads: none would do better
+                raise
             except BackendUnavailable as e:
                 self._untrusted(node_id, address, e)
                 refusals.append(f"{node_id}: {e}")

@@ -237,6 +237,17 @@ class ChaosFleet:
         self.seaweed.start()
         self.seaweed.wait_ready()
 
+    def freeze_seaweed(self) -> float:
+        """SIGSTOP: up, but answering nothing (a hung server, not a dead one)."""
+        t = time.monotonic()
+        assert self.seaweed.pid is not None
+        os.kill(self.seaweed.pid, signal.SIGSTOP)
+        return t
+
+    def thaw_seaweed(self) -> None:
+        assert self.seaweed.pid is not None
+        os.kill(self.seaweed.pid, signal.SIGCONT)
+
     def daemon_pid(self, node: str) -> int:
         return int(agent_node_paths(self.agents[node]).pidfile.read_text())
 
