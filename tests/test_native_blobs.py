@@ -343,8 +343,8 @@ def test_the_server_under_address_and_undefined_behaviour_sanitizers(
         image_tars: dict[str, Path]) -> None:
     """The suite's run of the server built with -fsanitize=address,undefined:
     concurrent cold reads of the whole image, a drop of its hot set, a
-    corrupt chunk; any finding ends the server (and would show as a
-    restart and in the log)."""
+    corrupt chunk, a server killed and one taking its connection over; any
+    finding ends the server (and would show as a restart and in the log)."""
     m = cat.load_layer(image[0])
     entry = next(e for e in m.entries if e.path == BIG)
     last = entry.chunks[-1].id
@@ -378,6 +378,16 @@ def test_the_server_under_address_and_undefined_behaviour_sanitizers(
         assert e.value.errno == errno.EIO
         native = _native(node)
         assert native["pid"] == pid and native["restarts"] == 0
+        # a server taking over a dead one's connection (resume: an INIT of
+        # its own, the kernel's resend, layers found by their tables), checked too
+        os.kill(pid, signal.SIGKILL)
+        new = wait_until(lambda: (n := _native(node)["pid"]) not in (None, pid) and n,
+                         30, "a new server")
+        assert os.readlink(f"/proc/{new}/exe").endswith("-asan")
+        node.request({"op": "drop_cache"})
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        assert [d for d in diff_trees(ref, roots[1]) if BIG not in str(d)] == []
+        assert _native(node)["restarts"] == 1 and _native(node)["pid"] == new
     log = node.log()
     assert "Sanitizer" not in log and "runtime error" not in log, log[-3000:]
 
