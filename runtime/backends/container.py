@@ -413,7 +413,9 @@ class ContainerBackend:
             try:
                 unmount(self.images.paths, rootfs)
             except MountError:
-                unmount(self.images.paths, rootfs, lazy=True)
+                if sysmount.is_mount_point(rootfs):  # (busy: detach it)
+                    unmount(self.images.paths, rootfs, lazy=True)
+                # (else someone detached it already: its records went with the try)
         rw = h.state.rw or h.dir / "rw"
         if sysmount.is_mount_point(rw):
             sysmount.umount(rw, lazy=True)
