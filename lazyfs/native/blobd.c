@@ -270,6 +270,17 @@ static __thread ZSTD_DCtx *dctx;
 static int fuse_fd = -1;  /* the connection the daemon holds and passed (fd mode) */
 static volatile int daemon_gone;
 
+/* The daemon's death reaches us as SIGHUP (PR_SET_PDEATHSIG), a signal of
+   its own: getppid() cannot tell, since the kernel first hands us to another
+   of the dying daemon's threads, and SIGTERM is the daemon asking us to stop. */
+static volatile sig_atomic_t parent_died;
+
+static void on_parent_death(int sig) {
+    (void)sig;
+    parent_died = 1;
+    if (session) fuse_session_exit(session);
+}
+
 static void die_on_daemon_gone(void) {
     /* the daemon is what accounts for reads: without it, serve nothing */
     fprintf(stderr, "lazyfs-blobd: the daemon's socket closed; unmounting\n");
@@ -1108,7 +1119,11 @@ int main(int argc, char **argv) {
     if (argc > 4) hot_limit = (uint64_t)strtoul(argv[4], NULL, 10) << 20;
     if (argc > 5) fetch_timeout_s = atoi(argv[5]);
     if (fetch_timeout_s < 1) fetch_timeout_s = 1;
-    prctl(PR_SET_PDEATHSIG, SIGTERM);  /* the daemon that started us is what accounts */
+    /* (installed first: libfuse's handlers leave a handler that is not the default) */
+    struct sigaction hup = {.sa_handler = on_parent_death};
+    sigemptyset(&hup.sa_mask);
+    sigaction(SIGHUP, &hup, NULL);
+    prctl(PR_SET_PDEATHSIG, SIGHUP);  /* the daemon that started us is what accounts */
     pid_t parent = getppid();
     if (parent == 1) return 1;
     char gpath[4200];
@@ -1143,6 +1158,7 @@ int main(int argc, char **argv) {
         fuse_session_destroy(session);
         return 1;
     }
+    if (parent_died || getppid() != parent) fuse_session_exit(session);  /* (it died meanwhile) */
     pthread_t dog;
     if (pthread_create(&dog, NULL, watchdog, NULL) != 0) {
         fuse_session_unmount(session);
@@ -1156,7 +1172,7 @@ int main(int argc, char **argv) {
     int r = fuse_session_loop_mt(session, cfg);
     fuse_loop_cfg_destroy(cfg);
     fuse_session_unmount(session);  /* (in fd mode the daemon's mount: not ours to undo...) */
-    if (fuse_fd >= 0 && (daemon_gone || getppid() != parent))
+    if (fuse_fd >= 0 && (daemon_gone || parent_died || getppid() != parent))
         umount2(mountpoint, MNT_DETACH);  /* (...unless it died) */
     fuse_remove_signal_handlers(session);
     fuse_session_destroy(session);
