@@ -8,6 +8,9 @@ built by the tests' helpers if missing), converted into a fresh store under
 minbase: Debian minbase, ~200 MB). Views of the same tree:
 
   ext4        the tree copied (cp -a) into --workdir;
+  overlay-ext4  read-only overlayfs over that copy (lowerdir=EMPTY:COPY, as
+              lazyfs composes a read-only root): what overlayfs itself
+              costs per open and read, apart from where the bytes come from;
   erofs-file  `mkfs.erofs IMG TREE` (uncompressed) mounted straight from the
               file with mount(2) (no loop device): what the kernel reads at
               its best from one local file;
@@ -20,6 +23,9 @@ minbase: Debian minbase, ~200 MB). Views of the same tree:
               layer's kernel EROFS mount, its data device the layer's blob
               served by the native server (lazyfs-blobd: node cache, else
               the local store's packs, lazyfs.nativeblobs);
+  kernel-layer  the kernel path's layer itself: the layer's EROFS mount
+              (ROOT/erofs-mnt/<digest>) that the composed root stacks
+              overlayfs on, read directly: kernel minus overlayfs;
   kernel-python  the same, the blob served by the Python daemon itself
               (--no-native-blobs: the data path before lazyfs-blobd);
   fuse        the same root over the daemon's FUSE tree (--fuse);
@@ -304,11 +310,13 @@ class Bench:
         self.nodes: dict[str, LazyNode] = {}
         self.node_of: dict[str, LazyNode] = {}
         self.erofs_mount: Path | None = None
+        self.overlay_mount: Path | None = None
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_mounts: list[Path] = []
         self.weed: SeaweedFS | None = None
         self.cluster: Cluster | None = None
-        self.views = ["ext4", "erofs-file", "erofs-fuse", "kernel", "kernel-python", "fuse"] + (
+        self.views = ["ext4", "overlay-ext4", "erofs-file", "erofs-fuse", "kernel",
+                      "kernel-layer", "kernel-python", "fuse"] + (
             ["kernel-cluster", "kernel-cluster-filer"] if args.cluster else []) + (
             ["kernel-before"] if args.before else []) + (
             ["kernel-noattr"] if args.attribution_control else [])
@@ -327,6 +335,12 @@ class Bench:
         log("copying the tree to the work dir (ext4) and building the EROFS image file")
         run(["cp", "-a", f"{tree}/.", native])
         self.roots["ext4"] = native
+        empty, ov = self.work / "overlay-empty", self.work / "overlay-ext4"
+        empty.mkdir()
+        ov.mkdir()
+        sysmount.mount("overlay", ov, "overlay", sysmount.MS_RDONLY,
+                       f"lowerdir={empty}:{native}")
+        self.overlay_mount = self.roots["overlay-ext4"] = ov
         img = self.work / "dev.erofs"
         run(["mkfs.erofs", "--quiet", img, native])
         mp = self.work / "erofs-file"
@@ -349,7 +363,9 @@ class Bench:
                                                    cache_size="8G",
                                                    extra=[*NO_TRACES, *extra])
                 node.start()
-            for view in self.views[3:]:
+            for view in self.views[4:]:
+                if view == "kernel-layer":  # (the kernel view's lower, once it is mounted)
+                    continue
                 catalog: ImageCatalog = cat
                 if view.startswith("kernel-cluster"):
                     assert self.cluster is not None
@@ -366,6 +382,12 @@ class Bench:
                 if view == "kernel-before":
                     for bdi in erofs_bdis() - bdis:  # the readahead before this change
                         (BDI / bdi / "read_ahead_kb").write_text("128")
+            layers = [m.mount_point for m in sysmount.mounts() if m.fstype == "erofs"
+                      and m.mount_point.startswith(f"{self.nodes['now'].paths.root}/erofs-mnt/")]
+            if len(layers) != 1:
+                raise SystemExit(f"bench_cold: expected one layer mount, found {layers}")
+            self.roots["kernel-layer"] = Path(layers[0])
+            self.node_of["kernel-layer"] = self.nodes["now"]
             if self.args.go:
                 for view in ("kernel", "fuse"):
                     self.go_roots[view] = self.nodes["now"].mount(
@@ -440,6 +462,8 @@ class Bench:
             self.cluster.close()
         if self.weed is not None:
             self.weed.stop_process()
+        if self.overlay_mount is not None and sysmount.find_mount(self.overlay_mount) is not None:
+            sysmount.umount(self.overlay_mount, lazy=True)
         if self.erofs_mount is not None and sysmount.find_mount(self.erofs_mount) is not None:
             sysmount.umount(self.erofs_mount, lazy=True)
         for path in self.proxy_mounts:  # the EROFS mount first, then the proxy's

@@ -20,6 +20,9 @@ Measured, sides alternating per round so drift hits both:
                           same number of SDK sb.exec(["true"]) on the same
                           sandbox over the agent's socket (lazyfs only):
                           the median per call of each, and the difference
+    call by call          the same flow through docker-py's low-level client,
+                          each HTTP call timed (create, start, inspect, exec
+                          create, exec start, exec inspect), --rounds per side
     bytes read            lazyfs: what a container read of its image for its
                           first exec (the node's read ledger, sb.reads());
                           dockerd: the image's size, all of it on the node
@@ -63,6 +66,37 @@ def create_to_exec(cl: docker.DockerClient) -> tuple[float, str]:
     if r.exit_code != 0:
         raise RuntimeError(f"exec_run exited {r.exit_code}: {r.output!r}")
     return dt, c.id
+
+
+STEPS = ("create", "start", "inspect", "exec create", "exec start", "exec inspect")
+
+
+def steps(api: docker.APIClient) -> dict[str, float]:
+    """The HTTP calls containers.run(detach) + exec_run make, each timed (s)."""
+    out: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def mark(step: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        out[step], t = now - t, now
+
+    c = api.create_container(IMAGE, ["sleep", "300"])
+    mark("create")
+    api.start(c["Id"])
+    mark("start")
+    api.inspect_container(c["Id"])
+    mark("inspect")
+    e = api.exec_create(c["Id"], ["true"])
+    mark("exec create")
+    api.exec_start(e["Id"])
+    mark("exec start")
+    code = api.exec_inspect(e["Id"])["ExitCode"]
+    mark("exec inspect")
+    api.remove_container(c["Id"], force=True)
+    if code != 0:
+        raise RuntimeError(f"exec exited {code}")
+    return out
 
 
 def concurrent(make: Callable[[], docker.DockerClient], n: int
@@ -143,6 +177,13 @@ def main() -> int:
                     reads.append(Sandbox.connect(cid, node=agent.unix).reads().touched_bytes)
                 cls[side].containers.get(cid).remove(force=True)
         log(f"single: {({s: round(statistics.median(v) * 1e3, 1) for s, v in single.items()})}")
+        # the same flow call by call (docker-py's low-level client), sides alternating
+        apis = {s: cl.api for s, cl in cls.items()}
+        by_step: dict[str, dict[str, list[float]]] = {s: {k: [] for k in STEPS} for s in apis}
+        for i in range(args.rounds):
+            for side in (("dockerd", "lazyfs") if i % 2 == 0 else ("lazyfs", "dockerd")):
+                for k, v in steps(apis[side]).items():
+                    by_step[side][k].append(v)
         burst: dict[str, dict[str, Any]] = {}
         for side in ("dockerd", "lazyfs"):
             times, ids, errors = concurrent(clients[side], args.concurrent)
@@ -186,6 +227,8 @@ def main() -> int:
                      f"{res['burst_ms'][side]['p50'] or 0:.0f}",
                      f"{res['burst_ms'][side]['p99'] or 0:.0f}",
                      str(res["burst_ms"][side]["failed"])])
+    res["steps_ms"] = {side: {k: statistics.median(v) * 1e3 for k, v in ks.items()}
+                       for side, ks in by_step.items()}
     for how, xs in via.items():
         res["exec_ms"][how] = statistics.median(xs) * 1e3
     res["exec_overhead_ms"] = res["exec_ms"]["docker-py exec_run"] - res["exec_ms"]["SDK exec"]
@@ -211,6 +254,12 @@ def main() -> int:
                  (f"read of the image for a first exec (lazyfs ledger): "
                   f"{(res['lazyfs_read_bytes_first_exec'] or 0) / 1e3:,.0f} kB of "
                   f"{image_bytes / 1e6:,.1f} MB (dockerd holds all of it)")]))
+    print(table(f"the same flow call by call, p50 of {args.rounds} (ms)",
+                ["call", "dockerd", "lazyfs"],
+                [[k, f"{res['steps_ms']['dockerd'][k]:.1f}", f"{res['steps_ms']['lazyfs'][k]:.1f}"]
+                 for k in STEPS]
+                + [["all", f"{sum(res['steps_ms']['dockerd'].values()):.1f}",
+                    f"{sum(res['steps_ms']['lazyfs'].values()):.1f}"]]))
     write_json(args.json, out)
     return 0
 
