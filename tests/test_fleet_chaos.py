@@ -7,9 +7,11 @@ SeaweedFS (the image lives only there), three node agents serving HTTPS
 with node certificates, each in a network namespace of its own with its
 own lazyfs daemon and native blob server, callers with client
 certificates. During the burst, one after the other: SIGKILL of an agent
-(restarted 5 s later), SIGKILL of etcd (back 5 s later, same data), SeaweedFS
-down for 20 s, SeaweedFS frozen for 20 s (SIGSTOP), SIGKILL of a node's
-lazyfs daemon, SIGKILL of a node's native blob server.
+(restarted 5 s later), another agent frozen for 10 s (SIGSTOP: its calls
+wait, its lease runs out), SIGKILL of etcd (back 5 s later, same data), etcd
+frozen for 15 s (every node's lease runs out), SeaweedFS down for 20 s,
+SeaweedFS frozen for 20 s, SIGKILL of a node's lazyfs daemon, SIGKILL of a
+node's native blob server.
 
 What a user checks: every call ends with a result or one of the runtime's
 typed errors within CALL_DEADLINE, never a hang; no exec succeeds with a
@@ -44,7 +46,7 @@ BURST = 300
 RATE = 5.0  # cycles begun per second: the burst lasts through every fault
 RESUME_S = 10.0
 DAEMON_KILLED = "c2"  # the node whose lazyfs daemon is killed
-DAEMON_CHECK = 5  # the residents' check after that kill (0: before any fault)
+DAEMON_CHECK = 7  # the residents' check after that kill (0: before any fault)
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +66,22 @@ def _faults(fleet: ChaosFleet, residents: Residents, pause: float) -> None:
     fleet.record("agent c1 SIGKILL, restarted 5 s later", t, time.monotonic())
     time.sleep(pause)
     residents.check()
+    t = fleet.freeze_agent("c0")
+    time.sleep(10)
+    fleet.thaw_agent("c0")
+    fleet.record("agent c0 frozen 10 s (SIGSTOP)", t, time.monotonic())
+    time.sleep(pause)
+    residents.check()
     t = fleet.kill_etcd()
     time.sleep(5)
     fleet.start_etcd()
     fleet.record("etcd SIGKILL, back 5 s later", t, time.monotonic())
+    time.sleep(pause)
+    residents.check()
+    t = fleet.freeze_etcd()
+    time.sleep(15)
+    fleet.thaw_etcd()
+    fleet.record("etcd frozen 15 s (SIGSTOP)", t, time.monotonic())
     time.sleep(pause)
     residents.check()
     t = fleet.kill_seaweed()

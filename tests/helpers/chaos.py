@@ -248,6 +248,31 @@ class ChaosFleet:
         assert self.seaweed.pid is not None
         os.kill(self.seaweed.pid, signal.SIGCONT)
 
+    def freeze_etcd(self) -> float:
+        """SIGSTOP etcd: connections open, nothing answered; the nodes'
+        leases run out meanwhile (etcd expires them once it runs again)."""
+        t = time.monotonic()
+        assert self.etcd.pid is not None
+        os.kill(self.etcd.pid, signal.SIGSTOP)
+        return t
+
+    def thaw_etcd(self) -> None:
+        assert self.etcd.pid is not None
+        os.kill(self.etcd.pid, signal.SIGCONT)
+
+    def freeze_agent(self, node: str) -> float:
+        """SIGSTOP a node's agent: its calls in flight wait, its lease runs out."""
+        t = time.monotonic()
+        pid = self.agents[node].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        return t
+
+    def thaw_agent(self, node: str) -> None:
+        pid = self.agents[node].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGCONT)
+
     def daemon_pid(self, node: str) -> int:
         return int(agent_node_paths(self.agents[node]).pidfile.read_text())
 
