@@ -4,7 +4,8 @@ the attacks performed: an impostor's node records in etcd (a server with
 another CA's certificate, one with a real node certificate of another
 node, a plain http one) get no request at all; a caller without a client
 certificate, with another CA's, or speaking plain HTTP gets nothing; a
-revoked client certificate is refused once the agent has the new list.
+revoked client certificate is refused once the agent has the new list,
+on a connection it made before the revocation too.
 Real etcd, real agents (separate processes), real TLS."""
 
 from __future__ import annotations
@@ -144,24 +145,77 @@ def test_callers_without_a_fleet_client_certificate_get_nothing(
     assert {s.id for s in Sandbox.list(node=fleet.agent.unix)} == before  # nothing made
 
 
+class _KeptConnection:
+    """One TLS connection to an agent with an identity, kept open: HTTP/1.1
+    requests on it one after another (what a client's connection pool
+    does between calls)."""
+
+    def __init__(self, port: int, ident: Identity) -> None:
+        ctx = ssl.create_default_context(cafile=str(ident.ca))
+        ctx.check_hostname = False
+        ctx.load_cert_chain(str(ident.cert), str(ident.key))
+        self.sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10))
+
+    def get(self) -> bytes:
+        """The answer's first bytes to a list of sandboxes, or b"" when the
+        agent has ended the connection (or refuses on it)."""
+        try:
+            self.sock.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n"
+                              b"authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                more = self.sock.recv(65536)
+                if not more:
+                    return answer
+                answer += more
+            head, _, body = answer.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(body) < length:  # (the rest of this answer: the next starts clean)
+                more = self.sock.recv(65536)
+                if not more:
+                    break
+                body += more
+            return head + b"\r\n\r\n" + body
+        except (OSError, ssl.SSLError):
+            return b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def test_a_revoked_client_certificate_is_refused(fleet: TlsFleet,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     stolen = fleet.ca.issue_client("laptop", fleet.d / "laptop")
     _as(monkeypatch, stolen)
     assert Sandbox.list(fleet=fleet.url, token=TOKEN) is not None  # served, before
-    fleet.ca.revoke(stolen.cert)
-    shutil.copy(fleet.ca.dir / "crl.pem", fleet.d / "n1-identity" / "crl.pem.tmp")
-    os.replace(fleet.d / "n1-identity" / "crl.pem.tmp", fleet.d / "n1-identity" / "crl.pem")
+    # connections made before the revocation: the stolen certificate's, and
+    # (the control: ended for its certificate, not for being idle) another caller's
+    kept, other = _KeptConnection(fleet.agent.port, stolen), \
+        _KeptConnection(fleet.agent.port, fleet.caller)
+    try:
+        assert kept.get().startswith(b"HTTP/1.1 200") and other.get().startswith(b"HTTP/1.1 200")
+        fleet.ca.revoke(stolen.cert)
+        shutil.copy(fleet.ca.dir / "crl.pem", fleet.d / "n1-identity" / "crl.pem.tmp")
+        os.replace(fleet.d / "n1-identity" / "crl.pem.tmp", fleet.d / "n1-identity" / "crl.pem")
 
-    def refused() -> bool:
-        _as(monkeypatch, stolen)  # (a new connection: TLS checks at the handshake)
-        try:
-            Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN).kill()
-        except SandboxError:
-            return True
-        return False
+        def refused() -> bool:
+            _as(monkeypatch, stolen)  # (a new connection: TLS checks at the handshake)
+            try:
+                Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN).kill()
+            except SandboxError:
+                return True
+            return False
 
-    wait_until(refused, 10, "the agent refusing the revoked certificate")
+        wait_until(refused, 10, "the agent refusing the revoked certificate")
+        # the connection the stolen certificate made before gets nothing more
+        answer = kept.get()
+        assert b"sandboxes" not in answer and not answer.startswith(b"HTTP/1.1 200"), answer
+        o = other.get()
+        assert o.startswith(b"HTTP/1.1 200"), o  # the other caller's lives on
+    finally:
+        kept.close()
+        other.close()
     _as(monkeypatch, fleet.caller)  # everyone else is still served
     with Sandbox.create(IMAGE, fleet=fleet.url, token=TOKEN) as sb:
         assert sb.exec("true").exit_code == 0

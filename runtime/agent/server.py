@@ -128,7 +128,8 @@ async def _watch_crl(crl: CrlWatch) -> None:
     while True:
         await trio.sleep(1.0)
         if crl.poll():
-            log.info("loaded the revocation list %s again", crl.ident.crl)
+            log.info("loaded the revocation list %s again (%d connection(s) of revoked "
+                     "certificates ended so far)", crl.ident.crl, crl.ended)
 
 
 def serve(node: Node, *, socket: Path | None = None, listen: list[str] | None = None,

@@ -13,7 +13,10 @@ A client's certificate (extended key usage clientAuth) is what an agent
 serving TLS asks of every caller. `revoke` adds a certificate to the CA's
 revocation list (crl.pem, numbered, signed by the CA); an agent reads the
 copy in its identity directory again whenever it changes, so a stolen
-client certificate is refused from then on without reissuing anything.
+client certificate is refused from then on without reissuing anything:
+new handshakes by OpenSSL, and connections made before the change by
+the server context's own connection class (_Revocable), which ends each
+one whose peer the new list names at its next read or write.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import datetime
 import ipaddress
 import os
 import ssl
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -33,6 +39,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ..errors import InvalidSpec
 from .records import node_name
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 DAYS = 365
 CRL_DAYS = 30
@@ -196,9 +205,78 @@ class FleetCA:
 
 
 # -- TLS contexts ----------------------------------------------------------------------
+class _Connections:
+    """The live server-side TLS connections of one context, by the serial
+    number of the client certificate each was made with."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: weakref.WeakSet[_Revocable] = weakref.WeakSet()
+        self.revoked: frozenset[int] = frozenset()
+
+    def add(self, conn: _Revocable) -> None:
+        with self._lock:
+            self._live.add(conn)
+            if conn.serial in self.revoked:
+                conn.revoked = True
+
+    def revoke(self, serials: frozenset[int]) -> int:
+        """Mark every live connection whose peer is in `serials`; how many."""
+        with self._lock:
+            self.revoked = serials
+            hit = [c for c in self._live if c.serial in serials]
+        for c in hit:
+            c.revoked = True
+        return len(hit)
+
+
+class _Revocable(ssl.SSLObject):
+    """A server context's connection (its sslobject_class: what trio's
+    SSLStream makes through wrap_bio): once its peer's certificate is
+    revoked, every read and write fails with an SSLError, which ends the
+    connection (the server closes it)."""
+
+    connections: _Connections  # (set on the per-context subclass)
+    serial: int | None = None
+    revoked = False
+    closing = False
+
+    def _check(self) -> None:
+        if not self.revoked:
+            return
+        if not self.closing:
+            # say goodbye first: TLS's close_notify goes into the outgoing
+            # buffer, which the stream sends after a want-read (the server
+            # itself would keep a connection it reads no request on until
+            # its idle timeout, the peer waiting for an answer all along)
+            self.closing = True
+            with contextlib.suppress(ssl.SSLError):
+                self.unwrap()
+            raise ssl.SSLWantReadError(ssl.SSL_ERROR_WANT_READ, "closing")
+        # then an end of the stream, as OpenSSL's own (errno, strerror):
+        # trio's https-compatible stream reads it as the peer gone
+        raise ssl.SSLEOFError(ssl.SSL_ERROR_EOF, "the peer's certificate has been revoked")
+
+    def do_handshake(self) -> None:
+        super().do_handshake()
+        peer = self.getpeercert()
+        if peer and "serialNumber" in peer:
+            self.serial = int(str(peer["serialNumber"]), 16)
+            self.connections.add(self)  # (revoked already: its first read fails)
+
+    def read(self, len: int = 1024, buffer: WriteableBuffer | None = None) -> bytes:
+        self._check()
+        return super().read(len, buffer)
+
+    def write(self, data: ReadableBuffer) -> int:
+        self._check()
+        return super().write(data)
+
+
 def server_context(ident: Identity) -> ssl.SSLContext:
     """An agent's: its certificate, and every caller must present a client
-    certificate of the fleet's CA that its revocation list does not name."""
+    certificate of the fleet's CA that its revocation list does not name
+    (checked again on live connections when the list changes: CrlWatch)."""
     ident.check(client=False)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ident.ca))
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -207,16 +285,26 @@ def server_context(ident: Identity) -> ssl.SSLContext:
     if ident.crl.exists():
         ctx.load_verify_locations(cafile=str(ident.crl))
         ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+    conns = _Connections()
+    ctx.sslobject_class = type("Revocable", (_Revocable,), {"connections": conns})
+    with contextlib.suppress(OSError, ValueError):
+        conns.revoked = _revoked_serials(ident.crl.read_bytes())
     return ctx
+
+
+def _revoked_serials(pem: bytes) -> frozenset[int]:
+    return frozenset(r.serial_number for r in x509.load_pem_x509_crl(pem))
 
 
 class CrlWatch:
     """Loads an identity's crl.pem into a server context again when it
-    changes (OpenSSL then checks against the newest one it holds)."""
+    changes (OpenSSL then checks new handshakes against the newest one it
+    holds) and ends the live connections of every certificate it names."""
 
     def __init__(self, ident: Identity, ctx: ssl.SSLContext) -> None:
         self.ident, self.ctx = ident, ctx
         self._seen = self._stamp()
+        self.ended = 0  # live connections ended by a new list, so far
 
     def _stamp(self) -> tuple[int, int] | None:
         with contextlib.suppress(OSError):
@@ -229,11 +317,16 @@ class CrlWatch:
         if stamp is None or stamp == self._seen:
             return False
         try:
+            pem = self.ident.crl.read_bytes()
+            serials = _revoked_serials(pem)
             self.ctx.load_verify_locations(cafile=str(self.ident.crl))
             self.ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
-        except (OSError, ssl.SSLError):
+        except (OSError, ssl.SSLError, ValueError):
             return False  # (a half-written copy: the next poll)
         self._seen = stamp
+        conns = getattr(self.ctx.sslobject_class, "connections", None)
+        if isinstance(conns, _Connections):
+            self.ended += conns.revoke(serials)
         return True
 
 
