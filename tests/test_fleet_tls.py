@@ -426,10 +426,13 @@ def test_a_man_in_the_middle_sees_ciphertext_or_a_tls_failure(
 
 def test_etcd_roles_let_a_node_write_only_its_own_record(
         fleet: TlsFleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    """etcd over https with its own users and roles (`lazyfs fleet
-    etcd-auth`, runtime.fleet.etcdauth): a node's credentials write its own
-    record and no other key; a client's read and write no record; without
-    credentials etcd answers nothing; the fleet works end to end."""
+    """etcd over https with client certificates and its own users and
+    roles (`lazyfs fleet etcd-auth`, runtime.fleet.etcdauth): a node's
+    credentials write its own record and no other key; a client's read and
+    write no record; without a certificate of the fleet's CA etcd does not
+    even finish the handshake; with one but without credentials (a
+    certificate named like etcd's root user too) it answers nothing; the
+    fleet works end to end."""
     from runtime import PermissionDenied
     from runtime.errors import FleetUnavailable
     from runtime.fleet import etcdauth
@@ -439,12 +442,18 @@ def test_etcd_roles_let_a_node_write_only_its_own_record(
     n2 = fleet.ca.issue_node("n2", d / "n2")
     n3 = fleet.ca.issue_node("n3", d / "n3")
     reader = fleet.ca.issue_client("reader", d / "reader")
+    admin = fleet.ca.issue_client("admin", d / "admin")
     with ExitStack() as stack:
         etcd = stack.enter_context(EtcdServer(d / "etcd", tls=(server.cert, server.key,
                                                                server.ca)))
         assert etcd.url.startswith("etcds://")
+        bare = d / "bare"  # the CA only: no certificate to show etcd
+        bare.mkdir()
+        shutil.copy(fleet.ca.dir / "ca.pem", bare / "ca.pem")
+        with pytest.raises(FleetUnavailable, match="certificate|handshake|alert|TLS|SSL"):
+            etcdauth.setup(etcd.url, "root-secret", {"n2": n2.dir}, {}, identity=bare)
         etcdauth.setup(etcd.url, "root-secret", {"n2": n2.dir, "n3": n3.dir},
-                       {"reader": reader.dir}, ca=fleet.ca.dir / "ca.pem")
+                       {"reader": reader.dir}, identity=admin.dir)
         assert oct((n2.dir / "etcd-auth").stat().st_mode & 0o777) == "0o600"
         agent = fleet_agent(d / "agent", etcd.url, "n2", stack, token=TOKEN,
                             max_sandboxes=10, extra=["--tls-dir", str(n2.dir)])
@@ -466,13 +475,29 @@ def test_etcd_roles_let_a_node_write_only_its_own_record(
             as_reader.put(node_key("evil"), forged)  # a client writes no record
         with pytest.raises(PermissionDenied):
             as_reader.delete(node_key("n2"))
-        anon_dir = d / "anon"
-        anon_dir.mkdir()
-        shutil.copy(fleet.ca.dir / "ca.pem", anon_dir / "ca.pem")
-        anon = Etcd(etcd.url, identity=anon_dir)
+        # no certificate: etcd ends the handshake, nothing is read
+        anon = Etcd(etcd.url, identity=bare)
         stack.callback(anon.close)
-        with pytest.raises(PermissionDenied):
+        with pytest.raises(FleetUnavailable):
             anon.get_prefix("/lazyfs/fleet/")
+        # another CA's client certificate: the same
+        stranger = FleetCA.init(d / "other-ca").issue_client("stranger", d / "stranger")
+        shutil.copy(fleet.ca.dir / "ca.pem", stranger.ca)  # (it trusts etcd's, etcd not it)
+        other = Etcd(etcd.url, identity=stranger.dir)
+        stack.callback(other.close)
+        with pytest.raises(FleetUnavailable):
+            other.get_prefix("/lazyfs/fleet/")
+        # the fleet's certificate without credentials, even one named as etcd's
+        # root or a node's user: etcd's roles answer nothing (no name of a
+        # certificate becomes a user through the gateway)
+        for name in ("root", "node-n3"):
+            ident = fleet.ca.issue_client(name, d / f"cert-{name}")
+            who = Etcd(etcd.url, identity=ident.dir)
+            stack.callback(who.close)
+            with pytest.raises(PermissionDenied):
+                who.get_prefix("/lazyfs/fleet/")
+            with pytest.raises(PermissionDenied):
+                who.put(node_key("n3"), forged)
         plain = Etcd(etcd.url.replace("etcds://", "etcd://"), identity=reader.dir)
         stack.callback(plain.close)
         with pytest.raises(FleetUnavailable):

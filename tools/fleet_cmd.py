@@ -199,9 +199,13 @@ def ca_revoke(cert: Path, ca_dir: Path) -> None:
 @click.option("--client", "clients", multiple=True, metavar="NAME=DIR",
               help="A client and its identity directory (read-only in etcd).")
 @click.option("--ca", "ca_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              default=None, help="The CA etcd's certificate chains to [LAZYFS_TLS_DIR/ca.pem].")
+              default=None, help="The CA etcd's certificate chains to [IDENTITY/ca.pem].")
+@click.option("--identity", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              default=None, help="Your client identity directory (cert.pem, key.pem, ca.pem: "
+              "`lazyfs fleet ca issue client NAME`), for an etcd that asks for a client "
+              "certificate [LAZYFS_TLS_DIR].")
 def etcd_auth(fleet: str | None, root_password_file: Path, nodes: tuple[str, ...],
-              clients: tuple[str, ...], ca_file: Path | None) -> None:
+              clients: tuple[str, ...], ca_file: Path | None, identity: Path | None) -> None:
     """Switch on etcd's users and roles for the fleet (over etcds://): each
     node may write only its own record, clients only read (and delete the
     forwarding records of sandboxes they kill), root does the rest."""
@@ -219,7 +223,8 @@ def etcd_auth(fleet: str | None, root_password_file: Path, nodes: tuple[str, ...
 
     try:
         etcdauth.setup(_url(fleet), root_password_file.read_text().strip(),
-                       pairs(nodes, "node"), pairs(clients, "client"), ca=ca_file)
+                       pairs(nodes, "node"), pairs(clients, "client"), ca=ca_file,
+                       identity=identity)
     except SandboxError as e:
         raise QuietError(str(e), exit_code=2) from None
     click.echo(f"etcd {_url(fleet)}: authentication on; {len(nodes)} node and "

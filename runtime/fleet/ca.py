@@ -30,7 +30,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ..errors import InvalidSpec
-from .records import node_name
+from .records import NODE_DOMAIN, node_name
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -140,7 +140,11 @@ class FleetCA:
                 sans.append(x509.IPAddress(ipaddress.ip_address(a)))
             except ValueError:
                 raise InvalidSpec(f"--address {a!r}: not an IP address") from None
-        return self._issue(out, f"node {node_id}", sans, ExtendedKeyUsageOID.SERVER_AUTH)
+        # clientAuth too: what the node presents to etcd (which asks every
+        # caller for a certificate of the fleet's); agents refuse it from a
+        # caller all the same (_Revocable: a certificate naming a node)
+        return self._issue(out, f"node {node_id}", sans, ExtendedKeyUsageOID.SERVER_AUTH,
+                           ExtendedKeyUsageOID.CLIENT_AUTH)
 
     def issue_client(self, name: str, out: Path) -> Identity:
         if not name or len(name) > 64 or not name.isprintable():
@@ -148,18 +152,22 @@ class FleetCA:
         return self._issue(out, name, [], ExtendedKeyUsageOID.CLIENT_AUTH)
 
     def _issue(self, out: Path, cn: str, sans: list[x509.GeneralName],
-               usage: x509.ObjectIdentifier) -> Identity:
+               *usage: x509.ObjectIdentifier) -> Identity:
         out.mkdir(parents=True, exist_ok=True)
         ident = Identity(out)
         key = _write_key(ident.key)
         b = (x509.CertificateBuilder()
-             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+             # the name as the organizational unit, no common name: etcd's
+             # JSON gateway refuses a client certificate with one once its
+             # authentication is on (it would not be the user)
+             .subject_name(x509.Name([x509.NameAttribute(
+                 NameOID.ORGANIZATIONAL_UNIT_NAME, cn)]))
              .issuer_name(self.cert.subject).public_key(key.public_key())
              .serial_number(x509.random_serial_number())
              .not_valid_before(_now() - datetime.timedelta(minutes=5))
              .not_valid_after(_now() + datetime.timedelta(days=DAYS))
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+             .add_extension(x509.ExtendedKeyUsage(list(usage)), critical=False)
              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                  self.key.public_key()), critical=False))
         if sans:
@@ -233,8 +241,9 @@ class _Connections:
 class _Revocable(ssl.SSLObject):
     """A server context's connection (its sslobject_class: what trio's
     SSLStream makes through wrap_bio): once its peer's certificate is
-    revoked, every read and write fails with an SSLError, which ends the
-    connection (the server closes it)."""
+    revoked, or from the start when that certificate names a node, the
+    peer gets TLS's close_notify and every read and write fails, which
+    ends the connection."""
 
     connections: _Connections  # (set on the per-context subclass)
     serial: int | None = None
@@ -263,6 +272,11 @@ class _Revocable(ssl.SSLObject):
         if peer and "serialNumber" in peer:
             self.serial = int(str(peer["serialNumber"]), 16)
             self.connections.add(self)  # (revoked already: its first read fails)
+        # a node's certificate (a client's for etcd) makes no one a caller:
+        # a node taken over must not drive the others
+        sans: Any = peer.get("subjectAltName", ()) if peer else ()
+        if any(san[0] == "DNS" and str(san[1]).endswith("." + NODE_DOMAIN) for san in sans):
+            self.revoked = True
 
     def read(self, len: int = 1024, buffer: WriteableBuffer | None = None) -> bytes:
         self._check()

@@ -22,7 +22,6 @@ etcd's) is a FleetUnavailable naming the endpoint.
 from __future__ import annotations
 
 import base64
-import ssl
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ import httpx
 from lazyfs.settings import setting
 
 from ..errors import FleetUnavailable, InvalidSpec, PermissionDenied
+from .ca import Identity, client_context
 
 SCHEME = "etcd://"
 TLS_SCHEME = "etcds://"  # etcd's client port over https (its certificate of the fleet's CA)
@@ -101,7 +101,8 @@ class Etcd:
     def __init__(self, url: str, *, timeout: httpx.Timeout = TIMEOUT,
                  identity: Path | None = None) -> None:
         """`identity`: a TLS identity directory (runtime.fleet.ca): its CA
-        verifies an etcds:// member, its etcd-auth file (if any) logs in.
+        verifies an etcds:// member, its certificate is ours to it, its
+        etcd-auth file (if any) logs in.
         None: the caller's ($LAZYFS_TLS_DIR)."""
         self.url = url
         self._members = endpoints(url)
@@ -111,7 +112,9 @@ class Etcd:
             identity = Path(setting("client_tls_dir"))
         verify: Any = True
         if url.startswith(TLS_SCHEME) and identity is not None:
-            verify = ssl.create_default_context(cafile=str(identity / "ca.pem"))
+            # the fleet's CA verifies etcd; our certificate (when the
+            # directory holds one) is what etcd asks of every caller
+            verify = client_context(Identity(identity))
         self._auth = read_auth(identity)
         self._token: str | None = None
         self.client = httpx.Client(timeout=timeout, verify=verify,
@@ -120,11 +123,18 @@ class Etcd:
     def close(self) -> None:
         self.client.close()
 
+    def _check_certificate(self, r: httpx.Response) -> None:
+        if r.status_code != 200 and "CommonName of client" in r.text:
+            raise InvalidSpec(f"etcd {self.url} refuses our certificate: it has a common "
+                              "name, which etcd's gateway refuses once its authentication "
+                              "is on; issue it again with `lazyfs fleet ca issue`")
+
     def _login(self, member: str) -> str:
         """A token of etcd's for our user (etcd-auth)."""
         assert self._auth is not None
         r = self.client.post(f"{member}/v3/auth/authenticate",
                              json={"name": self._auth[0], "password": self._auth[1]})
+        self._check_certificate(r)
         if r.status_code != 200 or "token" not in r.json():
             raise PermissionDenied(f"etcd {self.url}: user {self._auth[0]!r} cannot log in: "
                                    f"{r.text[:200]}")
@@ -152,6 +162,7 @@ class Etcd:
                 errors.append(f"{member}: {e or type(e).__name__}")
                 continue
             if r.status_code != 200:
+                self._check_certificate(r)
                 if "permission denied" in r.text or "user name is empty" in r.text:
                     raise PermissionDenied(f"etcd {self.url} refused {path} of "
                                            f"{self._auth[0] if self._auth else 'anyone'}: "

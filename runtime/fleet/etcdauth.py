@@ -11,7 +11,14 @@ may write which key, enforced by etcd.
 Each node and client gets a user with a random password, written into its
 TLS identity directory as `etcd-auth` (mode 0600, runtime.fleet.etcd reads
 it); etcd's authentication is then switched on. Run it against an etcd
-serving https (etcds://), so passwords and tokens never travel in the clear.
+serving https (etcds://), so passwords and tokens never travel in the clear,
+that asks every caller for a client certificate of the fleet's CA
+(`--client-cert-auth --trusted-ca-file CA/ca.pem`): the operator's own
+identity (a client's: cert.pem, key.pem, ca.pem) is then what this
+connects with. The users and roles still go by password: etcd's JSON
+gateway, which runtime.fleet.etcd speaks, hands etcd no certificate's
+name (etcd's own documentation says so), so a certificate proves only
+that its holder is one of the fleet's.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import httpx
 from lazyfs.settings import setting
 
 from ..errors import FleetUnavailable, InvalidSpec, PermissionDenied
+from .ca import Identity
 from .etcd import AUTH_FILE, Etcd, _prefix_end
 from .records import MOVED, PREFIX, check_node_id, node_key
 
@@ -72,25 +80,38 @@ def _write_auth(d: Path, user: str, password: str) -> None:
 
 
 def setup(url: str, root_password: str, nodes: Mapping[str, Path],
-          clients: Mapping[str, Path], *, ca: Path | None = None) -> None:
+          clients: Mapping[str, Path], *, ca: Path | None = None,
+          identity: Path | None = None) -> None:
     """Users and roles for `nodes` (node id -> identity directory) and
     `clients` (name -> identity directory), then authentication on. Again
     on an etcd with authentication on: as root (adds who is new; a node or
-    client named again gets a new password)."""
+    client named again gets a new password). `identity`: the operator's
+    client identity directory (its certificate for an etcd that asks for
+    one; its ca.pem unless `ca` is given) [LAZYFS_TLS_DIR]."""
     if not url.startswith("etcds://"):
         raise InvalidSpec(f"{url}: set etcd's users up over https (etcds://): passwords "
                           "would travel in the clear")
     if not root_password:
         raise InvalidSpec("the root password is empty")
-    if ca is None and setting("client_tls_dir") is not None:
-        ca = Path(setting("client_tls_dir")) / "ca.pem"
+    if identity is None and setting("client_tls_dir") is not None:
+        identity = Path(setting("client_tls_dir"))
+    if ca is None and identity is not None:
+        ca = identity / "ca.pem"
     if ca is None or not ca.is_file():
-        raise InvalidSpec("which CA etcd's certificate chains to: give --ca (or set "
-                          "LAZYFS_TLS_DIR)")
+        raise InvalidSpec("which CA etcd's certificate chains to: give --ca or --identity "
+                          "(or set LAZYFS_TLS_DIR)")
+    mine = Identity(identity) if identity is not None else None
+    if mine is not None and mine.cert.exists() != mine.key.exists():
+        raise InvalidSpec(f"{identity}: a certificate needs its key (cert.pem and key.pem)")
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f".lazyfs-etcd-root-{os.getpid()}"
     scratch.mkdir(mode=0o700, exist_ok=True)
     try:
         (scratch / "ca.pem").write_bytes(ca.read_bytes())
+        if mine is not None and mine.cert.exists():  # (etcd asks for one: ours)
+            (scratch / "cert.pem").write_bytes(mine.cert.read_bytes())
+            fd = os.open(scratch / "key.pem", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(mine.key.read_bytes())
         anon = Etcd(url, identity=scratch)  # no etcd-auth yet: anonymous
         try:
             enabled = _auth_enabled(anon)

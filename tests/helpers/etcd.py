@@ -58,10 +58,13 @@ class EtcdServer(ServerProcess):
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
         listen = {self.client_url, f"{self.scheme}://127.0.0.1:{self.client_port}"}
-        # (no --trusted-ca-file: callers log in with passwords, runtime.fleet.etcdauth;
-        # etcd's own gateway dials it with its server certificate)
+        # every caller must present a client certificate of the CA (etcd's
+        # own gateway dials it with its server certificate, a node
+        # certificate: clientAuth too); users and roles by password
+        # (runtime.fleet.etcdauth)
         tls = [] if self.tls is None else [
-            "--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1])]
+            "--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1]),
+            "--client-cert-auth", "--trusted-ca-file", str(self.tls[2])]
         self.launch(["etcd", "--name", "test", "--data-dir", str(self.workdir / "data"), *tls,
                     "--listen-client-urls", ",".join(sorted(listen)),
                     "--advertise-client-urls", self.client_url,
@@ -73,13 +76,18 @@ class EtcdServer(ServerProcess):
     def ready(self) -> bool:
         try:
             r = httpx.get(f"{self.client_url}/health", timeout=1.0,
-                          verify=ssl.create_default_context(cafile=str(self.tls[2]))
-                          if self.tls else True)
+                          verify=self._health_context() if self.tls else True)
         except httpx.HTTPError as e:
             self.last = str(e)
             return False
         self.last = r.text
         return r.status_code == 200 and '"true"' in r.text
+
+    def _health_context(self) -> ssl.SSLContext:
+        assert self.tls is not None
+        ctx = ssl.create_default_context(cafile=str(self.tls[2]))
+        ctx.load_cert_chain(str(self.tls[0]), str(self.tls[1]))  # (it asks for one)
+        return ctx
 
     def kill(self) -> None:
         """SIGKILL, as a crash: the data directory stays for start()."""
