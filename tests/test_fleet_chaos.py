@@ -6,9 +6,11 @@ Real parts, as a user runs them: etcd over https with its users and roles,
 SeaweedFS (the image lives only there), three node agents serving HTTPS
 with node certificates, each in a network namespace of its own with its
 own lazyfs daemon and native blob server, callers with client
-certificates. During the burst, one after the other: SIGKILL of an agent
-(restarted 5 s later), another agent frozen for 10 s (SIGSTOP: its calls
-wait, its lease runs out), SIGKILL of etcd (back 5 s later, same data), etcd
+certificates. During the burst, one after the other (FAULTS): SIGKILL of
+an agent (restarted 5 s later), another agent frozen for 10 s (SIGSTOP:
+its calls wait, its lease runs out), a node cut off the network for 10 s
+(its veth down: nobody reaches it, it reaches neither etcd nor
+SeaweedFS), SIGKILL of etcd (back 5 s later, same data), etcd
 frozen for 15 s (every node's lease runs out), SeaweedFS down for 20 s,
 SeaweedFS frozen for 20 s, SIGKILL of a node's lazyfs daemon, SIGKILL of a
 node's native blob server.
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -46,7 +49,37 @@ BURST = 300
 RATE = 5.0  # cycles begun per second: the burst lasts through every fault
 RESUME_S = 10.0
 DAEMON_KILLED = "c2"  # the node whose lazyfs daemon is killed
-DAEMON_CHECK = 7  # the residents' check after that kill (0: before any fault)
+PARTITIONED = "c1"  # the node cut off the network for a while
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    inject: Callable[[ChaosFleet], float]  # when it began
+    lasts: float = 0.0  # seconds before heal (0: nothing to heal)
+    heal: Callable[[ChaosFleet], None] | None = None
+
+
+FAULTS = [
+    Fault("agent c1 SIGKILL, restarted 5 s later", lambda f: f.kill_agent("c1"), 5,
+          lambda f: f.restart_agent("c1")),
+    Fault("agent c0 frozen 10 s (SIGSTOP)", lambda f: f.freeze_agent("c0"), 10,
+          lambda f: f.thaw_agent("c0")),
+    Fault(f"node {PARTITIONED} cut off the network 10 s (its veth down)",
+          lambda f: f.partition(PARTITIONED), 10, lambda f: f.heal(PARTITIONED)),
+    Fault("etcd SIGKILL, back 5 s later", lambda f: f.kill_etcd(), 5,
+          lambda f: f.start_etcd()),
+    Fault("etcd frozen 15 s (SIGSTOP)", lambda f: f.freeze_etcd(), 15,
+          lambda f: f.thaw_etcd()),
+    Fault("SeaweedFS down 20 s", lambda f: f.kill_seaweed(), 20,
+          lambda f: f.start_seaweed()),
+    Fault("SeaweedFS frozen 20 s (SIGSTOP)", lambda f: f.freeze_seaweed(), 20,
+          lambda f: f.thaw_seaweed()),
+    Fault(f"lazyfs daemon of {DAEMON_KILLED} SIGKILL", lambda f: f.kill_daemon(DAEMON_KILLED)),
+    Fault("native blob server of c0 SIGKILL", lambda f: f.kill_blob_server("c0")),
+]
+# the residents' check after the daemon's kill (check 0 comes before any fault)
+DAEMON_CHECK = 1 + next(i for i, f in enumerate(FAULTS) if "lazyfs daemon" in f.name)
 
 
 @pytest.fixture(scope="module")
@@ -59,51 +92,17 @@ def _faults(fleet: ChaosFleet, residents: Residents, pause: float) -> None:
     """The faults, one after the other, the residents checked `pause` s
     after each is healed."""
     residents.check()
-    time.sleep(pause)
-    t = fleet.kill_agent("c1")
-    time.sleep(5)
-    fleet.restart_agent("c1")
-    fleet.record("agent c1 SIGKILL, restarted 5 s later", t, time.monotonic())
-    time.sleep(pause)
-    residents.check()
-    t = fleet.freeze_agent("c0")
-    time.sleep(10)
-    fleet.thaw_agent("c0")
-    fleet.record("agent c0 frozen 10 s (SIGSTOP)", t, time.monotonic())
-    time.sleep(pause)
-    residents.check()
-    t = fleet.kill_etcd()
-    time.sleep(5)
-    fleet.start_etcd()
-    fleet.record("etcd SIGKILL, back 5 s later", t, time.monotonic())
-    time.sleep(pause)
-    residents.check()
-    t = fleet.freeze_etcd()
-    time.sleep(15)
-    fleet.thaw_etcd()
-    fleet.record("etcd frozen 15 s (SIGSTOP)", t, time.monotonic())
-    time.sleep(pause)
-    residents.check()
-    t = fleet.kill_seaweed()
-    time.sleep(20)
-    fleet.start_seaweed()
-    fleet.record("SeaweedFS down 20 s", t, time.monotonic())
-    time.sleep(pause)
-    residents.check()
-    t = fleet.freeze_seaweed()
-    time.sleep(20)
-    fleet.thaw_seaweed()
-    fleet.record("SeaweedFS frozen 20 s (SIGSTOP)", t, time.monotonic())
-    time.sleep(pause)
-    residents.check()
-    t = fleet.kill_daemon(DAEMON_KILLED)
-    fleet.record("lazyfs daemon of c2 SIGKILL", t)
-    time.sleep(pause)
-    residents.check()
-    t = fleet.kill_blob_server("c0")
-    fleet.record("native blob server of c0 SIGKILL", t)
-    time.sleep(pause)
-    residents.check()
+    for fault in FAULTS:
+        time.sleep(pause)
+        t = fault.inject(fleet)
+        if fault.heal is not None:
+            time.sleep(fault.lasts)
+            fault.heal(fleet)
+            fleet.record(fault.name, t, time.monotonic())
+        else:
+            fleet.record(fault.name, t)
+        time.sleep(pause)
+        residents.check()
 
 
 def test_a_burst_rides_out_every_part_dying(fleet: ChaosFleet) -> None:

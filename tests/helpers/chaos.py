@@ -30,6 +30,8 @@ import hashlib
 import os
 import random
 import signal
+import socket
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -144,7 +146,7 @@ class ChaosFleet:
                   for i, n in enumerate(self.node_ids)}
         self.caller: Identity = self.ca.issue_client("trainer", d / "trainer")
         etcdauth.setup(self.etcd.url, ROOT_PASSWORD, {n: i.dir for n, i in idents.items()},
-                       {"trainer": self.caller.dir}, ca=self.ca.dir / "ca.pem")
+                       {"trainer": self.caller.dir}, identity=self.caller.dir)
         self._env_before = os.environ.get("LAZYFS_TLS_DIR")
         self._as_caller()
         for i, n in enumerate(self.node_ids):
@@ -237,41 +239,53 @@ class ChaosFleet:
         self.seaweed.start()
         self.seaweed.wait_ready()
 
-    def freeze_seaweed(self) -> float:
-        """SIGSTOP: up, but answering nothing (a hung server, not a dead one)."""
+    @staticmethod
+    def _signal(pid: int | None, sig: signal.Signals) -> float:
+        assert pid is not None
         t = time.monotonic()
-        assert self.seaweed.pid is not None
-        os.kill(self.seaweed.pid, signal.SIGSTOP)
+        os.kill(pid, sig)
         return t
 
+    def freeze_seaweed(self) -> float:
+        """SIGSTOP: up, but answering nothing (a hung server, not a dead one)."""
+        return self._signal(self.seaweed.pid, signal.SIGSTOP)
+
     def thaw_seaweed(self) -> None:
-        assert self.seaweed.pid is not None
-        os.kill(self.seaweed.pid, signal.SIGCONT)
+        self._signal(self.seaweed.pid, signal.SIGCONT)
 
     def freeze_etcd(self) -> float:
         """SIGSTOP etcd: connections open, nothing answered; the nodes'
         leases run out meanwhile (etcd expires them once it runs again)."""
-        t = time.monotonic()
-        assert self.etcd.pid is not None
-        os.kill(self.etcd.pid, signal.SIGSTOP)
-        return t
+        return self._signal(self.etcd.pid, signal.SIGSTOP)
 
     def thaw_etcd(self) -> None:
-        assert self.etcd.pid is not None
-        os.kill(self.etcd.pid, signal.SIGCONT)
+        self._signal(self.etcd.pid, signal.SIGCONT)
 
     def freeze_agent(self, node: str) -> float:
         """SIGSTOP a node's agent: its calls in flight wait, its lease runs out."""
-        t = time.monotonic()
-        pid = self.agents[node].pid
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        return t
+        return self._signal(self.agents[node].pid, signal.SIGSTOP)
 
     def thaw_agent(self, node: str) -> None:
-        pid = self.agents[node].pid
-        assert pid is not None
-        os.kill(pid, signal.SIGCONT)
+        self._signal(self.agents[node].pid, signal.SIGCONT)
+
+    def partition(self, node: str) -> float:
+        """Cut a node off the network: the host's end of its veth down (its
+        agent, daemon and sandboxes run on; nobody reaches them, they reach
+        neither etcd nor SeaweedFS)."""
+        t = time.monotonic()
+        subprocess.run(["ip", "link", "set", self._interface(node), "down"], check=True)
+        try:  # (the fault is real: the node's agent cannot be reached)
+            socket.create_connection((self.net.nodes[self.node_ids.index(node)].address,
+                                      self.agents[node].port), timeout=1).close()
+        except OSError:
+            return t
+        raise AssertionError(f"node {node} still answers with its veth down")
+
+    def heal(self, node: str) -> None:
+        subprocess.run(["ip", "link", "set", self._interface(node), "up"], check=True)
+
+    def _interface(self, node: str) -> str:
+        return self.net.nodes[self.node_ids.index(node)].host_interface
 
     def daemon_pid(self, node: str) -> int:
         return int(agent_node_paths(self.agents[node]).pidfile.read_text())
@@ -537,7 +551,8 @@ class Workload:
 
     def during(self, start: float, end: float) -> dict[str, Any]:
         """What the calls begun in [start, end] saw: per phase, how many
-        worked and each error's count."""
+        worked and each error's count; and on which node the creates that
+        worked placed their sandboxes ("placed")."""
         with self._lock:
             calls = [c for c in self.calls if start <= c.start <= end]
         out: dict[str, Any] = {}
@@ -545,6 +560,8 @@ class Workload:
             p = out.setdefault(c.phase, {"ok": 0})
             key = "ok" if c.ok else ("WRONG BYTES" if c.wrong else str(c.error))
             p[key] = p.get(key, 0) + 1
+        out["placed"] = dict(sorted(Counter(c.node for c in calls
+                                            if c.phase == "create" and c.ok).items()))
         return out
 
     def resumed_after(self, t: float) -> float | None:
