@@ -15,8 +15,9 @@ cache dropped before each cold read, medians of --repeats:
                   ext4, and the sparse file through the listener (filled
                   on demand); bytes compared with the source
     warm read     the same again with everything in the page cache: while
-                  the mark stands, every read still raises an event (a hit
-                  pays a round trip to the listener), counted
+                  the mark stands, every read still raises an event, which
+                  the listener allows at once (its page map says filled): a
+                  hit pays a round trip to the listener, counted
     dead listener a new sparse file, the listener filling the first
                   --mib / 4 MiB, then SIGKILLed (it runs in a child process
                   for this): the rest is read, and the bytes that came back
@@ -34,6 +35,7 @@ import argparse
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
 import statistics
 import struct
@@ -76,9 +78,20 @@ def _group(path: Path) -> int:
     return fd
 
 
+PAGE = 4096
+
+
 def listen(group: int, source: int, stop: threading.Event, counts: dict[str, int]) -> None:
-    """Fill each event's range from `source`, then allow the read."""
+    """Fill each event's range from `source` where it is not filled yet
+    (a page map: an event over filled pages is a hit, allowed at once),
+    then allow the read. Ends when `stop` is set (polled every 0.1 s)."""
+    size = os.fstat(source).st_size
+    filled = bytearray((size + PAGE - 1) // PAGE)
+    poller = select.poll()
+    poller.register(group, select.POLLIN)
     while not stop.is_set():
+        if not poller.poll(100):
+            continue
         try:
             buf = os.read(group, 64 * 1024)
         except OSError:
@@ -99,16 +112,27 @@ def listen(group: int, source: int, stop: threading.Event, counts: dict[str, int
                 info += length
             if fd >= 0:
                 if mask & FAN_PRE_ACCESS and count:
-                    end = os.fstat(source).st_size if count < 0 else offset + count
-                    pos = offset
-                    while pos < end:
-                        data = os.pread(source, min(READ, end - pos), pos)
-                        if not data:
-                            break
-                        os.pwrite(fd, data, pos)
-                        pos += len(data)
+                    end = size if count < 0 else min(size, offset + count)
                     counts["events"] = counts.get("events", 0) + 1
-                    counts["filled"] = counts.get("filled", 0) + (pos - offset)
+                    first, last = offset // PAGE, (end + PAGE - 1) // PAGE
+                    page = first
+                    while page < last:  # each run of pages not filled yet
+                        if filled[page]:
+                            page += 1
+                            continue
+                        run = page
+                        while run < last and not filled[run]:
+                            run += 1
+                        pos, stop_at = page * PAGE, min(size, run * PAGE)
+                        while pos < stop_at:
+                            data = os.pread(source, min(READ, stop_at - pos), pos)
+                            if not data:
+                                break
+                            os.pwrite(fd, data, pos)
+                            pos += len(data)
+                        counts["filled"] = counts.get("filled", 0) + (pos - page * PAGE)
+                        filled[page:run] = b"\1" * (run - page)
+                        page = run
                 os.write(group, RESPONSE.pack(fd, FAN_ALLOW))
                 os.close(fd)
             at += event_len
@@ -191,8 +215,10 @@ def main() -> int:
             runs["fanotify warm"].append(_read_all(target)[0])
             warm_events.append(counts.get("events", 0) - before)
             stop.set()
-            os.close(group)  # (the thread's read ends)
-            th.join(5)
+            th.join(10)
+            if th.is_alive():
+                raise SystemExit("bench_fanotify: the listener did not stop")
+            os.close(group)
             target.unlink()
         log(f"cold/warm medians: { {k: round(statistics.median(v) * 1e3) for k, v in runs.items()} }")
 
@@ -210,8 +236,11 @@ def main() -> int:
             finally:
                 os._exit(0)
         os.close(w_end)
-        os.read(r_end, 1)
+        ready = os.read(r_end, 1)
         os.close(r_end)
+        if ready != b"1":  # (no listener: what follows would measure nothing)
+            os.waitpid(pid, 0)
+            raise SystemExit("bench_fanotify: the listener process could not mark the file")
         quarter = size // 4
         with open(target, "rb", buffering=0) as f:
             first = f.read(quarter)

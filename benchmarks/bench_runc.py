@@ -17,6 +17,7 @@ is in the figure. Writes benchmarks/results/runc.json. Needs root and runc.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import resource
@@ -106,21 +107,22 @@ def main() -> int:
                 groups = [cgroups.path(h, sid) for h in cgroups.v1_hierarchies()]
                 for g in groups:  # (the config binds them: they exist before runc runs)
                     g.mkdir(parents=True, exist_ok=True)
-                r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                t = time.perf_counter()
-                p = subprocess.run([runc, "--root", str(state), "run", "--bundle", str(bundle),
-                                    sid], capture_output=True, text=True, check=False)
-                wall.append(time.perf_counter() - t)
-                r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
-                subprocess.run([runc, "--root", str(state), "delete", "--force", sid],
-                               capture_output=True, check=False)
-                for g in groups:
-                    try:
-                        g.rmdir()
-                    except OSError:
-                        pass
-                shutil.rmtree(bundle)
+                try:
+                    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    t = time.perf_counter()
+                    p = subprocess.run([runc, "--root", str(state), "run", "--bundle",
+                                        str(bundle), sid], capture_output=True, text=True,
+                                       check=False, timeout=60)
+                    wall.append(time.perf_counter() - t)
+                    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+                finally:  # (whatever happened: no container, group or bundle left)
+                    subprocess.run([runc, "--root", str(state), "delete", "--force", sid],
+                                   capture_output=True, check=False)
+                    for g in groups:
+                        with contextlib.suppress(OSError):
+                            g.rmdir()
+                    shutil.rmtree(bundle)
                 if p.returncode != 0:
                     raise SystemExit(f"bench_runc: {name}: runc run failed: "
                                      f"{p.stderr.strip()[-300:]}")

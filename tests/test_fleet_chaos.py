@@ -92,8 +92,8 @@ def _faults(fleet: ChaosFleet, residents: Residents, pause: float) -> None:
     """The faults, one after the other, the residents checked `pause` s
     after each is healed."""
     residents.check()
+    time.sleep(pause)
     for fault in FAULTS:
-        time.sleep(pause)
         t = fault.inject(fleet)
         if fault.heal is not None:
             time.sleep(fault.lasts)

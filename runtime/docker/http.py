@@ -475,11 +475,16 @@ def _older(a: str, b: str) -> bool:
 
 def make_tls_context(ca: str, cert: str, key: str) -> ssl.SSLContext:
     """A server context that requires a client certificate issued by `ca`
-    (dockerd's --tlsverify)."""
+    (dockerd's --tlsverify); one that names a fleet node is served nothing
+    (a node's certificate carries clientAuth for etcd: with the fleet's CA
+    as `ca`, it must not make a node root over another's sandboxes)."""
+    from ..fleet.ca import guard
+
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
     ctx.load_cert_chain(cert, key)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    guard(ctx)
     return ctx
 
 

@@ -232,7 +232,7 @@ class _Connections:
         """Mark every live connection whose peer is in `serials`; how many."""
         with self._lock:
             self.revoked = serials
-            hit = [c for c in self._live if c.serial in serials]
+            hit = [c for c in self._live if c.serial in serials and not c.revoked]
         for c in hit:
             c.revoked = True
         return len(hit)
@@ -269,9 +269,11 @@ class _Revocable(ssl.SSLObject):
     def do_handshake(self) -> None:
         super().do_handshake()
         peer = self.getpeercert()
-        if peer and "serialNumber" in peer:
-            self.serial = int(str(peer["serialNumber"]), 16)
-            self.connections.add(self)  # (revoked already: its first read fails)
+        if not peer or "serialNumber" not in peer:
+            self.revoked = True  # (no certificate to check: nothing served)
+            return
+        self.serial = int(str(peer["serialNumber"]), 16)
+        self.connections.add(self)  # (revoked already: its first read fails)
         # a node's certificate (a client's for etcd) makes no one a caller:
         # a node taken over must not drive the others
         sans: Any = peer.get("subjectAltName", ()) if peer else ()
@@ -299,11 +301,19 @@ def server_context(ident: Identity) -> ssl.SSLContext:
     if ident.crl.exists():
         ctx.load_verify_locations(cafile=str(ident.crl))
         ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
-    conns = _Connections()
-    ctx.sslobject_class = type("Revocable", (_Revocable,), {"connections": conns})
+    conns = guard(ctx)
     with contextlib.suppress(OSError, ValueError):
         conns.revoked = _revoked_serials(ident.crl.read_bytes())
     return ctx
+
+
+def guard(ctx: ssl.SSLContext) -> _Connections:
+    """Make every connection of a server context one of _Revocable's: a
+    peer certificate that names a node is served nothing (nodes' carry
+    clientAuth for etcd), and the connections returned can be revoked."""
+    conns = _Connections()
+    ctx.sslobject_class = type("Revocable", (_Revocable,), {"connections": conns})
+    return conns
 
 
 def _revoked_serials(pem: bytes) -> frozenset[int]:

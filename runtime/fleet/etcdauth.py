@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import os
 import secrets
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,9 @@ def setup(url: str, root_password: str, nodes: Mapping[str, Path],
     mine = Identity(identity) if identity is not None else None
     if mine is not None and mine.cert.exists() != mine.key.exists():
         raise InvalidSpec(f"{identity}: a certificate needs its key (cert.pem and key.pem)")
-    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f".lazyfs-etcd-root-{os.getpid()}"
-    scratch.mkdir(mode=0o700, exist_ok=True)
+    # a directory of our own (mkdtemp: 0700, a name nobody could have made
+    # first), holding the root password and the operator's key a moment
+    scratch = Path(tempfile.mkdtemp(prefix=".lazyfs-etcd-root-"))
     try:
         (scratch / "ca.pem").write_bytes(ca.read_bytes())
         if mine is not None and mine.cert.exists():  # (etcd asks for one: ours)

@@ -279,6 +279,7 @@ class ChaosFleet:
                                       self.agents[node].port), timeout=1).close()
         except OSError:
             return t
+        self.heal(node)
         raise AssertionError(f"node {node} still answers with its veth down")
 
     def heal(self, node: str) -> None:
