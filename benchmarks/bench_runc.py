@@ -7,9 +7,10 @@ exits at once.
 
     python -m benchmarks.bench_runc [--runs 20] [--json PATH]
 
-Each variant: --runs containers one after the other, `runc run` timed (wall)
-and its CPU (the children's rusage: runc, runc init, the hook), then `runc
-delete` (not timed). The root is a copy of the tests' busybox tree (owned by
+--runs rounds, each starting one container of every variant in turn (so
+a machine's drift hits them all alike): `runc run` timed (wall) and its CPU
+(the children's rusage: runc, runc init, the hook), then `runc delete`
+(not timed). The root is a copy of the tests' busybox tree (owned by
 the sandbox's host ids when a user namespace is used), so no lazyfs mount
 is in the figure. Writes benchmarks/results/runc.json. Needs root and runc.
 """
@@ -96,40 +97,35 @@ def main() -> int:
         shutil.copy(init, node_dir / init.name)
         state = d / "state"
 
-        def run(name: str, make: Callable[[str], Config]) -> dict[str, float]:
-            wall, cpu = [], []
-            for i in range(args.runs):
-                sid = f"bench-runc-{len(out.get('variants', {}))}-{i}"
-                bundle = d / "bundles" / sid
-                bundle.mkdir(parents=True)
-                c = make(sid)
-                (bundle / "config.json").write_text(json.dumps(c))
-                groups = [cgroups.path(h, sid) for h in cgroups.v1_hierarchies()]
-                for g in groups:  # (the config binds them: they exist before runc runs)
-                    g.mkdir(parents=True, exist_ok=True)
-                try:
-                    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    t = time.perf_counter()
-                    p = subprocess.run([runc, "--root", str(state), "run", "--bundle",
-                                        str(bundle), sid], capture_output=True, text=True,
-                                       check=False, timeout=60)
-                    wall.append(time.perf_counter() - t)
-                    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                    cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
-                finally:  # (whatever happened: no container, group or bundle left)
-                    subprocess.run([runc, "--root", str(state), "delete", "--force", sid],
-                                   capture_output=True, check=False)
-                    for g in groups:
-                        with contextlib.suppress(OSError):
-                            g.rmdir()
-                    shutil.rmtree(bundle)
-                if p.returncode != 0:
-                    raise SystemExit(f"bench_runc: {name}: runc run failed: "
-                                     f"{p.stderr.strip()[-300:]}")
-            res = {"wall_ms_p50": statistics.median(wall) * 1e3,
-                   "cpu_ms_mean": statistics.fmean(cpu) * 1e3}
-            log(f"{name}: {res}")
-            return res
+        def once(k: int, i: int, name: str, make: Callable[[str], Config]
+                 ) -> tuple[float, float]:
+            """One container of variant k: (wall s, CPU s) of its `runc run`."""
+            sid = f"bench-runc-{k}-{i}"
+            bundle = d / "bundles" / sid
+            bundle.mkdir(parents=True)
+            (bundle / "config.json").write_text(json.dumps(make(sid)))
+            groups = [cgroups.path(h, sid) for h in cgroups.v1_hierarchies()]
+            for g in groups:  # (the config binds them: they exist before runc runs)
+                g.mkdir(parents=True, exist_ok=True)
+            try:
+                r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                t = time.perf_counter()
+                p = subprocess.run([runc, "--root", str(state), "run", "--bundle",
+                                    str(bundle), sid], capture_output=True, text=True,
+                                   check=False, timeout=60)
+                wall = time.perf_counter() - t
+                r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            finally:  # (whatever happened: no container, group or bundle left)
+                subprocess.run([runc, "--root", str(state), "delete", "--force", sid],
+                               capture_output=True, check=False)
+                for g in groups:
+                    with contextlib.suppress(OSError):
+                        g.rmdir()
+                shutil.rmtree(bundle)
+            if p.returncode != 0:
+                raise SystemExit(f"bench_runc: {name}: runc run failed: "
+                                 f"{p.stderr.strip()[-300:]}")
+            return wall, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
 
         def ours(sid: str, edits: list[Callable[[Config], None]]) -> Config:
             c = copy.deepcopy(oci.config(sid, SandboxSpec(image="bench"), rootfs,
@@ -152,11 +148,20 @@ def main() -> int:
             c["linux"]["cgroupsPath"] = cgroups.cgroups_path(sid)
             return c
 
-        variants: dict[str, dict[str, float]] = {}
+        makers: list[tuple[str, Callable[[str], Config]]] = [
+            (name, lambda sid, e=edits: ours(sid, e))
+            for name, edits in VARIANTS] + [("runc's default spec", default_spec)]
+        samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _ in makers}
+        for i in range(args.runs):  # the variants in turn, so drift hits them all alike
+            for k, (name, make) in enumerate(makers):
+                w, c = once(k, i, name, make)
+                samples[name][0].append(w)
+                samples[name][1].append(c)
+        variants = {name: {"wall_ms_p50": statistics.median(w) * 1e3,
+                           "cpu_ms_mean": statistics.fmean(c) * 1e3}
+                    for name, (w, c) in samples.items()}
         out["variants"] = variants
-        for name, edits in VARIANTS:
-            variants[name] = run(name, lambda sid, e=edits: ours(sid, e))  # type: ignore[misc]
-        variants["runc's default spec"] = run("runc's default spec", default_spec)
+        log(f"variants: {variants}")
     base = variants["the backend's config"]
     print(table(f"`runc run` of a container that exits at once, {args.runs} runs each",
                 ["config", "wall p50 ms", "CPU ms", "CPU / ours"],

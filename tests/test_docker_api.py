@@ -492,6 +492,47 @@ def test_tcp_only_with_client_certificates(tmp_path: Path) -> None:
             assert b"Id" not in answer and b"200 OK" not in answer
 
 
+def test_with_the_fleets_ca_a_node_certificate_is_no_caller(tmp_path: Path) -> None:
+    """The Docker endpoint over TLS with the fleet's CA: a client
+    certificate of the fleet is served, a node's certificate (it carries
+    clientAuth, for etcd) gets nothing: a node taken over does not become
+    root over another node's sandboxes."""
+    from runtime.fleet.ca import FleetCA
+
+    ca = FleetCA.init(tmp_path / "ca")
+    server = ca.issue_node("n1", tmp_path / "n1", ("127.0.0.1",))
+    client = ca.issue_client("harness", tmp_path / "harness")
+    other_node = ca.issue_node("n2", tmp_path / "n2")
+    port = free_port()
+    d = tmp_path / "agent"
+    d.mkdir()
+    with running_agent(d, extra=["--docker-listen", f"127.0.0.1:{port}",
+                                 "--docker-tlscacert", str(ca.dir / "ca.pem"),
+                                 "--docker-tlscert", str(server.cert),
+                                 "--docker-tlskey", str(server.key)]):
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, 20, "the Docker endpoint's TCP port")
+
+        def containers(ident: Any) -> list[Any]:
+            tls = docker.tls.TLSConfig(client_cert=(str(ident.cert), str(ident.key)),
+                                       ca_cert=str(ca.dir / "ca.pem"), verify=True)
+            api = docker.APIClient(base_url=f"https://127.0.0.1:{port}", tls=tls,
+                                   version="1.41", timeout=30)
+            api.trust_env = False
+            try:
+                out: list[Any] = api.containers(all=True)
+                return out
+            finally:
+                api.close()
+
+        assert containers(client) == []  # the fleet's client: served
+        with pytest.raises((docker.errors.DockerException, OSError)):
+            containers(other_node)  # another node's certificate: nothing
+
+
 def test_plain_tcp_is_refused_in_one_line(tmp_path: Path) -> None:
     from tests.helpers.agents import REPO
     p = subprocess.run([sys.executable, "-m", "tools.cli", "agent", "--state",
