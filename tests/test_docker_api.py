@@ -16,6 +16,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -426,6 +427,24 @@ def test_malformed_and_refused_requests_leave_nothing_half_made(ep: Endpoint) ->
     assert ep.sandboxes() == before
 
 
+@contextmanager
+def _tls_endpoint(tmp_path: Path, ca: Path, cert: Path, key: Path) -> Iterator[int]:
+    """An agent serving the Docker endpoint over TLS on a port of its own
+    (yielded once it accepts connections)."""
+    port = free_port()
+    d = tmp_path / "agent"
+    d.mkdir()
+    with running_agent(d, extra=["--docker-listen", f"127.0.0.1:{port}",
+                                 "--docker-tlscacert", str(ca), "--docker-tlscert", str(cert),
+                                 "--docker-tlskey", str(key)]):
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(listening, 20, "the Docker endpoint's TCP port")
+        yield port
+
+
 def test_tcp_only_with_client_certificates(tmp_path: Path) -> None:
     """`--docker-listen` serves TCP with TLS client certificates, as dockerd's
     --tlsverify: the docker CLI (DOCKER_CERT_PATH, DOCKER_TLS_VERIFY) and
@@ -436,18 +455,7 @@ def test_tcp_only_with_client_certificates(tmp_path: Path) -> None:
     ca.issue(tmp_path / "client", "harness")
     other = ThrowawayCA(tmp_path / "other-ca")
     other.issue(tmp_path / "stranger", "stranger")
-    port = free_port()
-    d = tmp_path / "agent"
-    d.mkdir()
-    with running_agent(d, extra=["--docker-listen", f"127.0.0.1:{port}",
-                                 "--docker-tlscacert", str(ca.path),
-                                 "--docker-tlscert", str(server.cert),
-                                 "--docker-tlskey", str(server.key)]):
-        def listening() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_until(listening, 20, "the Docker endpoint's TCP port")
+    with _tls_endpoint(tmp_path, ca.path, server.cert, server.key) as port:
         assert DOCKER is not None
         env = {**os.environ, "DOCKER_HOST": f"tcp://127.0.0.1:{port}", "DOCKER_TLS_VERIFY": "1",
                "DOCKER_CERT_PATH": str(tmp_path / "client"),
@@ -503,19 +511,7 @@ def test_with_the_fleets_ca_a_node_certificate_is_no_caller(tmp_path: Path) -> N
     server = ca.issue_node("n1", tmp_path / "n1", ("127.0.0.1",))
     client = ca.issue_client("harness", tmp_path / "harness")
     other_node = ca.issue_node("n2", tmp_path / "n2")
-    port = free_port()
-    d = tmp_path / "agent"
-    d.mkdir()
-    with running_agent(d, extra=["--docker-listen", f"127.0.0.1:{port}",
-                                 "--docker-tlscacert", str(ca.dir / "ca.pem"),
-                                 "--docker-tlscert", str(server.cert),
-                                 "--docker-tlskey", str(server.key)]):
-        def listening() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-
-        wait_until(listening, 20, "the Docker endpoint's TCP port")
-
+    with _tls_endpoint(tmp_path, ca.dir / "ca.pem", server.cert, server.key) as port:
         def containers(ident: Any) -> list[Any]:
             tls = docker.tls.TLSConfig(client_cert=(str(ident.cert), str(ident.key)),
                                        ca_cert=str(ca.dir / "ca.pem"), verify=True)
