@@ -276,7 +276,7 @@ class _Revocable(ssl.SSLObject):
         self.connections.add(self)  # (revoked already: its first read fails)
         # a node's certificate (a client's for etcd) makes no one a caller:
         # a node taken over must not drive the others
-        sans: Any = peer.get("subjectAltName", ()) if peer else ()
+        sans: Any = peer.get("subjectAltName", ())
         if any(san[0] == "DNS" and str(san[1]).endswith("." + NODE_DOMAIN) for san in sans):
             self.revoked = True
 

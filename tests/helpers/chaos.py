@@ -60,7 +60,7 @@ from .agents import Agent, fleet_agent
 from .etcd import EtcdServer
 from .images import build_busybox_rootfs
 from .leaks import sandbox_cgroups
-from .netns import FleetNet
+from .netns import FleetNet, NodeNet
 from .seaweed import SeaweedFS
 from .support import wait_until
 
@@ -273,20 +273,21 @@ class ChaosFleet:
         agent, daemon and sandboxes run on; nobody reaches them, they reach
         neither etcd nor SeaweedFS)."""
         t = time.monotonic()
-        subprocess.run(["ip", "link", "set", self._interface(node), "down"], check=True)
+        subprocess.run(["ip", "link", "set", self._net(node).host_interface, "down"],
+                       check=True)
         try:  # (the fault is real: the node's agent cannot be reached)
-            socket.create_connection((self.net.nodes[self.node_ids.index(node)].address,
-                                      self.agents[node].port), timeout=1).close()
+            socket.create_connection((self._net(node).address, self.agents[node].port),
+                                     timeout=1).close()
         except OSError:
             return t
         self.heal(node)
         raise AssertionError(f"node {node} still answers with its veth down")
 
     def heal(self, node: str) -> None:
-        subprocess.run(["ip", "link", "set", self._interface(node), "up"], check=True)
+        subprocess.run(["ip", "link", "set", self._net(node).host_interface, "up"], check=True)
 
-    def _interface(self, node: str) -> str:
-        return self.net.nodes[self.node_ids.index(node)].host_interface
+    def _net(self, node: str) -> NodeNet:
+        return self.net.nodes[self.node_ids.index(node)]
 
     def daemon_pid(self, node: str) -> int:
         return int(agent_node_paths(self.agents[node]).pidfile.read_text())
