@@ -3,7 +3,8 @@ with no fault, --threads callers doing create -> exec -> kill as fast as
 they go, and `perf record -a` sampling every CPU for --seconds once the
 first --warmup seconds are over. Each sample is put in one group by its
 process: the agents, the lazyfs daemons, the native blob servers, the
-callers (this process), runc (every `runc` and `runc init`), SeaweedFS,
+callers (this process), the container starter (sandbox-spawn, or every
+`runc` and `runc init` with LAZYFS_CONTAINER_STARTER=runc), SeaweedFS,
 etcd, the sandboxes' own programs and the node's helpers (sandbox-init,
 rm, the exec'd command), kernel threads, idle.
 
@@ -39,6 +40,8 @@ def _group(comm: str, pid: int, pids: dict[int, str]) -> str:
         return "idle"
     if comm.startswith("runc"):
         return "runc"
+    if comm.startswith("sandbox-spawn"):  # (the native container starter)
+        return "sandbox-spawn"
     if comm == "weed":
         return "SeaweedFS"
     if comm == "etcd":

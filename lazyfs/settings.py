@@ -38,6 +38,8 @@ unknown sections or keys are errors, as are values of the wrong type:
                                             #   $XDG_RUNTIME_DIR/lazyfs/runtime]
     max_snapshot_layers = 4     # env LAZYFS_MAX_SNAPSHOT_LAYERS: sandbox-written layers
                                 #   an image keeps before a snapshot flattens them
+    container_starter = "native"   # env LAZYFS_CONTAINER_STARTER: "native"
+                                   #   (sandbox-spawn) or "runc" (`runc run`)
 
     [client]                    # where the SDK and `lazyfs sandbox` send sandboxes
     node = "unix:///run/lazyfs-runtime/agent.sock"   # env LAZYFS_NODE (or http://...)
@@ -92,6 +94,8 @@ if TYPE_CHECKING:  # (imported where used: a process that only talks HTTP reads
 
 DEFAULT_CACHE_SIZE = "4G"
 DEFAULT_MAX_SNAPSHOT_LAYERS = 4
+CONTAINER_STARTERS = ("native", "runc")  # runtime.backends.container
+DEFAULT_CONTAINER_STARTER = "native"
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,8 @@ _KEYS: dict[str, _Key] = {
     "state_dir": _Key("runtime", "state_dir", "LAZYFS_RUNTIME_DIR", Path, "--state"),
     "max_snapshot_layers": _Key("runtime", "max_snapshot_layers", "LAZYFS_MAX_SNAPSHOT_LAYERS",
                                 int, "runtime.max_snapshot_layers"),
+    "container_starter": _Key("runtime", "container_starter", "LAZYFS_CONTAINER_STARTER", str,
+                              "runtime.container_starter"),
     # read one at a time where they are used (setting()): the SDK's target,
     # the S3 endpoint, the registry's credentials, the VM backends' choices
     # and caches
@@ -253,6 +259,8 @@ class Settings:
     # sandbox-written layers an image keeps on top of the image it was made
     # from before a snapshot squashes them into one (runtime.node.capture)
     max_snapshot_layers: int = DEFAULT_MAX_SNAPSHOT_LAYERS
+    # what starts container sandboxes (CONTAINER_STARTERS)
+    container_starter: str = DEFAULT_CONTAINER_STARTER
     # the options this was loaded with (None values dropped), for override()
     options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # where each setting not left at its default came from ("environment
@@ -318,6 +326,10 @@ class Settings:
         if max_layers < 1:
             raise ConfigError(f"{where('max_snapshot_layers')}: max_snapshot_layers must be "
                               f"at least 1, got {max_layers}")
+        starter = values.get("container_starter", DEFAULT_CONTAINER_STARTER)
+        if starter not in CONTAINER_STARTERS:
+            raise ConfigError(f"{where('container_starter')}: container_starter: expected one "
+                              f"of {', '.join(CONTAINER_STARTERS)}, got {starter!r}")
         node_root = Path(values.get("node_root") or default_root()).expanduser()
         settings = cls(
             store_path=Path(values.get("store_path") or default_store_path()).expanduser(),
@@ -331,6 +343,7 @@ class Settings:
             pack_size_mib=values.get("pack_size_mib"),
             threads=values.get("threads"),
             max_snapshot_layers=max_layers,
+            container_starter=starter,
             options=given,
             sources={attr: src for attr, (_, src) in raw.items()},
             daemon=daemon)

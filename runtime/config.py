@@ -19,7 +19,7 @@ from typing import Any
 
 from lazyfs.errors import ConfigError
 from lazyfs.options import Options
-from lazyfs.settings import Settings
+from lazyfs.settings import CONTAINER_STARTERS, Settings
 
 from .isolation.hostlimits import Budgets
 
@@ -37,7 +37,7 @@ class _FromSettings:
 
 _FROM_SETTINGS: Any = _FromSettings()  # (Any: a default of every field's type)
 _SETTINGS_FIELDS = ("store", "cluster", "state_dir", "node_root", "cache_dir", "cache_size",
-                    "max_snapshot_layers", "daemon")
+                    "max_snapshot_layers", "daemon", "container_starter")
 
 
 def _from_settings(settings: Settings) -> dict[str, Any]:
@@ -45,7 +45,8 @@ def _from_settings(settings: Settings) -> dict[str, Any]:
             "state_dir": settings.state_dir, "node_root": settings.node_root,
             "cache_dir": settings.configured_cache_dir, "cache_size": settings.cache_size,
             "max_snapshot_layers": settings.max_snapshot_layers,
-            "daemon": settings.daemon_options()}
+            "daemon": settings.daemon_options(),
+            "container_starter": settings.container_starter}
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class RuntimeConfig:
     # the host has none: then every sandbox's root shares the host root's
     # inotify budget
     user_namespaces: bool = True
+    # what starts a container sandbox's init: "native" (runtime/native/
+    # sandbox-spawn.c, the OCI config's sandbox without runc's two Go
+    # processes) or "runc" (`runc run`) [settings: runtime.container_starter,
+    # LAZYFS_CONTAINER_STARTER]
+    container_starter: str = _FROM_SETTINGS
     # turn on cgroup favordynmods at node start (runtime.isolation.cgroups): moving a
     # process into a cgroup then no longer waits for an RCU grace period, but
     # every fork and exit on the host gets dearer; off by default (measured:
@@ -115,6 +121,9 @@ class RuntimeConfig:
                     dict(self.daemon), "runtime daemon options"))
             except (TypeError, ValueError) as e:
                 raise ConfigError(str(e)) from None
+        if self.container_starter not in CONTAINER_STARTERS:
+            raise ConfigError(f"container_starter must be one of {', '.join(CONTAINER_STARTERS)}"
+                              f", got {self.container_starter!r}")
         if self.max_snapshot_layers < 1:
             raise ConfigError(f"max_snapshot_layers must be at least 1, got "
                               f"{self.max_snapshot_layers}")

@@ -23,6 +23,7 @@ import pytest
 
 from lazyfs import sysmount
 from runtime import NetworkPolicy, Sandbox
+from runtime.backends.container import START_LOG
 from runtime.isolation import denials
 from runtime.node import Node
 from tests.helpers.sandboxes import IMAGE, busybox_store, node_for, runtime_missing
@@ -106,12 +107,12 @@ def test_control_a_larger_disk_takes_the_same_write(node: Node) -> None:
         assert got == 4 * NODE_DISK_MB and b"rc=0" in out, out
 
 
-def test_init_stdio_cannot_grow_the_runc_log(node: Node) -> None:
+def test_init_stdio_cannot_grow_the_start_log(node: Node) -> None:
     """runc hands init its log as stderr; init drops it before any command
     runs, so writing through init's (or any process's) descriptors cannot
-    grow STATE/sandboxes/<id>/runc.log."""
+    grow STATE/sandboxes/<id>/start.log (the starter's stderr)."""
     with Sandbox.create(IMAGE, node=node) as s:
-        log = node.config.sandboxes / s.id / "runc.log"
+        log = node.config.sandboxes / s.id / START_LOG
         size = log.stat().st_size
         r = s.exec("for f in /proc/[0-9]*/fd/[12]; do case $f in /proc/$$/*) continue;; esac; "
                    "head -c 4194304 /dev/zero >> $f 2>/dev/null; done; echo done")

@@ -71,9 +71,9 @@ from ..errors import (
 )
 from ..files import SandboxFiles, remove_tree
 from ..images import Images
-from ..isolation import cgroups, hostlimits, idmap, oci, spawner
+from ..isolation import cgroups, hostlimits, idmap, oci, seccomp, spawner
 from ..isolation.denials import Denials, merged
-from ..native import sandbox_init
+from ..native import sandbox_init, sandbox_spawn
 from ..spec import (
     SANDBOX_ID_PATTERN,
     EventKind,
@@ -91,6 +91,7 @@ log = logging.getLogger(__name__)
 
 RUNC_TIMEOUT = 30.0
 CHANNEL = "ctl.sock"  # the exec channel, under the sandbox's directory
+START_LOG = "start.log"  # the starter's stderr (runc's or sandbox-spawn's), there too
 SECCOMP_SOCKET = "seccomp.sock"  # the node's seccomp listener, in the state directory
 # init's descriptor of the sandbox's rw/ (runc --preserve-fds 1 hands it over):
 # how the node reaches the upper once rw/ left the host's mount table
@@ -124,6 +125,9 @@ class ContainerState(BackendState):
     id_base: int | None = None
     # its processes were restored by CRIU from a checkpoint (not started by runc run)
     restored: bool = False
+    # what started init (config.container_starter; a restore: runc): runc
+    # knows only the sandboxes it started or restored
+    starter: str = "runc"
 
     def host_address(self) -> str | None:
         return self.node_address
@@ -204,7 +208,7 @@ class ContainerBackend:
 
     # -- helpers -------------------------------------------------------------
     def _check(self) -> Path:
-        if self.runc is None:
+        if self.runc is None and self.config.container_starter == "runc":
             raise BackendUnavailable("the container backend needs runc (apt-get install runc)")
         if os.geteuid() != 0:
             raise BackendUnavailable("the container backend needs root (cgroups, mounts)")
@@ -260,17 +264,40 @@ class ContainerBackend:
             raise SandboxError(f"runc {args[0]} failed: {p.stderr.strip()[-400:]}")
         return p
 
-    def _run_detached(self, h: Container) -> None:
-        # The container's init inherits runc's stdio: its stdin is the exec
-        # channel's listening socket; it replaces stdout and stderr (runc's
-        # log) with /dev/null once it runs, so no sandbox process holds them.
-        # Its descriptor RW_FD is the sandbox's rw/ (--preserve-fds), which
-        # init keeps and never hands to a command.
+    def _run_detached(self, h: Container, cfg: dict[str, Any]) -> None:
+        """`runc run` of the bundle's config.json."""
         assert self.runc is not None
-        errlog = h.dir / "runc.log"
-        argv = [self.runc, "--root", str(self.config.runc_root), "run", "--detach",
-                "--preserve-fds", "1", "--bundle", str(h.dir), "--pid-file",
-                str(h.dir / "init.pid"), h.id]
+        self._launch(h, [self.runc, "--root", str(self.config.runc_root), "run", "--detach",
+                         "--preserve-fds", "1", "--bundle", str(h.dir), "--pid-file",
+                         str(h.dir / "init.pid"), h.id], "runc run")
+
+    def _spawn(self, h: Container, cfg: dict[str, Any]) -> None:
+        """sandbox-spawn (runtime/native/sandbox-spawn.c) of the same config:
+        the sandbox's groups made and limited as runc makes them, the
+        seccomp policy compiled, the budgets as sysctls (runc: the config's
+        createContainer hook)."""
+        spawn = sandbox_spawn(self.config.bin_dir)
+        linux = cfg["linux"]
+        procs = cgroups.container_group(h.id, linux["resources"], oci.DEVICE_RULES)
+        program = seccomp.program_file(self.config.bin_dir,
+                                       "listenerPath" in linux.get("seccomp", {}))
+        sysctls = (hostlimits.budget_sysctls(self.config.budgets)
+                   if h.state.id_base is not None else None)
+        spec = h.dir / "spawn.spec"
+        try:
+            spec.write_bytes(oci.native_spec(h.id, cfg, procs, program, sysctls))
+        except oci.SpecError as e:
+            raise SandboxError(f"{h.id}: {e}") from e
+        h.state.starter = "native"
+        self._launch(h, [str(spawn), str(spec), str(h.dir / "init.pid")], "sandbox-spawn")
+
+    def _launch(self, h: Container, argv: list[str], what: str) -> None:
+        # The container's init inherits the starter's stdio: its stdin is the
+        # exec channel's listening socket; it replaces stdout and stderr (the
+        # starter's log) with /dev/null once it runs, so no sandbox process
+        # holds them. Its descriptor RW_FD is the sandbox's rw/ (runc:
+        # --preserve-fds), which init keeps and never hands to a command.
+        errlog = h.dir / START_LOG
         rw = os.open(h.state.rw or h.dir / "rw", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             with open(errlog, "wb") as err, open(os.devnull, "wb") as null, \
@@ -280,16 +307,17 @@ class ContainerBackend:
                 code = self.spawner.run(argv, {0: channel.fileno(), 1: null.fileno(),
                                                2: err.fileno(), RW_FD: rw}, RUNC_TIMEOUT)
         except spawner.SpawnError as e:
-            raise SandboxError(f"runc run failed: {e}") from e
+            raise SandboxError(f"{what} failed: {e}") from e
         finally:
             os.close(rw)
         if code != 0:
             msg = errlog.read_text(errors="replace").strip()
-            raise SandboxError(f"runc run failed: {msg[-400:] or f'exit status {code}'}")
+            raise SandboxError(f"{what} failed: {msg[-400:] or f'exit status {code}'}")
 
     # -- lifecycle -----------------------------------------------------------
     def create(self, h: Container) -> None:
-        self._start(h, lambda: self._run_detached(h))
+        native = self.config.container_starter == "native"
+        self._start(h, self._spawn if native else self._run_detached, budgets=not native)
 
     def restore(self, h: Container, images: Path) -> None:
         """A sandbox from a checkpoint: its root composed from h.image (the
@@ -301,7 +329,7 @@ class ContainerBackend:
         runc, name = self.runc or "runc", h.state.channel_name
         h.state.restored = True
 
-        def run() -> None:
+        def run(h: Container, cfg: dict[str, Any]) -> None:
             # the sandbox's groups are bind sources in its config (oci.py),
             # and runc restore looks for them before it makes them
             for hierarchy in cgroups.v1_hierarchies():
@@ -319,7 +347,7 @@ class ContainerBackend:
             finally:
                 os.close(rw)
 
-        self._start(h, run, restoring=True)
+        self._start(h, run, restoring=True, budgets=False)
 
     def _id_range(self, h: Container) -> idmap.IdRange | None:
         """The sandbox's host ids: a range of its own, or (a restore: the
@@ -336,10 +364,11 @@ class ContainerBackend:
             self._by_base.setdefault(ids.base, set()).add(h.id)
         return ids
 
-    def _start(self, h: Container, run: Callable[[], object], restoring: bool = False
-               ) -> None:
-        """Compose the root, write the config, `run` (which leaves the
-        container's init pid in init.pid), then detach the root."""
+    def _start(self, h: Container, run: Callable[[Container, dict[str, Any]], object],
+               restoring: bool = False, budgets: bool = True) -> None:
+        """Compose the root, write the config, `run` it (which leaves the
+        container's init pid in init.pid), then detach the root. budgets:
+        the config sets the user namespace's inotify budgets (runc's hook)."""
         init = self._check()
         paths = self.images.ensure_daemon()
         # the root where runc's init (the sandbox's host ids) can reach it
@@ -366,12 +395,12 @@ class ContainerBackend:
                 raise BackendUnavailable(f"composing {h.image.name} ({h.image.digest}): "
                                          f"{e}") from e
             st.mounted = True
-            (h.dir / "config.json").write_text(json.dumps(
-                oci.config(h.id, h.spec, rootfs, init, ids, self._seccomp_listener(),
-                           init.parent, None if restoring else self.config.budgets)))
+            cfg = oci.config(h.id, h.spec, rootfs, init, ids, self._seccomp_listener(),
+                             init.parent, self.config.budgets if budgets else None)
+            (h.dir / "config.json").write_text(json.dumps(cfg))
             self.config.runc_root.mkdir(parents=True, exist_ok=True)
             self.groups.claim(h.id)  # groups an earlier sandbox left, if any
-            run()
+            run(h, cfg)
             st.init_pid = int((h.dir / "init.pid").read_text())
             if ids is not None and restoring:  # (created: the config's hook)
                 hostlimits.limit_sandbox(st.init_pid, self.config.budgets)
@@ -402,7 +431,9 @@ class ContainerBackend:
         # remove its groups and its state directory (no poststop hooks are
         # configured). runc deletes only what this cannot tell is stopped.
         with cgroups.cpu_unidled(h.id):
-            if self.runc is not None:
+            if h.state.starter == "native":
+                self._kill_init(h)  # (False: already gone, or never started)
+            elif self.runc is not None:
                 if self._kill_init(h):
                     shutil.rmtree(self.config.runc_root / h.id, ignore_errors=True)
                 else:
@@ -467,7 +498,7 @@ class ContainerBackend:
         """running, paused or stopped, from the kernel (what `runc state`
         reads, without its process start): init alive in the sandbox's
         groups, and the freezer's state."""
-        if self.runc is None or not self._init_alive(h):
+        if not self._init_alive(h):
             return "stopped"
         state = cgroups.path("freezer", h.id) / "freezer.state"
         try:
@@ -560,7 +591,10 @@ class ContainerBackend:
         before = cgroups.memory_figures(h.id)
         t0 = time.monotonic()
         with cgroups.cpu_unidled(h.id):
-            self._runc("pause", h.id)
+            if h.state.starter == "native":
+                self._freeze(h, True)
+            else:
+                self._runc("pause", h.id)
         frozen = time.monotonic()
         cgroups.reclaim(h.id)
         after = cgroups.memory_figures(h.id)
@@ -568,7 +602,26 @@ class ContainerBackend:
                 "reclaim_s": time.monotonic() - frozen}
 
     def resume(self, h: Container) -> None:
-        self._runc("resume", h.id)
+        if h.state.starter == "native":
+            self._freeze(h, False)
+        else:
+            self._runc("resume", h.id)
+
+    def _freeze(self, h: Container, frozen: bool) -> None:
+        """What `runc pause` and `runc resume` do: the freezer's state, and
+        wait until every task is frozen (or thawed)."""
+        state = cgroups.path("freezer", h.id) / "freezer.state"
+        want = "FROZEN" if frozen else "THAWED"
+        try:
+            state.write_text(want)
+            deadline = time.monotonic() + RUNC_TIMEOUT
+            while state.read_text().strip() != want:
+                if time.monotonic() > deadline:
+                    raise SandboxError(f"{h.id}: the freezer did not reach {want} in "
+                                       f"{RUNC_TIMEOUT:.0f} s")
+                time.sleep(0.001)
+        except OSError as e:
+            raise SandboxError(f"{h.id}: freezer: {e}") from e
 
     # -- capture -------------------------------------------------------------
     @contextlib.contextmanager
@@ -633,8 +686,9 @@ class ContainerBackend:
                 raise SandboxError(f"{h.id}: {e}") from e
             try:
                 with self.capture(h, Path(f"/proc/self/fd/{rw}")) as upper:
-                    assert self.runc is not None
-                    criu.dump(self.runc, self.config.runc_root, h.id, images, h.dir / "criu")
+                    assert h.state.init_pid is not None
+                    criu.dump(h.state.init_pid, h.dir / "config.json", images, h.dir / "criu",
+                              name=h.id)
                     yield upper
             finally:
                 try:

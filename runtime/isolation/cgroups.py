@@ -23,9 +23,10 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,61 @@ def create_group(sandbox_id: str, limits: GroupLimits) -> list[Path]:
                 pass
         raise
     return procs_files(sandbox_id)
+
+
+def container_group(sandbox_id: str, resources: dict[str, Any], device_rules: Iterable[str]
+                    ) -> list[Path]:
+    """What runc does for a container's cgroupsPath, for the native starter:
+    the sandbox's group in every v1 hierarchy (and unified), kept if a pool
+    handed it over, limited by the OCI config's `resources` (memory and
+    memory+swap, cpu quota, period and shares, pids), devices denied but
+    `device_rules` (runc's defaults), cpuset copied from the parent; returns
+    the cgroup.procs files the starter puts init's process in."""
+    made = []
+    try:
+        for h in (*v1_hierarchies(), "unified"):
+            d = path(h, sandbox_id)
+            if not d.parent.is_dir():
+                d.parent.mkdir(exist_ok=True)
+            if not d.is_dir():
+                d.mkdir()
+                made.append(d)
+        cs = path("cpuset", sandbox_id)
+        for d in (cs.parent, cs):  # a cpuset has no cpus or memory until given its parent's
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if d.is_dir() and not (d / name).read_text().strip():
+                    (d / name).write_text((d.parent / name).read_text().strip())
+        mem, cpu = resources.get("memory", {}), resources.get("cpu", {})
+        memory = path("memory", sandbox_id)
+        # memory <= memory+swap at every step (a pooled group keeps its last
+        # limits): the one that grows first, as runc orders them
+        mine = [("memory.limit_in_bytes", mem.get("limit")),
+                ("memory.memsw.limit_in_bytes", mem.get("swap"))]
+        if mem.get("swap") is not None and mem["swap"] > int(
+                _read(memory / "memory.memsw.limit_in_bytes") or 0):
+            mine.reverse()
+        writes = [*(("memory", name, value) for name, value in mine),
+                  ("cpu", "cpu.cfs_period_us", cpu.get("period")),
+                  ("cpu", "cpu.cfs_quota_us", cpu.get("quota")),
+                  ("cpu", "cpu.shares", cpu.get("shares")),
+                  ("pids", "pids.max", resources.get("pids", {}).get("limit"))]
+        for controller, name, value in writes:
+            if value is not None:
+                (path(controller, sandbox_id) / name).write_text(str(value))
+        devices = path("devices", sandbox_id)
+        if resources.get("devices") != [{"allow": False, "access": "rwm"}]:
+            raise ValueError(f"device rules {resources.get('devices')!r}: the native "
+                             "starter knows deny-all and runc's defaults")
+        (devices / "devices.deny").write_text("a")
+        for rule in device_rules:
+            (devices / "devices.allow").write_text(rule)
+    except BaseException:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    return [path(h, sandbox_id) / "cgroup.procs" for h in (*v1_hierarchies(), "unified")
+            if path(h, sandbox_id).is_dir()]
 
 
 def procs_files(sandbox_id: str) -> list[Path]:

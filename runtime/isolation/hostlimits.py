@@ -99,12 +99,16 @@ def prepare_host(max_sandboxes: int, budgets: Budgets, root: Path = SYSCTL) -> l
     return changed
 
 
+def budget_sysctls(budgets: Budgets) -> dict[str, int]:
+    """A user namespace's inotify budgets, by their names under /proc/sys,
+    written by a process in it with CAP_SYS_RESOURCE there."""
+    return {"user/max_inotify_instances": budgets.inotify_instances,
+            "user/max_inotify_watches": budgets.inotify_watches}
+
+
 def budget_script(budgets: Budgets, proc: str = "/proc") -> str:
-    """The shell commands that set a user namespace's inotify budgets, run
-    by a process in it with CAP_SYS_RESOURCE there, through the proc mounted
-    at `proc`."""
-    return (f"cd {proc}/sys/user && echo {budgets.inotify_instances} > max_inotify_instances"
-            f" && echo {budgets.inotify_watches} > max_inotify_watches")
+    """budget_sysctls as shell commands, through the proc mounted at `proc`."""
+    return " && ".join(f"echo {v} > {proc}/sys/{k}" for k, v in budget_sysctls(budgets).items())
 
 
 def limit_sandbox(init_pid: int, budgets: Budgets) -> None:

@@ -193,3 +193,140 @@ def config(sandbox_id: str, spec: SandboxSpec, rootfs: Path, init_binary: Path,
         },
     }
 
+
+
+# ---- the same sandbox without runc (runtime/native/sandbox-spawn.c) ---------
+
+# What runc adds to every container's /dev without the config naming it: the
+# default devices (with a user namespace, binds of the host's nodes, as runc
+# makes them there), its links, and the device rules of its group
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+DEV_LINKS = (("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"),
+             ("/proc/self/fd/1", "/dev/stdout"), ("/proc/self/fd/2", "/dev/stderr"),
+             ("pts/ptmx", "/dev/ptmx"), ("/proc/kcore", "/dev/core"))
+# runc's default allowed devices (libcontainer/specconv AllowedDevices), after
+# the config's deny-all: mknod of any node (which only CAP_MKNOD can use, and
+# sandboxes lack it), the default devices, ptys, tun
+DEVICE_RULES = ("c *:* m", "b *:* m", "c 1:3 rwm", "c 1:8 rwm", "c 1:7 rwm", "c 5:0 rwm",
+                "c 1:5 rwm", "c 1:9 rwm", "c 136:* rwm", "c 5:2 rwm",
+                "c 10:200 rwm")
+
+# mount(2) flags of OCI mount options (runc's table); any other option is
+# file-system data
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
+MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
+_MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
+                "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME,
+                "strictatime": MS_STRICTATIME, "bind": MS_BIND, "rbind": MS_BIND | MS_REC}
+_NO_FLAG = frozenset({"rw", "suid", "dev", "exec", "atime", "diratime"})
+
+# capability numbers (linux/capability.h), by the OCI names
+_CAP_NUMBERS = {name: n for n, name in enumerate((
+    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
+    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT",
+    "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD",
+    "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
+    "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE"))}
+_RLIMITS = {"RLIMIT_CPU": 0, "RLIMIT_FSIZE": 1, "RLIMIT_DATA": 2, "RLIMIT_STACK": 3,
+            "RLIMIT_CORE": 4, "RLIMIT_RSS": 5, "RLIMIT_NPROC": 6, "RLIMIT_NOFILE": 7,
+            "RLIMIT_MEMLOCK": 8, "RLIMIT_AS": 9}
+
+
+class SpecError(ValueError):
+    """The OCI config asks for something the native starter does not do."""
+
+
+def mount_flags(options: list[str]) -> tuple[int, str]:
+    """(flags, data) of an OCI mount's options, as runc parses them."""
+    flags, data = 0, []
+    for o in options:
+        if o in _MOUNT_FLAGS:
+            flags |= _MOUNT_FLAGS[o]
+        elif o not in _NO_FLAG:
+            data.append(o)
+    return flags, ",".join(data)
+
+
+def native_spec(sandbox_id: str, cfg: dict[str, Any], group_procs: list[Path],
+                seccomp_program: Path | None, sysctls: dict[str, int] | None = None) -> bytes:
+    """The spec sandbox-spawn takes for the sandbox `cfg` (config()'s
+    output) describes, so one declaration makes both starters' sandboxes:
+    NUL-terminated strings, a directive then its arguments.
+
+    group_procs: the cgroup.procs files of the sandbox's groups (made and
+    limited by cgroups.container_group from cfg's resources); seccomp_program:
+    cfg's seccomp policy compiled (seccomp.Compiled) to a file; its
+    listenerPath, if any, gets the notifying filter's listener (with the
+    container state runc sends, naming sandbox_id). sysctls: files under
+    /proc/sys written through the sandbox's own proc before it turns
+    read-only (what config()'s createContainer hook does under runc: pass
+    cfg made without budgets)."""
+    out: list[str] = []
+
+    def put(*fields: str) -> None:
+        for f in fields:
+            if "\0" in f:
+                raise SpecError(f"a NUL byte in {f[:40]!r}")
+        out.extend(fields)
+
+    linux, proc = cfg["linux"], cfg["process"]
+    put("root", cfg["root"]["path"])
+    for ns in linux["namespaces"]:
+        if "path" in ns:
+            raise SpecError("joining an existing namespace is not done natively")
+        put("ns", ns["type"])
+    for kind in ("uid", "gid"):
+        maps = linux.get(f"{kind}Mappings")
+        if maps:
+            put(f"{kind}map", "".join(f"{m['containerID']} {m['hostID']} {m['size']}\n"
+                                      for m in maps))
+    if "hostname" in cfg:
+        put("hostname", cfg["hostname"])
+    for p in group_procs:
+        put("cgroup", str(p))
+    for m in cfg["mounts"]:
+        flags, data = mount_flags(m.get("options", []))
+        kind = "bind" if m["type"] == "bind" or flags & MS_BIND else m["type"]
+        put("mount", m["source"], m["destination"].lstrip("/"), kind, str(flags), data)
+        if m["destination"] == "/dev":  # runc's devices, right after /dev (binds
+            # also without a user namespace, where runc makes nodes: the same files)
+            for d in DEVICES:
+                put("mount", f"/dev/{d}", f"dev/{d}", "bind", "0", "")
+    for target, link in DEV_LINKS:
+        if link != "/dev/core" or Path("/proc/kcore").exists():
+            put("symlink", target, link.lstrip("/"))
+    if cfg.get("hooks"):
+        raise SpecError("hooks are not run by the native starter: give it sysctls instead")
+    for name, value in (sysctls or {}).items():
+        put("sysctl", f"/proc/sys/{name}", str(value))
+    for p in linux.get("readonlyPaths", []):
+        put("ro", p)
+    for p in linux.get("maskedPaths", []):
+        put("mask", p)
+    for r in proc.get("rlimits", []):
+        put("rlimit", str(_RLIMITS[r["type"]]), str(r["soft"]), str(r["hard"]))
+    caps = proc.get("capabilities", {})
+    if caps.get("inheritable") or caps.get("ambient") or \
+            len({tuple(v) for v in caps.values()}) > 1:
+        raise SpecError("the native starter gives one capability set (bounding = "
+                        "effective = permitted)")
+    if caps:
+        put("caps", str(sum(1 << _CAP_NUMBERS[c.removeprefix("CAP_")]
+                            for c in caps.get("bounding", []))))
+    if proc.get("noNewPrivileges"):
+        put("nonewprivs")
+    if proc.get("user", {}).get("uid", 0) or proc.get("user", {}).get("gid", 0):
+        raise SpecError("the native starter runs init as the sandbox's root")
+    sec = linux.get("seccomp")
+    if sec is not None:
+        if seccomp_program is None:
+            raise SpecError("the config has a seccomp policy: its compiled program is needed")
+        put("seccomp", str(seccomp_program), sec.get("listenerPath", ""), sandbox_id)
+    put("cwd", proc.get("cwd", "/"))
+    for a in proc["args"]:
+        put("arg", a)
+    for e in proc.get("env", []):
+        put("env", e)
+    return b"".join(s.encode() + b"\0" for s in out)

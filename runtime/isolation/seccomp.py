@@ -96,10 +96,10 @@ class Compiled:
     denied call raises a user notification (the loader asks the kernel for
     the listener descriptor and hands it to the node, runtime/isolation/denials.py)."""
 
-    def __init__(self, notify: bool = False) -> None:
+    def __init__(self, notify: bool = False, all_x86: bool = False) -> None:
         import tempfile
         with tempfile.TemporaryFile() as f:
-            build_filter(notify).export_bpf(f)
+            build_filter(notify, all_x86).export_bpf(f)
             f.seek(0)
             code = f.read()
         self.code = code
@@ -122,7 +122,23 @@ class _SockFprog(ctypes.Structure):
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
-def build_filter(notify: bool = False) -> Any:
+@functools.cache
+def program_file(directory: Path, notify: bool) -> Path:
+    """oci_section's policy as a BPF program in a file of `directory` (named
+    by its hash, written once), for the native container starter: the three
+    x86 ABIs runc's policy names, a notifying filter with `notify`."""
+    import hashlib
+    code = Compiled(notify, all_x86=True).code
+    out = directory / f"seccomp-{hashlib.sha256(code).hexdigest()[:16]}.bpf"
+    if not out.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}")
+        tmp.write_bytes(code)
+        os.replace(tmp, out)
+    return out
+
+
+def build_filter(notify: bool = False, all_x86: bool = False) -> Any:
     """The same policy as a libseccomp filter; `.load()` applies it to the
     calling process (inherited by children). Build it before a chroot: the
     library is loaded here. `notify`: denied calls raise a user notification
@@ -131,6 +147,9 @@ def build_filter(notify: bool = False) -> Any:
     import pyseccomp as seccomp  # imported late: only fncall workers need it
 
     f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    if all_x86:  # (oci_section's architectures; else the native one only)
+        for arch in (seccomp.Arch.X86, seccomp.Arch.X32):
+            f.add_arch(arch)
     deny = seccomp.NOTIFY if notify else seccomp.ERRNO(errno.EPERM)
     for name in DENIED:
         try:
