@@ -14,7 +14,8 @@ Sides (each through docker-py, `DockerClient(base_url=unix://...)`):
 Measured, sides alternating per round so drift hits both:
     create-to-first-exec  containers.run(detach=True) + exec_run(["true"]),
                           then remove(force=True) (not timed): --rounds one at
-                          a time, then --concurrent at once from as many
+                          a time (after one untimed first create per side,
+                          reported alone), then --concurrent at once from as many
                           threads (p50 / p99 per side)
     exec overhead         --execs exec_run(["true"]) on one container, and the
                           same number of SDK sb.exec(["true"]) on the same
@@ -169,6 +170,15 @@ def main() -> int:
         single: dict[str, list[float]] = {s: [] for s in clients}
         reads: list[int] = []
         cls = {s: make() for s, make in clients.items()}
+        # each side's first create, untimed in the rounds and reported alone: a
+        # node's first builds its native programs (sandbox-init, sandbox-spawn)
+        first: dict[str, float] = {}
+        for side in ("dockerd", "lazyfs"):
+            first[side], cid = create_to_exec(cls[side])
+            cls[side].containers.get(cid).remove(force=True)
+        out["first_create_to_exec_ms"] = {s: round(v * 1e3, 1) for s, v in first.items()}
+        log(f"first create-to-first-exec of each side (not in the rounds): "
+            f"{out['first_create_to_exec_ms']}")
         for i in range(args.rounds):
             for side in (("dockerd", "lazyfs") if i % 2 == 0 else ("lazyfs", "dockerd")):
                 dt, cid = create_to_exec(cls[side])

@@ -37,7 +37,9 @@ pytestmark = [pytest.mark.root,
 
 # what a process of the sandbox reads about itself
 PROBE = r"""
-grep -E '^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp|Seccomp_filters|Uid|Gid|Groups):' /proc/self/status
+grep -E '^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp|Seccomp_filters|Uid|Gid|Groups|SigIgn|SigBlk):' /proc/self/status
+echo --umask; umask
+echo --net; cat /sys/class/net/lo/flags; ls /sys/class/net
 echo --maps; cat /proc/self/uid_map /proc/self/gid_map
 echo --limits; grep -E 'open files|processes|core' /proc/self/limits
 echo --cgroup; cat /proc/self/cgroup
@@ -87,6 +89,11 @@ def test_both_starters_build_the_same_sandbox(nodes: dict[str, Node]) -> None:
     seen = {name: _seen(node) for name, node in nodes.items()}
     (native, native_host, _), (runc, runc_host, _) = seen["native"], seen["runc"]
     assert native_host == runc_host
+    # signals ignored: none natively; runc leaves one (32, its Go runtime's)
+    ign = {k: int(re.search(r"^SigIgn:\s+(\w+)$", t, re.MULTILINE).group(1), 16)  # type: ignore[union-attr]
+           for k, t in (("native", native), ("runc", runc))}
+    assert ign["native"] == 0 and ign["runc"] & ~(1 << 31) == 0, ign
+    native, runc = (re.sub(r"^SigIgn:.*\n", "", t, flags=re.MULTILINE) for t in (native, runc))
     # every section line by line, so a difference names its place
     for part_n, part_r in zip(native.split("--"), runc.split("--"), strict=True):
         assert sorted(part_n.splitlines()) == sorted(part_r.splitlines()), part_n[:20]
@@ -96,6 +103,7 @@ def test_both_starters_build_the_same_sandbox(nodes: dict[str, Node]) -> None:
     assert re.search(r"^Seccomp:\s+2$", native, re.MULTILINE) and re.search(r"^NoNewPrivs:\s+1$", native,
                                                                      re.MULTILINE)
     assert re.search(r"^\s*0\s+BASE\s+65536$", native, re.MULTILINE)
+    assert native.split("--net")[1].split()[:2] == ["0x9", "lo"]  # loopback up, nothing else
     assert "/proc/sysrq-trigger refused" in native and "/proc/sys/kernel/hostname refused" in native
     assert native.split("--masked")[1].split()[:3] == ["0", "0", "0"]
     assert "Operation not permitted" in native.split("--denied")[1]

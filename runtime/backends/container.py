@@ -432,7 +432,11 @@ class ContainerBackend:
         # configured). runc deletes only what this cannot tell is stopped.
         with cgroups.cpu_unidled(h.id):
             if h.state.starter == "native":
-                self._kill_init(h)  # (False: already gone, or never started)
+                if not self._kill_init(h):
+                    # no init of ours to kill: a start cut short (the starter
+                    # killed past its timeout) may have left its child in the
+                    # groups; whatever is there goes
+                    self._kill_group(h)
             elif self.runc is not None:
                 if self._kill_init(h):
                     shutil.rmtree(self.config.runc_root / h.id, ignore_errors=True)
@@ -464,6 +468,20 @@ class ContainerBackend:
         if ids is not None:
             self.ranges.release(ids, h.id)
         _remove(h.dir, self.spawner)
+
+    def _kill_group(self, h: Container) -> None:
+        """SIGKILL every task in the sandbox's groups (frozen first, so none
+        forks away meanwhile; thawed after, so they die)."""
+        freezer = cgroups.path("freezer", h.id) / "freezer.state"
+        if not cgroups.pids(h.id):
+            return
+        with contextlib.suppress(OSError):
+            freezer.write_text("FROZEN")
+        for pid in cgroups.pids(h.id):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            freezer.write_text("THAWED")
 
     def _kill_init(self, h: Container, wait: float = 5.0) -> bool:
         """SIGKILL the sandbox's init if it is still the process we started;
@@ -608,20 +626,26 @@ class ContainerBackend:
             self._runc("resume", h.id)
 
     def _freeze(self, h: Container, frozen: bool) -> None:
-        """What `runc pause` and `runc resume` do: the freezer's state, and
-        wait until every task is frozen (or thawed)."""
+        """What `runc pause` and `runc resume` do: the freezer's state,
+        written again until every task is there (a task forking while it
+        freezes can hold FREEZING); a freeze that does not finish thaws the
+        sandbox again, never leaving it half frozen."""
         state = cgroups.path("freezer", h.id) / "freezer.state"
         want = "FROZEN" if frozen else "THAWED"
+        deadline = time.monotonic() + RUNC_TIMEOUT
         try:
-            state.write_text(want)
-            deadline = time.monotonic() + RUNC_TIMEOUT
-            while state.read_text().strip() != want:
+            while True:
+                state.write_text(want)
+                if state.read_text().strip() == want:
+                    return
                 if time.monotonic() > deadline:
-                    raise SandboxError(f"{h.id}: the freezer did not reach {want} in "
-                                       f"{RUNC_TIMEOUT:.0f} s")
+                    break
                 time.sleep(0.001)
         except OSError as e:
             raise SandboxError(f"{h.id}: freezer: {e}") from e
+        with contextlib.suppress(OSError):
+            state.write_text("THAWED")
+        raise SandboxError(f"{h.id}: the freezer did not reach {want} in {RUNC_TIMEOUT:.0f} s")
 
     # -- capture -------------------------------------------------------------
     @contextlib.contextmanager

@@ -289,6 +289,8 @@ def native_spec(sandbox_id: str, cfg: dict[str, Any], group_procs: list[Path],
     for m in cfg["mounts"]:
         flags, data = mount_flags(m.get("options", []))
         kind = "bind" if m["type"] == "bind" or flags & MS_BIND else m["type"]
+        if kind == "bind" and data:
+            raise SpecError(f"bind {m['destination']}: options {data!r} are not known")
         put("mount", m["source"], m["destination"].lstrip("/"), kind, str(flags), data)
         if m["destination"] == "/dev":  # runc's devices, right after /dev (binds
             # also without a user namespace, where runc makes nodes: the same files)
@@ -306,15 +308,19 @@ def native_spec(sandbox_id: str, cfg: dict[str, Any], group_procs: list[Path],
     for p in linux.get("maskedPaths", []):
         put("mask", p)
     for r in proc.get("rlimits", []):
+        if r["type"] not in _RLIMITS:
+            raise SpecError(f"rlimit {r['type']} is not known")
         put("rlimit", str(_RLIMITS[r["type"]]), str(r["soft"]), str(r["hard"]))
     caps = proc.get("capabilities", {})
     if caps.get("inheritable") or caps.get("ambient") or \
             len({tuple(v) for v in caps.values()}) > 1:
         raise SpecError("the native starter gives one capability set (bounding = "
                         "effective = permitted)")
-    if caps:
-        put("caps", str(sum(1 << _CAP_NUMBERS[c.removeprefix("CAP_")]
-                            for c in caps.get("bounding", []))))
+    unknown = [c for c in caps.get("bounding", []) if c.removeprefix("CAP_") not in _CAP_NUMBERS]
+    if unknown:
+        raise SpecError(f"capabilities {unknown} are not known")
+    put("caps", str(sum(1 << _CAP_NUMBERS[c.removeprefix("CAP_")]
+                        for c in caps.get("bounding", []))))
     if proc.get("noNewPrivileges"):
         put("nonewprivs")
     if proc.get("user", {}).get("uid", 0) or proc.get("user", {}).get("gid", 0):

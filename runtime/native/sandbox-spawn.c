@@ -38,6 +38,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -53,7 +55,9 @@
 
 #define MAX_ITEMS 256
 #define MAX_SPEC (1 << 20)
-#define TIMEOUT_MS 30000
+/* below the node's own 30 s for the whole start (RUNC_TIMEOUT), so that the
+ * child is killed here, not left behind by a spawner that killed us */
+#define TIMEOUT_MS 20000
 
 struct mnt { const char *src, *dst, *type, *data; unsigned long flags; };
 struct pair { const char *a, *b; };
@@ -123,6 +127,7 @@ static const char *next(const char *what) {
 static unsigned long long number(const char *s, const char *what) {
     char *end;
     errno = 0;
+    if (s[0] == '-' || s[0] == ' ') fail("spec: %s: not a number: %s", shown(what), shown(s));
     unsigned long long v = strtoull(s, &end, 0);
     if (errno || end == s || *end) fail("spec: %s: not a number: %s", shown(what), shown(s));
     return v;
@@ -187,9 +192,17 @@ static void parse(const char *path) {
         else if (!strcmp(d, "env")) { need(S.nenv, MAX_ITEMS, "environment entries"); S.env[S.nenv++] = (char *)next(d); }
         else fail("spec: unknown directive %s", shown(d));
     }
+    /* what every sandbox has: a spec without it is refused, never a weaker
+     * sandbox */
     if (!S.root || S.root[0] != '/') fail("spec: no absolute root");
     if (S.nargs < 1 || S.args[0][0] != '/') fail("spec: no absolute program to run");
-    if (!(S.nsflags & CLONE_NEWNS)) fail("spec: a sandbox needs its own mount namespace");
+    int all_ns = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET;
+    if ((S.nsflags & all_ns) != all_ns || !S.newcgroup)
+        fail("spec: a sandbox needs its own mount, pid, ipc, uts, network and cgroup namespaces");
+    if (!S.have_caps) fail("spec: no capability set");
+    if (!S.nonewprivs) fail("spec: no no_new_privs");
+    if (!S.bpf) fail("spec: no seccomp program");
+    if (S.ncgroups < 1) fail("spec: no groups to join");
 }
 
 /* ---- the root ------------------------------------------------------------ */
@@ -264,7 +277,7 @@ static void do_mount(int rootfd, const struct mnt *m) {
         if (stat(m->src, &st) != 0) fail("bind source %s: %s", m->src, strerror(errno));
         int t = walk(rootfd, m->dst, !S_ISDIR(st.st_mode));
         fdpath(target, sizeof target, t);
-        if (mount(m->src, target, NULL, MS_BIND | MS_REC, NULL) != 0)
+        if (mount(m->src, target, NULL, MS_BIND | (m->flags & MS_REC), NULL) != 0)
             fail("binding %s on %s: %s", m->src, m->dst, strerror(errno));
         close(t);
         unsigned long want = m->flags & REMOUNT_FLAGS;
@@ -397,6 +410,20 @@ static void load_seccomp(int sock) {
     close(sock);
 }
 
+/* The network namespace's loopback up, as runc's default "loopback"
+ * network does (the sandbox has no CAP_NET_ADMIN to do it itself). */
+static void loopback_up(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0) fail("loopback: %s", strerror(errno));
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) != 0) fail("loopback: %s", strerror(errno));
+    ifr.ifr_flags |= IFF_UP;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) != 0) fail("loopback up: %s", strerror(errno));
+    close(s);
+}
+
 /* ---- the child ----------------------------------------------------------- */
 
 static __attribute__((noreturn)) void child(int go, int sock) {
@@ -406,10 +433,14 @@ static __attribute__((noreturn)) void child(int go, int sock) {
     /* a session of its own, as runc's init: nothing of the host's session
      * reaches in (and CRIU dumps no session leader outside the sandbox) */
     if (setsid() < 0) fail("setsid: %s", strerror(errno));
-    if (S.nsflags & CLONE_NEWUSER) {
-        if (setresgid(0, 0, 0) != 0 || setgroups(0, NULL) != 0 || setresuid(0, 0, 0) != 0)
-            fail("becoming the sandbox's root: %s", strerror(errno));
-    }
+    /* the sandbox's root, no supplementary groups (with or without a user
+     * namespace: none of the node's ids or groups reach in) */
+    if (setresgid(0, 0, 0) != 0 || setgroups(0, NULL) != 0 || setresuid(0, 0, 0) != 0)
+        fail("becoming the sandbox's root: %s", strerror(errno));
+    /* a session keyring of its own (the node's is not the sandbox's) */
+    if (syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, NULL) < 0 && errno != ENOSYS)
+        fail("session keyring: %s", strerror(errno));
+    loopback_up();
     if (S.newcgroup && unshare(CLONE_NEWCGROUP) != 0) fail("cgroup namespace: %s", strerror(errno));
     if (S.hostname && sethostname(S.hostname, strlen(S.hostname)) != 0)
         fail("hostname: %s", strerror(errno));
@@ -442,17 +473,24 @@ static __attribute__((noreturn)) void child(int go, int sock) {
     for (int k = 0; k < S.nsysctls; k++) write_file(S.sysctls[k].a, S.sysctls[k].b);
     for (int k = 0; k < S.nro; k++) readonly(S.ro[k]);
     for (int k = 0; k < S.nmasks; k++) mask(S.masks[k]);
-    for (int k = 0; k < S.nrlimits; k++) {
-        struct rlimit r = {S.rlimits[k].soft, S.rlimits[k].hard};
-        if (setrlimit(S.rlimits[k].res, &r) != 0) fail("rlimit %d: %s", S.rlimits[k].res, strerror(errno));
-    }
     if (S.cwd && chdir(S.cwd) != 0) fail("working directory %s: %s", S.cwd, strerror(errno));
     if (S.nonewprivs && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
         fail("no_new_privs: %s", strerror(errno));
     if (S.have_caps) drop_caps();
     if (S.bpf) load_seccomp(sock);
-    /* nothing but 0-3 (what init is given) reaches init */
-    syscall(SYS_close_range, 4U, ~0U, 4U /* CLOSE_RANGE_CLOEXEC */);
+    /* nothing but 0-3 (what init is given) reaches init, with default signal
+     * dispositions, an empty mask and umask 022 (runc's), whatever the node had */
+    if (syscall(SYS_close_range, 4U, ~0U, 4U /* CLOSE_RANGE_CLOEXEC */) != 0)
+        fail("close_range: %s", strerror(errno));
+    for (int sig = 1; sig <= 64; sig++) {  /* (the raw call: libc refuses 32 and 33) */
+        struct { void *handler; unsigned long flags; void *restorer; uint64_t mask; } dfl = {0};
+        if (sig != SIGKILL && sig != SIGSTOP)
+            syscall(SYS_rt_sigaction, sig, &dfl, NULL, sizeof dfl.mask);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    umask(022);
     S.args[S.nargs] = NULL;
     S.env[S.nenv] = NULL;
     execve(S.args[0], S.args, S.env);
@@ -519,6 +557,12 @@ int main(int argc, char **argv) {
             fail("joining %s: %s", S.cgroups[k], strerror(errno));
         close(fd);
     }
+    /* rlimits from here (host root: a hard limit may be raised) */
+    for (int k = 0; k < S.nrlimits; k++) {
+        struct rlimit r = {S.rlimits[k].soft, S.rlimits[k].hard};
+        if (prlimit(pid, S.rlimits[k].res, &r, NULL) != 0)
+            fail("rlimit %d: %s", S.rlimits[k].res, strerror(errno));
+    }
     if (write(go[1], "g", 1) != 1) fail("starting the child: %s", strerror(errno));
     close(go[1]);
     /* the report pipe closes at init's exec (close-on-exec): EOF with no
@@ -546,9 +590,20 @@ int main(int argc, char **argv) {
         msg[got] = 0;
         fail("%s", msg);
     }
+    /* EOF also comes from a child that died (its files close before it is a
+     * zombie): it must be running another program than this one */
     int status;
-    if (waitpid(pid, &status, WNOHANG) == pid)
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+        kid = 0;
         fail("the sandbox's init exited at once (status %d)", status);
+    }
+    char exe[64];
+    snprintf(exe, sizeof exe, "/proc/%d/exe", pid);
+    struct stat mine, theirs;
+    if (stat(exe, &theirs) != 0) fail("the sandbox's init died before it ran");
+    if (stat("/proc/self/exe", &mine) == 0 && mine.st_dev == theirs.st_dev &&
+        mine.st_ino == theirs.st_ino)
+        fail("the sandbox's init did not start");
     char tmp[4096];
     if (snprintf(tmp, sizeof tmp, "%s.tmp", argv[2]) >= (int)sizeof tmp) fail("pid file path too long");
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
