@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +21,12 @@ from chunkstore import ChunkStore
 from composer.convert import convert
 from lazyfs.node import store_catalog
 from runtime import Sandbox, SandboxError
+from runtime.config import RuntimeConfig
 from runtime.isolation import cgroups
 from runtime.native import SPAWN_SOURCE, WARNINGS
 from runtime.node import Node
 from tests.helpers.images import build_busybox_rootfs
+from tests.helpers.lazynode import LazyNode
 from tests.helpers.sandboxes import (
     IMAGE,
     busybox_node,
@@ -182,3 +185,36 @@ def test_malformed_specs_get_one_line_and_start_nothing(tmp_path: Path) -> None:
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("sandbox-spawn: "), (name, p.stderr)
         assert not pid_file.exists(), name
+
+
+@pytest.mark.parametrize("starter", ["native", "runc"])
+def test_a_create_cut_short_leaves_nothing_running(tmp_path: Path, starter: str) -> None:
+    """The node dies between starting a sandbox's init and recording it
+    (its sandbox.json never written): the next node on the state directory
+    kills that init and its groups, whichever starter made it."""
+    store = busybox_store(tmp_path)
+    with LazyNode(tmp_path / "lazynode", store) as lazy:
+        config = RuntimeConfig(store=store, cluster=None, state_dir=tmp_path / "state",
+                               node_root=lazy.paths.root, container_starter=starter)
+        old = Node(config)
+        try:
+            s = Sandbox.create(IMAGE, node=old)
+            pid = old._get(s.id)[1].state.init_pid
+        finally:
+            old.close()  # its sandbox stays running
+        assert Path(f"/proc/{pid}").exists()
+        (config.sandboxes / s.id / "sandbox.json").unlink()  # as if never recorded
+        restarted = Node(config)
+        try:
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{pid}/stat").exists() and time.monotonic() < deadline:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+                time.sleep(0.05)
+            assert not Path(f"/proc/{pid}/stat").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            assert not cgroups.pids(s.id)
+            assert not restarted.list_sandboxes()
+        finally:
+            restarted.kill_many(None)
+            restarted.close()

@@ -432,16 +432,17 @@ class ContainerBackend:
         # configured). runc deletes only what this cannot tell is stopped.
         with cgroups.cpu_unidled(h.id):
             if h.state.starter == "native":
-                if not self._kill_init(h):
-                    # no init of ours to kill: a start cut short (the starter
-                    # killed past its timeout) may have left its child in the
-                    # groups; whatever is there goes
-                    self._kill_group(h)
+                self._kill_init(h)
             elif self.runc is not None:
                 if self._kill_init(h):
                     shutil.rmtree(self.config.runc_root / h.id, ignore_errors=True)
                 else:
                     self._runc("delete", "--force", h.id, check=False)
+            # whatever is still in the groups goes too: a start cut short (the
+            # node died during a create, or the starter was killed past its
+            # timeout) leaves an init no state names, and a restarted node
+            # cleaning it up does not know which starter made it
+            self._kill_group(h)
         cgroups.remove_empty(h.id, pool=self.groups)
         rootfs = h.state.rootfs or h.dir / "rootfs"
         if h.state.held or sysmount.is_mount_point(rootfs):
@@ -467,6 +468,12 @@ class ContainerBackend:
                     del self._by_base[ids.base]
         if ids is not None:
             self.ranges.release(ids, h.id)
+        elif self.config.user_namespaces and h.state.init_pid is None:
+            # a creation cut short before its state named its range (a
+            # restarted node cleaning it up): the range it took, found by id
+            for slot, users in idmap.holders(self.ranges.slots).items():
+                if h.id in users:
+                    self.ranges.release(idmap.IdRange(slot), h.id)
         _remove(h.dir, self.spawner)
 
     def _kill_group(self, h: Container) -> None:
