@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -374,3 +375,65 @@ def test_an_agent_on_port_0_serves_where_it_says(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, log.read_text()[-2000:]
+
+
+def test_an_agent_killed_amid_creates_leaves_only_sandboxes_callers_know(
+        tmp_path: Path) -> None:
+    """kill -9 of an agent while creates are in flight (half of them
+    streamed, with progress): after it restarts, every sandbox on the node
+    is one whose caller got its id. One made but not yet answered (its
+    caller got an error) is removed, init, groups and all, not kept running
+    with nobody knowing of it."""
+    from runtime.isolation import cgroups
+    with running_agent(tmp_path) as agent:
+        known: set[str] = set()
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+        enough = threading.Event()
+
+        def creates(streamed: bool) -> None:
+            while True:
+                try:
+                    sb = Sandbox.create(IMAGE, node=agent.unix, on_progress=(
+                        (lambda step: None) if streamed else None))
+                except BaseException as e:  # noqa: BLE001 - the test inspects it
+                    with lock:
+                        errors.append(e)
+                    return
+                with lock:
+                    known.add(sb.id)
+                    if len(known) >= 12:
+                        enough.set()
+
+        ts = [threading.Thread(target=creates, args=(i % 2 == 0,)) for i in range(16)]
+        for t in ts:
+            t.start()
+        assert enough.wait(120)
+        # stopped the moment a sandbox is recorded, before its answer can go
+        # out most of the time (the window a kill -9 in the field falls in)
+        states = agent.d / "state" / "sandboxes"
+        seen = {f.parent.name for f in states.glob("*/sandbox.json")}
+        assert agent.proc is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(not (d.name in seen) and (d / "sandbox.json").exists()
+                   for d in states.iterdir()):
+                break
+        os.kill(agent.proc.pid, signal.SIGSTOP)
+        agent.kill()
+        for t in ts:
+            t.join(60)
+        assert not any(t.is_alive() for t in ts)
+        assert errors and all(isinstance(e, BackendUnavailable) for e in errors), errors
+        made = {d.name for d in (agent.d / "state" / "sandboxes").iterdir()}
+        agent.start()
+        after = {s.id for s in Sandbox.list(node=agent.unix)}
+        left = {d.name for d in (agent.d / "state" / "sandboxes").iterdir()}
+        try:
+            assert after <= known, f"running, no caller knows of: {sorted(after - known)}"
+            assert left == after
+            for sid in made - after:  # nothing of them stays on the host
+                assert not cgroups.pids(sid), sid
+        finally:
+            for sid in after:
+                Sandbox.connect(sid, node=agent.unix).kill()

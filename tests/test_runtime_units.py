@@ -278,6 +278,38 @@ def test_procio_deadline_and_stdin() -> None:
     assert out.duration < 20
 
 
+def test_procio_deadline_fires_while_a_sink_blocks() -> None:
+    """A reader of the stream that stops reading must not hold a command
+    past its timeout: the deadline fires from the process's deadline
+    thread, for several commands at once, each at its own time."""
+    import threading
+
+    def one(timeout: float, res: dict[float, float]) -> None:
+        p = _popen("import sys, time\nsys.stdout.write('x')\nsys.stdout.flush()\n"
+                   "time.sleep(60)")
+        released = threading.Event()
+
+        def stop() -> None:
+            p.kill()
+            released.set()
+        def blocked(data: bytes) -> None:
+            released.wait(30)
+        out = procio.run(p, stdin=b"", timeout=timeout, max_output=1 << 20, stop=stop,
+                         on_stdout=blocked)
+        assert out.timed_out and bytes(out.stdout) == b"x"
+        res[timeout] = out.duration
+
+    res: dict[float, float] = {}
+    ts = [threading.Thread(target=one, args=(t, res)) for t in (3.0, 0.5, 1.5)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert sorted(res) == [0.5, 1.5, 3.0]
+    for timeout, took in res.items():
+        assert timeout <= took < timeout + 10, (timeout, took)
+
+
 def test_landlock_is_available_here() -> None:
     assert landlock.abi() >= 1
 

@@ -17,7 +17,7 @@ listeners); the Unix socket is protected by its permissions.
 from __future__ import annotations
 
 import base64
-import functools
+import contextlib
 import hmac
 import inspect
 import json
@@ -30,6 +30,7 @@ import anyio.from_thread
 import anyio.to_thread
 from fastapi import Body, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from ..api import ALWAYS, NEVER, ON_REQUEST, OPS, Op, adapter, is_labels
 from ..errors import ExecError, Overloaded, SandboxError
@@ -196,18 +197,35 @@ def _endpoint(node: Node, o: Op, m: AgentMetrics) -> Callable[..., Any]:
             return StreamingResponse(_stream(node, o, args, wanted, m),
                                      media_type="application/x-ndjson")
         t0 = time.monotonic()
+        made: list[str] = []
+
+        def call() -> Any:
+            with _unanswered(node, o) as due:
+                try:
+                    return getattr(node, o.name)(**args)
+                finally:
+                    made.extend(due)
         try:
-            result = await anyio.to_thread.run_sync(
-                functools.partial(getattr(node, o.name), **args))
+            result = await anyio.to_thread.run_sync(call)
         except SandboxError as e:
             _observe(node, m, o, args, e, time.monotonic() - t0)
             raise
         _observe(node, m, o, args, None, time.monotonic() - t0)
-        return _answer(o, result)
+        response = _answer(o, result)
+        if made:  # (a background task runs once the answer is sent)
+            response.background = BackgroundTask(node.answered, made)
+        return response
 
     endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     endpoint.__name__ = o.name
     return endpoint
+
+
+def _unanswered(node: Node, o: Op) -> contextlib.AbstractContextManager[list[str]]:
+    """Around an operation that makes sandboxes its caller must learn of
+    (one with an `undo`): they stay marked until the answer is sent, so a
+    killed agent's node removes them at its next start (Node.answer_due)."""
+    return node.answer_due() if o.undo is not None else contextlib.nullcontext([])
 
 
 def _answer(o: Op, result: Any) -> Response:
@@ -261,12 +279,18 @@ async def _stream(node: Node, o: Op, args: Mapping[str, Any], wanted: Mapping[st
             return lambda data: emit({wire: base64.b64encode(data).decode()})
         return lambda value: emit({wire: value})
 
+    made: list[str] = []
+
     def work() -> None:
         kw = dict(args)
         kw.update({p: callback(p, w) for p, w in wanted.items()})
         t0 = time.monotonic()
         try:
-            result = getattr(node, o.name)(**kw)
+            with _unanswered(node, o) as due:
+                try:
+                    result = getattr(node, o.name)(**kw)
+                finally:
+                    made.extend(due)
         except SandboxError as e:
             _observe(node, m, o, args, e, time.monotonic() - t0)
             if not isinstance(e, _ClientGone):
@@ -291,3 +315,5 @@ async def _stream(node: Node, o: Op, args: Mapping[str, Any], wanted: Mapping[st
         async with receive:
             async for chunk in receive:
                 yield chunk
+    # (the server asks for more once the last line is written to the socket)
+    node.answered(made)

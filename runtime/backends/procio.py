@@ -8,6 +8,8 @@ backend's way (freeze + kill for containers, a process group for fncall).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import select
 import selectors
@@ -75,6 +77,57 @@ class Process(Protocol):
 READ_SIZE = 65536
 
 
+class _Deadlines:
+    """Calls due at a time, watched by one thread for the whole process (a
+    threading.Timer per exec started a thread per command: a tenth of a
+    millisecond of a short exec). A call that comes due runs in a thread of
+    its own: a stop that blocks holds up no other deadline."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, Callable[[], None]] = {}
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def at(self, when: float, fn: Callable[[], None]) -> int:
+        """Call `fn` once at time.monotonic() `when` unless cancel() comes
+        first; the handle for cancel()."""
+        with self._cv:
+            key = next(self._seq)
+            self._live[key] = fn
+            heapq.heappush(self._heap, (when, key))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="exec-deadlines",
+                                                daemon=True)
+                self._thread.start()
+            elif self._heap[0][1] == key:  # (sooner than what the thread waits for)
+                self._cv.notify()
+            return key
+
+    def cancel(self, key: int) -> None:
+        with self._cv:
+            self._live.pop(key, None)
+            while self._heap and self._heap[0][1] not in self._live:
+                heapq.heappop(self._heap)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    while self._heap and self._heap[0][1] not in self._live:
+                        heapq.heappop(self._heap)
+                    now = time.monotonic()
+                    if self._heap and self._heap[0][0] <= now:
+                        fn = self._live.pop(heapq.heappop(self._heap)[1])
+                        break
+                    self._cv.wait(self._heap[0][0] - now if self._heap else None)
+            threading.Thread(target=fn, name="exec-deadline", daemon=True).start()
+
+
+DEADLINES = _Deadlines()
+
+
 @dataclass
 class Captured:
     returncode: int = 0
@@ -125,9 +178,7 @@ def run(proc: Process, *, stdin: bytes, timeout: float, max_output: int,
 
     # The deadline also fires from a timer: a sink that blocks (a slow
     # reader of a stream) must not hold the command past its timeout.
-    watchdog = threading.Timer(timeout, stop_once, args=("timeout",))
-    watchdog.daemon = True
-    watchdog.start()
+    watchdog = DEADLINES.at(deadline, lambda: stop_once("timeout"))
     try:
         readers = (proc.stdout.fileno(), proc.stderr.fileno())
         while any(fd in sel.get_map() for fd in readers):
@@ -165,7 +216,7 @@ def run(proc: Process, *, stdin: bytes, timeout: float, max_output: int,
             if stopped and time.monotonic() > deadline + 30:
                 break  # the tree would not die; do not hang the caller
     finally:
-        watchdog.cancel()
+        DEADLINES.cancel(watchdog)
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):
             try:

@@ -247,8 +247,17 @@ class DockerServer:
     # -- containers ------------------------------------------------------------------
     async def create(self, req: Request) -> None:
         body = await req.json()
-        c = await self._thread(self.engine.create, body, req.arg("name"))
+        made: list[str] = []
+
+        def create() -> Container:
+            with self.node.answer_due() as due:  # (until the client has its id)
+                try:
+                    return self.engine.create(body, req.arg("name"))
+                finally:
+                    made.extend(due)
+        c = await self._thread(create)
         await req.conn.json(201, {"Id": c.id, "Warnings": []})
+        self.node.answered(made)
 
     async def containers_list(self, req: Request) -> None:
         out = self.engine.list(req.flag("all"), filters(req.arg("filters")),

@@ -33,6 +33,12 @@ log = logging.getLogger("runtime.node")
 # cleaning one up needs only its id and directory.
 _NO_IMAGE = ResolvedImage.model_construct(name="-", digest="-", layers=())
 
+# A sandbox made for a caller that has not been told its id yet carries this
+# file in its directory until it has (Node.answer_due / Node.answered): a node
+# killed in between cannot tell its caller, and its next start removes it
+# rather than keep a sandbox nobody knows of.
+UNANSWERED = "unanswered"
+
 
 class Recovery:
     """What a node finds when it starts (Node.recovery)."""
@@ -74,6 +80,12 @@ class Recovery:
                        backend.state_type.model_validate(raw["state"]))
         except (OSError, ValueError, KeyError, SandboxError) as e:
             log.warning("ignoring unreadable sandbox state %s: %s", f, e)
+            return
+        if (h.dir / UNANSWERED).exists():
+            log.warning("removing %s: the node stopped before its create's caller learned "
+                        "its id", info.id)
+            backend.kill(h)
+            remove_dir(h.dir)
             return
         status = backend.status(h)
         if status == "stopped" or "persistent" not in capabilities(info.spec.backend):
