@@ -36,6 +36,7 @@ from runtime.fleet.records import Capacity, NodeRecord, node_key, node_name
 from runtime.spec import SandboxSpec
 from tests.helpers.agents import REPO, Agent, fleet_agent
 from tests.helpers.etcd import EtcdServer, etcd_missing
+from tests.helpers.netns import NodeNet
 from tests.helpers.sandboxes import IMAGE, runtime_missing
 from tests.helpers.support import wait_until
 
@@ -350,12 +351,18 @@ class Relay:
     sees both ways (what it could read), or, given a TLS context, ends the
     client's TLS itself (what it could present)."""
 
-    def __init__(self, target: int, context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, target: int | tuple[str, int], context: ssl.SSLContext | None = None,
+                 host: str = "127.0.0.1", mark: int | None = None) -> None:
+        """`target`: a port on 127.0.0.1 or (address, port); `host`: where
+        it listens; `mark`: the firewall mark of its own connections up (so
+        that the rule diverting the node's traffic to it skips them)."""
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
-        self.target, self.context = target, context
+        self.target = target if isinstance(target, tuple) else ("127.0.0.1", target)
+        self.context, self.mark = context, mark
+        self.handshakes = 0
         self.seen = bytearray()
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -383,6 +390,7 @@ class Relay:
 
     def _one(self, conn: socket.socket) -> None:
         if self.context is not None:
+            self.handshakes += 1
             try:
                 with self.context.wrap_socket(conn, server_side=True) as tls:
                     self.seen += tls.recv(65536)
@@ -390,7 +398,11 @@ class Relay:
                 pass
             conn.close()
             return
-        with conn, socket.create_connection(("127.0.0.1", self.target)) as up:
+        up = socket.socket()
+        if self.mark is not None:
+            up.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
+        up.connect(self.target)
+        with conn, up:
             back = threading.Thread(target=self._pipe, args=(up, conn), daemon=True)
             back.start()
             self._pipe(conn, up)
@@ -422,6 +434,80 @@ def test_a_man_in_the_middle_sees_ciphertext_or_a_tls_failure(
         assert relay.seen == b""  # the client sent nothing once the handshake failed
     finally:
         relay.close()
+
+
+SO_MARK = 36  # (socket.SO_MARK from Python 3.12)
+RELAY_MARK = 0x6d
+
+
+def _divert(node: NodeNet, port: int, to: tuple[str, int]) -> str:
+    """An nftables rule on the host that sends every connection leaving for
+    `node`'s veth address and `port` to `to` instead (but the relay's own,
+    marked RELAY_MARK): the man in the middle sits on the node's path, the
+    caller still dials the address its record names. The table's name."""
+    table = f"lzfl_mitm_{os.getpid()}"
+    rules = (f"table ip {table} {{\n chain out {{\n  type nat hook output priority -100;\n"
+             f"  oifname \"{node.host_interface}\" ip daddr {node.address} tcp dport {port} "
+             f"meta mark != {RELAY_MARK} dnat to {to[0]}:{to[1]}\n }}\n}}\n")
+    subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True)
+    return table
+
+
+def test_a_man_in_the_middle_on_a_nodes_veth_reads_nothing_and_forges_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node agent in its own network namespace, reached over its veth as
+    a caller on another machine would; the test puts a listener in the path
+    (nftables diverts the caller's connections to the node's address into
+    it) and the caller places through etcd as always. Relaying, it sees
+    only ciphertext (no token, sandbox id or image name) and the call
+    works; ending the TLS itself with a certificate naming the node from
+    another CA, the caller refuses the handshake and sends nothing, and no
+    sandbox is made."""
+    from tests.helpers.netns import FleetNet, netns_missing
+    if netns_missing() or shutil.which("nft") is None:
+        pytest.skip(netns_missing() or "needs nft")
+    with ExitStack() as stack:
+        net = stack.enter_context(FleetNet(1))
+        node = net.nodes[0]
+        ca = FleetCA.init(tmp_path / "ca")
+        ident = ca.issue_node("n1", tmp_path / "n1-identity", (node.address,))
+        caller = ca.issue_client("trainer", tmp_path / "trainer")
+        etcd = stack.enter_context(EtcdServer(tmp_path / "etcd", host=net.service))
+        agent = fleet_agent(tmp_path / "n1", etcd.url, "n1", stack, token=TOKEN,
+                            max_sandboxes=10, net=node, extra=["--tls-dir", str(ident.dir)])
+        agent.start()
+        e = Etcd(etcd.url)
+        stack.callback(e.close)
+        wait_until(lambda: [n.record.address for n in read_nodes(e)]
+                   == [f"https://{node.address}:{agent.port}"], 20, "n1 registered")
+        stack.callback(transport._close_clients)
+        stack.callback(fleet_client_module._close_fleets)
+        _as(monkeypatch, caller)
+        relay = Relay((node.address, agent.port), host=net.service, mark=RELAY_MARK)
+        stack.callback(relay.close)
+        table = _divert(node, agent.port, (net.service, relay.port))
+        stack.callback(subprocess.run, ["nft", "delete", "table", "ip", table], check=False)
+        with Sandbox.create(IMAGE, fleet=etcd.url, token=TOKEN) as sb:
+            assert sb.exec("echo through the relay").stdout == b"through the relay\n"
+            sid = sb.id
+        assert len(relay.seen) > 1000, "the connection did not go through the relay"
+        for secret in (TOKEN, sid, IMAGE, "through the relay"):
+            assert secret.encode() not in relay.seen, secret
+        relay.close()
+
+        evil = FleetCA.init(tmp_path / "mitm-ca").issue_node("n1", tmp_path / "mitm-n1",
+                                                             (node.address,))
+        forger = Relay((node.address, agent.port), _context(evil), host=net.service,
+                       mark=RELAY_MARK)
+        stack.callback(forger.close)
+        subprocess.run(["nft", "delete", "table", "ip", table], check=True)
+        table = _divert(node, agent.port, (net.service, forger.port))
+        _as(monkeypatch, caller)
+        with pytest.raises(SandboxError):
+            Sandbox.create(IMAGE, fleet=etcd.url, token=TOKEN)
+        assert forger.handshakes, "the caller never reached the forger"
+        assert forger.seen == b""  # the caller sent nothing once the handshake failed
+        assert not Sandbox.list(node=agent.unix)
 
 
 def test_etcd_roles_let_a_node_write_only_its_own_record(
