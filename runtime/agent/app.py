@@ -213,7 +213,7 @@ def _endpoint(node: Node, o: Op, m: AgentMetrics) -> Callable[..., Any]:
         _observe(node, m, o, args, None, time.monotonic() - t0)
         response = _answer(o, result)
         if made:  # (a background task runs once the answer is sent)
-            response.background = BackgroundTask(node.answered, made)
+            response.background = BackgroundTask(node.recovery.answered, made)
         return response
 
     endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -224,8 +224,8 @@ def _endpoint(node: Node, o: Op, m: AgentMetrics) -> Callable[..., Any]:
 def _unanswered(node: Node, o: Op) -> contextlib.AbstractContextManager[list[str]]:
     """Around an operation that makes sandboxes its caller must learn of
     (one with an `undo`): they stay marked until the answer is sent, so a
-    killed agent's node removes them at its next start (Node.answer_due)."""
-    return node.answer_due() if o.undo is not None else contextlib.nullcontext([])
+    killed agent's node removes them at its next start (Recovery.answer_due)."""
+    return node.recovery.answer_due() if o.undo is not None else contextlib.nullcontext([])
 
 
 def _answer(o: Op, result: Any) -> Response:
@@ -316,4 +316,4 @@ async def _stream(node: Node, o: Op, args: Mapping[str, Any], wanted: Mapping[st
             async for chunk in receive:
                 yield chunk
     # (the server asks for more once the last line is written to the socket)
-    node.answered(made)
+    node.recovery.answered(made)

@@ -250,14 +250,14 @@ class DockerServer:
         made: list[str] = []
 
         def create() -> Container:
-            with self.node.answer_due() as due:  # (until the client has its id)
+            with self.node.recovery.answer_due() as due:  # (until the client has its id)
                 try:
                     return self.engine.create(body, req.arg("name"))
                 finally:
                     made.extend(due)
         c = await self._thread(create)
         await req.conn.json(201, {"Id": c.id, "Warnings": []})
-        self.node.answered(made)
+        self.node.recovery.answered(made)
 
     async def containers_list(self, req: Request) -> None:
         out = self.engine.list(req.flag("all"), filters(req.arg("filters")),

@@ -18,7 +18,6 @@ cgroups and mounts) the next node start sweeps.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import fcntl
 import json
 import logging
@@ -27,7 +26,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +71,10 @@ from .execs import checked
 from .preempt import PreemptedSandboxes
 from .preemption import Preemption
 from .reaping import Reaper
-from .recovery import UNANSWERED, Recovery
+from .recovery import Recovery
 from .snapshots import Snapshots
 
 log = logging.getLogger("runtime.node")
-
-# the ids a create made for a caller not told of them yet (Node.answer_due)
-_answer_due: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "answer_due", default=None)
 
 
 def _matches(labels: Mapping[str, str], want: Mapping[str, str] | None) -> bool:
@@ -120,11 +115,10 @@ class Node(SandboxApi):
         hostlimits.raise_own_open_files()
         if os.geteuid() == 0:
             hostlimits.prepare_host(self.config.max_sandboxes, self.config.budgets)
-        if self.config.favor_dynmods and os.geteuid() == 0:
-            changed = cgroups.favor_dynamic_modifications()
-            if changed:
-                log.info("cgroup favordynmods turned on (%s): a sandbox's cgroup "
-                         "moves no longer wait for an RCU grace period", changed)
+        if self.config.favor_dynmods and os.geteuid() == 0 and \
+                (changed := cgroups.favor_dynamic_modifications()):
+            log.info("cgroup favordynmods turned on (%s): a sandbox's cgroup "
+                     "moves no longer wait for an RCU grace period", changed)
         self.recovery.recover()
 
     # -- plumbing ------------------------------------------------------------
@@ -207,10 +201,7 @@ class Node(SandboxApi):
                 d.mkdir(mode=0o700)
             except FileExistsError:
                 raise SandboxStateError(f"{sandbox_id} already runs on this node") from None
-            due = _answer_due.get()
-            if due is not None:
-                (d / UNANSWERED).touch()
-                due.append(sandbox_id)
+            self.recovery.mark_if_due(d, sandbox_id)
             h = Handle(sandbox_id, spec, image, d, backend.state_type(), progress)
             try:
                 if start is None:
@@ -238,26 +229,6 @@ class Node(SandboxApi):
                 self.admission.undone(token)
         log.info("created %s (%s, %s = %s)", sandbox_id, spec.backend, spec.image, image.digest)
         return info
-
-    @contextlib.contextmanager
-    def answer_due(self) -> Iterator[list[str]]:
-        """Sandboxes made inside (in this thread) stay marked unanswered
-        until `answered(ids)`: a server calls this around a create and
-        answered() once its answer is delivered, so that if it is killed in
-        between, the node's next start removes what no caller learned of.
-        Yields the ids made."""
-        made: list[str] = []
-        reset = _answer_due.set(made)
-        try:
-            yield made
-        finally:
-            _answer_due.reset(reset)
-
-    def answered(self, ids: Iterable[str]) -> None:
-        """The callers of these sandboxes' creates know their ids now."""
-        for sandbox_id in ids:
-            with contextlib.suppress(FileNotFoundError):
-                (self.config.sandboxes / sandbox_id / UNANSWERED).unlink()
 
     def census(self) -> list[tuple[SandboxInfo, ResolvedImage]]:
         """Every sandbox with the image it runs (for the fleet's load and

@@ -5,9 +5,12 @@ collected.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,10 +37,13 @@ log = logging.getLogger("runtime.node")
 _NO_IMAGE = ResolvedImage.model_construct(name="-", digest="-", layers=())
 
 # A sandbox made for a caller that has not been told its id yet carries this
-# file in its directory until it has (Node.answer_due / Node.answered): a node
+# file in its directory until it has (Recovery.answer_due / answered): a node
 # killed in between cannot tell its caller, and its next start removes it
 # rather than keep a sandbox nobody knows of.
 UNANSWERED = "unanswered"
+# the ids a create made for a caller not told of them yet (Recovery.answer_due)
+_answer_due: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "answer_due", default=None)
 
 
 class Recovery:
@@ -45,6 +51,33 @@ class Recovery:
 
     def __init__(self, node: Node) -> None:
         self.node = node
+
+    @contextlib.contextmanager
+    def answer_due(self) -> Iterator[list[str]]:
+        """Sandboxes made inside (in this thread) stay marked unanswered
+        until `answered(ids)`: a server calls this around a create and
+        answered() once its answer is delivered, so that if it is killed in
+        between, the node's next start removes what no caller learned of.
+        Yields the ids made."""
+        made: list[str] = []
+        reset = _answer_due.set(made)
+        try:
+            yield made
+        finally:
+            _answer_due.reset(reset)
+
+    def mark_if_due(self, d: Path, sandbox_id: str) -> None:
+        """(Node's create, for the sandbox in `d`, inside answer_due.)"""
+        due = _answer_due.get()
+        if due is not None:
+            (d / UNANSWERED).touch()
+            due.append(sandbox_id)
+
+    def answered(self, ids: Iterable[str]) -> None:
+        """The callers of these sandboxes' creates know their ids now."""
+        for sandbox_id in ids:
+            with contextlib.suppress(FileNotFoundError):
+                (self.node.config.sandboxes / sandbox_id / UNANSWERED).unlink()
 
     def recover(self) -> None:
         """Load the sandboxes a previous node process left; those whose
