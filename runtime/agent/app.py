@@ -200,11 +200,8 @@ def _endpoint(node: Node, o: Op, m: AgentMetrics) -> Callable[..., Any]:
         made: list[str] = []
 
         def call() -> Any:
-            with _unanswered(node, o) as due:
-                try:
-                    return getattr(node, o.name)(**args)
-                finally:
-                    made.extend(due)
+            with _unanswered(node, o, made):
+                return getattr(node, o.name)(**args)
         try:
             result = await anyio.to_thread.run_sync(call)
         except SandboxError as e:
@@ -221,11 +218,11 @@ def _endpoint(node: Node, o: Op, m: AgentMetrics) -> Callable[..., Any]:
     return endpoint
 
 
-def _unanswered(node: Node, o: Op) -> contextlib.AbstractContextManager[list[str]]:
+def _unanswered(node: Node, o: Op, made: list[str]) -> contextlib.AbstractContextManager[None]:
     """Around an operation that makes sandboxes its caller must learn of
     (one with an `undo`): they stay marked until the answer is sent, so a
     killed agent's node removes them at its next start (Recovery.answer_due)."""
-    return node.recovery.answer_due() if o.undo is not None else contextlib.nullcontext([])
+    return node.recovery.answer_due(made) if o.undo is not None else contextlib.nullcontext()
 
 
 def _answer(o: Op, result: Any) -> Response:
@@ -286,11 +283,8 @@ async def _stream(node: Node, o: Op, args: Mapping[str, Any], wanted: Mapping[st
         kw.update({p: callback(p, w) for p, w in wanted.items()})
         t0 = time.monotonic()
         try:
-            with _unanswered(node, o) as due:
-                try:
-                    result = getattr(node, o.name)(**kw)
-                finally:
-                    made.extend(due)
+            with _unanswered(node, o, made):
+                result = getattr(node, o.name)(**kw)
         except SandboxError as e:
             _observe(node, m, o, args, e, time.monotonic() - t0)
             if not isinstance(e, _ClientGone):

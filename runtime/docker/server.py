@@ -250,11 +250,8 @@ class DockerServer:
         made: list[str] = []
 
         def create() -> Container:
-            with self.node.recovery.answer_due() as due:  # (until the client has its id)
-                try:
-                    return self.engine.create(body, req.arg("name"))
-                finally:
-                    made.extend(due)
+            with self.node.recovery.answer_due(made):  # (until the client has its id)
+                return self.engine.create(body, req.arg("name"))
         c = await self._thread(create)
         await req.conn.json(201, {"Id": c.id, "Warnings": []})
         self.node.recovery.answered(made)

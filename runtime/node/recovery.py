@@ -53,16 +53,15 @@ class Recovery:
         self.node = node
 
     @contextlib.contextmanager
-    def answer_due(self) -> Iterator[list[str]]:
+    def answer_due(self, made: list[str]) -> Iterator[None]:
         """Sandboxes made inside (in this thread) stay marked unanswered
-        until `answered(ids)`: a server calls this around a create and
+        until `answered(made)`: a server calls this around a create and
         answered() once its answer is delivered, so that if it is killed in
         between, the node's next start removes what no caller learned of.
-        Yields the ids made."""
-        made: list[str] = []
+        Their ids are appended to `made`."""
         reset = _answer_due.set(made)
         try:
-            yield made
+            yield
         finally:
             _answer_due.reset(reset)
 
